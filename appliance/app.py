@@ -1,0 +1,166 @@
+"""Wiring: ``Appliance`` owns the parts, ``create_app(config)`` builds the Flask app.
+
+Both the service and the tests call ``create_app``. Constructors do no I/O and start no
+threads; ``Appliance.start()`` opens the state database, profiles the device and starts
+the model manager; ``close()`` drains and stops. Both are idempotent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Any
+
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+
+import runtimes
+
+from . import __version__
+from . import device as device_mod
+from . import rest, tfs_json
+from .config import Config
+from .errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound, PayloadTooLarge
+from .manager import Manager
+from .metrics import Metrics
+from .openapi import spec as openapi_spec
+from .state import StateDB
+
+PUBLIC_STATUS_KEYS = ("bucket_credentials", "token", "password", "secret")
+
+
+class Appliance:
+    """The service core: config, device profile, state db, model manager, metrics."""
+
+    def __init__(self, config: Config, backends: dict[str, runtimes.Backend] | None = None):
+        self.config = config
+        self.backends = backends
+        self.metrics = Metrics()
+        self.db = StateDB(os.path.join(config.state_dir, "state.db"))
+        self.device: dict[str, Any] = {}
+        self.device_id = ""
+        self.manager: Manager | None = None
+        self.started_at = time.time()
+        self._lock = threading.Lock()
+        self.extras: dict[str, Any] = {}  # status contributions of optional parts (sync, discovery)
+
+    def start(self) -> "Appliance":
+        with self._lock:
+            if self.manager is not None:
+                return self
+            self.db.open()
+            self.device = device_mod.profile(vars(self.config.runtime.tflite))
+            self.device_id = device_mod.device_id(self.config.state_dir)
+            self.manager = Manager(self.config, self.db, self.device, self.backends)
+            self.db.event("service_start", f"edge-appliance {__version__} starting on {self.device['hostname']}",
+                          device_id=self.device_id)
+            self.manager.start()
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.close(self.config.server.drain_timeout_s)
+            self.db.event("service_stop", "edge-appliance stopped")
+        self.db.close()
+
+    def status(self) -> dict[str, Any]:
+        """The snapshot behind /api/status and the status page (no secrets)."""
+        assert self.manager is not None
+        models = self.manager.snapshot()
+        for name, model in models.items():
+            model["requests"] = self.metrics.window.summary(name)
+        return {
+            "service": {"name": "edge-appliance", "version": __version__, "device_id": self.device_id,
+                        "uptime_s": round(time.time() - self.started_at, 1), "ready": self.manager.ready(),
+                        "last_poll": self.manager.last_poll},
+            "device": {**self.device, **device_mod.live_figures(self.config.state_dir)},
+            "config": _public_config(self.config),
+            "models": models,
+            "events": self.db.recent(50),
+            **self.extras,
+        }
+
+
+def _public_config(config: Config) -> dict[str, Any]:
+    return _redact(dataclasses.asdict(config))
+
+
+def _redact(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: ("***" if any(s in k.lower() for s in PUBLIC_STATUS_KEYS) and v else _redact(v))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    return value
+
+
+def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
+    """The WSGI app: TF Serving REST API, health, status, metrics and the status page."""
+    app = Flask("edge-appliance")
+    app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
+    core = appliance or Appliance(config)
+    app.extensions["appliance"] = core
+    app.register_blueprint(rest.bp)
+    _register_service_routes(app, core)
+    _register_errors(app)
+    try:
+        from ui import bp as ui_bp  # the status page, when the ui package is installed
+    except ImportError:
+        ui_bp = None
+    if ui_bp is not None:
+        app.register_blueprint(ui_bp)
+    return app
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(tfs_json.dumps(obj), status=status, mimetype="application/json")
+
+
+def _register_service_routes(app: Flask, core: Appliance) -> None:
+    @app.get("/healthz")
+    def healthz() -> Response:
+        return _json({"status": "alive", "version": __version__})
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        ready = core.manager is not None and core.manager.ready()
+        body = {"ready": ready}
+        if core.manager is not None and not ready:
+            body["models"] = {n: m["serving_version"] for n, m in core.manager.snapshot().items()}
+        return _json(body, 200 if ready else 503)
+
+    @app.get("/api/status")
+    def api_status() -> Response:
+        return _json(core.status())
+
+    @app.get("/monitoring/prometheus/metrics")
+    def metrics() -> Response:
+        return Response(core.metrics.render(), mimetype="text/plain; version=0.0.4")
+
+    @app.get("/openapi.json")
+    def openapi() -> Response:
+        return _json(openapi_spec(__version__))
+
+
+def _register_errors(app: Flask) -> None:
+    @app.errorhandler(ApplianceError)
+    def appliance_error(exc: ApplianceError) -> Response:
+        return rest.error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> Response:
+        mapping = {404: NotFound(f"no such resource: {request.method} {request.path}"),
+                   405: MethodNotAllowed(f"method {request.method} not allowed on {request.path}"),
+                   413: PayloadTooLarge(f"request body is over the limit of {app.config['MAX_CONTENT_LENGTH']} "
+                                        "bytes (server.max_body_bytes)")}
+        error = mapping.get(exc.code or 500) or InvalidArgument(exc.description or str(exc))
+        return rest.error_response(error)
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception) -> Response:
+        app.logger.exception("unhandled error")
+        return rest.error_response(ApplianceError(f"internal error: {type(exc).__name__}"))

@@ -1,0 +1,305 @@
+"""Dynamic batching: concurrent requests to one servable and signature share a backend call.
+
+Parameters keep TF Serving's names and units (``max_batch_size``, ``batch_timeout_micros``,
+``num_batch_threads``, ``max_enqueued_batches``, ``allowed_batch_sizes``,
+``pad_variable_length_inputs``). One difference from TF Serving's scheduler, on purpose:
+**an idle worker never waits for a timeout.** A free worker takes whatever is queued (up to
+``max_batch_size`` rows) and runs it at once, so a lone request costs its batch-1 time;
+batches grow by themselves while all workers are busy, because requests queue up then.
+``batch_timeout_micros`` is therefore only an upper bound that is never reached: a partial
+batch waits exactly as long as every worker stays busy, never longer.
+
+Requests are grouped by signature and by the dtypes and non-batch dimensions of their
+inputs (with ``pad_variable_length_inputs`` differing trailing dimensions are padded with
+zeros instead). A request with more rows than ``max_batch_size`` is split into several
+tasks (or refused with 400 when ``split_large_requests`` is off). The queue is bounded at
+``max_enqueued_batches * max_batch_size`` rows: beyond that ``submit`` raises ``QueueFull``
+at once (HTTP 503 + Retry-After) instead of letting memory grow. If a batch fails on bad
+input and holds several requests, each is retried alone so one bad member fails alone.
+
+Thread-safety: ``submit`` may be called from any thread; ``start``/``close`` once each.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from runtimes import InputFailure, RuntimeFailure
+
+from .errors import ApplianceError, InvalidArgument, QueueFull, Unavailable, from_runtime
+
+RunFn = Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class _Task:
+    __slots__ = ("signature", "inputs", "rows", "done", "result", "error", "enqueued", "parent", "index")
+
+    def __init__(self, signature: str, inputs: Mapping[str, np.ndarray], rows: int):
+        self.signature, self.inputs, self.rows = signature, inputs, rows
+        self.done = threading.Event()
+        self.result: dict[str, np.ndarray] | None = None
+        self.error: BaseException | None = None
+        self.enqueued = time.perf_counter()
+
+
+@dataclass
+class BatchStats:
+    """Cheap in-memory counters read by /api/status and the metrics endpoint."""
+
+    batches: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+    rejected_full: int = 0
+    size_counts: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+    queue_seconds: float = 0.0
+    run_seconds: float = 0.0
+    last_progress: float = field(default_factory=time.monotonic)
+
+    def snapshot(self, queued_rows: int) -> dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "rows": self.rows,
+            "padded_rows": self.padded_rows,
+            "rejected_full": self.rejected_full,
+            "queue_depth_rows": queued_rows,
+            "mean_batch_size": round(self.rows / self.batches, 2) if self.batches else 0.0,
+            "batch_size_histogram": {str(k): v for k, v in sorted(self.size_counts.items())},
+            "mean_queue_ms": round(1000 * self.queue_seconds / self.batches, 3) if self.batches else 0.0,
+            "mean_run_ms": round(1000 * self.run_seconds / self.batches, 3) if self.batches else 0.0,
+        }
+
+
+def _rows(inputs: Mapping[str, np.ndarray]) -> int | None:
+    """Rows of a request, or None when it cannot be batched (a scalar, or unequal dim 0)."""
+    counts = {a.shape[0] if a.ndim else None for a in inputs.values()}
+    if len(counts) != 1:
+        return None
+    return counts.pop()
+
+
+class Batcher:
+    """The queues and worker threads of one servable (see module docstring)."""
+
+    def __init__(self, run: RunFn, params: Any, name: str = "", threads: int = 1,
+                 observe: Callable[[str, int, int, float, float], None] | None = None):
+        self._run = run
+        self.params = params
+        self.name = name
+        self._threads_wanted = max(1, threads)
+        self._observe = observe
+        self._cond = threading.Condition()
+        self._queues: dict[tuple, collections.deque[_Task]] = {}
+        self._queued_rows = 0
+        self._busy = 0
+        self._closed = False
+        self._frozen = False
+        self._workers: list[threading.Thread] = []
+        self.stats = BatchStats()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        with self._cond:
+            if self._workers or self._closed:
+                return
+            for i in range(self._threads_wanted):
+                t = threading.Thread(target=self._work, name=f"batch-{self.name}-{i}", daemon=True)
+                self._workers.append(t)
+                t.start()
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the workers. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for t in self._workers:
+            t.join(timeout=30)
+
+    def freeze(self, frozen: bool) -> None:
+        """Test hook: stop taking batches (simulates a wedged backend for the watchdog)."""
+        with self._cond:
+            self._frozen = frozen
+            self._cond.notify_all()
+
+    def stalled(self, after_s: float) -> bool:
+        """True when rows have waited and no batch finished for ``after_s`` seconds."""
+        with self._cond:
+            waiting = self._queued_rows > 0 or self._busy > 0
+        return waiting and time.monotonic() - self.stats.last_progress > after_s
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.stats.snapshot(self._queued_rows)
+
+    # -- request side ------------------------------------------------------------------
+    def submit(self, signature: str, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Run ``inputs`` as part of a batch and return this request's rows of the outputs."""
+        rows = _rows(inputs)
+        if rows is None or rows == 0:
+            return self._direct(signature, inputs)
+        limit = self.params.max_batch_size
+        if rows > limit and not self.params.split_large_requests:
+            raise InvalidArgument(f"request has {rows} rows, more than max_batch_size {limit}")
+        tasks = [_Task(signature, {k: v[i:i + limit] for k, v in inputs.items()}, min(limit, rows - i))
+                 for i in range(0, rows, limit)]
+        self._enqueue(tasks)
+        for task in tasks:
+            if not task.done.wait(timeout):
+                raise Unavailable("the batch did not run within the request timeout", retry_after=1)
+            if task.error is not None:
+                raise task.error
+        if len(tasks) == 1:
+            return tasks[0].result  # type: ignore[return-value]
+        return {k: np.concatenate([t.result[k] for t in tasks]) for k in tasks[0].result}  # type: ignore[index]
+
+    def _direct(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            return self._run(signature, inputs)
+        except RuntimeFailure as exc:
+            raise from_runtime(exc) from exc
+
+    def _group(self, task: _Task) -> tuple:
+        pad = self.params.pad_variable_length_inputs
+        return (task.signature,) + tuple(
+            (k, v.dtype.str, v.ndim if pad else v.shape[1:]) for k, v in sorted(task.inputs.items()))
+
+    def _enqueue(self, tasks: list[_Task]) -> None:
+        rows = sum(t.rows for t in tasks)
+        capacity = self.params.max_enqueued_batches * self.params.max_batch_size
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the model version is unloading; retry", retry_after=1)
+            if self._queued_rows + rows > capacity:
+                self.stats.rejected_full += 1
+                raise QueueFull(f"the batch queue of {self.name} is full ({self._queued_rows} rows queued); retry later",
+                                retry_after=1)
+            for task in tasks:
+                self._queues.setdefault(self._group(task), collections.deque()).append(task)
+            self._queued_rows += rows
+            self._cond.notify(len(tasks))
+
+    # -- worker side -------------------------------------------------------------------
+    def _take(self) -> list[_Task] | None:
+        """Pop the oldest group's tasks up to max_batch_size rows; None when closing and empty."""
+        with self._cond:
+            while True:
+                if not self._frozen:
+                    ready = [q for q in self._queues.values() if q]
+                    if ready:
+                        break
+                    if self._closed:
+                        return None
+                self._cond.wait()
+            queue = min(ready, key=lambda q: q[0].enqueued)
+            batch, rows = [], 0
+            while queue and rows + queue[0].rows <= self.params.max_batch_size:
+                task = queue.popleft()
+                batch.append(task)
+                rows += task.rows
+            self._queued_rows -= rows
+            self._busy += 1
+            return batch
+
+    def _work(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            try:
+                self._execute(batch)
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                self.stats.last_progress = time.monotonic()
+
+    def _padded_size(self, rows: int) -> int:
+        for size in self.params.allowed_batch_sizes:
+            if size >= rows:
+                return size
+        return rows
+
+    def _merge(self, batch: list[_Task], padded: int) -> dict[str, np.ndarray]:
+        merged = {}
+        for name in batch[0].inputs:
+            parts = [t.inputs[name] for t in batch]
+            if self.params.pad_variable_length_inputs:
+                parts = _pad_trailing(parts)
+            rows = sum(p.shape[0] for p in parts)
+            if padded > rows:  # pad with copies of the first row: always a valid input
+                parts.append(np.repeat(parts[0][:1], padded - rows, axis=0))
+            merged[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return merged
+
+    def _execute(self, batch: list[_Task]) -> None:
+        started = time.perf_counter()
+        rows = sum(t.rows for t in batch)
+        padded = self._padded_size(rows)
+        try:
+            outputs = self._run(batch[0].signature, self._merge(batch, padded))
+            self._split(batch, outputs, padded)
+        except InputFailure as exc:
+            if len(batch) > 1:  # isolate the bad member: run each alone
+                for task in batch:
+                    self._execute([task])
+                return
+            self._fail(batch, from_runtime(exc))
+        except RuntimeFailure as exc:
+            self._fail(batch, from_runtime(exc))
+        except ApplianceError as exc:
+            self._fail(batch, exc)
+        except Exception as exc:  # a backend bug must not kill the worker
+            self._fail(batch, ApplianceError(f"backend error: {type(exc).__name__}: {exc}"))
+        finished = time.perf_counter()
+        queued = sum(started - t.enqueued for t in batch) / len(batch)
+        self._record(batch[0].signature, rows, padded, queued, finished - started)
+
+    def _record(self, signature: str, rows: int, padded: int, queued: float, ran: float) -> None:
+        with self._cond:
+            self._count(signature, rows, padded, queued, ran)
+
+    def _count(self, signature: str, rows: int, padded: int, queued: float, ran: float) -> None:
+        s = self.stats
+        s.batches += 1
+        s.rows += rows
+        s.padded_rows += padded - rows
+        s.size_counts[rows] += 1
+        s.queue_seconds += queued
+        s.run_seconds += ran
+        if self._observe is not None:
+            self._observe(signature, rows, padded, queued, ran)
+
+    def _split(self, batch: list[_Task], outputs: dict[str, np.ndarray], padded: int) -> None:
+        if len(batch) == 1 and padded == batch[0].rows:  # nothing to split: any output shape is fine
+            batch[0].result = outputs
+            batch[0].done.set()
+            return
+        for name, value in outputs.items():
+            if value.ndim == 0 or value.shape[0] != padded:
+                raise ApplianceError(f"output {name!r} has shape {value.shape}, not one row per input row; "
+                                     "this signature cannot be batched (set enable_batching = false for it)")
+        offset = 0
+        for task in batch:
+            task.result = {k: v[offset:offset + task.rows] for k, v in outputs.items()}
+            offset += task.rows
+            task.done.set()
+
+    @staticmethod
+    def _fail(batch: list[_Task], error: BaseException) -> None:
+        for task in batch:
+            task.error = error
+            task.done.set()
+
+
+def _pad_trailing(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Zero-pad every part to the largest size of each non-batch dimension."""
+    target = np.max([p.shape[1:] for p in parts], axis=0)
+    out = []
+    for p in parts:
+        widths = [(0, 0)] + [(0, int(t - s)) for s, t in zip(p.shape[1:], target)]
+        out.append(np.pad(p, widths) if any(w[1] for w in widths) else p)
+    return out

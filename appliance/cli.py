@@ -1,0 +1,136 @@
+"""The ``appliance`` command: serve, probe, and the fleet and service tools.
+
+Each subcommand is a small function; heavy modules are imported inside the one that
+needs them so ``appliance --help`` and a LiteRT-only device stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+from . import __version__
+from .config import BACKEND_CHOICES, Config
+from .config import load as load_config
+from .errors import ConfigError
+
+SAMPLE_DIR = os.path.join(os.path.dirname(__file__), "sample_models")
+
+
+def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "server.host": args.host,
+        "server.port": args.port,
+        "runtime.backend": args.backend,
+        "models_dir": args.models,
+        "model_name": args.model_name,
+        "state_dir": args.state,
+        "poll_interval_s": args.poll_interval,
+    }
+
+
+def _embedded_default(config: Config) -> None:
+    """No models configured: serve the bundled sample from a folder in the state directory."""
+    if config.models or config.models_dir:
+        return
+    target = os.path.join(config.state_dir, "models")
+    if not os.path.isdir(target) or not os.listdir(target):
+        shutil.copytree(SAMPLE_DIR, target, dirs_exist_ok=True)
+    config.models_dir = target
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .service import main
+
+    overrides = _serve_overrides(args)
+    config = load_config(args.config, overrides)
+    _embedded_default(config)
+    return main(config, args.config, overrides)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    import runtimes
+
+    from . import device
+
+    config = load_config(args.config, {"models_dir": args.models})
+    info = device.profile(vars(config.runtime.tflite))
+    backends = {}
+    for name, backend in runtimes.default_backends().items():
+        availability = backend.probe(info)
+        backends[name] = {"available": availability.available, "reason": availability.reason}
+    result: dict[str, Any] = {"device": info, "backends": backends}
+    if config.models_dir:
+        result["decisions"] = _probe_models(config, info)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+        return 0
+    print(f"device: {info['hostname']} {info['machine']}, {info['cpu_count']} CPUs, {info['memory_mb']} MB, "
+          f"GPU: {info.get('gpu_name') or ('yes' if info.get('nvidia_gpu') else 'none')}")
+    for name, b in backends.items():
+        print(f"  {name:8} {'available' if b['available'] else 'unavailable':12} {b['reason']}")
+    for model, decision in result.get("decisions", {}).items():
+        print(f"model {model}: {decision['chosen'] or 'NONE'} ({decision['how']}): {decision['reason']}")
+    return 0
+
+
+def _probe_models(config: Config, info: dict[str, Any]) -> dict[str, Any]:
+    """Run the real selection (load and time each candidate) for each model's newest version."""
+    from .manager import Manager, discover_models, versions_on_disk
+    from .state import StateDB
+
+    db = StateDB(":memory:").open()
+    manager = Manager(config, db, info)
+    out = {}
+    for model in discover_models(config.models_dir, config.model_name):
+        versions = versions_on_disk(model.base_path)
+        if not versions:
+            continue
+        version = max(versions)
+        decision, servable = manager._select(model.name, model, version, versions[version])
+        if servable is not None:
+            servable.close()
+        out[model.name] = decision.to_dict()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="appliance", description="edge-appliance: an on-device model server")
+    parser.add_argument("--version", action="version", version=f"edge-appliance {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the service")
+    serve.add_argument("--config", help="TOML config file")
+    serve.add_argument("--models", help="TF Serving model base directory (DIR/<model>/<version>, or DIR/<version>)")
+    serve.add_argument("--model-name", help="model name for a single-model base path (default: default)")
+    serve.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, help="REST port (default 8501)")
+    serve.add_argument("--backend", choices=BACKEND_CHOICES, help="pin a backend (default auto: measure)")
+    serve.add_argument("--state", help="state directory (default: $STATE_DIRECTORY or ~/.local/state/edge-appliance)")
+    serve.add_argument("--poll-interval", type=float, help="seconds between scans of the model directory")
+    serve.set_defaults(func=cmd_serve)
+
+    probe = sub.add_parser("probe", help="show the device profile and the backend decision")
+    probe.add_argument("--json", action="store_true", help="machine-readable output")
+    probe.add_argument("--config", help="TOML config file")
+    probe.add_argument("--models", help="also decide (load and time) for each model in this base directory")
+    probe.set_defaults(func=cmd_probe)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"edge-appliance: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Configuration: one TOML file, every key with a default, CLI flags on top.
+
+Loading validates every value and does no I/O beyond reading the file: an unknown key
+or a bad value raises ``ConfigError`` naming the dotted key and the reason, so the
+service refuses to start instead of running on a typo. ``systemd/appliance.toml``
+documents every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin, get_type_hints
+
+from .errors import ConfigError
+
+BACKEND_CHOICES = ("auto", "tf-gpu", "tf-cpu", "tflite")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8501
+    threads: int = 32  # HTTP worker threads: must cover the concurrent clients batching can merge
+    max_body_bytes: int = 64 * 1024 * 1024
+    drain_timeout_s: float = 20.0
+
+
+@dataclass
+class BatchingConfig:
+    """TF Serving's batching parameters, same names and units."""
+
+    enable_batching: bool = True
+    max_batch_size: int = 32
+    batch_timeout_micros: int = 1000
+    num_batch_threads: int = 0  # 0: the device's CPU count
+    max_enqueued_batches: int = 64
+    allowed_batch_sizes: list[int] = field(default_factory=list)
+    pad_variable_length_inputs: bool = False
+    split_large_requests: bool = True
+
+    def validate(self, key: str) -> None:
+        for name in ("max_batch_size", "max_enqueued_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}", "must be at least 1")
+        if self.batch_timeout_micros < 0 or self.num_batch_threads < 0:
+            raise ConfigError(key, "batch_timeout_micros and num_batch_threads must not be negative")
+        sizes = self.allowed_batch_sizes
+        if sizes:
+            if sizes != sorted(set(sizes)) or sizes[0] < 1:
+                raise ConfigError(f"{key}.allowed_batch_sizes", "must be strictly increasing positive integers")
+            if sizes[-1] != self.max_batch_size:
+                raise ConfigError(f"{key}.allowed_batch_sizes",
+                                  f"the last entry ({sizes[-1]}) must equal max_batch_size ({self.max_batch_size})")
+
+
+@dataclass
+class TFLiteConfig:
+    num_threads: int = 0  # 0: the device's CPU count
+    delegate: str = "auto"  # auto | gpu | edgetpu | none
+    gpu_delegate_path: str = ""
+    edgetpu_delegate_path: str = ""
+
+
+@dataclass
+class TFConfig:
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
+    tftrt: bool = True
+    precision: str = "FP16"
+
+
+@dataclass
+class RuntimeConfig:
+    backend: str = "auto"
+    prefer_tflite_below_mb: int = 0
+    tflite: TFLiteConfig = field(default_factory=TFLiteConfig)
+    tf: TFConfig = field(default_factory=TFConfig)
+
+
+@dataclass
+class ModelConfig:
+    """One served model. ``version_policy``: latest | all | specific (with ``versions``)."""
+
+    name: str = ""
+    base_path: str = ""
+    version_policy: str = "latest"
+    latest: int = 1
+    versions: list[int] = field(default_factory=list)
+    labels: dict[str, int] = field(default_factory=dict)
+    backend: str = ""  # empty: runtime.backend
+    batching: dict[str, Any] = field(default_factory=dict)  # overrides of [batching]
+
+
+@dataclass
+class Config:
+    state_dir: str = ""
+    models_dir: str = ""  # a TF Serving model base directory (DIR/<model>/<version>)
+    model_name: str = "default"  # for a single-model base path DIR/<version>
+    poll_interval_s: float = 2.0
+    log_level: str = "info"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    models: list[ModelConfig] = field(default_factory=list)
+
+    def batching_for(self, model: ModelConfig) -> BatchingConfig:
+        merged = dataclasses.replace(self.batching)
+        for key, value in model.batching.items():
+            _set_field(merged, key, value, f"models.{model.name}.batching")
+        merged.validate(f"models.{model.name}.batching")
+        return merged
+
+
+def default_state_dir() -> str:
+    """systemd's StateDirectory when set, else ~/.local/state/edge-appliance."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "edge-appliance")
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a table, got {type(value).__name__}")
+        return _build(hint, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"must be a list, got {type(value).__name__}")
+        (item,) = get_args(hint)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a table, got {type(value).__name__}")
+        _, item = get_args(hint)
+        return {k: _coerce(v, item, f"{key}.{k}") for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise ConfigError(key, f"must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def _set_field(obj: Any, name: str, value: Any, prefix: str) -> None:
+    hints = get_type_hints(type(obj))
+    key = f"{prefix}.{name}" if prefix else name
+    if name not in hints:
+        raise ConfigError(key, "unknown key")
+    setattr(obj, name, _coerce(value, hints[name], key))
+
+
+def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
+    obj = cls()
+    for name, value in data.items():
+        _set_field(obj, name, value, prefix)
+    return obj
+
+
+def validate(config: Config) -> Config:
+    if not 0 < config.server.port < 65536:
+        raise ConfigError("server.port", f"{config.server.port} is not a TCP port")
+    if config.runtime.backend not in BACKEND_CHOICES:
+        raise ConfigError("runtime.backend", f"must be one of {', '.join(BACKEND_CHOICES)}")
+    if config.poll_interval_s < 0:
+        raise ConfigError("poll_interval_s", "must not be negative")
+    if config.runtime.tflite.delegate not in ("auto", "gpu", "edgetpu", "none"):
+        raise ConfigError("runtime.tflite.delegate", "must be auto, gpu, edgetpu or none")
+    if config.runtime.tf.precision.upper() not in ("FP32", "FP16"):
+        raise ConfigError("runtime.tf.precision", "must be FP32 or FP16")
+    config.batching.validate("batching")
+    names = set()
+    for i, model in enumerate(config.models):
+        key = f"models[{i}]"
+        if not model.name:
+            raise ConfigError(f"{key}.name", "is required")
+        if model.name in names:
+            raise ConfigError(f"{key}.name", f"model {model.name!r} is configured twice")
+        names.add(model.name)
+        if model.version_policy not in ("latest", "all", "specific"):
+            raise ConfigError(f"{key}.version_policy", "must be latest, all or specific")
+        if model.version_policy == "specific" and not model.versions:
+            raise ConfigError(f"{key}.versions", "version_policy specific needs a list of versions")
+        if model.backend and model.backend not in BACKEND_CHOICES:
+            raise ConfigError(f"{key}.backend", f"must be one of {', '.join(BACKEND_CHOICES)}")
+        config.batching_for(model)
+    if not config.state_dir:
+        config.state_dir = default_state_dir()
+    return config
+
+
+def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read ``path`` (None: defaults only), apply dotted-key ``overrides``, validate."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc
+    config = _build(Config, data, "")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        target = config
+        for part in parents:
+            target = getattr(target, part)
+        _set_field(target, leaf, value, ".".join(parents))
+    return validate(config)

@@ -1,0 +1,143 @@
+"""The device profile: what this box has, found without importing any ML framework.
+
+Backends decide availability from this mapping, so it must be cheap (it runs at every
+start) and honest: every entry is something looked at, not assumed.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import socket
+import subprocess
+from typing import Any
+
+import psutil
+
+from runtimes.tflite import EDGETPU_DELEGATE_LIBS, GPU_DELEGATE_LIBS
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _tensorflow() -> dict[str, Any]:
+    if importlib.util.find_spec("tensorflow") is None:
+        return {"tensorflow_version": None, "tensorflow_build": None}
+    cpu = _dist_version("tensorflow-cpu") or _dist_version("tensorflow_cpu")
+    version = cpu or _dist_version("tensorflow") or "unknown"
+    return {"tensorflow_version": version, "tensorflow_build": "cpu" if cpu else "cuda"}
+
+
+def _nvidia() -> dict[str, Any]:
+    present = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+    name = ""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=5, check=False)
+            name = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+            present = present or bool(name)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    tensorrt = bool(ctypes.util.find_library("nvinfer") or importlib.util.find_spec("tensorrt"))
+    return {"nvidia_gpu": present, "gpu_name": name, "tensorrt": tensorrt}
+
+
+def _library_found(names: tuple[str, ...], configured: str = "") -> bool:
+    if configured:
+        return os.path.exists(configured)
+    for name in names:
+        stem = name.split(".so")[0].removeprefix("lib")
+        if ctypes.util.find_library(stem):
+            return True
+        for folder in ("/usr/lib", "/usr/local/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"):
+            if glob.glob(os.path.join(folder, name + "*")):
+                return True
+    return False
+
+
+def device_id(state_dir: str) -> str:
+    """A stable id: kept in the state directory, first made from the machine id."""
+    path = os.path.join(state_dir, "device-id")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        pass
+    seed = ""
+    for source in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(source) as f:
+                seed = f.read().strip()
+                break
+        except OSError:
+            continue
+    ident = hashlib.sha256((seed or socket.gethostname() + os.urandom(8).hex()).encode()).hexdigest()[:12]
+    os.makedirs(state_dir, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(ident)
+    return ident
+
+
+def profile(tflite_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything the backends and the status page need to know about this device."""
+    opts = tflite_options or {}
+    memory = psutil.virtual_memory()
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "machine": platform.machine(),
+        "system": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count() or 1,
+        "memory_mb": memory.total // (1 << 20),
+        "litert": "ai_edge_litert" if importlib.util.find_spec("ai_edge_litert") else (
+            "tflite_runtime" if importlib.util.find_spec("tflite_runtime") else None),
+        "delegates": {
+            "gpu": _library_found(GPU_DELEGATE_LIBS, opts.get("gpu_delegate_path", "")),
+            "edgetpu": _library_found(EDGETPU_DELEGATE_LIBS, opts.get("edgetpu_delegate_path", ""))
+            and (os.path.exists("/dev/apex_0") or bool(glob.glob("/dev/bus/usb/*/*"))),
+        },
+    }
+    info.update(_tensorflow())
+    info.update(_nvidia())
+    return info
+
+
+def fingerprint(info: dict[str, Any]) -> str:
+    """What must match for a cached backend decision to still hold on this device."""
+    keys = ("machine", "cpu_count", "tensorflow_version", "litert", "nvidia_gpu", "gpu_name", "tensorrt")
+    text = "|".join(str(info.get(k)) for k in keys) + "|" + str(sorted(info.get("delegates", {}).items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def live_figures(state_dir: str) -> dict[str, Any]:
+    """Figures that change: load, memory, disk on the state directory, temperatures."""
+    memory = psutil.virtual_memory()
+    try:
+        disk = psutil.disk_usage(state_dir)
+        disk_free = {"disk_free_mb": disk.free // (1 << 20), "disk_total_mb": disk.total // (1 << 20)}
+    except OSError:
+        disk_free = {"disk_free_mb": None, "disk_total_mb": None}
+    temps: dict[str, float] = {}
+    try:
+        for name, sensors in (psutil.sensors_temperatures() or {}).items():
+            for s in sensors[:2]:
+                temps[f"{name}{'/' + s.label if s.label else ''}"] = s.current
+    except (AttributeError, OSError):
+        pass
+    load1, load5, _ = os.getloadavg()
+    return {"load_1m": round(load1, 2), "load_5m": round(load5, 2), "cpu_percent": psutil.cpu_percent(None),
+            "memory_used_mb": (memory.total - memory.available) // (1 << 20), "memory_available_mb":
+            memory.available // (1 << 20), "process_rss_mb": psutil.Process().memory_info().rss // (1 << 20),
+            "boot_time": psutil.boot_time(), "temperatures_c": temps, **disk_free}

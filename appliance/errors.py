@@ -1,0 +1,86 @@
+"""The service's error hierarchy; each class maps to one HTTP status (and one gRPC code).
+
+    ApplianceError                      500  INTERNAL      (a bug: never a client's fault)
+    ├── InvalidArgument                 400  INVALID_ARGUMENT   malformed JSON, wrong dtype/shape,
+    │                                                           unknown input, bad signature use
+    ├── NotFound                        404  NOT_FOUND     unknown model, version, label, signature
+    ├── MethodNotAllowed                405  -
+    ├── PayloadTooLarge                 413  RESOURCE_EXHAUSTED  body or tensor over a limit
+    ├── Unavailable                     503  UNAVAILABLE   model not ready, queue full (retryable:
+    │                                                      carries ``retry_after`` seconds)
+    ├── Unimplemented                   501  UNIMPLEMENTED a feature this install lacks (names the extra)
+    └── ConfigError                     -    start-up refused: names the key and the reason
+
+Backends raise ``runtimes.InputFailure`` / ``LoadFailure`` / ``MissingDependency``;
+``from_runtime`` turns those into this hierarchy at the boundary.
+"""
+
+from __future__ import annotations
+
+from runtimes import InputFailure, MissingDependency, RuntimeFailure
+
+
+class ApplianceError(Exception):
+    http_status = 500
+    grpc_code = "INTERNAL"
+    retry_after: float | None = None
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ApplianceError):
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class NotFound(ApplianceError):
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+
+
+class MethodNotAllowed(ApplianceError):
+    http_status = 405
+    grpc_code = "UNIMPLEMENTED"
+
+
+class PayloadTooLarge(ApplianceError):
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ApplianceError):
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueFull(Unavailable):
+    """The batch queue is full: retry later (TF Serving's 'unavailable, retry later')."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class Unimplemented(ApplianceError):
+    http_status = 501
+    grpc_code = "UNIMPLEMENTED"
+
+
+class ConfigError(ApplianceError):
+    """An invalid configuration value: ``key`` names it, the message says why."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"config {key}: {reason}")
+        self.key = key
+
+
+def from_runtime(exc: RuntimeFailure) -> ApplianceError:
+    if isinstance(exc, InputFailure):
+        return InvalidArgument(str(exc))
+    if isinstance(exc, MissingDependency):
+        return Unimplemented(str(exc))
+    return ApplianceError(str(exc))

@@ -1,0 +1,135 @@
+"""The service main: config -> Appliance -> HTTP server, and the process lifecycle.
+
+SIGTERM/SIGINT: stop accepting, finish requests in flight (``server.drain_timeout_s``),
+unload models, flush the state database, exit 0. SIGHUP: re-read the config file and
+apply model changes without dropping requests. Signal handlers only set flags; the main
+thread does the work, so nothing heavy runs inside a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from . import __version__, logs
+from .app import Appliance, create_app
+from .config import Config
+from .config import load as load_config
+from .errors import ConfigError
+from .http_server import HTTPServer
+
+log = logging.getLogger("appliance.service")
+
+
+class Service:
+    """One running appliance: the core, its HTTP server and the signal-driven main loop."""
+
+    def __init__(self, config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None,
+                 backends: Any = None):
+        self.config = config
+        self.config_path = config_path
+        self.overrides = overrides or {}
+        self.core = Appliance(config, backends)
+        self.app = create_app(config, self.core)
+        self.server: HTTPServer | None = None
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self.hooks: list[Callable[[str, "Service"], None]] = []  # ("started"|"reloaded"|"stopping", self)
+
+    def start(self) -> None:
+        self.core.start()
+        c = self.config.server
+        self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes)
+        threading.Thread(target=self.server.serve_forever, name="http", daemon=True).start()
+        self._emit("started")
+
+    def _emit(self, what: str) -> None:
+        for hook in self.hooks:
+            try:
+                hook(what, self)
+            except Exception:  # an optional part (discovery, notify) must never stop the service
+                log.exception("%s hook failed", what)
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        signal.signal(signal.SIGINT, lambda *_: self._stop.set())
+        signal.signal(signal.SIGHUP, lambda *_: self._reload.set())
+
+    def run(self) -> int:
+        """Block until SIGTERM/SIGINT, handling SIGHUP reloads; then drain and exit 0."""
+        while not self._stop.is_set():
+            self._stop.wait(0.2)
+            if self._reload.is_set():
+                self._reload.clear()
+                self.reload()
+        return self.shutdown()
+
+    def reload(self) -> None:
+        try:
+            config = load_config(self.config_path, self.overrides)
+        except ConfigError as exc:
+            self.core.db.event("reload_failed", f"config reload refused, keeping the running config: {exc}")
+            return
+        self._emit("reloading")
+        self.config = config
+        self.core.config = config
+        if self.core.manager is not None:
+            self.core.manager.reload(config)
+        self.core.db.event("reloaded", "configuration reloaded")
+        self._emit("reloaded")
+
+    def shutdown(self) -> int:
+        self._emit("stopping")
+        started = time.monotonic()
+        if self.server is not None:
+            self.server.drain(self.config.server.drain_timeout_s)
+        self.core.close()
+        log.info("stopped after %.1f s of draining", time.monotonic() - started)
+        return 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+
+def url_for(config: Config, port: int) -> str:
+    host = config.server.host
+    shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1", "") else host
+    return f"http://{shown}:{port}"
+
+
+def main(config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None) -> int:
+    logs.setup(config.log_level)
+    service = Service(config, config_path, overrides)
+    service.install_signals()
+    try:
+        service.start()
+    except OSError as exc:
+        print(f"edge-appliance: cannot listen on {config.server.host}:{config.server.port}: {exc.strerror}",
+              file=sys.stderr)
+        service.core.close()
+        return 1
+    _add_optional_parts(service)
+    assert service.server is not None
+    url = url_for(config, service.server.port)
+    print(f"edge-appliance {__version__} serving on {url} (state: {config.state_dir}, pid {os.getpid()})",
+          file=sys.stderr, flush=True)
+    return service.run()
+
+
+def _add_optional_parts(service: Service) -> None:
+    """Parts that may be missing on a device or fail without harming serving."""
+    for module in ("appliance.notify", "appliance.discovery", "appliance.sync_loop"):
+        try:
+            part = __import__(module, fromlist=["attach"])
+        except ImportError:
+            continue
+        try:
+            part.attach(service)
+        except Exception as exc:  # logged and shown in status; the API keeps running
+            log.exception("%s failed to start", module)
+            service.core.extras.setdefault("problems", []).append(f"{module}: {exc}")

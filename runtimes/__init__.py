@@ -1,0 +1,50 @@
+"""Inference backends behind one interface, and the per-device selection among them.
+
+Registry: backend name -> class. Importing this package imports numpy only; TensorFlow
+and LiteRT are imported by a backend when it loads a model.
+"""
+
+from __future__ import annotations
+
+from .base import (
+    DEFAULT_SIGNATURE,
+    Availability,
+    Backend,
+    InputFailure,
+    LoadFailure,
+    MissingDependency,
+    RuntimeFailure,
+    Servable,
+    SignatureInfo,
+    TensorSpec,
+)
+from .select import Decision, select, synthetic_inputs
+from .tf_cpu import TFCPUBackend
+from .tf_gpu import TFGPUBackend
+from .tflite import TFLiteBackend
+
+BACKEND_NAMES = ("tf-gpu", "tf-cpu", "tflite")
+
+
+def default_backends() -> dict[str, Backend]:
+    """A fresh instance of every backend, in the order shown to users."""
+    return {"tf-gpu": TFGPUBackend(), "tf-cpu": TFCPUBackend(), "tflite": TFLiteBackend()}
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "DEFAULT_SIGNATURE",
+    "Availability",
+    "Backend",
+    "Decision",
+    "InputFailure",
+    "LoadFailure",
+    "MissingDependency",
+    "RuntimeFailure",
+    "Servable",
+    "SignatureInfo",
+    "TensorSpec",
+    "default_backends",
+    "select",
+    "synthetic_inputs",
+]

@@ -1,0 +1,116 @@
+"""The runtime interface every inference backend implements.
+
+A *backend* (one module per framework) is cheap to construct and does nothing heavy
+until asked: ``probe(device)`` says whether it can run on this device and why,
+``can_serve(version_dir)`` says which artifact of a version directory it would load,
+and ``load(version_dir, options)`` returns a :class:`Servable`.
+
+A *servable* is one loaded model version. ``run(signature, inputs)`` takes and returns
+numpy arrays keyed by the signature's input/output names. Thread-safety: ``run`` may be
+called from several threads at once; a backend whose framework object is not
+thread-safe (a TFLite interpreter) guards or pools it internally. ``close()`` is
+idempotent and frees the framework objects; no ``run`` may be in flight when it is
+called (the model manager's handles guarantee that).
+
+This module imports numpy only: heavy libraries are imported inside each backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+
+class RuntimeFailure(Exception):
+    """Base of the errors a backend raises."""
+
+
+class LoadFailure(RuntimeFailure):
+    """A version directory could not be loaded or warmed up by this backend."""
+
+
+class InputFailure(RuntimeFailure):
+    """The inputs handed to ``run`` do not fit the signature (a client's mistake)."""
+
+
+class MissingDependency(RuntimeFailure):
+    """A feature needs a library this device does not have; the message names the extra."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named input or output of a signature.
+
+    ``shape`` uses -1 for unknown dimensions and is None for unknown rank. ``dtype`` is
+    a numpy dtype; strings are ``np.dtype(object)`` holding ``bytes``.
+    ``tensor_name`` is the framework's own name (``x:0``), shown in metadata.
+    """
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...] | None
+    tensor_name: str = ""
+
+    @property
+    def is_string(self) -> bool:
+        return self.dtype == np.dtype(object)
+
+    @property
+    def batched(self) -> bool:
+        """True when the first dimension can hold any number of rows."""
+        return self.shape is None or (len(self.shape) > 0 and self.shape[0] in (-1, None))
+
+
+@dataclass(frozen=True)
+class SignatureInfo:
+    """A named entry point of a model: TF Serving's SignatureDef, in numpy terms."""
+
+    name: str
+    inputs: Mapping[str, TensorSpec]
+    outputs: Mapping[str, TensorSpec]
+    method_name: str = "tensorflow/serving/predict"
+
+    @property
+    def batchable(self) -> bool:
+        """Whether rows of several requests may be concatenated along dimension 0."""
+        specs = list(self.inputs.values()) + list(self.outputs.values())
+        return bool(self.inputs) and all(s.batched for s in specs)
+
+
+@dataclass(frozen=True)
+class Availability:
+    """A backend's answer to ``probe``: can it run here, and why (or why not)."""
+
+    available: bool
+    reason: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Servable(Protocol):
+    """One loaded model version (see module docstring for the contract)."""
+
+    backend: str
+    signatures: Mapping[str, SignatureInfo]
+
+    def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """An inference backend: a name, a probe, an artifact test and a loader."""
+
+    name: str
+
+    def probe(self, device: Mapping[str, Any]) -> Availability: ...
+
+    def can_serve(self, version_dir: str) -> str | None:
+        """Path of the artifact this backend would load from the directory, or None."""
+        ...
+
+    def load(self, version_dir: str, options: Mapping[str, Any]) -> Servable: ...
+
+
+DEFAULT_SIGNATURE = "serving_default"

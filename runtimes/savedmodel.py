@@ -1,0 +1,131 @@
+"""SavedModel loading shared by the TensorFlow backends (``tf_cpu``, ``tf_gpu``).
+
+TF Serving runs a SavedModel as a graph in a session, feeding and fetching the tensor
+names of its signature defs; so do we. ``tf.saved_model.load`` (TF2) cannot prune a
+TF1 classify/regress signature whose ``ParseExample`` is fed by a placeholder of unknown
+rank, while ``tf.compat.v1`` loading into a ``Session`` serves every signature of TF1
+and TF2 exports alike. ``Session.run`` is thread-safe, so one session serves all
+batch threads; each signature gets a pre-built callable to keep the per-call cost low.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .base import InputFailure, LoadFailure, MissingDependency, SignatureInfo, TensorSpec
+
+ARTIFACTS = ("saved_model.pb", "saved_model.pbtxt")
+INSTALL_HINT = "install the TensorFlow extra: pip install 'edge-appliance[tf]'"
+
+
+def tensorflow() -> Any:
+    """Import TensorFlow on first use; a LiteRT-only device never gets here."""
+    if importlib.util.find_spec("tensorflow") is None:
+        raise MissingDependency(f"serving a SavedModel needs TensorFlow; {INSTALL_HINT}")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf  # noqa: PLC0415 - lazy by design
+
+    return tf
+
+
+def find_saved_model(version_dir: str) -> str | None:
+    for name in ARTIFACTS:
+        if os.path.isfile(os.path.join(version_dir, name)):
+            return version_dir
+    return None
+
+
+def _numpy_dtype(tf: Any, enum: int) -> np.dtype:
+    dtype = tf.dtypes.as_dtype(enum)
+    return np.dtype(object) if dtype == tf.string else np.dtype(dtype.as_numpy_dtype)
+
+
+def _tensor_spec(tf: Any, alias: str, info: Any) -> TensorSpec:
+    if info.tensor_shape.unknown_rank:
+        shape = None
+    else:
+        shape = tuple(int(d.size) for d in info.tensor_shape.dim)
+    return TensorSpec(alias, _numpy_dtype(tf, info.dtype), shape, info.name)
+
+
+def session_config(tf: Any, options: Mapping[str, Any], use_gpu: bool) -> Any:
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=int(options.get("intra_op_threads") or 0),
+        inter_op_parallelism_threads=int(options.get("inter_op_threads") or 0),
+        allow_soft_placement=True,
+    )
+    if use_gpu:
+        config.gpu_options.allow_growth = True
+    else:
+        config.device_count["GPU"] = 0
+    return config
+
+
+class SessionServable:
+    """A SavedModel in a ``tf.compat.v1.Session`` (see module docstring)."""
+
+    def __init__(self, export_dir: str, options: Mapping[str, Any], backend: str, use_gpu: bool):
+        tf = tensorflow()
+        self.backend = backend
+        self._tf = tf
+        self._graph = tf.Graph()
+        self._session = tf.compat.v1.Session(graph=self._graph, config=session_config(tf, options, use_gpu))
+        tags = list(options.get("tags") or ["serve"])
+        try:
+            with self._graph.as_default():
+                meta = tf.compat.v1.saved_model.loader.load(self._session, tags, export_dir)
+        except Exception as exc:  # TensorFlow raises many types for a bad export
+            self._session.close()
+            raise LoadFailure(f"TensorFlow could not load the SavedModel in {export_dir}: {exc}") from exc
+        self.signatures: dict[str, SignatureInfo] = {}
+        self._defs = meta.signature_def
+        for key, sig in meta.signature_def.items():
+            if key.startswith("__"):  # __saved_model_init_op is not a serving signature
+                continue
+            self.signatures[key] = SignatureInfo(
+                key,
+                {a: _tensor_spec(tf, a, i) for a, i in sig.inputs.items()},
+                {a: _tensor_spec(tf, a, i) for a, i in sig.outputs.items()},
+                sig.method_name,
+            )
+        self._callables: dict[tuple[str, tuple[str, ...]], Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _callable(self, signature: SignatureInfo, names: tuple[str, ...]) -> Callable[..., Any]:
+        key = (signature.name, names)
+        fn = self._callables.get(key)
+        if fn is None:
+            with self._lock:
+                fetches = [signature.outputs[o].tensor_name for o in signature.outputs]
+                feeds = [self._graph.get_tensor_by_name(signature.inputs[n].tensor_name) for n in names]
+                fn = self._session.make_callable(fetches, feed_list=feeds)
+                self._callables[key] = fn
+        return fn
+
+    def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        info = self.signatures.get(signature)
+        if info is None:
+            raise InputFailure(f"signature {signature!r} not found")
+        names = tuple(inputs)
+        try:
+            values = self._callable(info, names)(*(inputs[n] for n in names))
+        except (self._tf.errors.InvalidArgumentError, ValueError, TypeError) as exc:
+            raise InputFailure(_short_tf_error(exc)) from exc
+        return {name: np.asarray(v) for name, v in zip(info.outputs, values)}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._session.close()
+
+
+def _short_tf_error(exc: Exception) -> str:
+    """TensorFlow messages carry graph dumps and stack traces; keep the first line."""
+    message = getattr(exc, "message", None) or str(exc)
+    return message.strip().splitlines()[0] if message.strip() else type(exc).__name__

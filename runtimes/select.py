@@ -1,0 +1,173 @@
+"""Backend selection: which backend serves a model version on this device, and why.
+
+``select`` returns a :class:`Decision` (chosen backend and, for every backend, whether
+it was available, whether it could serve this version's artifacts, and the figures
+measured) together with the loaded servable. When several backends can serve a version
+it measures instead of guessing: each candidate is loaded and timed on a few batch-1 and
+batch-N calls, and the fastest wins (on a CPU box LiteRT/XNNPACK beats TensorFlow by an
+order of magnitude at batch 1, so no fixed order is right everywhere). The outcome is
+cached by the caller's ``cache`` (keyed by device and version) so a restart loads the
+winner directly. If the chosen backend fails to load, the next one is tried and the
+failure is recorded in the decision.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, MutableMapping
+
+import numpy as np
+
+from .base import DEFAULT_SIGNATURE, Backend, LoadFailure, RuntimeFailure, Servable, SignatureInfo
+
+TIMING_BATCH = 8
+TIMING_ROUNDS = 5
+
+
+@dataclass
+class Considered:
+    backend: str
+    available: bool
+    reason: str
+    artifact: str | None = None
+    batch1_ms: float | None = None
+    batch_n_ms: float | None = None
+    load_error: str | None = None
+
+
+@dataclass
+class Decision:
+    chosen: str | None
+    how: str  # pinned | only | measured | cached | policy | none
+    reason: str
+    considered: list[Considered] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def synthetic_inputs(signature: SignatureInfo, batch: int) -> dict[str, np.ndarray]:
+    """Inputs of the right dtype and shape (unknown dimensions = 1, batch dimension = batch)."""
+    feeds = {}
+    for name, spec in signature.inputs.items():
+        shape = list(spec.shape) if spec.shape is not None else [batch]
+        shape = [batch if i == 0 and spec.batched else (d if d and d > 0 else 1) for i, d in enumerate(shape)]
+        if spec.is_string:
+            feeds[name] = np.full(shape, b"", dtype=object)
+        else:
+            feeds[name] = np.zeros(shape, dtype=spec.dtype)
+    return feeds
+
+
+def time_servable(servable: Servable, batch_n: int = TIMING_BATCH) -> tuple[float, float]:
+    """Median milliseconds of a batch-1 and a batch-N call on the default signature."""
+    sig = servable.signatures.get(DEFAULT_SIGNATURE) or next(iter(servable.signatures.values()))
+    figures = []
+    for batch in (1, batch_n if sig.batchable else 1):
+        feeds = synthetic_inputs(sig, batch)
+        servable.run(sig.name, feeds)  # first call allocates; not counted
+        samples = []
+        for _ in range(TIMING_ROUNDS):
+            start = time.perf_counter()
+            servable.run(sig.name, feeds)
+            samples.append((time.perf_counter() - start) * 1000)
+        figures.append(float(np.median(samples)))
+    return figures[0], figures[1]
+
+
+def _consider(backends: Mapping[str, Backend], device: Mapping[str, Any], version_dir: str) -> list[Considered]:
+    out = []
+    for name, backend in backends.items():
+        availability = backend.probe(device)
+        artifact = backend.can_serve(version_dir) if availability.available else None
+        reason = availability.reason
+        if availability.available and artifact is None:
+            reason += "; but this version has no artifact it can serve"
+        out.append(Considered(name, availability.available and artifact is not None, reason, artifact))
+    return out
+
+
+Loader = Callable[[str], Servable]
+
+
+def select(
+    backends: Mapping[str, Backend],
+    device: Mapping[str, Any],
+    version_dir: str,
+    load: Loader,
+    policy: Mapping[str, Any],
+    cache: MutableMapping[str, Any] | None = None,
+    cache_key: str = "",
+) -> tuple[Decision, Servable | None]:
+    """Pick and load a backend for one version directory (see module docstring).
+
+    ``load(name)`` loads the version with the named backend (the caller supplies options);
+    ``policy``: ``backend`` (auto or a name), ``prefer_tflite_below_mb`` (int).
+    """
+    considered = _consider(backends, device, version_dir)
+    possible = [c for c in considered if c.available]
+    pinned = policy.get("backend", "auto")
+    if pinned != "auto":
+        match = [c for c in possible if c.backend == pinned]
+        if not match:
+            why = next((c.reason for c in considered if c.backend == pinned), f"unknown backend {pinned!r}")
+            return Decision(None, "pinned", f"backend pinned to {pinned}, which cannot serve: {why}", considered), None
+        return _load_in_order(match, considered, load, "pinned", f"pinned to {pinned} by configuration")
+    if not possible:
+        return Decision(None, "none", "no backend can serve this version", considered), None
+    if len(possible) == 1:
+        return _load_in_order(possible, considered, load, "only", f"the only backend that can serve this version")
+    small = policy.get("prefer_tflite_below_mb")
+    if small and device.get("memory_mb", 1 << 30) < small and any(c.backend == "tflite" for c in possible):
+        order = sorted(possible, key=lambda c: c.backend != "tflite")
+        return _load_in_order(order, considered, load, "policy", f"memory below {small} MB: LiteRT preferred")
+    cached = (cache or {}).get(cache_key) if cache_key else None
+    if cached and cached.get("chosen") in {c.backend for c in possible}:
+        _restore_figures(considered, cached)
+        order = sorted(possible, key=lambda c: c.backend != cached["chosen"])
+        return _load_in_order(order, considered, load, "cached", f"{cached.get('reason', '')} (measured earlier, cached)")
+    decision, servable = _measure(possible, considered, load)
+    if cache is not None and cache_key and servable is not None:
+        cache[cache_key] = decision.to_dict()
+    return decision, servable
+
+
+def _restore_figures(considered: list[Considered], cached: Mapping[str, Any]) -> None:
+    figures = {c["backend"]: c for c in cached.get("considered", [])}
+    for c in considered:
+        old = figures.get(c.backend, {})
+        c.batch1_ms, c.batch_n_ms = old.get("batch1_ms"), old.get("batch_n_ms")
+
+
+def _load_in_order(order: list[Considered], considered: list[Considered], load: Loader, how: str, reason: str):
+    failures = []
+    for c in order:
+        try:
+            servable = load(c.backend)
+        except (RuntimeFailure, LoadFailure) as exc:
+            c.load_error = str(exc)
+            failures.append(f"{c.backend} failed to load: {exc}")
+            continue
+        text = reason if not failures else f"{reason}; " + "; ".join(failures) + f"; fell back to {c.backend}"
+        return Decision(c.backend, how, text, considered), servable
+    return Decision(None, how, "; ".join(failures) or reason, considered), None
+
+
+def _measure(possible: list[Considered], considered: list[Considered], load: Loader):
+    loaded: list[tuple[float, Considered, Servable]] = []
+    for c in possible:
+        try:
+            servable = load(c.backend)
+            c.batch1_ms, c.batch_n_ms = time_servable(servable)
+            loaded.append((c.batch1_ms + c.batch_n_ms / TIMING_BATCH, c, servable))
+        except RuntimeFailure as exc:
+            c.load_error = str(exc)
+    if not loaded:
+        return Decision(None, "measured", "every candidate failed to load", considered), None
+    loaded.sort(key=lambda t: t[0])
+    _, best, servable = loaded[0]
+    for _, _, other in loaded[1:]:
+        other.close()
+    figures = ", ".join(f"{c.backend} {c.batch1_ms:.3f} ms@1 / {c.batch_n_ms:.3f} ms@{TIMING_BATCH}" for _, c, _ in loaded)
+    return Decision(best.backend, "measured", f"fastest on this device ({figures})", considered), servable

@@ -1,0 +1,31 @@
+"""TensorFlow on the CPU: any SavedModel, TF1 or TF2, served as TF Serving serves it."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Mapping
+
+from .base import Availability, LoadFailure
+from .savedmodel import INSTALL_HINT, SessionServable, find_saved_model
+
+NAME = "tf-cpu"
+
+
+class TFCPUBackend:
+    """Options: ``intra_op_threads``, ``inter_op_threads`` (0 = TensorFlow's choice), ``tags``."""
+
+    name = NAME
+
+    def probe(self, device: Mapping[str, Any]) -> Availability:
+        if importlib.util.find_spec("tensorflow") is None:
+            return Availability(False, f"TensorFlow is not installed; {INSTALL_HINT}")
+        return Availability(True, f"TensorFlow importable, {device.get('cpu_count', '?')} CPU cores")
+
+    def can_serve(self, version_dir: str) -> str | None:
+        return find_saved_model(version_dir)
+
+    def load(self, version_dir: str, options: Mapping[str, Any]) -> SessionServable:
+        export_dir = self.can_serve(version_dir)
+        if export_dir is None:
+            raise LoadFailure(f"no saved_model.pb in {version_dir}")
+        return SessionServable(export_dir, options, NAME, use_gpu=False)
