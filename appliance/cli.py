@@ -7,6 +7,7 @@ needs them so ``appliance --help`` and a LiteRT-only device stay fast.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -18,6 +19,9 @@ from .config import BACKEND_CHOICES, Config
 from .config import load as load_config
 from .errors import ConfigError
 
+# Modules that add subcommands with ``add_commands(subparsers)``; each imports its heavy
+# libraries inside the command function, so building the parser stays cheap.
+COMMAND_MODULES = ("appliance.install", "appliance.discovery", "sync.cli")
 SAMPLE_DIR = os.path.join(os.path.dirname(__file__), "sample_models")
 
 
@@ -119,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--config", help="TOML config file")
     probe.add_argument("--models", help="also decide (load and time) for each model in this base directory")
     probe.set_defaults(func=cmd_probe)
+    for module in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:  # an optional part that this install lacks
+            continue
+        mod.add_commands(sub)
     return parser
 
 

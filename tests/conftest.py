@@ -1,0 +1,194 @@
+"""Shared fixtures: real models built once per session, real servers on free loopback ports.
+
+``models_dir``: every model of ``tests.modelgen`` (TF1 half_plus_two with warm-up
+requests, a Keras MLP with its TFLite conversion, a tiny CNN, a string model, a
+multi-signature and a signature-less TFLite model) under ``<tmp>/<name>/1``.
+
+``start_server(models, **opts)``: runs ``appliance serve`` as a child process (the real
+service, the real HTTP server), waits for ``/readyz`` and stops it by PID at teardown.
+
+An autouse fixture fails any test that leaves threads or child processes behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every test model, built once (cached across runs by modelgen's content hash)."""
+    from tests import modelgen
+
+    digest = modelgen_digest()
+    cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / digest
+    if not (cache / ".complete").exists():
+        build = tmp_path_factory.mktemp("models-build")
+        modelgen.build_all(build)
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(build, cache)
+        (cache / ".complete").write_text("ok")
+    return cache
+
+
+def modelgen_digest() -> str:
+    import hashlib
+
+    return hashlib.sha256((ROOT / "tests" / "modelgen.py").read_bytes()).hexdigest()[:12]
+
+
+def model_copy(models_dir: Path, tmp_path: Path, *names: str) -> Path:
+    """A fresh base directory holding copies of the named models (tests may change it)."""
+    base = tmp_path / "models"
+    for name in names:
+        shutil.copytree(models_dir / name, base / name)
+    return base
+
+
+class Server:
+    """A running ``appliance serve`` child process."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, state: Path, log: Path):
+        self.proc, self.port, self.state, self.log = proc, port, state, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return requests.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> requests.Response:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return requests.post(self.url + path, data=data, timeout=kw.pop("timeout", 30), **kw)
+
+    def status(self) -> dict[str, Any]:
+        return self.get("/api/status").json()
+
+    def wait_for(self, predicate: Any, timeout: float = 60, what: str = "condition") -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def launch(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, ready: bool = True,
+           port: int | None = None, timeout: float = 120) -> Server:
+    port = port or free_port()
+    state = tmp_path / f"state-{port}"
+    log = tmp_path / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--state", str(state), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+    server = Server(proc, port, state, log)
+    if ready:
+        server.wait_for(lambda: _ready(server), timeout, "the server to be ready")
+    return server
+
+
+def _ready(server: Server) -> bool:
+    try:
+        return server.get("/readyz", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Any]:
+    started: list[Server] = []
+
+    def start(*args: str, **kw: Any) -> Server:
+        server = launch(list(args), tmp_path, **kw)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Any]:
+    """Factory for one server shared by a test module (starting TensorFlow costs seconds)."""
+    started: list[Server] = []
+
+    def start(*args: str, **kw: Any) -> Server:
+        server = launch(list(args), tmp_path_factory.mktemp("srv"), **kw)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def _children() -> set[int]:
+    try:
+        import psutil
+
+        return {c.pid for c in psutil.Process().children(recursive=True)}
+    except Exception:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves threads or child processes behind (module servers excepted)."""
+    threads = {t.ident for t in threading.enumerate()}
+    children = _children()
+    yield
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        extra_threads = [t for t in threading.enumerate() if t.ident not in threads and t.is_alive()
+                         and not t.name.startswith(("ThreadPoolExecutor", "asyncio", "zeroconf", "Dummy"))]
+        extra_children = _children() - children
+        if not extra_threads and not extra_children:
+            return
+        time.sleep(0.1)
+    module_pids = set()
+    for fixture in ("module_server",):
+        if fixture in request.fixturenames:
+            module_pids = extra_children  # started for the module, stopped at module teardown
+    leaked = extra_children - module_pids
+    assert not extra_threads, f"test leaked threads: {[t.name for t in extra_threads]}"
+    assert not leaked, f"test leaked child processes: {sorted(leaked)}"
