@@ -81,6 +81,31 @@ class RuntimeConfig:
 
 
 @dataclass
+class SyncConfig:
+    """Fleet sync from a central bucket (issue: fleet sync). Empty bucket: no sync."""
+
+    bucket: str = ""  # file:///path | s3://bucket/prefix | https://host/prefix
+    channel: str = ""  # empty: the newest committed version
+    models: list[str] = field(default_factory=list)  # models to follow; empty: every model in the bucket
+    poll_interval_s: float = 30.0
+    jitter: float = 0.2  # +-20 % on each interval so a fleet does not poll in lockstep
+    max_backoff_s: float = 600.0
+    public_key: str = ""  # Ed25519 public key file; when set, unsigned or mis-signed versions are refused
+    retain: int = 2  # good versions kept on disk per model
+    report_interval_s: float = 300.0
+    s3_endpoint_url: str = ""  # else AWS_ENDPOINT_URL / the AWS config
+    s3_region: str = ""
+
+
+@dataclass
+class DiscoveryConfig:
+    enabled: bool = True
+    name: str = ""  # instance name; empty: the hostname
+    interfaces: list[str] = field(default_factory=list)  # empty: all
+    recheck_interval_s: float = 30.0
+
+
+@dataclass
 class ModelConfig:
     """One served model. ``version_policy``: latest | all | specific (with ``versions``)."""
 
@@ -104,6 +129,8 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     models: list[ModelConfig] = field(default_factory=list)
 
     def batching_for(self, model: ModelConfig) -> BatchingConfig:
