@@ -101,10 +101,16 @@ class SessionServable:
         key = (signature.name, names)
         fn = self._callables.get(key)
         if fn is None:
+            from tensorflow.core.protobuf import config_pb2  # noqa: PLC0415 - TensorFlow is loaded by now
+
             with self._lock:
-                fetches = [signature.outputs[o].tensor_name for o in signature.outputs]
-                feeds = [self._graph.get_tensor_by_name(signature.inputs[n].tensor_name) for n in names]
-                fn = self._session.make_callable(fetches, feed_list=feeds)
+                # CallableOptions, not make_callable: the Python feed path refuses values whose
+                # shape differs from the tensor's static shape, which the C++ session (and so
+                # TF Serving) accepts, e.g. half_plus_two's x fed [3] where the graph says [?, 1].
+                options = config_pb2.CallableOptions(
+                    feed=[signature.inputs[n].tensor_name for n in names],
+                    fetch=[signature.outputs[o].tensor_name for o in signature.outputs])
+                fn = self._session._make_callable_from_options(options)
                 self._callables[key] = fn
         return fn
 
@@ -114,7 +120,8 @@ class SessionServable:
             raise InputFailure(f"signature {signature!r} not found")
         names = tuple(inputs)
         try:
-            values = self._callable(info, names)(*(inputs[n] for n in names))
+            feeds = [np.asarray(inputs[n], dtype=info.inputs[n].dtype) for n in names]
+            values = self._callable(info, names)(*feeds)
         except (self._tf.errors.InvalidArgumentError, ValueError, TypeError) as exc:
             raise InputFailure(_short_tf_error(exc)) from exc
         return {name: np.asarray(v) for name, v in zip(info.outputs, values)}
