@@ -4,22 +4,42 @@ The hot path does two things per request: one counter increment and one histogra
 observation, both in memory. ``RequestWindow`` keeps the last minutes of latencies per
 model in a bounded ring so ``/api/status`` and the page can show rate, p50/p99 and error
 rate without a database write per request.
+
+Two kinds of metric live here:
+
+* **event-driven** ones, updated where things happen: requests (``observe_request``, called
+  by the REST layer), batches (``batch_observer``, handed to each ``Batcher``), warm-ups,
+  sync runs (``observe_sync``) and state events (``on_event``, a ``StateDB`` subscriber);
+* **scrape-time** ones, computed only when ``/monitoring/prometheus/metrics`` is read:
+  model version states, backend in use, queue depth and load time (from the manager
+  snapshot given to ``bind``), device gauges (psutil) and the process collector. Reading
+  them at scrape time means no stale series for a version that is gone, and nothing on
+  the hot path.
+
+Thread-safety: every method may be called from any thread.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1e6, 2.5e6, 1e7)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+SYNC_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 WINDOW_SECONDS = 300
 WINDOW_MAX = 20000  # latencies kept per model: bounds memory under any load
+BUCKET_SECONDS = 5  # width of one point of the page's charts
+
+Snapshot = Callable[[], Mapping[str, Any]]
 
 
 class RequestWindow:
@@ -37,24 +57,49 @@ class RequestWindow:
         q.append((time.time(), seconds, ok))
 
     def summary(self, model: str, window: float = 60.0) -> dict[str, Any]:
+        """Rate, p50/p99 (ms) and error rate over ``window`` seconds, plus per-5-s series.
+
+        ``series`` is requests/s per bucket; ``p50_series``/``p99_series`` (ms, None for an
+        empty bucket) and ``error_series`` (fraction) are per bucket too. All series are
+        oldest first and ``window // 5`` long, so the page draws them without any state.
+        """
         q = self._data.get(model)
         now = time.time()
-        rows = [r for r in list(q or ()) if now - r[0] <= window]
-        if not rows:
-            return {"requests_per_s": 0.0, "p50_ms": None, "p99_ms": None, "error_rate": 0.0, "series": []}
-        lat = np.array([r[1] for r in rows]) * 1000
-        errors = sum(1 for r in rows if not r[2])
-        series = collections.Counter(int((now - r[0]) // 5) for r in rows)  # 5-s buckets, newest first
+        rows = np.array([r for r in list(q or ()) if now - r[0] <= window], dtype=float).reshape(-1, 3)
+        if not len(rows):
+            return {"requests_per_s": 0.0, "p50_ms": None, "p99_ms": None, "error_rate": 0.0, "series": [],
+                    "p50_series": [], "p99_series": [], "error_series": []}
+        lat, errors = rows[:, 1] * 1000, rows[:, 2] == 0
         return {
             "requests_per_s": round(len(rows) / window, 2),
             "p50_ms": round(float(np.percentile(lat, 50)), 3),
             "p99_ms": round(float(np.percentile(lat, 99)), 3),
-            "error_rate": round(errors / len(rows), 4),
-            "series": [series.get(i, 0) / 5 for i in range(int(window // 5))][::-1],
+            "error_rate": round(float(errors.mean()), 4),
+            **_bucket_series(now - rows[:, 0], lat, errors, int(window // BUCKET_SECONDS)),
         }
 
 
+def _bucket_series(age: np.ndarray, lat: np.ndarray, errors: np.ndarray, n: int) -> dict[str, list[Any]]:
+    """Per-bucket rate, p50, p99 and error rate, oldest bucket first."""
+    index = np.minimum((age // BUCKET_SECONDS).astype(int), n - 1)
+    rate, p50, p99, err = [], [], [], []
+    for i in range(n - 1, -1, -1):
+        mask = index == i
+        count = int(mask.sum())
+        rate.append(count / BUCKET_SECONDS)
+        p50.append(round(float(np.percentile(lat[mask], 50)), 3) if count else None)
+        p99.append(round(float(np.percentile(lat[mask], 99)), 3) if count else None)
+        err.append(round(float(errors[mask].mean()), 4) if count else 0.0)
+    return {"series": rate, "p50_series": p50, "p99_series": p99, "error_series": err}
+
+
 class Metrics:
+    """The registry behind ``/monitoring/prometheus/metrics``.
+
+    Construction does no I/O and starts no threads. ``bind`` (once the manager exists)
+    adds the scrape-time gauges; without it only the event-driven metrics are exported.
+    """
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -69,32 +114,146 @@ class Metrics:
                                           buckets=LATENCY_BUCKETS_US, registry=r)
         self.batch_size = Histogram("edge_appliance_batch_size", "Rows per executed batch (before padding)",
                                     ["model_name"], buckets=BATCH_BUCKETS, registry=r)
+        self.padded_rows = Counter("edge_appliance_batch_padding_rows", "Rows added by padding to allowed batch sizes",
+                                   ["model_name"], registry=r)
         self.queue_full = Counter("edge_appliance_queue_full_total", "Requests refused because the batch queue was full",
                                   ["model_name"], registry=r)
         self.warmup_latency = Histogram(":tensorflow:serving:model_warmup_latency", "Warm-up time per version (us)",
                                         ["model_path"], buckets=LATENCY_BUCKETS_US, registry=r)
-        self.version_state = Gauge("edge_appliance_model_version_state", "1 for the current state of each version",
-                                   ["model_name", "version", "state"], registry=r)
-        self.backend = Gauge("edge_appliance_backend_info", "1 for the backend serving each model version",
-                             ["model_name", "version", "backend"], registry=r)
+        self.events = Counter("edge_appliance_events", "State events by kind (loads, swaps, refusals, errors)",
+                              ["kind"], registry=r)
+        self.sync_runs = Counter("edge_appliance_sync_runs", "Sync polls by result", ["result"], registry=r)
+        self.sync_duration = Histogram("edge_appliance_sync_duration_seconds", "Duration of one sync poll",
+                                       ["result"], buckets=SYNC_BUCKETS_S, registry=r)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.window = RequestWindow()
+        self._bound = False
 
+    def bind(self, snapshot: Snapshot, state_dir: str | None = None) -> None:
+        """Export scrape-time gauges from ``snapshot()`` (``Manager.snapshot``) and the device.
+
+        ``state_dir`` is where disk free is measured. Idempotent: only the first call binds.
+        """
+        if self._bound:
+            return
+        self._bound = True
+        self.registry.register(_SnapshotCollector(snapshot))
+        self.registry.register(_DeviceCollector(state_dir))
+
+    # -- event-driven --------------------------------------------------------------------
     def observe_request(self, model: str, api: str, status: int, seconds: float) -> None:
         self.request_count.labels(model, api, "REST", "OK" if status < 400 else str(status)).inc()
         self.request_latency.labels(model, api, "REST").observe(seconds * 1e6)
         self.window.add(model, seconds, status < 400)
 
-    def batch_observer(self, model: str, backend: str) -> Any:
+    def batch_observer(self, model: str, backend: str) -> Callable[[str, int, int, float, float], None]:
+        """The ``observe`` callback of one model's ``Batcher`` (called once per executed batch)."""
         runtime = self.runtime_latency.labels(model, "predict", backend)
         sizes = self.batch_size.labels(model)
         queueing = self.queueing_latency.labels(model)
+        padding = self.padded_rows.labels(model)
 
         def observe(signature: str, rows: int, padded: int, queued: float, ran: float) -> None:
             runtime.observe(ran * 1e6)
             sizes.observe(rows)
             queueing.observe(queued * 1e6)
+            if padded > rows:
+                padding.inc(padded - rows)
 
         return observe
 
+    def observe_warmup(self, path: str, seconds: float) -> None:
+        self.warmup_latency.labels(path).observe(seconds * 1e6)
+
+    def observe_sync(self, result: str, seconds: float) -> None:
+        """One sync poll ended: ``result`` is e.g. "unchanged", "updated", "refused", "error"."""
+        self.sync_runs.labels(result).inc()
+        self.sync_duration.labels(result).observe(seconds)
+
+    def on_event(self, row: Mapping[str, Any]) -> None:
+        """``StateDB.subscribe`` callback: count every state event by kind."""
+        self.events.labels(str(row.get("kind", ""))).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SnapshotCollector(Collector):
+    """Version states, backend, queue depth and load time, read from the manager at scrape."""
+
+    def __init__(self, snapshot: Snapshot):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = GaugeMetricFamily("edge_appliance_model_version_state", "1 for the current state of each version",
+                                  labels=["model_name", "version", "state"])
+        backend = GaugeMetricFamily("edge_appliance_backend_info", "1 for the backend serving each available version",
+                                    labels=["model_name", "version", "backend"])
+        serving = GaugeMetricFamily("edge_appliance_serving_version", "Version that unversioned requests get",
+                                    labels=["model_name"])
+        depth = GaugeMetricFamily("edge_appliance_batch_queue_depth_rows", "Rows waiting in the batch queue",
+                                  labels=["model_name", "version"])
+        load = GaugeMetricFamily("edge_appliance_model_load_ms", "Load time of each version (ms)",
+                                 labels=["model_name", "version"])
+        for name, model in self._snapshot().items():
+            if model.get("serving_version") is not None:
+                serving.add_metric([name], model["serving_version"])
+            for v in model.get("versions", []):
+                labels = [name, str(v["version"])]
+                state.add_metric([*labels, str(v["state"])], 1)
+                load.add_metric(labels, v.get("load_ms") or 0.0)
+                if v.get("state") == "AVAILABLE" and v.get("backend"):
+                    backend.add_metric([*labels, v["backend"]], 1)
+                if v.get("batching"):
+                    depth.add_metric(labels, v["batching"].get("queue_depth_rows", 0))
+        yield from (state, backend, serving, depth, load)
+
+    def describe(self) -> list[Any]:
+        return []  # families are dynamic; do not call collect() at registration
+
+
+class _DeviceCollector(Collector):
+    """Load, memory, disk free on the state directory and temperatures (psutil, at scrape)."""
+
+    def __init__(self, state_dir: str | None):
+        self._state_dir = state_dir
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        import psutil
+
+        load1 = os.getloadavg()[0]
+        yield _gauge("edge_appliance_device_load1", "1-minute load average", load1)
+        yield _gauge("edge_appliance_device_memory_available_bytes", "Memory available",
+                     psutil.virtual_memory().available)
+        if self._state_dir:
+            try:
+                yield _gauge("edge_appliance_device_disk_free_bytes", "Free space on the state directory's disk",
+                             psutil.disk_usage(self._state_dir).free)
+            except OSError:
+                pass
+        temps = GaugeMetricFamily("edge_appliance_device_temperature_celsius", "Temperature sensors",
+                                  labels=["sensor"])
+        for sensor, value in _temperatures().items():
+            temps.add_metric([sensor], value)
+        yield temps
+
+    def describe(self) -> list[Any]:
+        return []
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _temperatures() -> dict[str, float]:
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        for chip, sensors in (psutil.sensors_temperatures() or {}).items():
+            for i, s in enumerate(sensors):
+                out[f"{chip}/{s.label or i}"] = s.current
+    except (AttributeError, OSError):  # not every platform reports temperatures
+        pass
+    return out
+

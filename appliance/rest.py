@@ -9,6 +9,7 @@ signature or label is 400 (INVALID_ARGUMENT in TF Serving). Every error body is
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import time
 from typing import Any, Callable
@@ -249,8 +250,10 @@ def _classify_regress(body: dict[str, Any], name: str, version: int | None, labe
     serialized = _examples(body, method)
     with _handle(name, version, label) as slot:
         if slot.servable is not None and getattr(slot.servable, "backend", "") == "tflite":
-            raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend; "
-                                "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
+            hint = ("pin runtime.backend = \"tf-cpu\" for this model" if importlib.util.find_spec("tensorflow")
+                    else "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
+            raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend, "
+                                f"but {name} version {slot.version} is served by tflite; {hint}")
         signature = _signature(slot, signature_name, f"No signature was found with the name: {signature_name}")
         if "inputs" not in signature.inputs or len(signature.inputs) != 1:
             kind = "classification" if method == "classify" else "regression"

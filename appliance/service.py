@@ -2,8 +2,19 @@
 
 SIGTERM/SIGINT: stop accepting, finish requests in flight (``server.drain_timeout_s``),
 unload models, flush the state database, exit 0. SIGHUP: re-read the config file and
-apply model changes without dropping requests. Signal handlers only set flags; the main
-thread does the work, so nothing heavy runs inside a handler.
+apply model changes without dropping requests (a file that fails to load or validate is
+refused and the running config kept). Signal handlers only set flags; the main thread
+does the work, so nothing heavy runs inside a handler.
+
+Hooks: optional parts append ``hook(what, service)`` to ``service.hooks``; ``what`` is
+one of "started", "reloading", "reloaded", "reload_failed" (``service.reload_error``
+says why), "stopping" (the drain begins) and "stopped" (drained, models unloaded, state
+database closed: the process exits next). A part attached after ``start()`` checks
+``service.server`` itself instead of waiting for "started".
+
+Test-only hook, off by default: with ``EDGE_APPLIANCE_TEST_HOOKS=1`` in the environment,
+SIGUSR1 toggles ``manager.freeze_batchers`` (a wedged backend, for the watchdog tests).
+Never set it on a device.
 """
 
 from __future__ import annotations
@@ -25,6 +36,10 @@ from .http_server import HTTPServer
 
 log = logging.getLogger("appliance.service")
 
+TEST_HOOKS_ENV = "EDGE_APPLIANCE_TEST_HOOKS"
+# Keys read once at start-up: a reload logs that they need a restart instead of ignoring them silently.
+RESTART_ONLY = ("state_dir", "server", "runtime", "log_level")
+
 
 class Service:
     """One running appliance: the core, its HTTP server and the signal-driven main loop."""
@@ -39,7 +54,10 @@ class Service:
         self.server: HTTPServer | None = None
         self._stop = threading.Event()
         self._reload = threading.Event()
-        self.hooks: list[Callable[[str, "Service"], None]] = []  # ("started"|"reloaded"|"stopping", self)
+        self._toggle_freeze = threading.Event()
+        self._frozen = False
+        self.reload_error = ""
+        self.hooks: list[Callable[[str, "Service"], None]] = []  # see the module docstring
 
     def start(self) -> None:
         self.core.start()
@@ -59,37 +77,69 @@ class Service:
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
         signal.signal(signal.SIGINT, lambda *_: self._stop.set())
         signal.signal(signal.SIGHUP, lambda *_: self._reload.set())
+        if os.environ.get(TEST_HOOKS_ENV) == "1":
+            log.warning("%s=1: test hooks on (SIGUSR1 freezes the batchers); never on a device", TEST_HOOKS_ENV)
+            signal.signal(signal.SIGUSR1, lambda *_: self._toggle_freeze.set())
+            # A thread of its own, so the hook works during a drain too (the main loop has ended then).
+            threading.Thread(target=self._test_hooks, name="test-hooks", daemon=True).start()
+
+    def _test_hooks(self) -> None:
+        while True:
+            self._toggle_freeze.wait()
+            self._toggle_freeze.clear()
+            self._freeze(not self._frozen)
 
     def run(self) -> int:
         """Block until SIGTERM/SIGINT, handling SIGHUP reloads; then drain and exit 0."""
         while not self._stop.is_set():
             self._stop.wait(0.2)
-            if self._reload.is_set():
+            if self._reload.is_set() and not self._stop.is_set():
                 self._reload.clear()
                 self.reload()
         return self.shutdown()
 
+    def _freeze(self, frozen: bool) -> None:
+        """Test hook: stop (or resume) every batcher taking batches."""
+        self._frozen = frozen
+        if self.core.manager is not None:
+            self.core.manager.freeze_batchers(frozen)
+        log.warning("test hook: batchers %s", "frozen" if frozen else "running again")
+
     def reload(self) -> None:
+        """Re-read the config file; apply it, or refuse it and keep the running one."""
         try:
             config = load_config(self.config_path, self.overrides)
         except ConfigError as exc:
+            self.reload_error = str(exc)
             self.core.db.event("reload_failed", f"config reload refused, keeping the running config: {exc}")
+            self._emit("reload_failed")
             return
         self._emit("reloading")
-        self.config = config
-        self.core.config = config
+        if not config.models and not config.models_dir:  # start-up served the embedded default: keep it
+            config.models_dir = self.config.models_dir
+        self._warn_restart_only(config)
+        self.config, self.core.config, self.reload_error = config, config, ""
         if self.core.manager is not None:
             self.core.manager.reload(config)
         self.core.db.event("reloaded", "configuration reloaded")
         self._emit("reloaded")
 
+    def _warn_restart_only(self, new: Config) -> None:
+        changed = [key for key in RESTART_ONLY if getattr(new, key) != getattr(self.config, key)]
+        if changed:
+            log.warning("reload: %s changed; these take effect at the next restart", ", ".join(changed))
+
     def shutdown(self) -> int:
+        """Drain HTTP (bounded by server.drain_timeout_s), unload, close the state db; 0."""
         self._emit("stopping")
         started = time.monotonic()
+        log.info("stopping: draining requests in flight (at most %g s)", self.config.server.drain_timeout_s)
         if self.server is not None:
-            self.server.drain(self.config.server.drain_timeout_s)
+            clean = self.server.drain(self.config.server.drain_timeout_s)
+            log.info("HTTP drained in %.1f s%s", time.monotonic() - started, "" if clean else " (timed out)")
         self.core.close()
-        log.info("stopped after %.1f s of draining", time.monotonic() - started)
+        log.info("stopped after %.1f s", time.monotonic() - started)
+        self._emit("stopped")
         return 0
 
     def request_stop(self) -> None:

@@ -165,9 +165,18 @@ def _measure(possible: list[Considered], considered: list[Considered], load: Loa
             c.load_error = str(exc)
     if not loaded:
         return Decision(None, "measured", "every candidate failed to load", considered), None
+    # Never trade a signature for speed: only backends exposing every signature compete.
+    every = set().union(*(set(s.signatures) for _, _, s in loaded))
+    partial = [t for t in loaded if set(t[2].signatures) < every]
+    for _, c, s in partial:
+        missing = sorted(every - set(s.signatures))
+        c.reason += f"; lacks signatures {', '.join(missing)}, so not chosen"
+        s.close()
+    loaded = [t for t in loaded if t not in partial]
     loaded.sort(key=lambda t: t[0])
     _, best, servable = loaded[0]
     for _, _, other in loaded[1:]:
         other.close()
     figures = ", ".join(f"{c.backend} {c.batch1_ms:.3f} ms@1 / {c.batch_n_ms:.3f} ms@{TIMING_BATCH}" for _, c, _ in loaded)
-    return Decision(best.backend, "measured", f"fastest on this device ({figures})", considered), servable
+    scope = "of the backends serving every signature" if partial else "on this device"
+    return Decision(best.backend, "measured", f"fastest {scope} ({figures})", considered), servable

@@ -25,6 +25,8 @@ build_half_plus_two    TF1 graph SavedModel mirroring TF Serving's testdata
                        variables a, b, c, a2, c2; assets/foo.txt;
                        optional assets.extra/tf_serving_warmup_requests.
 build_keras_mlp        serving_default: x f32[None,in_dim] -> probs f32[None,out]
+build_keras_mlp_tflite model.tflite of the same MLP (same weights), signature
+                       serving_default: x -> probs
 build_small_cnn        serving_default: x f32[None,size,size,3] -> probs
 build_tiny_cnn         build_small_cnn at size 32
 build_string_model     serving_default: text string[None] -> len int64[None],
@@ -62,6 +64,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 __all__ = [
     "build_half_plus_two",
     "build_keras_mlp",
+    "build_keras_mlp_tflite",
     "build_small_cnn",
     "build_tiny_cnn",
     "build_string_model",
@@ -90,6 +93,10 @@ def _tf():
 # --------------------------------------------------------------------------
 
 
+def _abs(path):
+    return os.path.abspath(os.fspath(path))
+
+
 @contextlib.contextmanager
 def _staged(version_dir):
     """Yield a temporary directory path that becomes ``version_dir`` on success.
@@ -98,7 +105,7 @@ def _staged(version_dir):
     its parent does and lies next to ``version_dir`` so the final rename is
     atomic on one filesystem.
     """
-    version_dir = os.path.abspath(os.fspath(version_dir))
+    version_dir = _abs(version_dir)
     parent = os.path.dirname(version_dir)
     os.makedirs(parent, exist_ok=True)
     holder = tempfile.mkdtemp(prefix=".modelgen-tmp-", dir=parent)
@@ -375,7 +382,7 @@ def build_half_plus_two(
                 for v in warmup_inputs
             ]
             write_warmup_file(stage, recs)
-    return version_dir
+    return _abs(version_dir)
 
 
 # --------------------------------------------------------------------------
@@ -442,7 +449,24 @@ def build_keras_mlp(version_dir, in_dim=64, hidden=512, out=10, seed=0, in_name=
     model = _keras_mlp(in_dim, hidden, out)
     with _staged(version_dir) as stage:
         _export_keras(model, stage, (in_dim,), in_name, out_name)
-    return version_dir
+    return _abs(version_dir)
+
+
+def build_keras_mlp_tflite(version_dir, in_dim=64, hidden=512, out=10, seed=0, in_name="x", out_name="probs"):
+    """TFLite-only servable: ``model.tflite`` converted from :func:`build_keras_mlp`.
+
+    Same weights as ``build_keras_mlp`` with the same arguments; SignatureDef
+    serving_default: ``x`` float32 [None, in_dim] -> ``probs`` float32 [None, out].
+    Returns ``version_dir``.
+    """
+    tmp = tempfile.mkdtemp(prefix="modelgen-mlp-")
+    try:
+        sm = build_keras_mlp(os.path.join(tmp, "1"), in_dim, hidden, out, seed, in_name, out_name)
+        with _staged(version_dir) as stage:
+            to_tflite(sm, os.path.join(stage, "model.tflite"), ["serving_default"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _abs(version_dir)
 
 
 def _calibrate_bn(model, sample):
@@ -488,7 +512,7 @@ def build_small_cnn(version_dir, size=96, classes=10, seed=0, alpha=0.35, in_nam
     _calibrate_bn(model, sample)
     with _staged(version_dir) as stage:
         _export_keras(model, stage, (size, size, 3), in_name, out_name)
-    return version_dir
+    return _abs(version_dir)
 
 
 def build_tiny_cnn(version_dir, size=32, classes=10, seed=0, alpha=0.35, **kw):
@@ -521,7 +545,7 @@ def build_string_model(version_dir):
     m = StringModel()
     with _staged(version_dir) as stage:
         tf.saved_model.save(m, stage, signatures={"serving_default": m.serve.get_concrete_function()})
-    return version_dir
+    return _abs(version_dir)
 
 
 # --------------------------------------------------------------------------
@@ -554,7 +578,7 @@ def to_tflite(saved_model_dir, tflite_path, signature_keys=None):
     tmp = os.fspath(tflite_path) + ".tmp"
     _write_bytes(tmp, data)
     os.replace(tmp, tflite_path)
-    return tflite_path
+    return _abs(tflite_path)
 
 
 def build_multisig_tflite(version_dir):
@@ -584,7 +608,7 @@ def build_multisig_tflite(version_dir):
     _require_signatures(data, {"add", "mul"})
     with _staged(version_dir) as stage:
         _write_bytes(os.path.join(stage, "model.tflite"), data)
-    return version_dir
+    return _abs(version_dir)
 
 
 def _tflite_signature_list(data):
@@ -630,7 +654,7 @@ def build_nosig_tflite(version_dir):
         raise RuntimeError("could not strip SignatureDefs from the TFLite model")
     with _staged(version_dir) as stage:
         _write_bytes(os.path.join(stage, "model.tflite"), data)
-    return version_dir
+    return _abs(version_dir)
 
 
 # --------------------------------------------------------------------------
@@ -780,6 +804,7 @@ def reference_predict_tflite(tflite_path, inputs_dict, signature=None):
 BUILDERS = {
     "half_plus_two": lambda d: build_half_plus_two(d, warmup=True),
     "keras_mlp": build_keras_mlp,
+    "keras_mlp_tflite": build_keras_mlp_tflite,
     "small_cnn": build_small_cnn,
     "tiny_cnn": build_tiny_cnn,
     "string_model": build_string_model,

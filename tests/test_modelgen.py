@@ -329,6 +329,19 @@ def test_keras_mlp(models, tf, tmp_path):
     _check_keras_model(tf, tmp_path, vdir(models, "keras_mlp"), (64,), 10, 1e-5)
 
 
+def test_keras_mlp_tflite(models):
+    from ai_edge_litert.interpreter import Interpreter
+
+    path = os.path.join(vdir(models, "keras_mlp_tflite"), "model.tflite")
+    assert os.listdir(os.path.dirname(path)) == ["model.tflite"]
+    it = Interpreter(model_path=path)
+    assert it.get_signature_list() == {"serving_default": {"inputs": ["x"], "outputs": ["probs"]}}
+    x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
+    ref = mg.reference_predict(vdir(models, "keras_mlp"), {"x": x})["probs"]
+    got = it.get_signature_runner("serving_default")(x=x)["probs"]
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
 def test_keras_mlp_is_seeded(models, tf, tmp_path):
     x = np.random.default_rng(5).standard_normal((2, 64)).astype(np.float32)
     a = mg.reference_predict(vdir(models, "keras_mlp"), {"x": x})["probs"]

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The README's second command: install everything the tests use, then run the whole suite.
+# Real parts: TensorFlow and LiteRT build the models, SeaweedFS is the S3 bucket, Debian's
+# chromium renders the status page, systemd-analyze checks the unit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup-venv.sh tf,tflite,s3,test
+
+need=()
+command -v chromium >/dev/null || need+=(chromium)
+command -v systemd-analyze >/dev/null || need+=(systemd)
+command -v ip >/dev/null || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  else
+    echo "missing system packages (${need[*]}): sudo apt-get install ${need[*]}; the tests that need them will skip" >&2
+  fi
+fi
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

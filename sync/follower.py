@@ -1,0 +1,235 @@
+"""The device side of fleet sync: decide each model's target version and make the store match.
+
+``Follower.sync_once()`` runs one poll. Per model: read the channel pointer (or the
+version index when no channel is configured) with a conditional request; check it
+(signature, expiry, replay, rollback); if the target version is not in the store, fetch
+and verify it into staging and commit it with one rename; move newer versions aside when
+the target is older (a channel move back or a pin); record the trust; apply retention.
+An idle poll with nothing new is one conditional request per model and no writes.
+
+Errors: ``SourceError`` (bucket down) aborts the poll and propagates (the caller backs
+off); ``Refused`` is per model: recorded as an event once, and not retried until the
+bucket object changes. Every step calls ``event(kind, message, model=, version=, **detail)``.
+Not thread-safe: one thread runs ``sync_once``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from . import faults
+from .errors import Refused, SourceError
+from .fetcher import fetch
+from .manifest import MANIFEST, verify, verify_channel
+from .source import MISSING, NOT_MODIFIED, Fetched
+from .store import Store
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+Event = Callable[..., None]
+
+
+@dataclass
+class Options:
+    models: list[str] = field(default_factory=list)  # empty: every model the bucket lists
+    channel: str = ""  # empty: the newest committed version
+    public_key: Any = None  # Ed25519 public key object, or None: signatures not required
+    device_tags: frozenset[str] = frozenset()
+    retain: int = 2
+
+
+@dataclass
+class LocalModel:
+    """What the model manager says about a model (empty for a sync-only client)."""
+
+    serving: int | None = None
+    quarantined: frozenset[int] = frozenset()
+
+
+@dataclass
+class PollResult:
+    changed: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    requests: int = 0
+
+
+class Follower:
+    def __init__(self, source: Any, store: Store, options: Options, event: Event,
+                 local: Callable[[], Mapping[str, LocalModel]] | None = None):
+        self.source, self.store, self.options, self.event = source, store, options, event
+        self.local = local or (lambda: {})
+        self._cache: dict[str, tuple[str, Any]] = {}  # key -> (etag, parsed doc or Refused)
+        self._refused: dict[tuple[str, int], str] = {}  # (model, version) -> manifest etag
+        self._pin_noted: dict[str, int] = {}
+        self.targets: dict[str, int] = {}
+
+    def sync_once(self) -> PollResult:
+        result = PollResult()
+        before = self.source.requests
+        local = self.local()
+        for model in self._models():
+            try:
+                self._follow(model, local.get(model, LocalModel()), result)
+            except Refused as exc:
+                result.refused.append(f"{model}: {exc}")
+        result.requests = self.source.requests - before
+        return result
+
+    # -- which models, which version ---------------------------------------------------
+    def _models(self) -> list[str]:
+        if self.options.models:
+            return list(self.options.models)
+        doc = self._read_cached("_models.json", lambda data: json.loads(data).get("models", []))
+        names = doc if doc is not None else self.source.list_dirs("")
+        return [n for n in names if isinstance(n, str) and MODEL_NAME.match(n)]
+
+    def _read_cached(self, key: str, parse: Callable[[bytes], Any]) -> Any:
+        """A conditional read; the parsed document (cached on 304), or None when missing.
+        A document that failed to parse raises the same ``Refused`` until it changes."""
+        etag, cached = self._cache.get(key, ("", None))
+        fetched: Fetched = self.source.read(key, etag)
+        if fetched.status == NOT_MODIFIED and key in self._cache:
+            if isinstance(cached, Refused):
+                raise Refused(str(cached))
+            return cached
+        if fetched.status == MISSING:
+            self._cache.pop(key, None)
+            return None
+        try:
+            doc = parse(fetched.data)
+        except Refused as exc:
+            self._cache[key] = (fetched.etag, exc)
+            raise
+        except (ValueError, AttributeError, TypeError) as exc:
+            refusal = Refused(f"{key} is malformed: {exc}")
+            self._cache[key] = (fetched.etag, refusal)
+            raise refusal from exc
+        self._cache[key] = (fetched.etag, doc)
+        return doc
+
+    def _target(self, model: str) -> tuple[int | None, dict[str, Any] | None]:
+        """(target version, the channel pointer when a channel decides), from the bucket."""
+        channel = self.options.channel
+        if channel:
+            pointer = self._read_cached(f"{model}/channels/{channel}.json",
+                                        lambda d: verify_channel(d, model, channel, self.options.public_key))
+            if pointer is None:
+                raise Refused(f"{model} has no channel {channel!r} in the bucket")
+            return int(pointer["version"]), pointer
+        index = self._read_cached(f"{model}/versions.json", lambda d: int(json.loads(d)["latest"]))
+        if index is not None:
+            return int(index), None
+        listed = sorted((int(v) for v in self.source.list_dirs(model) if v.isdigit()), reverse=True)
+        for version in listed:  # no index (hand-made bucket): the newest version with a manifest
+            if version in self.store.versions(model) or self.source.read(f"{model}/{version}/{MANIFEST}").status != MISSING:
+                return version, None
+        return None, None
+
+    # -- one model ---------------------------------------------------------------------
+    def _follow(self, model: str, local: LocalModel, result: PollResult) -> None:
+        pin = self.store.pins().get(model)
+        if pin is not None:
+            self._apply_pin(model, pin, result)
+            return
+        self._pin_noted.pop(model, None)
+        target, pointer = self._target(model)
+        if target is None:
+            return
+        self._check_rollback(model, target, pointer)
+        self.targets[model] = target
+        if target not in self.store.versions(model):
+            if target in self.store.parked(model):
+                self.store.unpark(model, target)
+                self.event("sync_restored", f"{model} version {target} moved back into the store",
+                           model=model, version=target)
+            else:
+                self._install(model, target)
+            result.changed.append(f"{model}:{target}")
+        if self._park_newer(model, target):
+            result.changed.append(f"{model}:{target} (newer versions set aside)")
+        self._record_trust(model, target, pointer)
+        self._retain(model, target, local)
+
+    def _check_rollback(self, model: str, target: int, pointer: dict[str, Any] | None) -> None:
+        trust = self.store.trust(model)
+        if pointer is not None and float(pointer.get("created") or 0) < float(trust.get("pointer_created", 0)):
+            raise Refused(f"{model} channel pointer is older than one already seen (a replayed pointer?)")
+        highest = int(trust.get("version", -1))
+        if target < highest and pointer is None:
+            raise Refused(f"{model}: the newest listed version {target} is below the highest trusted version "
+                          f"{highest}; going back needs a channel move or `appliance rollback`")
+
+    def _record_trust(self, model: str, target: int, pointer: dict[str, Any] | None) -> None:
+        trust = self.store.trust(model)
+        record = {"version": max(int(trust.get("version", -1)), target),
+                  "pointer_created": max(float(trust.get("pointer_created", 0)),
+                                         float((pointer or {}).get("created") or 0))}
+        if record != trust:
+            self.store.set_trust(model, record)
+
+    def _install(self, model: str, version: int) -> None:
+        key = f"{model}/{version}/{MANIFEST}"
+        known = self._refused.get((model, version))
+        fetched = self.source.read(key, known or "")
+        if known is not None and fetched.status == NOT_MODIFIED:
+            raise Refused(f"{model} version {version} was refused before and has not changed")
+        if fetched.status == MISSING:
+            if known == "missing":
+                raise Refused(f"{model} version {version} is still not committed (no {MANIFEST})")
+            raise self._refuse(model, version, "", f"{model} version {version} is not committed (no {MANIFEST})")
+        try:
+            manifest = verify(fetched.data, model, version, self.options.public_key, self.options.device_tags)
+            self.event("sync_fetch", f"fetching {model} version {version} ({manifest.total_bytes} bytes, "
+                       f"{len(manifest.files)} files)", model=model, version=version)
+            stats = fetch(self.source, manifest, fetched.data, self.store.stage_dir(model, version),
+                          self.store.reuse_index(model))
+        except Refused as exc:
+            raise self._refuse(model, version, fetched.etag, str(exc)) from exc
+        self._refused.pop((model, version), None)
+        faults.point("before_commit")
+        self.store.commit(self.store.stage_dir(model, version), model, version)
+        self.event("sync_committed", f"{model} version {version} verified and committed "
+                   f"({stats.downloaded_bytes} bytes downloaded, {stats.reused_files} files reused)",
+                   model=model, version=version, downloaded_bytes=stats.downloaded_bytes,
+                   downloaded_files=stats.downloaded_files, reused_files=stats.reused_files)
+        faults.point("after_commit")
+
+    def _refuse(self, model: str, version: int, etag: str, reason: str) -> Refused:
+        self._refused[(model, version)] = etag or "missing"
+        self.event("sync_refused", f"refused {model} version {version}: {reason}", model=model, version=version,
+                   reason=reason)
+        return Refused(reason)
+
+    def _park_newer(self, model: str, target: int) -> bool:
+        newer = sorted(v for v in self.store.versions(model) if v > target)
+        for version in newer:
+            self.store.park(model, version)
+            self.event("sync_parked", f"{model} version {version} set aside: the target is version {target}",
+                       model=model, version=version)
+        return bool(newer)
+
+    def _apply_pin(self, model: str, pin: int, result: PollResult) -> None:
+        if pin not in self.store.versions(model):
+            if pin not in self.store.parked(model):
+                if self._pin_noted.get(model) != -pin - 1:
+                    self._pin_noted[model] = -pin - 1
+                    self.event("sync_pin_missing", f"{model} is pinned to version {pin}, which is not on disk",
+                               model=model, version=pin)
+                return
+            self.store.unpark(model, pin)
+            result.changed.append(f"{model}:{pin} (pinned)")
+        if self._park_newer(model, pin):
+            result.changed.append(f"{model}:{pin} (pinned)")
+        if self._pin_noted.get(model) != pin:
+            self._pin_noted[model] = pin
+            self.event("sync_pinned", f"{model} pinned to version {pin} (appliance rollback)", model=model, version=pin)
+
+    def _retain(self, model: str, target: int, local: LocalModel) -> None:
+        protect = {target} | ({local.serving} if local.serving is not None else set())
+        deleted = self.store.retain(model, self.options.retain, protect, local.quarantined)
+        if deleted:
+            self.event("sync_retention", f"{model}: deleted old versions {deleted} (keeping {self.options.retain})",
+                       model=model, deleted=deleted)
+

@@ -1,0 +1,210 @@
+"""MANIFEST.json and channel pointers: building, canonical JSON, Ed25519 signatures, checks.
+
+A manifest is ``{model, version, files: [{path, size, sha256}], created, publisher, expires,
+compat}`` plus an optional ``signature`` (base64 Ed25519 over the canonical JSON of every
+other key: sorted keys, no spaces, UTF-8). A channel pointer is ``{model, channel, version,
+created, expires}`` signed the same way. ``expires`` and ``created`` are Unix seconds
+(``expires`` 0: never). Verification functions raise ``Refused`` with the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import posixpath
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from .errors import Refused
+
+MANIFEST = "MANIFEST.json"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: str
+    version: int
+    files: tuple[FileEntry, ...]
+    doc: dict[str, Any]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def canonical(doc: dict[str, Any]) -> bytes:
+    """The signed bytes: every key but ``signature``, sorted, compact, UTF-8."""
+    body = {k: v for k, v in doc.items() if k != "signature"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def dumps(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def safe_path(path: Any) -> str:
+    """A manifest path that stays inside the version directory, or ``Refused``."""
+    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
+        raise Refused(f"file path {path!r} is not a plain relative path")
+    if path.startswith("/") or posixpath.normpath(path) != path or path in (".", MANIFEST):
+        raise Refused(f"file path {path!r} is absolute, not normalised or reserved")
+    if any(part in ("..", ".", "") for part in path.split("/")):
+        raise Refused(f"file path {path!r} escapes the version directory")
+    return path
+
+
+def build(model: str, version: int, directory: str, publisher: str, expires: float = 0,
+          compat: Iterable[str] = ()) -> dict[str, Any]:
+    """The manifest of a local version directory; symbolic links are refused."""
+    files = []
+    for root, dirs, names in os.walk(directory):
+        dirs.sort()
+        for name in sorted(names) + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, directory).replace(os.sep, "/")
+            if os.path.islink(full):
+                raise Refused(f"{rel} is a symbolic link; publish real files only")
+            if rel == MANIFEST:
+                continue
+            files.append({"path": safe_path(rel), "size": os.path.getsize(full), "sha256": sha256_file(full)})
+    return {"model": model, "version": int(version), "files": files, "created": time.time(),
+            "publisher": publisher, "expires": float(expires), "compat": sorted(compat)}
+
+
+# -- keys and signatures -----------------------------------------------------------------
+def keygen(private_path: str, public_path: str) -> None:
+    """Write a new Ed25519 key pair as PEM (private key file mode 0600)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private)
+    with open(public_path, "wb") as f:
+        f.write(public)
+
+
+def load_private_key(path: str) -> Any:
+    from cryptography.hazmat.primitives import serialization
+
+    with open(path, "rb") as f:
+        return serialization.load_pem_private_key(f.read(), password=None)
+
+
+def load_public_key(path: str) -> Any:
+    from cryptography.hazmat.primitives import serialization
+
+    with open(path, "rb") as f:
+        return serialization.load_pem_public_key(f.read())
+
+
+def sign(doc: dict[str, Any], private_key: Any) -> dict[str, Any]:
+    signature = private_key.sign(canonical(doc))
+    return {**doc, "signature": base64.b64encode(signature).decode()}
+
+
+def check_signature(doc: dict[str, Any], public_key: Any, what: str) -> None:
+    """Refuse an unsigned or mis-signed document when a key is configured."""
+    from cryptography.exceptions import InvalidSignature
+
+    if public_key is None:
+        return
+    signature = doc.get("signature")
+    if not signature:
+        raise Refused(f"{what} is not signed and this device requires signatures (sync.public_key)")
+    try:
+        public_key.verify(base64.b64decode(signature, validate=True), canonical(doc))
+    except (InvalidSignature, ValueError) as exc:
+        raise Refused(f"{what} has an invalid signature") from exc
+
+
+# -- device-side checks ----------------------------------------------------------------
+def parse_json(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise Refused(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise Refused(f"{what} is not a JSON object")
+    return doc
+
+
+def check_expiry(doc: dict[str, Any], what: str, now: float | None = None) -> None:
+    expires = doc.get("expires") or 0
+    if not isinstance(expires, (int, float)):
+        raise Refused(f"{what} has a malformed expires field")
+    if expires and expires < (now or time.time()):
+        raise Refused(f"{what} expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(expires))}")
+
+
+def verify(data: bytes, model: str, version: int, public_key: Any, device_tags: Iterable[str],
+           now: float | None = None) -> Manifest:
+    """Parse and check a manifest against what the device asked for; ``Refused`` on any flaw."""
+    what = f"{model} version {version} manifest"
+    doc = parse_json(data, what)
+    check_signature(doc, public_key, what)
+    if doc.get("model") != model or doc.get("version") != version:
+        raise Refused(f"{what} names {doc.get('model')!r} version {doc.get('version')!r}")
+    check_expiry(doc, what, now)
+    missing = sorted(set(doc.get("compat") or []) - set(device_tags))
+    if missing:
+        raise Refused(f"{what} needs {', '.join(missing)}; this device offers {', '.join(sorted(device_tags))}")
+    return Manifest(model, version, _files(doc.get("files"), what), doc)
+
+
+def _files(raw: Any, what: str) -> tuple[FileEntry, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise Refused(f"{what} lists no files")
+    seen: set[str] = set()
+    out = []
+    for item in raw:
+        if not isinstance(item, dict):
+            raise Refused(f"{what} has a malformed file entry")
+        path, size, digest = safe_path(item.get("path")), item.get("size"), item.get("sha256")
+        if not isinstance(size, int) or size < 0 or not isinstance(digest, str) or len(digest) != 64:
+            raise Refused(f"{what}: {path} has a malformed size or sha256")
+        if path in seen or any(p.startswith(path + "/") or path.startswith(p + "/") for p in seen):
+            raise Refused(f"{what}: {path} is listed twice or clashes with a directory")
+        seen.add(path)
+        out.append(FileEntry(path, size, digest.lower()))
+    return tuple(out)
+
+
+def channel_doc(model: str, channel: str, version: int, expires: float = 0) -> dict[str, Any]:
+    return {"model": model, "channel": channel, "version": int(version), "created": time.time(),
+            "expires": float(expires)}
+
+
+def verify_channel(data: bytes, model: str, channel: str, public_key: Any, now: float | None = None) -> dict[str, Any]:
+    what = f"{model} channel {channel}"
+    doc = parse_json(data, what)
+    check_signature(doc, public_key, what)
+    if public_key is not None and (doc.get("model") != model or doc.get("channel") != channel):
+        raise Refused(f"{what} pointer names {doc.get('model')!r}/{doc.get('channel')!r}")
+    check_expiry(doc, what, now)
+    if not isinstance(doc.get("version"), int) or doc["version"] < 0:
+        raise Refused(f"{what} pointer has no integer version")
+    return doc

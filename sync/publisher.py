@@ -1,0 +1,115 @@
+"""The publisher side: upload a version, move a channel, read the fleet's reports.
+
+``publish`` uploads every file of a version directory, then ``MANIFEST.json`` **last**
+(its presence commits the version), then the index files a read-only (https) mirror
+needs: ``<model>/versions.json`` and ``_models.json``. Versions are immutable: publishing
+over a committed version is refused. Two publishers racing on one model may both pick
+the same next version number; the second one's manifest upload is then refused only if
+it sees the first one's manifest (S3 has no compare-and-swap here) — publish from one
+place per model.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import time
+from typing import Any, Iterable
+
+from .errors import Refused
+from .follower import MODEL_NAME
+from .manifest import MANIFEST, build, channel_doc, dumps, sign
+from .source import MISSING, join
+
+DAY_S = 86400.0
+
+
+def _check_name(model: str) -> None:
+    if not MODEL_NAME.match(model):
+        raise Refused(f"model name {model!r}: use letters, digits, '.', '_' and '-'")
+
+
+def committed_versions(source: Any, model: str) -> list[int]:
+    index = source.read(f"{model}/versions.json")
+    if index.status != MISSING:
+        return sorted(int(v) for v in json.loads(index.data).get("versions", []))
+    listed = [int(v) for v in source.list_dirs(model) if v.isdigit()]
+    return sorted(v for v in listed if source.read(f"{model}/{v}/{MANIFEST}").status != MISSING)
+
+
+def next_version(source: Any, model: str) -> int:
+    """One above every version in the bucket (committed or a leftover partial upload)."""
+    listed = [int(v) for v in source.list_dirs(model) if v.isdigit()] if source.writable else []
+    return max(committed_versions(source, model) + listed, default=0) + 1
+
+
+def publish(source: Any, model: str, directory: str, version: int | None = None, channel: str = "",
+            sign_key: Any = None, publisher: str = "", expires_days: float = 365, compat: Iterable[str] = ()) -> dict[str, Any]:
+    """Upload ``directory`` as ``model``/``version``; returns the manifest written."""
+    _check_name(model)
+    if not os.path.isdir(directory):
+        raise Refused(f"{directory} is not a directory")
+    version = next_version(source, model) if version is None else int(version)
+    if source.read(f"{model}/{version}/{MANIFEST}").status != MISSING:
+        raise Refused(f"{model} version {version} is already published; versions are immutable")
+    expires = time.time() + expires_days * DAY_S if expires_days else 0
+    doc = build(model, version, directory, publisher or _whoami(), expires, compat)
+    if sign_key is not None:
+        doc = sign(doc, sign_key)
+    for entry in doc["files"]:
+        with open(os.path.join(directory, *entry["path"].split("/")), "rb") as f:
+            source.put(join(model, str(version), entry["path"]), f.read())
+    source.put(join(model, str(version), MANIFEST), dumps(doc))  # the commit point
+    _update_indexes(source, model, version)
+    if channel:
+        set_channel(source, model, channel, version, sign_key, expires_days)
+    return doc
+
+
+def _update_indexes(source: Any, model: str, version: int) -> None:
+    versions = sorted(set(committed_versions(source, model)) | {version})
+    source.put(f"{model}/versions.json", dumps({"model": model, "versions": versions, "latest": versions[-1],
+                                                "updated": time.time()}))
+    models = source.read("_models.json")
+    names = set(json.loads(models.data).get("models", [])) if models.status != MISSING else set()
+    if model not in names:
+        source.put("_models.json", dumps({"models": sorted(names | {model}), "updated": time.time()}))
+
+
+def set_channel(source: Any, model: str, channel: str, version: int, sign_key: Any = None,
+                expires_days: float = 365) -> dict[str, Any]:
+    """Point ``channel`` at a committed version (signed when a key is given)."""
+    _check_name(model)
+    if not MODEL_NAME.match(channel):
+        raise Refused(f"channel name {channel!r}: use letters, digits, '.', '_' and '-'")
+    if source.read(f"{model}/{version}/{MANIFEST}").status == MISSING:
+        raise Refused(f"{model} version {version} is not published (no {MANIFEST})")
+    doc = channel_doc(model, channel, version, time.time() + expires_days * DAY_S if expires_days else 0)
+    if sign_key is not None:
+        doc = sign(doc, sign_key)
+    source.put(f"{model}/channels/{channel}.json", dumps(doc))
+    return doc
+
+
+def fleet(source: Any) -> list[dict[str, Any]]:
+    """Every device report under ``_devices/`` (unreadable ones listed with their error)."""
+    reports = []
+    for key in source.list_keys("_devices"):
+        if not key.endswith(".json"):
+            continue
+        fetched = source.read(f"_devices/{key}")
+        try:
+            reports.append(json.loads(fetched.data))
+        except ValueError as exc:
+            reports.append({"device_id": key[:-5], "error": f"unreadable report: {exc}"})
+    return sorted(reports, key=lambda r: str(r.get("device_id")))
+
+
+def _whoami() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"

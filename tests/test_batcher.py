@@ -1,0 +1,320 @@
+"""appliance.batcher.Batcher, driven directly.
+
+A "gated" numpy backend holds its first batch until the test has queued the requests it
+wants merged, so the batches that form are decided by the test, not by timing. One test
+runs a real LiteRT servable (the Keras MLP) from many threads and compares every answer
+with the model called in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pytest
+
+from appliance.batcher import Batcher
+from appliance.config import BatchingConfig
+from appliance.errors import InvalidArgument, QueueFull
+from runtimes import InputFailure
+
+WAIT = 30  # seconds: a hang guard only, never a timing assertion
+
+
+class Gated:
+    """A backend: y = 2x + 1 per row; records every batch; the first batch waits for ``open()``."""
+
+    def __init__(self, fail_when: Callable[[np.ndarray], bool] | None = None):
+        self.batches: list[np.ndarray] = []
+        self.entered = threading.Event()
+        self._gate = threading.Event()
+        self._fail_when = fail_when
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        self._gate.set()
+
+    def __call__(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = inputs["x"]
+        with self._lock:
+            self.batches.append(x.copy())
+        self.entered.set()
+        assert self._gate.wait(WAIT), "the test never opened the gate"
+        if self._fail_when is not None and self._fail_when(x):
+            raise InputFailure("negative values are not allowed")
+        return {"y": 2 * x + 1, "sig": np.full((x.shape[0],), len(signature))}
+
+
+def params(**kw: Any) -> BatchingConfig:
+    base = dict(max_batch_size=32, batch_timeout_micros=1000, max_enqueued_batches=64)
+    base.update(kw)
+    return BatchingConfig(**base)
+
+
+@pytest.fixture
+def batcher_factory():
+    made: list[Batcher] = []
+
+    def make(run: Any, threads: int = 1, **kw: Any) -> Batcher:
+        b = Batcher(run, params(**kw), "test", threads)
+        b.start()
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+class Client(threading.Thread):
+    """One caller of ``submit`` in its own thread; keeps the result or the error."""
+
+    def __init__(self, batcher: Batcher, x: np.ndarray, signature: str = "serving_default"):
+        super().__init__(daemon=True)
+        self.batcher, self.x, self.signature = batcher, x, signature
+        self.result: dict[str, np.ndarray] | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.batcher.submit(self.signature, {"x": self.x})
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+
+    def outcome(self) -> dict[str, np.ndarray]:
+        self.join(WAIT)
+        assert not self.is_alive(), "submit never returned"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def wait_queued(batcher: Batcher, rows: int) -> None:
+    """Until ``rows`` rows wait in the queue (the gated first batch is not counted)."""
+    deadline = threading.Event()
+    for _ in range(WAIT * 100):
+        if batcher.snapshot()["queue_depth_rows"] >= rows:
+            return
+        deadline.wait(0.01)
+    raise AssertionError(f"queue never reached {rows} rows: {batcher.snapshot()}")
+
+
+def hold_first_batch(batcher: Batcher, backend: Gated, x: np.ndarray | None = None) -> Client:
+    """Occupy the only worker with one request, so what comes next queues up."""
+    first = Client(batcher, np.array([[100.0]], np.float32) if x is None else x)
+    assert backend.entered.wait(WAIT)
+    return first
+
+
+def rows(i: int, n: int = 1, width: int = 1) -> np.ndarray:
+    return (np.arange(n * width, dtype=np.float32).reshape(n, width) + 10 * i)
+
+
+def test_concurrent_requests_merge_and_each_gets_its_own_rows(batcher_factory) -> None:
+    backend = Gated()
+    batcher = batcher_factory(backend)
+    first = hold_first_batch(batcher, backend)
+    clients = [Client(batcher, rows(i, n=1 + i % 3)) for i in range(7)]
+    wait_queued(batcher, sum(1 + i % 3 for i in range(7)))
+    backend.open()
+    for i, client in enumerate(clients):
+        out = client.outcome()
+        np.testing.assert_allclose(out["y"], 2 * rows(i, n=1 + i % 3) + 1)
+        assert out["sig"].shape == (1 + i % 3,)
+    np.testing.assert_allclose(first.outcome()["y"], [[201.0]])
+    assert len(backend.batches) == 2 < 8, [b.shape for b in backend.batches]  # 8 requests, 2 backend calls
+    assert backend.batches[1].shape[0] == sum(1 + i % 3 for i in range(7))
+    snap = batcher.snapshot()
+    assert snap["batches"] == 2 and snap["rows"] == 1 + sum(1 + i % 3 for i in range(7))
+
+
+def test_requests_of_different_shapes_are_not_merged(batcher_factory) -> None:
+    backend = Gated()
+    batcher = batcher_factory(backend)
+    first = hold_first_batch(batcher, backend)
+    narrow = [Client(batcher, rows(i, width=2)) for i in range(2)]
+    wide = [Client(batcher, rows(i, width=3)) for i in range(2)]
+    wait_queued(batcher, 4)
+    backend.open()
+    for i, c in enumerate(narrow):
+        np.testing.assert_allclose(c.outcome()["y"], 2 * rows(i, width=2) + 1)
+    for i, c in enumerate(wide):
+        np.testing.assert_allclose(c.outcome()["y"], 2 * rows(i, width=3) + 1)
+    first.outcome()
+    widths = sorted(b.shape for b in backend.batches[1:])
+    assert widths == [(2, 2), (2, 3)]
+
+
+def test_requests_of_different_signatures_are_not_merged(batcher_factory) -> None:
+    backend = Gated()
+    batcher = batcher_factory(backend)
+    first = hold_first_batch(batcher, backend)
+    a = Client(batcher, rows(1), "a")
+    bb = Client(batcher, rows(2), "bb")
+    wait_queued(batcher, 2)
+    backend.open()
+    assert a.outcome()["sig"].tolist() == [1.0] and bb.outcome()["sig"].tolist() == [2.0]
+    first.outcome()
+    assert len(backend.batches) == 3
+
+
+def test_allowed_batch_sizes_pad_and_padding_is_dropped(batcher_factory) -> None:
+    backend = Gated()
+    batcher = batcher_factory(backend, max_batch_size=8, allowed_batch_sizes=[4, 8])
+    first = hold_first_batch(batcher, backend)  # 1 row, padded to 4
+    clients = [Client(batcher, rows(i, n=2)) for i in range(2)] + [Client(batcher, rows(5))]
+    wait_queued(batcher, 5)
+    backend.open()
+    for i, c in enumerate(clients[:2]):
+        out = c.outcome()
+        assert out["y"].shape == (2, 1)
+        np.testing.assert_allclose(out["y"], 2 * rows(i, n=2) + 1)
+    np.testing.assert_allclose(clients[2].outcome()["y"], 2 * rows(5) + 1)
+    assert first.outcome()["y"].shape == (1, 1)
+    assert [b.shape[0] for b in backend.batches] == [4, 8]  # 1 -> 4 and 5 -> 8 rows
+    assert batcher.snapshot()["padded_rows"] == 3 + 3
+
+
+def test_a_request_over_max_batch_size_is_split(batcher_factory) -> None:
+    backend = Gated()
+    backend.open()
+    batcher = batcher_factory(backend, max_batch_size=4)
+    x = rows(0, n=10)
+    out = batcher.submit("serving_default", {"x": x})
+    np.testing.assert_allclose(out["y"], 2 * x + 1)
+    assert out["sig"].shape == (10,)
+    assert sorted(b.shape[0] for b in backend.batches) == [2, 4, 4]
+    assert all(b.shape[0] <= 4 for b in backend.batches)
+
+
+def test_a_request_over_max_batch_size_is_refused_without_splitting(batcher_factory) -> None:
+    backend = Gated()
+    backend.open()
+    batcher = batcher_factory(backend, max_batch_size=4, split_large_requests=False)
+    with pytest.raises(InvalidArgument) as info:
+        batcher.submit("serving_default", {"x": rows(0, n=5)})
+    assert info.value.http_status == 400
+    assert "max_batch_size" in info.value.message
+    assert backend.batches == []
+    out = batcher.submit("serving_default", {"x": rows(0, n=4)})  # at the limit: fine
+    np.testing.assert_allclose(out["y"], 2 * rows(0, n=4) + 1)
+
+
+def test_full_queue_refuses_at_once(batcher_factory) -> None:
+    backend = Gated()
+    batcher = batcher_factory(backend, max_batch_size=2, max_enqueued_batches=1)  # room for 2 queued rows
+    first = hold_first_batch(batcher, backend)
+    queued = [Client(batcher, rows(i)) for i in range(2)]
+    wait_queued(batcher, 2)
+    refused = Client(batcher, rows(9))
+    with pytest.raises(QueueFull) as info:
+        refused.outcome()  # returns while the worker is still held: it did not wait for room
+    assert info.value.http_status == 503 and info.value.retry_after
+    assert batcher.snapshot()["rejected_full"] == 1
+    backend.open()
+    for i, c in enumerate(queued):
+        np.testing.assert_allclose(c.outcome()["y"], 2 * rows(i) + 1)
+    first.outcome()
+    np.testing.assert_allclose(batcher.submit("s", {"x": rows(3)})["y"], 2 * rows(3) + 1)  # room again
+
+
+def test_a_bad_member_fails_alone(batcher_factory) -> None:
+    backend = Gated(fail_when=lambda x: bool((x < 0).any()))
+    batcher = batcher_factory(backend)
+    first = hold_first_batch(batcher, backend)
+    good1 = Client(batcher, rows(1, n=2))
+    bad = Client(batcher, -rows(2) - 1)
+    good2 = Client(batcher, rows(3))
+    wait_queued(batcher, 4)
+    backend.open()
+    np.testing.assert_allclose(good1.outcome()["y"], 2 * rows(1, n=2) + 1)
+    np.testing.assert_allclose(good2.outcome()["y"], 2 * rows(3) + 1)
+    with pytest.raises(InvalidArgument) as info:
+        bad.outcome()
+    assert "negative" in info.value.message
+    first.outcome()
+    assert backend.batches[1].shape[0] == 4  # they were merged, then retried one by one
+
+
+def test_a_backend_bug_is_an_error_not_a_dead_worker(batcher_factory) -> None:
+    calls = []
+
+    def run(signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(inputs["x"].shape)
+        if len(calls) == 1:
+            raise ZeroDivisionError("boom")
+        return {"y": inputs["x"] * 3}
+
+    batcher = batcher_factory(run)
+    with pytest.raises(Exception) as info:
+        batcher.submit("s", {"x": rows(0)})
+    assert getattr(info.value, "http_status", None) == 500
+    np.testing.assert_allclose(batcher.submit("s", {"x": rows(1)})["y"], 3 * rows(1))
+
+
+def test_a_lone_request_does_not_wait_for_the_batch_timeout(batcher_factory) -> None:
+    backend = Gated()
+    backend.open()
+    batcher = batcher_factory(backend, batch_timeout_micros=600_000_000)  # ten minutes
+    x = rows(4, n=3)
+    out = batcher.submit("serving_default", {"x": x}, timeout=WAIT)  # would raise if it waited
+    np.testing.assert_allclose(out["y"], 2 * x + 1)
+    assert [b.shape[0] for b in backend.batches] == [3]
+    assert batcher.snapshot()["batches"] == 1
+
+
+def test_unbatchable_inputs_run_directly(batcher_factory) -> None:
+    """A scalar input cannot be split by rows: it bypasses the queue and still gets its answer."""
+    seen = []
+
+    def run(signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        seen.append(inputs["x"].shape)
+        return {"y": inputs["x"] + 1}
+
+    batcher = batcher_factory(run)
+    out = batcher.submit("s", {"x": np.float32(2.0) * np.ones((), np.float32)})
+    assert float(out["y"]) == 3.0 and seen == [()]
+
+
+def test_close_finishes_what_is_queued(batcher_factory) -> None:
+    backend = Gated()
+    batcher = batcher_factory(backend)
+    first = hold_first_batch(batcher, backend)
+    queued = [Client(batcher, rows(i)) for i in range(3)]
+    wait_queued(batcher, 3)
+    closer = threading.Thread(target=batcher.close)
+    closer.start()
+    backend.open()
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    for i, c in enumerate(queued):
+        np.testing.assert_allclose(c.outcome()["y"], 2 * rows(i) + 1)
+    first.outcome()
+
+
+def test_real_litert_servable_under_concurrency(models_dir: Path, batcher_factory) -> None:
+    from runtimes import TFLiteBackend
+    from tests.modelgen import reference_predict_tflite
+    from tests.test_runtimes import mlp_tflite
+
+    tflite = mlp_tflite(models_dir)
+    servable = TFLiteBackend().load(os.path.dirname(tflite), {"num_threads": 1, "pool_size": 2})
+    try:
+        batcher = batcher_factory(servable.run, threads=2, max_batch_size=16)
+        rng = np.random.default_rng(7)
+        inputs = [rng.standard_normal((1 + i % 4, 64)).astype(np.float32) for i in range(24)]
+        clients = [Client(batcher, x) for x in inputs]
+        for x, c in zip(inputs, clients):
+            got = c.outcome()["probs"]
+            want = reference_predict_tflite(tflite, {"x": x})["probs"]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        snap = batcher.snapshot()
+        assert snap["rows"] == sum(len(x) for x in inputs)
+    finally:
+        batcher.close()
+        servable.close()
