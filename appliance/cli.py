@@ -37,14 +37,18 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _embedded_default(config: Config) -> None:
+def _embedded_default(config: Config) -> bool:
     """No models configured: serve the bundled sample from a folder in the state directory."""
-    if config.models or config.models_dir:
-        return
+    if config.models or config.models_dir or config.sync.bucket:
+        return False
     target = os.path.join(config.state_dir, "models")
     if not os.path.isdir(target) or not os.listdir(target):
         shutil.copytree(SAMPLE_DIR, target, dirs_exist_ok=True)
     config.models_dir = target
+    return True
+
+
+SAMPLE_CURL = "curl -d '{{\"instances\": [1.0, 2.0, 5.0]}}' {url}/v1/models/half_plus_two:predict"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -52,7 +56,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = _serve_overrides(args)
     config = load_config(args.config, overrides)
-    _embedded_default(config)
+    if _embedded_default(config):
+        shown = "localhost" if config.server.host in ("0.0.0.0", "::", "") else config.server.host
+        url = f"http://{shown}:{config.server.port}"
+        print(f"serving the bundled sample model; status page: {url}/\ntry: {SAMPLE_CURL.format(url=url)}",
+              file=sys.stderr, flush=True)
     return main(config, args.config, overrides)
 
 

@@ -124,3 +124,175 @@ def wait(predicate: Any, timeout: float = 60, what: str = "condition") -> Any:
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class TCPProxy:
+    """A loopback TCP forwarder: ``down()`` closes the port (the bucket is unreachable),
+    ``up()`` listens again on the same port. Real sockets, so clients see real errors."""
+
+    def __init__(self, target_port: int):
+        import socket
+
+        self.target_port = target_port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._listener: Any = None
+        self._threads: list[threading.Thread] = []
+        self._conns: list[Any] = []
+        self._lock = threading.Lock()
+
+    def up(self) -> "TCPProxy":
+        import socket
+
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        self._spawn(self._accept, listener)
+        return self
+
+    def down(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(10)
+        self._threads = []
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, name="tcp-proxy", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _accept(self, listener: Any) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._conns += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True, name="tcp-proxy").start()
+            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True, name="tcp-proxy").start()
+
+    @staticmethod
+    def _pipe(a: Any, b: Any) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (and its key), made with ``cryptography``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+class StaticHTTPS:
+    """A static HTTPS file server over a folder: ETag + If-None-Match (304), Range (206)."""
+
+    def __init__(self, root: Path, cert: Path, key: Path):
+        import http.server
+        import ssl
+
+        outer = self
+        self.root = root
+        self.requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer.requests += 1
+                from urllib.parse import unquote
+
+                rel = unquote(self.path.split("?")[0]).lstrip("/")
+                path = (outer.root / rel).resolve()
+                if not str(path).startswith(str(outer.root.resolve())) or not path.is_file():
+                    self._send(404, b"not found")
+                    return
+                st = path.stat()
+                etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
+                if self.headers.get("If-None-Match") == etag:
+                    self._send(304, b"", etag)
+                    return
+                data = path.read_bytes()
+                rng = self.headers.get("Range", "")
+                if rng.startswith("bytes=") and rng.endswith("-"):
+                    start = int(rng[6:-1])
+                    if start >= len(data):
+                        self._send(416, b"")
+                        return
+                    self._send(206, data[start:], etag, f"bytes {start}-{len(data) - 1}/{len(data)}")
+                    return
+                self._send(200, data, etag)
+
+            def _send(self, code: int, body: bytes, etag: str = "", content_range: str = "") -> None:
+                self.send_response(code)
+                if etag:
+                    self.send_header("ETag", etag)
+                if content_range:
+                    self.send_header("Content-Range", content_range)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="static-https", daemon=True)
+
+    def start(self) -> "StaticHTTPS":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
