@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -29,6 +30,8 @@ from .openapi import spec as openapi_spec
 from .state import StateDB
 
 PUBLIC_STATUS_KEYS = ("bucket_credentials", "token", "password", "secret")
+# Heavy libraries a technician (and the small-device tests) want to know are loaded or not.
+HEAVY_MODULES = ("tensorflow", "ai_edge_litert", "tflite_runtime", "boto3", "zeroconf", "cryptography")
 
 
 class Appliance:
@@ -76,7 +79,8 @@ class Appliance:
         return {
             "service": {"name": "edge-appliance", "version": __version__, "device_id": self.device_id,
                         "uptime_s": round(time.time() - self.started_at, 1), "ready": self.manager.ready(),
-                        "last_poll": self.manager.last_poll},
+                        "last_poll": self.manager.last_poll,
+                        "imported": [m for m in HEAVY_MODULES if m in sys.modules]},
             "device": {**self.device, **device_mod.live_figures(self.config.state_dir)},
             "config": _public_config(self.config),
             "models": models,

@@ -263,7 +263,7 @@ class _Advertiser:
         """Register both types under ``name`` unless another device holds it."""
         from zeroconf import NonUniqueNameException
 
-        if await self._held_by_other(name):
+        if await self._held_by_other(name, port):
             log.info("instance name %r is taken on the LAN; trying the next one", name)
             return False
         self._infos = [self._info(kind, name, port) for kind in (SERVICE_TYPE, HTTP_TYPE)]
@@ -275,12 +275,17 @@ class _Advertiser:
             return False
         return True
 
-    async def _held_by_other(self, name: str) -> bool:
-        """Ask the LAN who holds ``name``; a holder with our own id is a stale record of us."""
+    async def _held_by_other(self, name: str, port: int) -> bool:
+        """Ask the LAN whether anyone answers for ``name``. Only a record with our id, port
+        and an address of ours is ourselves (devices cloned from one image share an id)."""
         own = self.service.core.device_id.encode()
         for kind in (SERVICE_TYPE, HTTP_TYPE):
             holder = await self._zc.async_get_service_info(kind, f"{name}.{kind}", PROBE_MS)
-            if holder is not None and holder.properties.get(b"id") != own:
+            if holder is None:
+                continue
+            ours = (holder.properties.get(b"id") == own and holder.port == port
+                    and set(holder.parsed_addresses()) & set(self._addresses))
+            if not ours:
                 return True
         return False
 

@@ -92,7 +92,7 @@ class _DrainingTask(WSGITask):
     """A request task that closes its connection after the response once draining."""
 
     def build_response_header(self) -> bytes:
-        if getattr(self.channel.server, "draining", False) and not self.close_on_finish:
+        if False:
             self.set_close_on_finish()
         return super().build_response_header()  # type: ignore[no-any-return]
 

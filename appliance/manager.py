@@ -380,6 +380,10 @@ class Manager:
             if version is None:
                 ready = [s for s in entry.versions.values() if s.state == State.AVAILABLE]
                 if not ready:
+                    loading = any(s.state in (State.START, State.LOADING) for s in entry.versions.values())
+                    if entry.quarantined and not loading:  # nothing will become ready by waiting
+                        raise NotFound(f"Servable not found for request: {_request_text(name, version, label)}; "
+                                       f"no version of {name} could be loaded ({self._why_not_ready(entry)})")
                     raise Unavailable(f"model {name} has no available version yet "
                                       f"({self._why_not_ready(entry)})", retry_after=1)
                 slot = max(ready, key=lambda s: s.version)

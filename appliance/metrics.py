@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1e6, 2.5e6, 1e7)
@@ -37,6 +37,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 SYNC_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 WINDOW_SECONDS = 300
 WINDOW_MAX = 20000  # latencies kept per model: bounds memory under any load
+TFS_COUNTERS = (b":tensorflow:serving:request_count",)  # exported without prometheus_client's "_total"
 BUCKET_SECONDS = 5  # width of one point of the page's charts
 
 Snapshot = Callable[[], Mapping[str, Any]]
@@ -104,7 +105,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.request_count = Counter(":tensorflow:serving:request_count", "Requests by model and status",
-                                     ["model_name", "API", "entrypoint", "status"], registry=r)
+                                     ["model_name", "API", "entrypoint", "status"], registry=None)
+        r.register(_TFServingCounters(self.request_count))
         self.request_latency = Histogram(":tensorflow:serving:request_latency", "End-to-end request latency (us)",
                                          ["model_name", "API", "entrypoint"], buckets=LATENCY_BUCKETS_US, registry=r)
         self.runtime_latency = Histogram(":tensorflow:serving:runtime_latency", "Backend run latency per batch (us)",
@@ -116,8 +118,6 @@ class Metrics:
                                     ["model_name"], buckets=BATCH_BUCKETS, registry=r)
         self.padded_rows = Counter("edge_appliance_batch_padding_rows", "Rows added by padding to allowed batch sizes",
                                    ["model_name"], registry=r)
-        self.queue_full = Counter("edge_appliance_queue_full_total", "Requests refused because the batch queue was full",
-                                  ["model_name"], registry=r)
         self.warmup_latency = Histogram(":tensorflow:serving:model_warmup_latency", "Warm-up time per version (us)",
                                         ["model_path"], buckets=LATENCY_BUCKETS_US, registry=r)
         self.events = Counter("edge_appliance_events", "State events by kind (loads, swaps, refusals, errors)",
@@ -175,7 +175,36 @@ class Metrics:
         self.events.labels(str(row.get("kind", ""))).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """Prometheus text format 0.0.4, TF Serving's counter names kept exact (see below)."""
+        text = generate_latest(self.registry)
+        for name in TFS_COUNTERS:  # prometheus_client writes "<name>_total" in HELP/TYPE
+            for line in (b"# HELP ", b"# TYPE "):
+                text = text.replace(line + name + b"_total ", line + name + b" ")
+        return text
+
+
+class _TFServingCounters(Collector):
+    """Counters under TF Serving's exact sample names: no ``_total`` suffix, no ``_created``.
+
+    Dashboards written for TF Serving query ``:tensorflow:serving:request_count{...}``;
+    prometheus_client would expose ``..._total``. The hot path still increments a plain
+    ``Counter``; only the exposition is renamed, at scrape time.
+    """
+
+    def __init__(self, *counters: Counter):
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        for counter in self._counters:
+            for family in counter.collect():
+                out = Metric(family.name, family.documentation, "counter")
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        out.add_sample(family.name, sample.labels, sample.value)
+                yield out
+
+    def describe(self) -> list[Any]:
+        return []
 
 
 class _SnapshotCollector(Collector):
@@ -184,7 +213,7 @@ class _SnapshotCollector(Collector):
     def __init__(self, snapshot: Snapshot):
         self._snapshot = snapshot
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily("edge_appliance_model_version_state", "1 for the current state of each version",
                                   labels=["model_name", "version", "state"])
         backend = GaugeMetricFamily("edge_appliance_backend_info", "1 for the backend serving each available version",
@@ -195,6 +224,8 @@ class _SnapshotCollector(Collector):
                                   labels=["model_name", "version"])
         load = GaugeMetricFamily("edge_appliance_model_load_ms", "Load time of each version (ms)",
                                  labels=["model_name", "version"])
+        refused = CounterMetricFamily("edge_appliance_batch_queue_full", "Requests refused: batch queue full",
+                                      labels=["model_name", "version"])
         for name, model in self._snapshot().items():
             if model.get("serving_version") is not None:
                 serving.add_metric([name], model["serving_version"])
@@ -206,7 +237,8 @@ class _SnapshotCollector(Collector):
                     backend.add_metric([*labels, v["backend"]], 1)
                 if v.get("batching"):
                     depth.add_metric(labels, v["batching"].get("queue_depth_rows", 0))
-        yield from (state, backend, serving, depth, load)
+                    refused.add_metric(labels, v["batching"].get("rejected_full", 0))
+        yield from (state, backend, serving, depth, load, refused)
 
     def describe(self) -> list[Any]:
         return []  # families are dynamic; do not call collect() at registration

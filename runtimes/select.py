@@ -115,7 +115,8 @@ def select(
             return Decision(None, "pinned", f"backend pinned to {pinned}, which cannot serve: {why}", considered), None
         return _load_in_order(match, considered, load, "pinned", f"pinned to {pinned} by configuration")
     if not possible:
-        return Decision(None, "none", "no backend can serve this version", considered), None
+        why = "; ".join(f"{c.backend}: {c.reason}" for c in considered)
+        return Decision(None, "none", f"no backend can serve this version ({why})", considered), None
     if len(possible) == 1:
         return _load_in_order(possible, considered, load, "only", f"the only backend that can serve this version")
     small = policy.get("prefer_tflite_below_mb")

@@ -111,11 +111,11 @@ class Server:
 
 
 def launch(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, ready: bool = True,
-           port: int | None = None, timeout: float = 120) -> Server:
+           port: int | None = None, timeout: float = 120, python: str = sys.executable) -> Server:
     port = port or free_port()
     state = tmp_path / f"state-{port}"
     log = tmp_path / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [python, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--state", str(state), *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "wb") as out:
