@@ -45,9 +45,9 @@ async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 
 
 async def _client(host: str, port: int, request: bytes, stop: float, record: list, errors: dict,
-                  measure_from: float, expect: bytes | None) -> None:
+                  measure_from: float, expect: bytes | None, max_requests: int = 0) -> None:
     reader = writer = None
-    while time.perf_counter() < stop:
+    while time.perf_counter() < stop and not (max_requests and len(record) >= max_requests):
         try:
             if writer is None:
                 reader, writer = await asyncio.open_connection(host, port)
@@ -79,7 +79,8 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 async def run(url: str, body: bytes, concurrency: int, duration: float, warmup: float,
-              expect: bytes | None = None) -> dict:
+              expect: bytes | None = None, max_requests: int = 0) -> dict:
+    """One closed-loop run; stops after ``duration`` s of measurement or ``max_requests`` OK replies."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     check_loopback(host)
@@ -92,12 +93,13 @@ async def run(url: str, body: bytes, concurrency: int, duration: float, warmup: 
     errors: dict[str, int] = {}
     cpu0 = None
     await asyncio.sleep(0)
-    tasks = [asyncio.create_task(_client(host, port, request, stop, record, errors, measure_from, expect))
-             for _ in range(concurrency)]
+    tasks = [asyncio.create_task(_client(host, port, request, stop, record, errors, measure_from, expect,
+                                         max_requests)) for _ in range(concurrency)]
     await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
     cpu0 = _cpu()
     await asyncio.gather(*tasks)
     cpu = _cpu() - cpu0
+    duration = min(duration, time.perf_counter() - measure_from)
     lat = sorted(record)
     return {
         "concurrency": concurrency, "ok": len(lat), "errors": sum(errors.values()), "error_kinds": errors,
