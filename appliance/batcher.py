@@ -17,7 +17,13 @@ tasks (or refused with 400 when ``split_large_requests`` is off). The queue is b
 at once (HTTP 503 + Retry-After) instead of letting memory grow. If a batch fails on bad
 input and holds several requests, each is retried alone so one bad member fails alone.
 
-Thread-safety: ``submit`` may be called from any thread; ``start``/``close`` once each.
+Execution is leader/follower, with no thread of its own: the thread that submits a
+request runs the batch itself when one of the ``num_batch_threads`` execution slots is
+free (no hand-off to another thread, so a lone request pays no wake-up latency). Otherwise
+it sleeps; a leader whose own request is answered hands its slot to the thread of the
+oldest queued request, which then runs everything queued as the next batch.
+
+Thread-safety: ``submit`` may be called from any thread; ``start``/``close`` are idempotent.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class _Task:
-    __slots__ = ("signature", "inputs", "rows", "done", "result", "error", "enqueued", "parent", "index")
+    __slots__ = ("signature", "inputs", "rows", "wake", "done", "lead", "result", "error", "enqueued")
 
     def __init__(self, signature: str, inputs: Mapping[str, np.ndarray], rows: int):
         self.signature, self.inputs, self.rows = signature, inputs, rows
-        self.done = threading.Event()
+        self.wake = threading.Event()  # set when done, or when this task's thread is handed the lead
+        self.done = False
+        self.lead = False
         self.result: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
         self.enqueued = time.perf_counter()
@@ -97,35 +105,29 @@ class Batcher:
         self._cond = threading.Condition()
         self._queues: dict[tuple, collections.deque[_Task]] = {}
         self._queued_rows = 0
-        self._busy = 0
+        self._busy = 0  # execution slots in use (leaders running a batch)
         self._closed = False
         self._frozen = False
-        self._workers: list[threading.Thread] = []
         self.stats = BatchStats()
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        with self._cond:
-            if self._workers or self._closed:
-                return
-            for i in range(self._threads_wanted):
-                t = threading.Thread(target=self._work, name=f"batch-{self.name}-{i}", daemon=True)
-                self._workers.append(t)
-                t.start()
+        """Nothing to start: requests run on their own threads (kept for lifecycle symmetry)."""
 
-    def close(self) -> None:
-        """Finish what is queued, then stop the workers. Idempotent."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new requests and wait (bounded) for the queued ones to finish. Idempotent."""
+        deadline = time.monotonic() + timeout
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
-        for t in self._workers:
-            t.join(timeout=30)
+            while (self._queued_rows or self._busy) and time.monotonic() < deadline:
+                self._cond.wait(0.05)
 
     def freeze(self, frozen: bool) -> None:
         """Test hook: stop taking batches (simulates a wedged backend for the watchdog)."""
         with self._cond:
             self._frozen = frozen
-            self._cond.notify_all()
+            if not frozen:
+                self._hand_over()
 
     def stalled(self, after_s: float) -> bool:
         """True when rows have waited and no batch finished for ``after_s`` seconds."""
@@ -149,8 +151,7 @@ class Batcher:
                  for i in range(0, rows, limit)]
         self._enqueue(tasks)
         for task in tasks:
-            if not task.done.wait(timeout):
-                raise Unavailable("the batch did not run within the request timeout", retry_after=1)
+            self._await(task, timeout)
             if task.error is not None:
                 raise task.error
         if len(tasks) == 1:
@@ -181,41 +182,78 @@ class Batcher:
             for task in tasks:
                 self._queues.setdefault(self._group(task), collections.deque()).append(task)
             self._queued_rows += rows
-            self._cond.notify(len(tasks))
 
-    # -- worker side -------------------------------------------------------------------
-    def _take(self) -> list[_Task] | None:
-        """Pop the oldest group's tasks up to max_batch_size rows; None when closing and empty."""
+    # -- execution (leader/follower) ------------------------------------------------------
+    def _await(self, task: _Task, timeout: float | None) -> None:
+        """Return once ``task`` is done, running batches on this thread whenever it leads."""
         with self._cond:
-            while True:
-                if not self._frozen:
-                    ready = [q for q in self._queues.values() if q]
-                    if ready:
-                        break
-                    if self._closed:
-                        return None
-                self._cond.wait()
-            queue = min(ready, key=lambda q: q[0].enqueued)
-            batch, rows = [], 0
-            while queue and rows + queue[0].rows <= self.params.max_batch_size:
-                task = queue.popleft()
-                batch.append(task)
-                rows += task.rows
-            self._queued_rows -= rows
-            self._busy += 1
-            return batch
-
-    def _work(self) -> None:
+            if not self._frozen and self._busy < self._threads_wanted:
+                self._busy += 1  # a free slot: lead at once, no hand-off
+                task.lead = True
         while True:
-            batch = self._take()
-            if batch is None:
+            if task.lead:
+                self._lead(task)
                 return
-            try:
-                self._execute(batch)
-            finally:
+            if not task.wake.wait(timeout):
                 with self._cond:
+                    if self._unqueue(task):
+                        raise Unavailable("the batch did not run within the request timeout", retry_after=1)
+                task.wake.wait()
+            if task.done:
+                return
+
+    def _lead(self, own: _Task) -> None:
+        """Run batches (oldest group first) until ``own`` is answered, then pass the slot on."""
+        while True:
+            with self._cond:
+                # Done, frozen, or own request already taken into another leader's batch: free the slot.
+                if own.done or self._frozen or not any(self._queues.values()):
+                    own.lead = False
+                    own.wake.clear()
                     self._busy -= 1
-                self.stats.last_progress = time.monotonic()
+                    self._hand_over()
+                    if own.done:
+                        return
+                    break  # wait like a follower
+                batch = self._pop_batch()
+            self._execute(batch)
+            self.stats.last_progress = time.monotonic()
+        own.wake.wait()
+        if own.lead:
+            self._lead(own)
+
+    def _hand_over(self) -> None:
+        """Under the lock: give free slots to the threads of the oldest queued tasks."""
+        while not self._frozen and self._busy < self._threads_wanted:
+            waiting = [t for q in self._queues.values() for t in q if not t.lead]
+            if not waiting:
+                break
+            task = min(waiting, key=lambda t: t.enqueued)
+            task.lead = True
+            self._busy += 1
+            task.wake.set()
+        if self._closed and not self._queued_rows and not self._busy:
+            self._cond.notify_all()
+
+    def _pop_batch(self) -> list[_Task]:
+        """Under the lock: the oldest group's tasks, up to max_batch_size rows."""
+        ready = [q for q in self._queues.values() if q]
+        queue = min(ready, key=lambda q: q[0].enqueued)
+        batch, rows = [], 0
+        while queue and rows + queue[0].rows <= self.params.max_batch_size:
+            task = queue.popleft()
+            batch.append(task)
+            rows += task.rows
+        self._queued_rows -= rows
+        return batch
+
+    def _unqueue(self, task: _Task) -> bool:
+        for queue in self._queues.values():
+            if task in queue:
+                queue.remove(task)
+                self._queued_rows -= task.rows
+                return True
+        return False
 
     def _padded_size(self, rows: int) -> int:
         for size in self.params.allowed_batch_sizes:
@@ -276,7 +314,7 @@ class Batcher:
     def _split(self, batch: list[_Task], outputs: dict[str, np.ndarray], padded: int) -> None:
         if len(batch) == 1 and padded == batch[0].rows:  # nothing to split: any output shape is fine
             batch[0].result = outputs
-            batch[0].done.set()
+            _finish(batch[0])
             return
         for name, value in outputs.items():
             if value.ndim == 0 or value.shape[0] != padded:
@@ -286,13 +324,18 @@ class Batcher:
         for task in batch:
             task.result = {k: v[offset:offset + task.rows] for k, v in outputs.items()}
             offset += task.rows
-            task.done.set()
+            _finish(task)
 
     @staticmethod
     def _fail(batch: list[_Task], error: BaseException) -> None:
         for task in batch:
             task.error = error
-            task.done.set()
+            _finish(task)
+
+
+def _finish(task: _Task) -> None:
+    task.done = True
+    task.wake.set()
 
 
 def _pad_trailing(parts: list[np.ndarray]) -> list[np.ndarray]:
