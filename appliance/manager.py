@@ -250,8 +250,10 @@ class Manager:
     def _backend_options(self, name: str, version: int) -> dict[str, dict[str, Any]]:
         rt = self.config.runtime
         threads = self.config.batching.num_batch_threads or self.device.get("cpu_count", 1)
+        cpus = self.device.get("cpu_count", 1)
         tflite = {
-            "num_threads": rt.tflite.num_threads or self.device.get("cpu_count", 1),
+            # Batch slots run side by side: give each interpreter its share of the cores, not all of them.
+            "num_threads": rt.tflite.num_threads or max(1, cpus // threads),
             "delegate": rt.tflite.delegate,
             "gpu_delegate_path": rt.tflite.gpu_delegate_path,
             "edgetpu_delegate_path": rt.tflite.edgetpu_delegate_path,
