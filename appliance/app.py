@@ -108,7 +108,7 @@ def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
     core = appliance or Appliance(config)
     app.extensions["appliance"] = core
-    app.register_blueprint(rest.bp)
+    app.wsgi_app = rest.V1API(app.wsgi_app, core)  # type: ignore[method-assign]  # /v1 skips Flask
     _register_service_routes(app, core)
     _register_errors(app)
     try:

@@ -10,13 +10,15 @@ signature or label is 400 (INVALID_ARGUMENT in TF Serving). Every error body is
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import time
+from http import HTTPStatus
 from typing import Any, Callable
 from urllib.parse import unquote
 
 import numpy as np
-from flask import Blueprint, Response, current_app, request
+from flask import Response
 
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 
@@ -30,21 +32,72 @@ GET_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/lab
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
 JSON = "application/json"
+log = logging.getLogger("appliance.rest")
 
-bp = Blueprint("tfserving", __name__)
+class V1API:
+    """WSGI middleware that answers ``/v1/...`` itself and hands every other path to Flask.
+
+    The inference path is the hot path: skipping Flask's request context, routing and
+    response objects halves the Python work per request. ``dispatch`` is the whole API:
+    (method, raw path, body reader) -> (status, JSON bytes, extra headers).
+    """
+
+    def __init__(self, fallback: Callable[..., Any], core: Any):
+        self.fallback = fallback
+        self.core = core
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        path = environ.get("PATH_INFO", "")
+        if not (path.startswith("/v1/") or path == "/v1"):
+            return self.fallback(environ, start_response)
+        status, body, headers = self.dispatch(environ)
+        start_response(_STATUS_LINES.get(status) or f"{status} {HTTPStatus(status).phrase}",
+                       [("Content-Type", JSON), ("Content-Length", str(len(body))), *headers])
+        return [body]
+
+    def dispatch(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
+        method = environ.get("REQUEST_METHOD", "GET")
+        path = _raw_path(environ)
+        verb, name, started = "", "", time.perf_counter()
+        try:
+            if method == "POST":
+                match = POST_RE.fullmatch(path)
+                if match is None or match.group(4) not in VERBS:
+                    raise InvalidArgument(f"Malformed request: {method} {path}")
+                verb, name = match.group(4), match.group(1)
+                model, version, label = _parse(match)
+                name = model
+                body = VERBS[verb](self.core.manager, _read_json(environ, self.core.config.server.max_body_bytes),
+                                   model, version, label)
+                self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
+                return 200, body, []
+            match = GET_RE.fullmatch(path) if method == "GET" else None
+            if match is None:
+                raise InvalidArgument(f"Malformed request: {method} {path}")
+            model, version, label = _parse(match)
+            if match.group(4) == "metadata":
+                return 200, _metadata(self.core.manager, model, version, label), []
+            return 200, _status(self.core.manager, model, version, label), []
+        except Exception as exc:  # every failure becomes {"error": ...}; never a stack trace
+            error = exc if isinstance(exc, ApplianceError) else _unexpected(exc)
+            if verb:
+                self.core.metrics.observe_request(name, verb, error.http_status, time.perf_counter() - started)
+            headers = [("Retry-After", str(int(error.retry_after)))] if error.retry_after else []
+            return error.http_status, tfs_json.dumps({"error": error.message}), headers
 
 
-def json_response(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(body, status=status, mimetype=JSON, headers=headers)
+def _unexpected(exc: Exception) -> ApplianceError:
+    log.exception("unhandled error in the REST API")
+    return ApplianceError(f"internal error: {type(exc).__name__}")
+
+
+_STATUS_LINES = {code: f"{code} {HTTPStatus(code).phrase}" for code in (200, 400, 404, 405, 413, 429, 500, 501, 503)}
 
 
 def error_response(exc: ApplianceError) -> Response:
+    """A Flask response for the routes outside /v1 (health, status, unknown paths)."""
     headers = {"Retry-After": str(int(exc.retry_after))} if exc.retry_after else None
-    return json_response(tfs_json.dumps({"error": exc.message}), exc.http_status, headers)
-
-
-def _appliance() -> Any:
-    return current_app.extensions["appliance"]
+    return Response(tfs_json.dumps({"error": exc.message}), status=exc.http_status, mimetype=JSON, headers=headers)
 
 
 def _parse(match: re.Match[str]) -> tuple[str, int | None, str | None]:
@@ -59,39 +112,17 @@ def _parse(match: re.Match[str]) -> tuple[str, int | None, str | None]:
     return unquote(name), parsed_version, unquote(label) if label is not None else None
 
 
-def _raw_path() -> str:
-    """The path as TF Serving matches it: undecoded, with the query string attached."""
-    raw = request.environ.get("RAW_URI") or request.environ.get("REQUEST_URI")
+def _raw_path(environ: dict[str, Any]) -> str:
+    """The path as TF Serving matches it: undecoded when the server gives it, with the query."""
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
     if raw:
         return raw
-    query = request.query_string.decode("latin-1")
-    return request.path + (f"?{query}" if query else "")
-
-
-@bp.route("/v1/", defaults={"rest": ""}, methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"])
-@bp.route("/v1/<path:rest>", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"])
-def v1(rest: str) -> Response:
-    path = _raw_path()
-    malformed = InvalidArgument(f"Malformed request: {request.method} {path}")
-    if request.method == "POST":
-        match = POST_RE.fullmatch(path)
-        if match is None or match.group(4) not in ("predict", "classify", "regress"):
-            raise malformed
-        return _inference(match)
-    if request.method == "GET":
-        match = GET_RE.fullmatch(path)
-        if match is None:
-            raise malformed
-        name, version, label = _parse(match)
-        if match.group(4) == "metadata":
-            return _metadata(name, version, label)
-        return _status(name, version, label)
-    raise malformed
+    query = environ.get("QUERY_STRING", "")
+    return environ.get("PATH_INFO", "") + (f"?{query}" if query else "")
 
 
 # --- GET ----------------------------------------------------------------------------------
-def _status(name: str, version: int | None, label: str | None) -> Response:
-    manager = _appliance().manager
+def _status(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
     try:
         slots = manager.version_states(name, version, label)
     except NotFound as exc:
@@ -105,7 +136,7 @@ def _status(name: str, version: int | None, label: str | None) -> Response:
         "state": s.state.value,
         "status": {"error_code": "UNKNOWN" if s.error else "OK", "error_message": s.error},
     } for s in slots]
-    return json_response(tfs_json.dumps({"model_version_status": statuses}))
+    return tfs_json.dumps({"model_version_status": statuses})
 
 
 def _tensor_info(spec: Any) -> dict[str, Any]:
@@ -124,19 +155,19 @@ def signature_def_json(sig: SignatureInfo) -> dict[str, Any]:
     }
 
 
-def _metadata(name: str, version: int | None, label: str | None) -> Response:
-    with _handle(name, version, label) as slot:
+def _metadata(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
+    with _handle(manager, name, version, label) as slot:
         sigs = {k: signature_def_json(v) for k, v in slot.servable.signatures.items()}
         body = {
             "model_spec": {"name": name, "signature_name": "", "version": str(slot.version)},
             "metadata": {"signature_def": {"signature_def": sigs}},
         }
-    return json_response(tfs_json.dumps(body))
+    return tfs_json.dumps(body)
 
 
-def _handle(name: str, version: int | None, label: str | None) -> Any:
+def _handle(manager: Any, name: str, version: int | None, label: str | None) -> Any:
     try:
-        return _appliance().manager.handle(name, version, label)
+        return manager.handle(name, version, label)
     except NotFound as exc:
         if exc.message.startswith("Unrecognized servable version label"):
             raise InvalidArgument(exc.message) from exc
@@ -144,35 +175,18 @@ def _handle(name: str, version: int | None, label: str | None) -> Any:
 
 
 # --- POST ---------------------------------------------------------------------------------
-def _read_json() -> Any:
-    limit = _appliance().config.server.max_body_bytes
-    length = request.content_length
-    if length is not None and length > limit:
+def _read_json(environ: dict[str, Any], limit: int) -> Any:
+    length = environ.get("CONTENT_LENGTH")
+    if length and int(length) > limit:
         raise PayloadTooLarge(f"request body of {length} bytes is over the limit of {limit} bytes (server.max_body_bytes)")
-    body = tfs_json.loads(request.get_data(cache=False))
+    stream = environ["wsgi.input"]
+    data = stream.read(int(length)) if length else stream.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (server.max_body_bytes)")
+    body = tfs_json.loads(data)
     if not isinstance(body, dict):
         raise InvalidArgument("JSON Value: the request body Is not object")
     return body
-
-
-def _inference(match: re.Match[str]) -> Response:
-    started = time.perf_counter()
-    app = _appliance()
-    verb = match.group(4)
-    name = match.group(1)
-    status = 500
-    try:
-        model, version, label = _parse(match)
-        name = model
-        body = _read_json()
-        response = VERBS[verb](body, model, version, label)
-        status = 200
-        return response
-    except ApplianceError as exc:
-        status = exc.http_status
-        raise
-    finally:
-        app.metrics.observe_request(name, verb, status, time.perf_counter() - started)
 
 
 def _signature_name(body: dict[str, Any]) -> str:
@@ -182,15 +196,15 @@ def _signature_name(body: dict[str, Any]) -> str:
     return name or DEFAULT_SIGNATURE
 
 
-def _predict(body: dict[str, Any], name: str, version: int | None, label: str | None) -> Response:
+def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None) -> bytes:
     signature_name = _signature_name(body)
     if "instances" in body and not body["instances"] and isinstance(body["instances"], list):
         raise InvalidArgument("JSON Value: No values in 'instances' array")
-    with _handle(name, version, label) as slot:
+    with _handle(manager, name, version, label) as slot:
         signature = _signature(slot, signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
         inputs, row_format = tfs_json.decode_predict(body, signature)
         outputs = _run(slot, signature, inputs)
-    return json_response(tfs_json.encode_predict(outputs, row_format))
+    return tfs_json.encode_predict(outputs, row_format)
 
 
 def _signature(slot: VersionSlot, name: str, missing: str) -> SignatureInfo:
@@ -245,10 +259,11 @@ def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _classify_regress(body: dict[str, Any], name: str, version: int | None, label: str | None, method: str) -> Response:
+def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
+                      method: str) -> bytes:
     signature_name = _signature_name(body)
     serialized = _examples(body, method)
-    with _handle(name, version, label) as slot:
+    with _handle(manager, name, version, label) as slot:
         if slot.servable is not None and getattr(slot.servable, "backend", "") == "tflite":
             hint = ("pin runtime.backend = \"tf-cpu\" for this model" if importlib.util.find_spec("tensorflow")
                     else "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
@@ -259,7 +274,7 @@ def _classify_regress(body: dict[str, Any], name: str, version: int | None, labe
             kind = "classification" if method == "classify" else "regression"
             raise InvalidArgument(f"No {kind} inputs found in SignatureDef: {signature.name}")
         outputs = _run(slot, signature, {"inputs": serialized})
-    return json_response(tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))}))
+    return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
 
 
 def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> Any:
@@ -290,8 +305,8 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
     return results
 
 
-VERBS: dict[str, Callable[..., Response]] = {
+VERBS: dict[str, Callable[..., bytes]] = {
     "predict": _predict,
-    "classify": lambda body, n, v, l: _classify_regress(body, n, v, l, "classify"),
-    "regress": lambda body, n, v, l: _classify_regress(body, n, v, l, "regress"),
+    "classify": lambda m, body, n, v, l: _classify_regress(m, body, n, v, l, "classify"),
+    "regress": lambda m, body, n, v, l: _classify_regress(m, body, n, v, l, "regress"),
 }

@@ -159,6 +159,8 @@ def _rows_named(signature: SignatureInfo, instances: list[Any]) -> dict[str, np.
 def _jsonable(name: str, arr: np.ndarray) -> Any:
     """An output array in a form orjson serialises as TF Serving would print it."""
     if arr.dtype.kind in _NATIVE:
+        if arr.ndim == 0:  # orjson serialises arrays, not 0-d ones: a bare value
+            return arr.item()
         if arr.dtype == np.float16:
             arr = arr.astype(np.float32)
         return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
