@@ -48,6 +48,7 @@ class Appliance:
         self.started_at = time.time()
         self._lock = threading.Lock()
         self.extras: dict[str, Any] = {}  # status contributions of optional parts (sync, discovery)
+        self.db.subscribe(self.metrics.on_event)  # edge_appliance_events_total{kind}
 
     def start(self) -> "Appliance":
         with self._lock:
@@ -56,7 +57,8 @@ class Appliance:
             self.db.open()
             self.device = device_mod.profile(vars(self.config.runtime.tflite))
             self.device_id = device_mod.device_id(self.config.state_dir)
-            self.manager = Manager(self.config, self.db, self.device, self.backends)
+            self.manager = Manager(self.config, self.db, self.device, self.backends, metrics=self.metrics)
+            self.metrics.bind(lambda: self.manager.snapshot() if self.manager else {}, self.config.state_dir)
             self.db.event("service_start", f"edge-appliance {__version__} starting on {self.device['hostname']}",
                           device_id=self.device_id)
             self.manager.start()

@@ -201,6 +201,10 @@ def validate(config: Config) -> Config:
     if config.runtime.tf.precision.upper() not in ("FP32", "FP16"):
         raise ConfigError("runtime.tf.precision", "must be FP32 or FP16")
     config.batching.validate("batching")
+    if config.discovery.recheck_interval_s <= 0:
+        raise ConfigError("discovery.recheck_interval_s", "must be positive")
+    if len(config.discovery.name.encode()) > 63:
+        raise ConfigError("discovery.name", "must be at most 63 bytes (a DNS label)")
     names = set()
     for i, model in enumerate(config.models):
         key = f"models[{i}]"

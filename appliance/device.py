@@ -75,15 +75,9 @@ def device_id(state_dir: str) -> str:
             return f.read().strip()
     except OSError:
         pass
-    seed = ""
-    for source in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            with open(source) as f:
-                seed = f.read().strip()
-                break
-        except OSError:
-            continue
-    ident = hashlib.sha256((seed or socket.gethostname() + os.urandom(8).hex()).encode()).hexdigest()[:12]
+    # Random, not derived from /etc/machine-id: devices cloned from one image share that id,
+    # and their fleet reports and mDNS ids must not collide.
+    ident = os.urandom(6).hex()
     os.makedirs(state_dir, exist_ok=True)
     with open(path, "w") as f:
         f.write(ident)

@@ -34,7 +34,8 @@ import logging
 import re
 import socket
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from . import __version__
 
@@ -214,7 +215,7 @@ class _Advertiser:
                 if self._zc is None or self._restart:
                     await self._restart_now()
                 else:
-                    await self._refresh()
+                    await self._refresh_or_restart()
                 await self._sleep(self.settings.recheck_interval_s)
         finally:
             await self._withdraw()
@@ -267,22 +268,23 @@ class _Advertiser:
             log.info("instance name %r is taken on the LAN; trying the next one", name)
             return False
         self._infos = [self._info(kind, name, port) for kind in (SERVICE_TYPE, HTTP_TYPE)]
-        try:
-            for info in self._infos:
-                await (await self._zc.async_register_service(info))
+        try:  # both types probe and announce side by side: start-up waits once, not twice
+            await asyncio.gather(*(self._announce(info) for info in self._infos))
         except NonUniqueNameException:
             await self._unregister()
             return False
         return True
 
+    async def _announce(self, info: Any) -> None:
+        await (await self._zc.async_register_service(info))
+
     async def _held_by_other(self, name: str, port: int) -> bool:
         """Ask the LAN whether anyone answers for ``name``. Only a record with our id, port
         and an address of ours is ourselves (devices cloned from one image share an id)."""
         own = self.service.core.device_id.encode()
-        for kind in (SERVICE_TYPE, HTTP_TYPE):
-            holder = await self._zc.async_get_service_info(kind, f"{name}.{kind}", PROBE_MS)
-            if holder is None:
-                continue
+        holders = await asyncio.gather(*(self._zc.async_get_service_info(kind, f"{name}.{kind}", PROBE_MS)
+                                         for kind in (SERVICE_TYPE, HTTP_TYPE)))
+        for holder in filter(None, holders):
             ours = (holder.properties.get(b"id") == own and holder.port == port
                     and set(holder.parsed_addresses()) & set(self._addresses))
             if not ours:
@@ -296,6 +298,13 @@ class _Advertiser:
         return AsyncServiceInfo(kind, f"{name}.{kind}", port=port, properties=dict(self._txt),
                                 server=server, parsed_addresses=list(self._addresses))
 
+    async def _refresh_or_restart(self) -> None:
+        try:
+            await self._refresh()
+        except Exception as exc:  # a socket error mid-update: start over on the next round
+            log.warning("discovery update failed, restarting it: %s", exc)
+            self._restart = True
+
     async def _refresh(self) -> None:
         """Re-announce when the TXT record or the addresses changed; else nothing."""
         listen, announced = plan_addresses(self.settings.interfaces, self.service.config.server.host)
@@ -307,8 +316,7 @@ class _Advertiser:
         self._txt, self._addresses = txt, announced
         port = self.service.server.port
         self._infos = [self._info(kind, self._name, port) for kind in (SERVICE_TYPE, HTTP_TYPE)]
-        for info in self._infos:
-            await (await self._zc.async_update_service(info))
+        await asyncio.gather(*(self._reannounce(info) for info in self._infos))
         log.info("re-announced %r: models=%s addresses=%s", self._name, txt["models"], ",".join(announced))
         self._publish_status()
 
@@ -325,13 +333,18 @@ class _Advertiser:
         snapshot = manager.snapshot() if manager is not None else {}
         return txt_record(self.service.core.device_id, snapshot)
 
+    async def _reannounce(self, info: Any) -> None:
+        await (await self._zc.async_update_service(info))
+
     async def _unregister(self) -> None:
-        for info in self._infos:
-            try:
-                await (await self._zc.async_unregister_service(info))
-            except Exception as exc:  # goodbyes are best effort (the interface may be gone)
-                log.debug("goodbye for %s failed: %s", info.name, exc)
+        await asyncio.gather(*(self._goodbye(info) for info in self._infos))
         self._infos = []
+
+    async def _goodbye(self, info: Any) -> None:
+        try:
+            await (await self._zc.async_unregister_service(info))
+        except Exception as exc:  # goodbyes are best effort (the interface may be gone)
+            log.debug("goodbye for %s failed: %s", info.name, exc)
 
     async def _withdraw(self) -> None:
         """Goodbye packets for our records, then close the sockets."""

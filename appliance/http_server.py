@@ -92,9 +92,9 @@ class _DrainingTask(WSGITask):
     """A request task that closes its connection after the response once draining."""
 
     def build_response_header(self) -> bytes:
-        if False:
+        if getattr(self.channel.server, "draining", False) and not self.close_on_finish:
             self.set_close_on_finish()
-        return super().build_response_header()  # type: ignore[no-any-return]
+        return super().build_response_header()  # type: ignore[no-any-return, unused-ignore]
 
 
 class _DrainingChannel(HTTPChannel):
@@ -131,7 +131,7 @@ class HTTPServer:
             max_request_body_size=max_body_bytes + 1, channel_timeout=120, connection_limit=1000,
             clear_untrusted_proxy_headers=True, asyncore_use_poll=True)
         self._server.channel_class = _DrainingChannel
-        self._server.draining = False  # type: ignore[attr-defined]
+        self._server.draining = False  # read by _DrainingTask
         self.port = int(self._server.effective_port)
         self.host = str(self._server.effective_host)
         self._closed = threading.Event()
@@ -162,7 +162,7 @@ class HTTPServer:
     def stop_accepting(self) -> None:
         """Refuse new connections; serve the ones the kernel already accepted. Idempotent."""
         server = self._server
-        server.draining = True  # type: ignore[attr-defined]
+        server.draining = True
         if not server.accepting:
             return
         if refuse_new_handshakes(server.socket):
@@ -197,15 +197,16 @@ class HTTPServer:
         deadline = time.monotonic() + timeout
         since = time.time()
         self.stop_accepting()
-        clean = False
+        open_channels: int | None = None
         while time.monotonic() < deadline:
             open_channels = self._in_loop(lambda: self._close_idle(since))
             if open_channels == 0:
-                clean = True
                 break
             time.sleep(0.05)
+        clean = open_channels == 0
         if not clean:
-            log.warning("drain timeout after %.0f s: %d requests still in flight", timeout, self.tracker.count)
+            log.warning("drain timeout after %g s: closing %s connections (%d requests in the app)",
+                        timeout, "?" if open_channels is None else open_channels, self.tracker.count)
         self.close()
         return clean
 

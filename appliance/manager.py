@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from .errors import NotFound, Unavailable, from_runtime
 from .policy import State, aspired_versions, plan
 from .state import StateDB
 from .warmup import warmup_requests
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 log = logging.getLogger("appliance.manager")
 
@@ -120,8 +123,9 @@ class Handle:
 
 class Manager:
     def __init__(self, config: Config, db: StateDB, device: Mapping[str, Any],
-                 backends: Mapping[str, runtimes.Backend] | None = None):
+                 backends: Mapping[str, runtimes.Backend] | None = None, metrics: "Metrics | None" = None):
         self.config = config
+        self.metrics = metrics
         self.db = db
         self.device = dict(device)
         self.backends = dict(backends or runtimes.default_backends())
@@ -289,6 +293,8 @@ class Manager:
             warm = time.perf_counter()
             self._warm_up(servable, path)
             slot.warmup_ms = (time.perf_counter() - warm) * 1000
+            if self.metrics is not None:
+                self.metrics.observe_warmup(path, slot.warmup_ms / 1000)
         except Exception as exc:  # any failure quarantines this version; others keep serving
             self._fail(entry, slot, exc)
             return
@@ -328,7 +334,8 @@ class Manager:
         if not params.enable_batching:
             return None
         threads = params.num_batch_threads or self.device.get("cpu_count", 1)
-        batcher = Batcher(servable.run, params, f"{name}:{version}", threads)
+        observe = self.metrics.batch_observer(name, servable.backend) if self.metrics is not None else None
+        batcher = Batcher(servable.run, params, f"{name}:{version}", threads, observe=observe)
         batcher.start()
         return batcher
 

@@ -125,12 +125,11 @@ class Metrics:
         self.sync_runs = Counter("edge_appliance_sync_runs", "Sync polls by result", ["result"], registry=r)
         self.sync_duration = Histogram("edge_appliance_sync_duration_seconds", "Duration of one sync poll",
                                        ["result"], buckets=SYNC_BUCKETS_S, registry=r)
-        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.window = RequestWindow()
         self._bound = False
 
     def bind(self, snapshot: Snapshot, state_dir: str | None = None) -> None:
-        """Export scrape-time gauges from ``snapshot()`` (``Manager.snapshot``) and the device.
+        """Export scrape-time gauges from ``snapshot()`` (``Manager.snapshot``), device and process.
 
         ``state_dir`` is where disk free is measured. Idempotent: only the first call binds.
         """
@@ -139,6 +138,7 @@ class Metrics:
         self._bound = True
         self.registry.register(_SnapshotCollector(snapshot))
         self.registry.register(_DeviceCollector(state_dir))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, ..._resident_memory_bytes (reads /proc)
 
     # -- event-driven --------------------------------------------------------------------
     def observe_request(self, model: str, api: str, status: int, seconds: float) -> None:

@@ -195,10 +195,10 @@ class SystemdNotify:
 
     # -- hooks (the service's main thread) -----------------------------------------------
     def on_hook(self, what: str, service: Any) -> None:
-        if what == "reloading":
+        if what == "reloading" and self.ready_sent:  # before the first READY=1 systemd is still starting us
             self._phase = "reloading"
             self._status("reloading the configuration", extra=("RELOADING=1", f"MONOTONIC_USEC={monotonic_usec()}"))
-        elif what == "reloaded":
+        elif what == "reloaded" and self._phase == "reloading":
             self._reload_deadline = time.monotonic() + READY_AFTER_RELOAD_MAX_S
         elif what == "stopping":
             self._phase = "stopping"

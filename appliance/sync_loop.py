@@ -232,7 +232,13 @@ def _register_routes(service: Any, loop: SyncLoop) -> None:
             return response
         return jsonify(loop.sync_now())
 
+    app = service.app
     try:
-        service.app.register_blueprint(bp)
-    except AssertionError as exc:  # Flask refuses new routes once it has served a request
-        service.core.extras.setdefault("problems", []).append(f"POST /api/sync unavailable: {exc}")
+        app.register_blueprint(bp)
+    except AssertionError:
+        # Flask refuses setup calls once it has served a request, and attach() runs after
+        # the HTTP server started; add the one rule to the routing map directly instead.
+        from werkzeug.routing import Rule
+
+        app.view_functions["sync.sync_now"] = sync_now
+        app.url_map.add(Rule("/api/sync", methods=["POST"], endpoint="sync.sync_now"))

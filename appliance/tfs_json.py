@@ -18,6 +18,7 @@ import orjson
 
 from runtimes import SignatureInfo, TensorSpec
 
+from . import protowire as pw
 from .errors import InvalidArgument
 
 DUMP = orjson.OPT_SERIALIZE_NUMPY
@@ -80,13 +81,30 @@ def to_array(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
             if _contains_b64(value):
                 raise InvalidArgument(f"{where}: {{\"b64\": ...}} given for a {spec.dtype.name} input; "
                                       "b64 is for string (DT_STRING) inputs")
-            arr = np.asarray(value, dtype=spec.dtype)
+            arr = _numeric(value, spec, where)
     except InvalidArgument:
         raise
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidArgument(f"{where}: cannot be converted to a {spec.dtype.name} tensor "
                               f"(is it ragged, or of the wrong type?): {_first_line(exc)}") from exc
     return arr
+
+
+_KIND_NAMES = {"U": "String", "S": "String", "O": "Null or Object", "b": "Bool", "f": "Decimal", "i": "Integer",
+               "u": "Integer"}
+
+
+def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
+    """Like TF Serving: numbers for numeric inputs (no numeric strings, booleans or nulls),
+    integers for integer inputs, booleans for bool inputs."""
+    arr = np.asarray(value)
+    have, want = arr.dtype.kind, spec.dtype.kind
+    fits = (have in "iu" and want in "iuf") or (have == want == "f") or (have == want == "b")
+    if not fits:
+        tf_name = pw.DTYPE_NAMES.get(pw.ENUM_OF.get(spec.dtype, 0), spec.dtype.name).removeprefix("DT_").lower()
+        raise InvalidArgument(f"{where}: JSON Value of type {_KIND_NAMES.get(have, have)} "
+                              f"is not of expected type: {tf_name}")
+    return arr if arr.dtype == spec.dtype else arr.astype(spec.dtype)
 
 
 def _first_line(exc: Exception) -> str:
@@ -104,7 +122,11 @@ def shape_error(arr: np.ndarray, spec: TensorSpec, where: str) -> str | None:
     return f"{where}: expected shape {pretty} ({spec.dtype.name}), got [{','.join(str(d) for d in arr.shape)}]"
 
 
-def _named(signature: SignatureInfo, values: Mapping[str, Any], where: str) -> dict[str, np.ndarray]:
+def _named(signature: SignatureInfo, values: Mapping[str, Any], where: str,
+           ignore_extra: bool = False) -> dict[str, np.ndarray]:
+    """Named inputs. Columnar requests ignore keys the signature lacks, as TF Serving does."""
+    if ignore_extra:
+        values = {k: v for k, v in values.items() if k in signature.inputs}
     unknown = [k for k in values if k not in signature.inputs]
     if unknown:
         raise InvalidArgument(f"{where}: unknown input {unknown[0]!r}; signature {signature.name!r} takes "
@@ -125,7 +147,7 @@ def decode_predict(body: Mapping[str, Any], signature: SignatureInfo) -> tuple[d
     if has_cols:
         value = body["inputs"]
         if isinstance(value, dict) and not _is_b64(value):
-            return _named(signature, value, "inputs"), False
+            return _named(signature, value, "inputs", ignore_extra=True), False
         return _single(signature, value, "inputs"), False
     instances = body["instances"]
     if not isinstance(instances, list):

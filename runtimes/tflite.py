@@ -181,10 +181,12 @@ class TFLiteServable:
         return self._programs(interp)
 
     def _programs(self, interp: Any) -> dict[str, Any]:
+        sig_list = interp.get_signature_list()
+        if not sig_list:
+            interp.allocate_tensors()  # before we hold the wrapper: LiteRT refuses while it is referenced
         wrapper = interp._interpreter  # the C++ wrapper: lets us skip re-allocation per call
         programs: dict[str, Any] = {}
         info: dict[str, SignatureInfo] = {}
-        sig_list = interp.get_signature_list()
         if sig_list:
             for key in sig_list:
                 runner = interp.get_signature_runner(key)
@@ -195,7 +197,6 @@ class TFLiteServable:
                 info[key] = SignatureInfo(key, {n: _spec(n, d, True) for n, d in ins.items()},
                                           {n: _spec(n, d, True) for n, d in outs.items()})
         else:
-            interp.allocate_tensors()
             ins = {_clean_name(d["name"]): d for d in interp.get_input_details()}
             outs = {_clean_name(d["name"]): d for d in interp.get_output_details()}
             programs[DEFAULT_SIGNATURE] = _Program(wrapper, 0, {n: d["index"] for n, d in ins.items()},

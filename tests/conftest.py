@@ -47,10 +47,14 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not (cache / ".complete").exists():
         build = tmp_path_factory.mktemp("models-build")
         modelgen.build_all(build)
-        shutil.rmtree(cache, ignore_errors=True)
+        (build / ".complete").write_text("ok")
         cache.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(build, cache)
-        (cache / ".complete").write_text("ok")
+        staged = cache.parent / f".{digest}-{os.getpid()}"
+        shutil.copytree(build, staged)
+        try:
+            os.rename(staged, cache)  # atomic: a concurrent session sees all of it or none
+        except OSError:  # another session got there first; theirs is as good
+            shutil.rmtree(staged, ignore_errors=True)
     return cache
 
 

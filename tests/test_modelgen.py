@@ -29,7 +29,13 @@ def tf():
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory, tf):
+def models(request, tmp_path_factory, tf):
+    """The session's model set: conftest's cached ``models_dir`` when there is one
+    (built by ``mg.build_all`` and keyed by this module's hash), else built here."""
+    try:
+        return request.getfixturevalue("models_dir")
+    except pytest.FixtureLookupError:
+        pass
     base = tmp_path_factory.mktemp("models")
     t0 = time.perf_counter()
     times = mg.build_all(base)
@@ -42,23 +48,43 @@ def vdir(models, name):
     return os.path.join(models, name, "1")
 
 
-def run_v1(tf, version_dir, signature, feeds):
-    """Load with the TF1 loader and run ``signature``; feeds by signature input key."""
-    g = tf.Graph()
-    with tf.compat.v1.Session(graph=g) as sess:
-        meta = tf.compat.v1.saved_model.loader.load(sess, ["serve"], version_dir)
-        sd = meta.signature_def[signature]
+class V1:
+    """A SavedModel loaded with the TF1 loader into its own Session."""
+
+    def __init__(self, tf, version_dir):
+        self.graph = tf.Graph()
+        self.sess = tf.compat.v1.Session(graph=self.graph)
+        meta = tf.compat.v1.saved_model.loader.load(self.sess, ["serve"], str(version_dir))
+        # __saved_model_init_op is TF2's init-op entry, not a servable signature
+        self.sigs = {k: v for k, v in meta.signature_def.items() if not k.startswith("__")}
+
+    def run(self, signature, feeds):
+        """Run ``signature``; feeds and results keyed by signature input/output key."""
+        sd = self.sigs[signature]
         feed = {sd.inputs[k].name: v for k, v in feeds.items()}
         names = sorted(sd.outputs)
-        vals = sess.run([sd.outputs[k].name for k in names], feed_dict=feed)
-        return dict(zip(names, vals))
+        return dict(zip(names, self.sess.run([sd.outputs[k].name for k in names], feed_dict=feed)))
+
+    def close(self):
+        self.sess.close()
+
+
+_V1_CACHE = {}
+
+
+def v1(tf, version_dir):
+    key = os.path.abspath(str(version_dir))
+    if key not in _V1_CACHE:
+        _V1_CACHE[key] = V1(tf, key)
+    return _V1_CACHE[key]
+
+
+def run_v1(tf, version_dir, signature, feeds):
+    return v1(tf, version_dir).run(signature, feeds)
 
 
 def v1_signatures(tf, version_dir):
-    g = tf.Graph()
-    with tf.compat.v1.Session(graph=g) as sess:
-        meta = tf.compat.v1.saved_model.loader.load(sess, ["serve"], version_dir)
-        return {k: v for k, v in meta.signature_def.items() if not k.startswith("__")}
+    return v1(tf, version_dir).sigs
 
 
 def examples(tf, **features):
@@ -153,15 +179,18 @@ def test_half_plus_two_missing_feature_fails(models, tf):
 
 def test_half_plus_two_parameters(tmp_path, tf):
     d = mg.build_half_plus_two(tmp_path / "m" / "7", a=2.0, b=-1.0, c=10.0)
-    out = run_v1(tf, d, "serving_default", {"x": np.array([0.0, 3.0], np.float32)})
+    m = V1(tf, d)
+    out = m.run("serving_default", {"x": np.array([0.0, 3.0], np.float32)})
     np.testing.assert_allclose(out["y"], [-1.0, 5.0])
-    out = run_v1(tf, d, "regress_x_to_y2", {"inputs": examples(tf, x=[1.0])})
+    out = m.run("regress_x_to_y2", {"inputs": examples(tf, x=[1.0])})
     np.testing.assert_allclose(out["outputs"], [[12.0]])
+    m.close()
     assert not os.path.exists(os.path.join(d, "assets.extra"))
     # rebuilding over an existing version replaces it
     d = mg.build_half_plus_two(tmp_path / "m" / "7", a=1.0, b=0.0)
-    out = run_v1(tf, d, "serving_default", {"x": np.array([3.0], np.float32)})
-    np.testing.assert_allclose(out["y"], [3.0])
+    m = V1(tf, d)
+    np.testing.assert_allclose(m.run("serving_default", {"x": np.array([3.0], np.float32)})["y"], [3.0])
+    m.close()
     assert sorted(os.listdir(tmp_path / "m")) == ["7"]
 
 
@@ -295,7 +324,7 @@ def test_encode_predict_log_many_inputs(tf):
 # ---------------------------------------------------------------- Keras models
 
 
-def _check_keras_model(tf, tmp_path, d, shape, n_out, tflite_atol):
+def _check_keras_model(tf, tmp_path, d, shape, n_out, tflite_atol, tflite=True):
     sigs = v1_signatures(tf, d)
     assert set(sigs) == {"serving_default"}
     sd = sigs["serving_default"]
@@ -312,6 +341,8 @@ def _check_keras_model(tf, tmp_path, d, shape, n_out, tflite_atol):
     assert not np.allclose(v1_out[0], v1_out[1]), "output does not depend on the input"
     ref = mg.reference_predict(d, {"x": x})["probs"]
     np.testing.assert_allclose(v1_out, ref, rtol=1e-5, atol=1e-6)
+    if not tflite:
+        return
 
     tfl = mg.to_tflite(d, tmp_path / "model.tflite")
     from ai_edge_litert.interpreter import Interpreter
@@ -348,7 +379,9 @@ def test_keras_mlp_is_seeded(models, tf, tmp_path):
     d = mg.build_keras_mlp(tmp_path / "mlp" / "1", seed=0)
     np.testing.assert_array_equal(mg.reference_predict(d, {"x": x})["probs"], a)
     d = mg.build_keras_mlp(tmp_path / "mlp2" / "1", in_dim=8, hidden=16, out=3, seed=1)
-    out = run_v1(tf, d, "serving_default", {"x": x[:, :8]})["probs"]
+    m = V1(tf, d)
+    out = m.run("serving_default", {"x": x[:, :8]})["probs"]
+    m.close()
     assert out.shape == (2, 3)
     assert not np.allclose(out, mg.reference_predict(d, {"x": x[::-1, :8]})["probs"])
 
@@ -358,7 +391,10 @@ def test_tiny_cnn(models, tf, tmp_path):
 
 
 def test_small_cnn(models, tf, tmp_path):
-    _check_keras_model(tf, tmp_path, vdir(models, "small_cnn"), (96, 96, 3), 10, 1e-4)
+    # converting the full MobileNetV2 to TFLite takes ~30 s: only with MODELGEN_BENCH=1
+    # (test_bench_models converts the same architecture at alpha 1.0)
+    _check_keras_model(tf, tmp_path, vdir(models, "small_cnn"), (96, 96, 3), 10, 1e-4,
+                       tflite=os.environ.get("MODELGEN_BENCH") == "1")
 
 
 # ---------------------------------------------------------------- string model
@@ -446,6 +482,7 @@ def test_cli(tmp_path):
 # ---------------------------------------------------------------- benchmark models
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("MODELGEN_BENCH") != "1", reason="slow (~50 s); set MODELGEN_BENCH=1")
 def test_bench_models(tmp_path, tf):
     from ai_edge_litert.interpreter import Interpreter
@@ -457,11 +494,13 @@ def test_bench_models(tmp_path, tf):
         d = str(tmp_path / name / "1")
         for f in ("saved_model.pb", "variables/variables.index", "model.tflite"):
             assert os.path.isfile(os.path.join(d, f)), f
-        sd = v1_signatures(tf, d)["serving_default"]
+        m = V1(tf, d)
+        sd = m.sigs["serving_default"]
         assert list(sd.inputs) == ["input"] and list(sd.outputs) == ["output"]
         assert [x.size for x in sd.inputs["input"].tensor_shape.dim] == [-1, *shape]
         x = np.random.default_rng(1).standard_normal((4, *shape)).astype(np.float32)
-        ref = run_v1(tf, d, "serving_default", {"input": x})["output"]
+        ref = m.run("serving_default", {"input": x})["output"]
+        m.close()
         assert ref.shape == (4, 10) and float(ref.std()) > 1e-4
         np.testing.assert_allclose(ref, mg.reference_predict(d, {"input": x})["output"], rtol=1e-5, atol=1e-6)
         it = Interpreter(model_path=os.path.join(d, "model.tflite"))

@@ -310,6 +310,11 @@
     if (v === null || v === undefined || v === "") return null;
     if (typeof v === "number" && /(^|_)(last|next)(_|$)|_at$|^ts$|time|since/.test(key) && v > 1e9) return when(v);
     if (typeof v === "boolean") return v ? "yes" : "no";
+    const scalar = (x) => x === null || typeof x !== "object";
+    if (Array.isArray(v) && v.every(scalar)) return v.length ? v.map((x) => h("span", { class: "chip" }, noCredentials(x))) : null;
+    if (typeof v === "object" && Object.values(v).every(scalar)) {
+      return Object.entries(v).map(([k, x]) => h("span", { class: "chip" }, k + " = " + noCredentials(x)));
+    }
     if (typeof v === "object") return h("code", { class: "json" }, noCredentials(JSON.stringify(v)));
     return noCredentials(v);
   }

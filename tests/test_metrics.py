@@ -1,0 +1,142 @@
+"""/monitoring/prometheus/metrics on the real server, parsed with prometheus_client's parser.
+
+One server (LiteRT only: no TensorFlow import, starts in seconds) serves the whole module;
+each test reads counters before and after its own requests, so order does not matter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.metrics import RequestWindow
+from tests.conftest import Server, model_copy
+
+MODEL = "multisig_tflite"
+GOOD = {"signature_name": "add", "instances": [{"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]}]}
+BAD = {"signature_name": "no_such_signature", "instances": [{"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]}]}
+
+
+@pytest.fixture(scope="module")
+def server(module_server: Any, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    base = model_copy(models_dir, tmp_path_factory.mktemp("metrics-models"), MODEL)
+    return module_server("--models", str(base), "--backend", "tflite")
+
+
+def scrape(server: Server) -> dict[str, Any]:
+    response = server.get("/monitoring/prometheus/metrics")
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("text/plain")
+    return {f.name: f for f in text_string_to_metric_families(response.text)}
+
+
+def total(families: dict[str, Any], name: str, sample: str | None = None, **labels: str) -> float:
+    """Sum of the samples of one family whose labels include ``labels``."""
+    family = families.get(name)
+    if family is None:
+        return 0.0
+    return sum(s.value for s in family.samples
+               if (sample is None or s.name == sample) and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def predict(server: Server, body: dict[str, Any], n: int, expect: int) -> None:
+    for _ in range(n):
+        response = server.post(f"/v1/models/{MODEL}:predict", body)
+        assert response.status_code == expect, response.text
+
+
+COUNT = ":tensorflow:serving:request_count"
+
+
+def test_request_count_grows_by_exactly_n(server: Server) -> None:
+    before = scrape(server)
+    predict(server, GOOD, 7, 200)
+    after = scrape(server)
+    assert after[COUNT].type == "counter"
+    assert total(after, COUNT, model_name=MODEL) - total(before, COUNT, model_name=MODEL) == 7
+    assert total(after, COUNT, model_name=MODEL, status="OK") - total(before, COUNT, model_name=MODEL, status="OK") == 7
+
+
+def test_counter_keeps_tf_serving_name(server: Server) -> None:
+    """Exposed as TF Serving writes it: no ``_total`` suffix, HELP/TYPE under the same name."""
+    predict(server, GOOD, 1, 200)
+    text = server.get("/monitoring/prometheus/metrics").text
+    assert f"# TYPE {COUNT} counter" in text
+    assert any(line.startswith(COUNT + "{") and f'model_name="{MODEL}"' in line for line in text.splitlines())
+    assert COUNT + "_total" not in text
+
+
+def test_errors_are_counted_by_status(server: Server) -> None:
+    before = scrape(server)
+    predict(server, BAD, 3, 400)
+    after = scrape(server)
+    assert total(after, COUNT, model_name=MODEL, status="400") - total(before, COUNT, model_name=MODEL, status="400") == 3
+    assert total(after, COUNT, model_name=MODEL, status="OK") == total(before, COUNT, model_name=MODEL, status="OK")
+
+
+def test_request_latency_histogram(server: Server) -> None:
+    name = ":tensorflow:serving:request_latency"
+    before = scrape(server)
+    predict(server, GOOD, 5, 200)
+    after = scrape(server)
+    assert after[name].type == "histogram"
+    count = total(after, name, name + "_count", model_name=MODEL) - total(before, name, name + "_count", model_name=MODEL)
+    assert count == 5
+    buckets = [s for s in after[name].samples if s.name == name + "_bucket" and s.labels["model_name"] == MODEL]
+    assert buckets and buckets[-1].labels["le"] == "+Inf"
+    assert total(after, name, name + "_sum", model_name=MODEL) > 0
+
+
+def test_batch_histograms(server: Server) -> None:
+    """Every executed batch is observed: backend run time, queueing time and batch size."""
+    before = scrape(server)
+    predict(server, GOOD, 4, 200)
+    after = scrape(server)
+    runtime, sizes = ":tensorflow:serving:runtime_latency", "edge_appliance_batch_size"
+    queuing = ":tensorflow:serving:batching_session:queuing_latency"
+    for name, labels in ((runtime, {"model_name": MODEL, "runtime": "tflite"}), (sizes, {"model_name": MODEL}),
+                         (queuing, {"thread_pool_name": MODEL})):
+        assert after[name].type == "histogram"
+        grew = total(after, name, name + "_count", **labels) - total(before, name, name + "_count", **labels)
+        assert grew == 4, f"{name} grew by {grew} after 4 requests"  # one at a time: one batch each
+
+
+def test_model_and_backend_gauges(server: Server) -> None:
+    families = scrape(server)
+    assert total(families, "edge_appliance_model_version_state", model_name=MODEL, version="1", state="AVAILABLE") == 1
+    assert total(families, "edge_appliance_backend_info", model_name=MODEL, version="1", backend="tflite") == 1
+    assert total(families, "edge_appliance_serving_version", model_name=MODEL) == 1
+    assert "edge_appliance_batch_queue_depth_rows" in families
+
+
+def test_events_counted_by_kind(server: Server) -> None:
+    families = scrape(server)
+    assert total(families, "edge_appliance_events", kind="loaded") >= 1
+    assert total(families, "edge_appliance_events", kind="service_start") == 1
+
+
+def test_process_and_device_gauges(server: Server) -> None:
+    families = scrape(server)
+    assert total(families, "process_resident_memory_bytes") > 0
+    assert total(families, "edge_appliance_device_memory_available_bytes") > 0
+    assert total(families, "edge_appliance_device_disk_free_bytes") > 0
+    assert "edge_appliance_device_temperature_celsius" in families  # empty where no sensor is reported
+
+
+def test_request_window_series() -> None:
+    """The page's charts: per-5-s rate, p50/p99 and error rate, oldest first, over 60 s."""
+    window = RequestWindow()
+    for i in range(10):
+        window.add("m", 0.002 * (i + 1), ok=i != 0)
+    summary = window.summary("m")
+    assert summary["error_rate"] == 0.1
+    assert summary["requests_per_s"] == round(10 / 60, 2)
+    for key in ("series", "p50_series", "p99_series", "error_series"):
+        assert len(summary[key]) == 12
+    assert summary["series"][-1] == 10 / 5 and sum(summary["series"][:-1]) == 0
+    assert summary["p50_series"][:-1] == [None] * 11 and summary["p50_series"][-1] == summary["p50_ms"]
+    assert summary["error_series"][-1] == 0.1
+    assert window.summary("unknown")["series"] == []
