@@ -34,6 +34,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "model_name": args.model_name,
         "state_dir": args.state,
         "poll_interval_s": args.poll_interval,
+        "discovery.enabled": False if args.no_discovery else None,
     }
 
 
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend", choices=BACKEND_CHOICES, help="pin a backend (default auto: measure)")
     serve.add_argument("--state", help="state directory (default: $STATE_DIRECTORY or ~/.local/state/edge-appliance)")
     serve.add_argument("--poll-interval", type=float, help="seconds between scans of the model directory")
+    serve.add_argument("--no-discovery", action="store_true", help="do not announce the service with mDNS")
     serve.set_defaults(func=cmd_serve)
 
     probe = sub.add_parser("probe", help="show the device profile and the backend decision")

@@ -45,8 +45,9 @@ class BatchingConfig:
         for name in ("max_batch_size", "max_enqueued_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{key}.{name}", "must be at least 1")
-        if self.batch_timeout_micros < 0 or self.num_batch_threads < 0:
-            raise ConfigError(key, "batch_timeout_micros and num_batch_threads must not be negative")
+        for name in ("batch_timeout_micros", "num_batch_threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name}", "must not be negative")
         sizes = self.allowed_batch_sizes
         if sizes:
             if sizes != sorted(set(sizes)) or sizes[0] < 1:

@@ -26,6 +26,7 @@ channel state is touched only in the server's loop thread (through its trigger).
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import socket
 import struct
@@ -38,7 +39,7 @@ import waitress
 from waitress import wasyncore
 from waitress.channel import HTTPChannel
 from waitress.server import BaseWSGIServer
-from waitress.task import WSGITask
+from waitress.task import ErrorTask, WSGITask
 
 log = logging.getLogger("appliance.http")
 
@@ -97,8 +98,28 @@ class _DrainingTask(WSGITask):
         return super().build_response_header()  # type: ignore[no-any-return, unused-ignore]
 
 
+class _JSONErrorTask(ErrorTask):
+    """Waitress's own refusals (body over the limit, malformed request) as TF Serving's
+    ``{"error": ...}`` JSON, like every other error of the API."""
+
+    def execute(self) -> None:
+        e = self.request.error
+        if e.code == 413:
+            limit = self.channel.server.adj.max_request_body_size - 1  # HTTPServer adds 1
+            message = f"request body is over the limit of {limit} bytes (server.max_body_bytes)"
+        else:
+            message = f"{e.reason}: {e.body}"
+        body = json.dumps({"error": message}).encode()
+        self.status = f"{e.code} {e.reason}"
+        self.response_headers.append(("Content-Type", "application/json"))
+        self.set_close_on_finish()
+        self.content_length = len(body)
+        self.write(body)
+
+
 class _DrainingChannel(HTTPChannel):
     task_class = _DrainingTask
+    error_task_class = _JSONErrorTask
 
 
 def _idle(channel: Any) -> bool:

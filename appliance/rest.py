@@ -264,15 +264,15 @@ def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: in
     signature_name = _signature_name(body)
     serialized = _examples(body, method)
     with _handle(manager, name, version, label) as slot:
+        signature = _signature(slot, signature_name, f"No signature was found with the name: {signature_name}")
+        if "inputs" not in signature.inputs or len(signature.inputs) != 1:
+            kind = "classification" if method == "classify" else "regression"
+            raise InvalidArgument(f"No {kind} inputs found in SignatureDef: {signature.name}")
         if slot.servable is not None and getattr(slot.servable, "backend", "") == "tflite":
             hint = ("pin runtime.backend = \"tf-cpu\" for this model" if importlib.util.find_spec("tensorflow")
                     else "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
             raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend, "
                                 f"but {name} version {slot.version} is served by tflite; {hint}")
-        signature = _signature(slot, signature_name, f"No signature was found with the name: {signature_name}")
-        if "inputs" not in signature.inputs or len(signature.inputs) != 1:
-            kind = "classification" if method == "classify" else "regression"
-            raise InvalidArgument(f"No {kind} inputs found in SignatureDef: {signature.name}")
         outputs = _run(slot, signature, {"inputs": serialized})
     return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
 

@@ -20,18 +20,43 @@ WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
 MAX_RECORDS = 1000  # TF Serving's cap on warm-up records
 
 
+def _crc_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC32C = _crc_table()
+
+
+def masked_crc(data: bytes) -> int:
+    """TFRecord's masked CRC32C (pure Python: warm-up files are small)."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c = _CRC32C[(c ^ b) & 0xFF] ^ (c >> 8)
+    c ^= 0xFFFFFFFF
+    return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 def records(path: str) -> Iterator[bytes]:
-    """The payloads of a TFRecord file (length and CRC framing; CRCs are not checked)."""
+    """The payloads of a TFRecord file; a bad length, CRC or truncation fails as TF Serving's does."""
+    bad = f"{path}: corrupt TFRecord. Please verify your warmup data is in TFRecord format."
     with open(path, "rb") as f:
         while True:
             header = f.read(12)
-            if len(header) < 12:
+            if not header:
                 return
+            if len(header) < 12 or masked_crc(header[:8]) != struct.unpack("<I", header[8:])[0]:
+                raise ValueError(bad)
             (length,) = struct.unpack("<Q", header[:8])
             data = f.read(length)
-            f.read(4)
-            if len(data) < length:
-                raise ValueError(f"{path}: truncated TFRecord")
+            footer = f.read(4)
+            if len(data) < length or len(footer) < 4 or masked_crc(data) != struct.unpack("<I", footer)[0]:
+                raise ValueError(bad)
             yield data
 
 
@@ -72,6 +97,6 @@ def warmup_requests(version_dir: str) -> list[tuple[str, str, dict[str, np.ndarr
     out = []
     for i, data in enumerate(records(path)):
         if i >= MAX_RECORDS:
-            break
+            raise ValueError(f"Number of warmup records exceeds the maximum ({MAX_RECORDS}) at {path}")
         out.append(parse_log(data))
     return out

@@ -104,6 +104,7 @@ class _Program:
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         w, sg = self.wrapper, self.subgraph
         if any(self.shapes.get(n) != a.shape for n, a in feeds.items()):
+            self.shapes = {}  # a failed resize must not look allocated
             for name, arr in feeds.items():
                 w.ResizeInputTensor(self.inputs[name], np.array(arr.shape, dtype=np.int32), False, sg)
             w.AllocateTensors(sg)
@@ -228,7 +229,7 @@ class TFLiteServable:
         try:
             feeds = {n: np.ascontiguousarray(a, dtype=info.inputs[n].dtype) for n, a in inputs.items()}
             return programs[signature].run(feeds)
-        except ValueError as exc:
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: AllocateTensors refusing the shape
             raise InputFailure(f"LiteRT rejected the input: {exc}") from exc
         finally:
             self._pool.put(programs)

@@ -115,8 +115,12 @@ class Server:
 
 
 def launch(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, ready: bool = True,
-           port: int | None = None, timeout: float = 120, python: str = sys.executable) -> Server:
+           port: int | None = None, timeout: float = 120, python: str = sys.executable,
+           discovery: bool = False) -> Server:
+    """Start ``appliance serve``; mDNS is off unless asked for (tests announce nothing on a LAN)."""
     port = port or free_port()
+    if not discovery and "--no-discovery" not in args:
+        args = [*args, "--no-discovery"]
     state = tmp_path / f"state-{port}"
     log = tmp_path / f"server-{port}.log"
     cmd = [python, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),

@@ -72,7 +72,6 @@ def models(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Models
         shutil.copytree(models_dir / name, base / name)
     mlp_version(models_dir, base / MLP / "1")
     shutil.copytree(models_dir / "half_plus_two" / "1", base / "hpt" / "1")
-    build_half_plus_two(base / "hpt" / "2", a=0.5, b=3.0, c=4.0)  # y = x/2 + 3: tells the versions apart
     return Models(base)
 
 
@@ -89,7 +88,23 @@ def server(module_server: Any, models: Models, tmp_path_factory: pytest.TempPath
         {"name": "string_model", "base_path": str(b / "string_model")},
         {"name": "multisig_tflite", "base_path": str(b / "multisig_tflite")},
     ]))
-    return module_server("--config", str(config))
+    srv = module_server("--config", str(config), ready=False)
+    # Built while the server starts (TensorFlow imports on both sides); it appears by one rename.
+    build_half_plus_two(b / "hpt" / "2", a=0.5, b=3.0, c=4.0)  # y = x/2 + 3: tells the versions apart
+    srv.wait_for(lambda: ready(srv) and len(hpt_available(srv)) == 2, timeout=180, what="every model and hpt v2")
+    return srv
+
+
+def ready(srv: Any) -> bool:
+    try:
+        return srv.get("/readyz", timeout=5).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+def hpt_available(srv: Any) -> list[str]:
+    statuses = srv.get("/v1/models/hpt").json()["model_version_status"]
+    return [s["version"] for s in statuses if s["state"] == "AVAILABLE"]
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -532,6 +547,14 @@ def test_bad_regress_requests(server: Any, body: Any) -> None:
     error(server.post("/v1/models/half_plus_two:regress", body), 400)
 
 
+@pytest.mark.parametrize("model", ["keras_lite", "keras_tf"])
+def test_classify_with_a_signature_that_cannot_classify(server: Any, model: str) -> None:
+    """TF Serving: 400 'No classification inputs found in SignatureDef' (a client's mistake, not a 5xx),
+    whichever backend serves the model."""
+    error(server.post(f"/v1/models/{model}:classify", {"examples": [{"x": 1.0}]}), 400)
+    error(server.post(f"/v1/models/{model}:regress", {"examples": [{"x": 1.0}]}), 400)
+
+
 def test_bad_classify_requests(server: Any) -> None:
     error(server.post("/v1/models/half_plus_two:classify", {"examples": [{"x": 2.0}]}), 400, "classification")
     error(server.post("/v1/models/half_plus_two:classify", {"signature_name": "classify_x_to_y"}), 400, "examples")
@@ -618,6 +641,10 @@ def test_openapi(server: Any) -> None:
     assert spec["openapi"].startswith("3.")
     assert any(p.endswith(":predict") for p in spec["paths"])
     assert "/v1/models/{model}/metadata" in spec["paths"]
+
+
+def test_wrong_method_outside_v1_is_json_405(server: Any) -> None:
+    error(server.post("/healthz", {"x": 1}), 405)
 
 
 def test_unknown_path_outside_v1_is_json_404(server: Any) -> None:
