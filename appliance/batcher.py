@@ -187,7 +187,7 @@ class Batcher:
     def _await(self, task: _Task, timeout: float | None) -> None:
         """Return once ``task`` is done, running batches on this thread whenever it leads."""
         with self._cond:
-            if not self._frozen and self._busy < self._threads_wanted:
+            if not task.lead and not self._frozen and self._busy < self._threads_wanted:
                 self._busy += 1  # a free slot: lead at once, no hand-off
                 task.lead = True
         while True:
@@ -199,7 +199,7 @@ class Batcher:
                     if self._unqueue(task):
                         raise Unavailable("the batch did not run within the request timeout", retry_after=1)
                 task.wake.wait()
-            if task.done:
+            if task.done and not task.lead:
                 return
 
     def _lead(self, own: _Task) -> None:
@@ -314,7 +314,7 @@ class Batcher:
     def _split(self, batch: list[_Task], outputs: dict[str, np.ndarray], padded: int) -> None:
         if len(batch) == 1 and padded == batch[0].rows:  # nothing to split: any output shape is fine
             batch[0].result = outputs
-            _finish(batch[0])
+            self._finish(batch)
             return
         for name, value in outputs.items():
             if value.ndim == 0 or value.shape[0] != padded:
@@ -324,18 +324,19 @@ class Batcher:
         for task in batch:
             task.result = {k: v[offset:offset + task.rows] for k, v in outputs.items()}
             offset += task.rows
-            _finish(task)
+        self._finish(batch)
 
-    @staticmethod
-    def _fail(batch: list[_Task], error: BaseException) -> None:
+    def _fail(self, batch: list[_Task], error: BaseException) -> None:
         for task in batch:
             task.error = error
-            _finish(task)
+        self._finish(batch)
 
-
-def _finish(task: _Task) -> None:
-    task.done = True
-    task.wake.set()
+    def _finish(self, batch: list[_Task]) -> None:
+        """Mark answered under the lock, so a leader clearing its wake-up cannot miss it."""
+        with self._cond:
+            for task in batch:
+                task.done = True
+                task.wake.set()
 
 
 def _pad_trailing(parts: list[np.ndarray]) -> list[np.ndarray]:

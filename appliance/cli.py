@@ -10,7 +10,6 @@ import argparse
 import importlib
 import json
 import os
-import shutil
 import sys
 from typing import Any
 
@@ -35,17 +34,35 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "state_dir": args.state,
         "poll_interval_s": args.poll_interval,
         "discovery.enabled": False if args.no_discovery else None,
+        "sync.bucket": args.bucket,
+        "sync.channel": args.channel,
+        "sync.poll_interval_s": args.poll_interval if args.bucket else None,
     }
 
 
 def _embedded_default(config: Config) -> bool:
-    """No models configured: serve the bundled sample from a folder in the state directory."""
-    if config.models or config.models_dir or config.sync.bucket:
+    """A configured bucket serves its synced store ``<state>/models``. With no models and no
+    bucket: publish the bundled sample into a local-folder bucket ``<state>/bucket`` and
+    follow it, so the first run exercises the same path a fleet device does. True when the
+    embedded default is in use."""
+    store = os.path.join(config.state_dir, "models")
+    if config.sync.bucket:
+        config.models_dir = config.models_dir or store
         return False
-    target = os.path.join(config.state_dir, "models")
-    if not os.path.isdir(target) or not os.listdir(target):
-        shutil.copytree(SAMPLE_DIR, target, dirs_exist_ok=True)
-    config.models_dir = target
+    if config.models or config.models_dir:
+        return False
+    from sync.publisher import publish
+    from sync.source import open_source
+
+    bucket = os.path.join(config.state_dir, "bucket")
+    os.makedirs(bucket, exist_ok=True)
+    source = open_source(f"file://{bucket}")
+    for name in sorted(os.listdir(SAMPLE_DIR)):
+        for version in sorted(os.listdir(os.path.join(SAMPLE_DIR, name)), key=int):
+            if source.read(f"{name}/{version}/MANIFEST.json").status == 404:
+                publish(source, name, os.path.join(SAMPLE_DIR, name, version), int(version), expires_days=0)
+    config.sync.bucket = f"file://{bucket}"
+    config.models_dir = store
     return True
 
 
@@ -124,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="REST port (default 8501)")
     serve.add_argument("--backend", choices=BACKEND_CHOICES, help="pin a backend (default auto: measure)")
     serve.add_argument("--state", help="state directory (default: $STATE_DIRECTORY or ~/.local/state/edge-appliance)")
-    serve.add_argument("--poll-interval", type=float, help="seconds between scans of the model directory")
+    serve.add_argument("--poll-interval", type=float,
+                       help="seconds between scans of the model directory (and bucket polls with --bucket)")
+    serve.add_argument("--bucket", help="follow models in s3://bucket/prefix, file:///path or https://host/prefix")
+    serve.add_argument("--channel", help="bucket channel to follow (default: the newest committed version)")
     serve.add_argument("--no-discovery", action="store_true", help="do not announce the service with mDNS")
     serve.set_defaults(func=cmd_serve)
 

@@ -60,9 +60,13 @@ class Service:
         self.hooks: list[Callable[[str, "Service"], None]] = []  # see the module docstring
 
     def start(self) -> None:
+        """Start the core and bind the port; requests are served from ``serve_http()`` on."""
         self.core.start()
         c = self.config.server
         self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes)
+
+    def serve_http(self) -> None:
+        assert self.server is not None
         threading.Thread(target=self.server.serve_forever, name="http", daemon=True).start()
         self._emit("started")
 
@@ -163,7 +167,9 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
               file=sys.stderr)
         service.core.close()
         return 1
-    _add_optional_parts(service)
+    _add_optional_parts(service, ("appliance.sync_loop",))  # adds routes: before the first request
+    service.serve_http()
+    _add_optional_parts(service, ("appliance.notify", "appliance.discovery"))
     assert service.server is not None
     url = url_for(config, service.server.port)
     print(f"edge-appliance {__version__} serving on {url} (state: {config.state_dir}, pid {os.getpid()})",
@@ -171,9 +177,9 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
     return service.run()
 
 
-def _add_optional_parts(service: Service) -> None:
+def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
     """Parts that may be missing on a device or fail without harming serving."""
-    for module in ("appliance.notify", "appliance.discovery", "appliance.sync_loop"):
+    for module in modules:
         try:
             part = __import__(module, fromlist=["attach"])
         except ImportError:

@@ -232,13 +232,4 @@ def _register_routes(service: Any, loop: SyncLoop) -> None:
             return response
         return jsonify(loop.sync_now())
 
-    app = service.app
-    try:
-        app.register_blueprint(bp)
-    except AssertionError:
-        # Flask refuses setup calls once it has served a request, and attach() runs after
-        # the HTTP server started; add the one rule to the routing map directly instead.
-        from werkzeug.routing import Rule
-
-        app.view_functions["sync.sync_now"] = sync_now
-        app.url_map.add(Rule("/api/sync", methods=["POST"], endpoint="sync.sync_now"))
+    service.app.register_blueprint(bp)  # attach() runs before the HTTP server serves

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from . import faults
-from .errors import Refused, SourceError
+from .errors import Refused
 from .fetcher import fetch
 from .manifest import MANIFEST, verify, verify_channel
 from .source import MISSING, NOT_MODIFIED, Fetched

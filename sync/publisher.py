@@ -51,6 +51,8 @@ def publish(source: Any, model: str, directory: str, version: int | None = None,
     _check_name(model)
     if not os.path.isdir(directory):
         raise Refused(f"{directory} is not a directory")
+    if getattr(source, "root", None):  # a new folder bucket: the publisher creates it
+        os.makedirs(source.root, exist_ok=True)
     version = next_version(source, model) if version is None else int(version)
     if source.read(f"{model}/{version}/{MANIFEST}").status != MISSING:
         raise Refused(f"{model} version {version} is already published; versions are immutable")

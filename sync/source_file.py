@@ -68,6 +68,7 @@ class FileSource:
 
     def put(self, key: str, data: bytes) -> None:
         self.requests += 1
+        self._check_root()  # never recreate a missing (unmounted) bucket folder by writing into it
         target = self._path(key)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(target))

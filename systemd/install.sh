@@ -2,8 +2,8 @@
 # Install edge-appliance as a systemd service. Run as root from a checkout (or an
 # unpacked sdist) of the project. See systemd/README.md.
 #
-#   sudo systemd/install.sh [--devices LIST] [--package SPEC] [--prefix DIR]
-#                           [--no-start] [--root DIR] [--no-venv]
+#   sudo systemd/install.sh [--devices LIST] [--extras LIST] [--package SPEC]
+#                           [--prefix DIR] [--no-start] [--root DIR] [--no-venv]
 #   systemd/install.sh --print-dropin LIST
 #
 # What it does, each step skipped when already done (safe to run again to upgrade):
@@ -18,9 +18,12 @@
 # --devices LIST   comma-separated: nvidia (CUDA GPU: tf-gpu, TF-TRT), dri (GPU
 #                  delegate of LiteRT through /dev/dri: Intel, Mali, Adreno),
 #                  edgetpu (PCIe/M.2 Coral, /dev/apex_0), coral-usb (USB Coral)
-# --package SPEC   what pip installs into the venv (default: this checkout)
+# --extras LIST    the package's extras to install (default: tflite; a GPU or
+#                  SavedModel box: tf,tflite; an S3 bucket: add s3)
+# --package SPEC   what pip installs into the venv (default: this checkout with --extras)
 # --root DIR       stage every file under DIR instead of / (packaging, tests): no user
-#                  is created, nothing is chowned, systemctl is not run
+#                  is created, nothing is chowned, systemctl is not run (add --no-venv:
+#                  a venv only works at the path it was created at)
 # --no-venv        skip step 2 (the venv is managed some other way)
 # --print-dropin LIST   print the drop-in for LIST and exit
 set -eu
@@ -29,7 +32,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PREFIX=/opt/edge-appliance
 ROOT=
 DEVICES=
-PACKAGE=$(dirname "$HERE")
+PACKAGE=
+EXTRAS=tflite
 VENV=yes
 START=yes
 NAME=edge-appliance
@@ -91,6 +95,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
     --devices) DEVICES=${2:?}; shift 2;;
     --package) PACKAGE=${2:?}; shift 2;;
+    --extras) EXTRAS=${2:?}; shift 2;;
     --prefix) PREFIX=${2:?}; shift 2;;
     --root) ROOT=${2:?}; shift 2;;
     --no-venv) VENV=no; shift;;
@@ -102,6 +107,7 @@ while [ $# -gt 0 ]; do
 done
 
 [ -n "$ROOT" ] || [ "$(id -u)" = 0 ] || die "run as root (or stage with --root DIR)"
+[ -n "$PACKAGE" ] || PACKAGE="$(dirname "$HERE")[$EXTRAS]"
 [ -n "$DEVICES" ] && print_dropin "$DEVICES" >/dev/null  # fail early on an unknown kind
 
 # 1. user
@@ -115,7 +121,7 @@ fi
 
 # 2. venv
 if [ "$VENV" = yes ]; then
-    python3 -m venv "$ROOT$PREFIX/venv"
+    python3 -m venv "$ROOT$PREFIX/venv" || die "python3 -m venv failed (Debian/Ubuntu: apt-get install python3-venv)"
     "$ROOT$PREFIX/venv/bin/pip" install --upgrade --quiet pip
     "$ROOT$PREFIX/venv/bin/pip" install --upgrade --quiet "$PACKAGE"
 fi

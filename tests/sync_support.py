@@ -140,6 +140,7 @@ class TCPProxy:
         self._listener: Any = None
         self._threads: list[threading.Thread] = []
         self._conns: list[Any] = []
+        self._pipes: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def up(self) -> "TCPProxy":
@@ -156,17 +157,23 @@ class TCPProxy:
     def down(self) -> None:
         listener, self._listener = self._listener, None
         if listener is not None:
+            try:
+                listener.shutdown(2)  # wakes the accept() thread (close() alone would not)
+            except OSError:
+                pass
             listener.close()
+        for t in self._threads:  # first the acceptor, so no connection is added after this
+            t.join(10)
         with self._lock:
-            conns, self._conns = self._conns, []
+            conns, pipes, self._conns, self._pipes, self._threads = self._conns, self._pipes, [], [], []
         for c in conns:
             try:
+                c.shutdown(2)  # wakes the pipe threads and sends the peers a FIN/RST now
                 c.close()
             except OSError:
                 pass
-        for t in self._threads:
+        for t in pipes:
             t.join(10)
-        self._threads = []
 
     def _spawn(self, fn: Any, *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, name="tcp-proxy", daemon=True)
@@ -182,10 +189,13 @@ class TCPProxy:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            pipes = [threading.Thread(target=self._pipe, args=pair, daemon=True, name="tcp-proxy")
+                     for pair in ((client, upstream), (upstream, client))]
             with self._lock:
                 self._conns += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True, name="tcp-proxy").start()
-            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True, name="tcp-proxy").start()
+                self._pipes += pipes
+            for t in pipes:
+                t.start()
 
     @staticmethod
     def _pipe(a: Any, b: Any) -> None:
@@ -195,7 +205,11 @@ class TCPProxy:
         except OSError:
             pass
         finally:
-            for s in (a, b):
+            for s in (a, b):  # shutdown first: it wakes the opposite pipe blocked in recv()
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
                 try:
                     s.close()
                 except OSError:

@@ -21,13 +21,14 @@ import threading
 import time
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, get_args, get_origin, get_type_hints
 
 import pytest
 import requests
 
 from appliance import config as config_mod
-from appliance.notify import watchdog_interval
+from appliance.notify import Liveness, watchdog_interval
 from tests.conftest import ROOT
 
 SYSTEMD = ROOT / "systemd"
@@ -232,7 +233,8 @@ def notify_socket(tmp_path: Path) -> Iterator[NotifyListener]:
 
 
 def write_models_config(path: Path, models: dict[str, Path], **top: Any) -> None:
-    lines = [f"{k} = {v!r}" for k, v in top.items()]
+    """A config serving ``models`` (name: base path); no mDNS announcements from tests."""
+    lines = [f"{k} = {v!r}" for k, v in top.items()] + ["[discovery]", "enabled = false"]
     for name, base in models.items():
         lines += ["[[models]]", f'name = "{name}"', f'base_path = "{base}"']
     path.write_text("\n".join(lines) + "\n")
@@ -264,6 +266,41 @@ def test_watchdog_interval_honours_watchdog_pid() -> None:
     assert watchdog_interval({"WATCHDOG_USEC": "4000000"}) == 2.0
     assert watchdog_interval({**mine, "WATCHDOG_PID": str(os.getpid() + 1)}) is None
     assert watchdog_interval({}) is None
+
+
+def test_liveness_fails_while_every_http_worker_is_stuck() -> None:
+    """The watchdog's HTTP half: a real server whose only worker thread hangs is not alive."""
+    from appliance.http_server import HTTPServer
+
+    release = threading.Event()
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        if environ["PATH_INFO"] == "/hang":
+            release.wait(30)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    server = HTTPServer(app, "127.0.0.1", 0, threads=1, max_body_bytes=1024)
+    loop = threading.Thread(target=server.serve_forever, name="http-under-test")
+    loop.start()
+    liveness = Liveness(SimpleNamespace(core=SimpleNamespace(manager=None), server=server),
+                        stall_after_s=1.0, http_timeout_s=0.5)
+    try:
+        assert liveness.problem() is None
+        hung = threading.Thread(target=lambda: requests.get(f"http://127.0.0.1:{server.port}/hang", timeout=30))
+        hung.start()
+        deadline = time.monotonic() + 10
+        while server.tracker.count == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        problem = liveness.problem()
+        assert problem is not None and "/healthz" in problem
+        release.set()
+        hung.join(30)
+        assert liveness.problem() is None
+    finally:
+        release.set()
+        server.drain(5)
+        loop.join(10)
 
 
 def test_sd_notify_ready_status_watchdog_and_wedge(start_server: Any, models_dir: Path, tmp_path: Path,
@@ -325,6 +362,7 @@ class Stream:
         self.url, self.model = url, model
         self.stop = threading.Event()
         self.outcomes: list[list[tuple[float, str, Any]]] = [[] for _ in range(threads)]
+        self.pending = [False] * threads  # a request sent, its answer not yet back
         self.threads = [threading.Thread(target=self._run, args=(i,), name=f"stream-{i}") for i in range(threads)]
 
     def __enter__(self) -> "Stream":
@@ -338,20 +376,25 @@ class Stream:
             t.join(90)
 
     def _run(self, i: int) -> None:
-        session = requests.Session()
-        with session:
+        with requests.Session() as session:
             while not self.stop.is_set():
-                try:
-                    r = post_add(self.url, self.model, session)
-                    ok = r.status_code == 200 and r.json().get("predictions") == ADD_RESULT
-                    self.outcomes[i].append((time.monotonic(), "ok" if ok else "bad", (r.status_code, r.text[:300])))
-                except requests.ConnectionError as exc:
-                    refused = "Connection refused" in str(exc) or "[Errno 111]" in str(exc)
-                    self.outcomes[i].append((time.monotonic(), "refused" if refused else "cut", repr(exc)))
-                    if refused:
-                        return  # the server is gone; stop this client
-                except requests.RequestException as exc:
-                    self.outcomes[i].append((time.monotonic(), "cut", repr(exc)))
+                self.pending[i] = True
+                outcome = self._one(session)
+                self.pending[i] = False
+                self.outcomes[i].append((time.monotonic(), *outcome))
+                if outcome[0] == "refused":
+                    return  # the server is gone; stop this client
+
+    def _one(self, session: requests.Session) -> tuple[str, Any]:
+        try:
+            r = post_add(self.url, self.model, session)
+        except requests.ConnectionError as exc:
+            refused = "Connection refused" in str(exc) or "[Errno 111]" in str(exc)
+            return ("refused" if refused else "cut", repr(exc))
+        except requests.RequestException as exc:
+            return ("cut", repr(exc))
+        ok = r.status_code == 200 and r.json().get("predictions") == ADD_RESULT
+        return ("ok" if ok else "bad", (r.status_code, r.text[:300]))
 
     def count(self, kind: str = "ok") -> int:
         return sum(1 for o in self.outcomes for _, k, _ in o if k == kind)
@@ -360,30 +403,47 @@ class Stream:
         return [o for per in self.outcomes for o in per if o[1] not in allowed]
 
 
+def unread_bytes(port: int) -> int:
+    """Bytes received on the server's established connections that it has not read yet."""
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                fields = row.split()
+                local_port, state = int(fields[1].rsplit(":", 1)[1], 16), fields[3]
+                if local_port == port and state == "01":
+                    total += int(fields[4].split(":")[1], 16)
+    return total
+
+
 def test_sigterm_drains_a_steady_stream(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
     base = tmp_path / "models"
     base.mkdir()
     add_model_atomically(models_dir, tmp_path, base / "mlp")
     config = tmp_path / "appliance.toml"
     write_models_config(config, {"mlp": base / "mlp"})
+    # 2 HTTP threads for 6 clients: at SIGTERM some requests run, the others wait for a thread.
+    config.write_text(config.read_text() + "[server]\nthreads = 2\n")
     # A NOTIFY_SOCKET nobody listens on: sending fails, serving must not.
     env = {"EDGE_APPLIANCE_TEST_HOOKS": "1", "NOTIFY_SOCKET": str(tmp_path / "nobody-listens.sock")}
     server = start_server("--config", str(config), "--backend", "tflite", env=env)
     drain_timeout = config_mod.load(str(config)).server.drain_timeout_s
 
-    with Stream(server.url, "mlp", threads=4) as stream:
+    with Stream(server.url, "mlp", threads=6) as stream:
         server.wait_for(lambda: stream.count() >= 200, 60, "200 answered requests")
-        # Hold the next requests in the batch queue, so SIGTERM finds requests in flight.
+        # Freeze the batcher: every client's next request is sent and read by the server,
+        # two of them waiting in the batch queue and four for an HTTP thread.
         server.proc.send_signal(signal.SIGUSR1)
         wait_log(server, "batchers frozen")
-        server.wait_for(lambda: queue_depth(server, "mlp") >= 4, 30, "a request of every client in flight")
+        server.wait_for(lambda: all(stream.pending) and unread_bytes(server.port) == 0, 30,
+                        "a request of every client to be in the server")
         sigterm_at = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         wait_log(server, "stopping: draining")
         server.proc.send_signal(signal.SIGUSR1)  # release them during the drain
         assert server.proc.wait(drain_timeout + 30) == 0
     answered_in_drain = [o for per in stream.outcomes for o in per if o[1] == "ok" and o[0] > sigterm_at]
-    assert len(answered_in_drain) >= 4, stream.outcomes
+    assert len(answered_in_drain) >= 6, stream.outcomes
     assert stream.failures(allowed=("ok", "refused")) == []
     for per in stream.outcomes:  # after its last answer a client only ever found the port closed
         assert per[-1][1] == "refused", per[-3:]

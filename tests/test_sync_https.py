@@ -1,0 +1,37 @@
+"""Fleet sync from a read-only HTTPS mirror (a local TLS static server), end to end."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sync.publisher import publish
+from sync.source import open_source
+from tests.sync_scenario import hpt, scenario, signing, start_device  # noqa: F401 (fixtures)
+from tests.sync_support import StaticHTTPS, TCPProxy, self_signed_cert
+
+
+# -- static HTTPS mirror ----------------------------------------------------------------------
+def test_https_mirror_full_scenario(start_server: Any, tmp_path: Path, hpt: Path, signing: Any) -> None:
+    key, pub = signing
+    folder = tmp_path / "bucket"
+    bucket = open_source(f"file://{folder}")  # the publisher writes the folder the web server serves
+    publish(bucket, "hpt", str(hpt / "1"), 1, channel="stable", sign_key=key)
+    cert, cert_key = self_signed_cert(tmp_path)
+    web = StaticHTTPS(folder, cert, cert_key).start()
+    proxy = TCPProxy(web.port).up()
+    try:
+        server = start_device(start_server, tmp_path, f"https://127.0.0.1:{proxy.port}",
+                              env={"SSL_CERT_FILE": str(cert)}, public_key=pub)
+
+        def corrupt(version: int) -> None:
+            (folder / "hpt" / str(version) / "saved_model.pb").unlink()  # a missing file
+
+        scenario(server, bucket, hpt, key, proxy.down, proxy.up, corrupt)
+        before = web.requests
+        time.sleep(1.5)  # idle polls: conditional GETs answered 304
+        assert web.requests > before
+    finally:
+        proxy.down()
+        web.stop()
