@@ -321,7 +321,7 @@ def test_discovery_failure_is_shown_and_the_api_keeps_serving(models: Path, tmp_
                                                               start_server: Any) -> None:
     config = tmp_path / "broken.toml"
     config.write_text('[discovery]\ninterfaces = ["no-such-if0"]\nrecheck_interval_s = 60.0\n')
-    server = start_server("--config", str(config), "--models", str(models), "--backend", "tflite")
+    server = start_server("--config", str(config), "--models", str(models), "--backend", "tflite", discovery=True)
     status = server.wait_for(lambda: (s := server.status())["discovery"].get("error") and s, 30,
                              "the discovery error in /api/status")
     assert "no-such-if0" in status["discovery"]["error"] and status["discovery"]["announcing"] is False
