@@ -118,7 +118,7 @@ def select(
         why = "; ".join(f"{c.backend}: {c.reason}" for c in considered)
         return Decision(None, "none", f"no backend can serve this version ({why})", considered), None
     if len(possible) == 1:
-        return _load_in_order(possible, considered, load, "only", f"the only backend that can serve this version")
+        return _load_in_order(possible, considered, load, "only", "the only backend that can serve this version")
     small = policy.get("prefer_tflite_below_mb")
     if small and device.get("memory_mb", 1 << 30) < small and any(c.backend == "tflite" for c in possible):
         order = sorted(possible, key=lambda c: c.backend != "tflite")

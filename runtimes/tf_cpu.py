@@ -24,8 +24,11 @@ class TFCPUBackend:
     def can_serve(self, version_dir: str) -> str | None:
         return find_saved_model(version_dir)
 
-    def load(self, version_dir: str, options: Mapping[str, Any]) -> SessionServable:
+    def export_dir(self, version_dir: str) -> str:
         export_dir = self.can_serve(version_dir)
         if export_dir is None:
             raise LoadFailure(f"no saved_model.pb in {version_dir}")
-        return SessionServable(export_dir, options, NAME, use_gpu=False)
+        return export_dir
+
+    def load(self, version_dir: str, options: Mapping[str, Any]) -> SessionServable:
+        return SessionServable(self.export_dir(version_dir), options, NAME, use_gpu=False)

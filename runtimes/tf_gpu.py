@@ -20,8 +20,9 @@ import shutil
 import tempfile
 from typing import Any, Callable, Mapping
 
-from .base import Availability, LoadFailure
-from .savedmodel import INSTALL_HINT, SessionServable, find_saved_model, tensorflow
+from .base import Availability
+from .savedmodel import INSTALL_HINT, SessionServable, tensorflow
+from .tf_cpu import TFCPUBackend
 
 NAME = "tf-gpu"
 PRECISIONS = ("FP32", "FP16")
@@ -49,8 +50,9 @@ def _graph_key(export_dir: str, device: Mapping[str, Any]) -> str:
     return digest.hexdigest()[:16]
 
 
-class TFGPUBackend:
-    """Options: ``precision`` (FP32|FP16), ``tftrt`` (bool), ``cache_dir``, plus tf-cpu's."""
+class TFGPUBackend(TFCPUBackend):
+    """Options: ``precision`` (FP32|FP16), ``tftrt`` (bool), ``cache_dir``, plus tf-cpu's.
+    Serves the same artifact as tf-cpu; differs in its probe and in converting first."""
 
     name = NAME
 
@@ -67,14 +69,8 @@ class TFGPUBackend:
         trt = "TensorRT found" if device.get("tensorrt") else "TensorRT not found: plain GPU graphs, no TF-TRT"
         return Availability(True, f"NVIDIA GPU {device.get('gpu_name') or ''} with TensorFlow; {trt}".replace("  ", " "))
 
-    def can_serve(self, version_dir: str) -> str | None:
-        return find_saved_model(version_dir)
-
     def load(self, version_dir: str, options: Mapping[str, Any]) -> SessionServable:
-        export_dir = self.can_serve(version_dir)
-        if export_dir is None:
-            raise LoadFailure(f"no saved_model.pb in {version_dir}")
-        target, note = self.converted(export_dir, options)
+        target, note = self.converted(self.export_dir(version_dir), options)
         servable = SessionServable(target, options, NAME, use_gpu=True)
         servable.conversion = note  # type: ignore[attr-defined]
         return servable

@@ -104,14 +104,19 @@ class Server:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc, sig, timeout)
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    """Signal a child we started (by PID), wait, kill it if it does not stop in time."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
 
 
 def launch(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, ready: bool = True,

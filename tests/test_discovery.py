@@ -29,7 +29,7 @@ import pytest
 
 import appliance
 from appliance import discovery
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, stop_process
 
 SERVICE_TYPE = "_edge-appliance._tcp.local."
 HTTP_TYPE = "_http._tcp.local."
@@ -139,14 +139,7 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc, sig, timeout)
 
 
 class Appliance(Proc):

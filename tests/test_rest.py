@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from tests.modelgen import build_half_plus_two, reference_predict, reference_predict_tflite
+from tests.test_runtimes import examples
 
 RTOL, ATOL = 1e-4, 1e-5
 MAX_BODY = 256 * 1024
@@ -193,15 +194,6 @@ def test_classify_regress_with_context(server: Any, models: Models) -> None:
     assert got == {"results": [[["", 2.0]]]}
 
 
-def examples(**features: list[float]) -> np.ndarray:
-    import tensorflow as tf
-
-    n = len(next(iter(features.values())))
-    out = []
-    for i in range(n):
-        feats = {k: tf.train.Feature(float_list=tf.train.FloatList(value=[v[i]])) for k, v in features.items()}
-        out.append(tf.train.Example(features=tf.train.Features(feature=feats)).SerializeToString())
-    return np.array(out, dtype=object)
 
 
 # --- status and metadata ------------------------------------------------------------------
