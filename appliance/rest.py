@@ -67,8 +67,8 @@ class V1API:
                 verb, name = match.group(4), match.group(1)
                 model, version, label = _parse(match)
                 name = model
-                body = VERBS[verb](self.core.manager, _read_json(environ, self.core.config.server.max_body_bytes),
-                                   model, version, label)
+                raw = _read_body(environ, self.core.config.server.max_body_bytes)
+                body = VERBS[verb](self.core.manager, _parse_object(raw), model, version, label, raw)
                 self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
                 return 200, body, []
             match = GET_RE.fullmatch(path) if method == "GET" else None
@@ -175,7 +175,7 @@ def _handle(manager: Any, name: str, version: int | None, label: str | None) -> 
 
 
 # --- POST ---------------------------------------------------------------------------------
-def _read_json(environ: dict[str, Any], limit: int) -> Any:
+def _read_body(environ: dict[str, Any], limit: int) -> bytes:
     length = environ.get("CONTENT_LENGTH")
     if length and int(length) > limit:
         raise PayloadTooLarge(f"request body of {length} bytes is over the limit of {limit} bytes (server.max_body_bytes)")
@@ -183,6 +183,10 @@ def _read_json(environ: dict[str, Any], limit: int) -> Any:
     data = stream.read(int(length)) if length else stream.read(limit + 1)
     if len(data) > limit:
         raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (server.max_body_bytes)")
+    return data
+
+
+def _parse_object(data: bytes) -> dict[str, Any]:
     body = tfs_json.loads(data)
     if not isinstance(body, dict):
         raise InvalidArgument("JSON Value: the request body Is not object")
@@ -196,13 +200,14 @@ def _signature_name(body: dict[str, Any]) -> str:
     return name or DEFAULT_SIGNATURE
 
 
-def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None) -> bytes:
+def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
+             raw: bytes | None = None) -> bytes:
     signature_name = _signature_name(body)
     if "instances" in body and not body["instances"] and isinstance(body["instances"], list):
         raise InvalidArgument("JSON Value: No values in 'instances' array")
     with _handle(manager, name, version, label) as slot:
         signature = _signature(slot, signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
-        inputs, row_format = tfs_json.decode_predict(body, signature)
+        inputs, row_format = tfs_json.decode_predict(body, signature, raw)
         outputs = _run(slot, signature, inputs)
     return tfs_json.encode_predict(outputs, row_format)
 
@@ -307,6 +312,6 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
 
 VERBS: dict[str, Callable[..., bytes]] = {
     "predict": _predict,
-    "classify": lambda m, body, n, v, l: _classify_regress(m, body, n, v, l, "classify"),
-    "regress": lambda m, body, n, v, l: _classify_regress(m, body, n, v, l, "regress"),
+    "classify": lambda m, body, n, v, l, raw: _classify_regress(m, body, n, v, l, "classify"),
+    "regress": lambda m, body, n, v, l, raw: _classify_regress(m, body, n, v, l, "regress"),
 }

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextvars
+import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -22,6 +24,7 @@ from . import protowire as pw
 from .errors import InvalidArgument
 
 DUMP = orjson.OPT_SERIALIZE_NUMPY
+_TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("numbers_only", default=False)
 _NATIVE = frozenset("biuf")  # dtype kinds orjson serialises itself
 _MAX_DEPTH = 32
 
@@ -97,6 +100,8 @@ _KIND_NAMES = {"U": "String", "S": "String", "O": "Null or Object", "b": "Bool",
 def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
     """Like TF Serving: numbers for numeric inputs (no numeric strings, booleans or nulls),
     integers for integer inputs, booleans for bool inputs."""
+    if _TRUSTED.get() and spec.dtype.kind == "f":  # only numbers in the body: convert in one step
+        return np.asarray(value, dtype=spec.dtype)
     arr = np.asarray(value)
     have, want = arr.dtype.kind, spec.dtype.kind
     fits = (have in "iu" and want in "iuf") or (have == want == "f") or (have == want == "b")
@@ -137,8 +142,35 @@ def _named(signature: SignatureInfo, values: Mapping[str, Any], where: str,
     return {k: to_array(v, signature.inputs[k], f"input {k!r}") for k, v in values.items()}
 
 
-def decode_predict(body: Mapping[str, Any], signature: SignatureInfo) -> tuple[dict[str, np.ndarray], bool]:
-    """(inputs, row_format) of a :predict request body."""
+_NUMERIC_BYTES = b"0123456789.eE+-,[]{}: \t\r\n"
+_QUOTED = re.compile(rb'"[^"]*"')
+
+
+def numbers_only(raw: bytes, body: Mapping[str, Any]) -> bool:
+    """True when every JSON string in ``raw`` is a key or a top-level string value, so
+    the tensors hold nothing but numbers and can go to numpy without a per-element check.
+    One C-speed pass over the bytes instead of a second pass over the parsed values."""
+    if b"\\" in raw:
+        return False
+    expected = len(body) + sum(isinstance(v, str) for v in body.values())
+    if isinstance(body.get("inputs"), dict):
+        expected += len(body["inputs"])
+    if raw.count(b'"') != 2 * expected:
+        return False
+    return not _QUOTED.sub(b"", raw.translate(None, _NUMERIC_BYTES))
+
+
+def decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
+                   raw: bytes | None = None) -> tuple[dict[str, np.ndarray], bool]:
+    """(inputs, row_format) of a :predict request body (``raw``: its bytes, for the fast check)."""
+    token = _TRUSTED.set(raw is not None and numbers_only(raw, body))
+    try:
+        return _decode_predict(body, signature)
+    finally:
+        _TRUSTED.reset(token)
+
+
+def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo) -> tuple[dict[str, np.ndarray], bool]:
     has_rows, has_cols = "instances" in body, "inputs" in body
     if has_rows and has_cols:
         raise InvalidArgument("JSON Value: both 'instances' and 'inputs' given; use one of them")
