@@ -23,6 +23,8 @@ def build(base: str) -> Flask:
     app = Flask("naive")
     models = {}
     for name in os.listdir(base):
+        if not os.path.isfile(os.path.join(base, name, "1", "saved_model.pb")):
+            continue
         loaded = tf.saved_model.load(os.path.join(base, name, "1"))
         models[name] = loaded.signatures["serving_default"]
 
