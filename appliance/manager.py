@@ -30,6 +30,7 @@ from . import device as device_mod
 from .batcher import Batcher
 from .config import Config, ModelConfig
 from .errors import NotFound, Unavailable, from_runtime
+from .memory import release_freed_memory
 from .policy import State, aspired_versions, plan
 from .state import StateDB
 from .warmup import warmup_requests
@@ -372,6 +373,7 @@ class Manager:
         if slot.servable is not None:
             slot.servable.close()
         slot.servable, slot.batcher = None, None
+        release_freed_memory()  # else glibc keeps the old version's buffers: RSS grows per swap
         note = f" ({left} requests still in flight at the drain timeout)" if left else ""
         self._transition(slot, State.END, f"{slot.model} version {slot.version} unloaded{note}", "unloaded")
 

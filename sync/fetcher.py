@@ -39,29 +39,43 @@ class FetchStats:
 
 def fetch(source: Any, manifest: Manifest, raw: bytes, stage: str, reuse: Mapping[str, str]) -> FetchStats:
     digest = hashlib.sha256(raw).hexdigest()
-    _prepare(stage, digest)
     try:
+        _prepare(stage, digest)  # inside: creating the stage can hit ENOSPC too
         _check_space(stage, manifest, reuse)
         stats = FetchStats()
         for entry in manifest.files:
             _fetch_file(source, manifest, entry, stage, reuse, stats)
         with open(os.path.join(stage, MANIFEST), "wb") as f:
             f.write(raw)
-        os.unlink(os.path.join(os.path.dirname(stage), f".{os.path.basename(stage)}{DIGEST_FILE}"))
+        os.unlink(_marker(stage))
         return stats
     except (Refused, DiskFull):
-        shutil.rmtree(stage, ignore_errors=True)
+        _discard(stage)
         raise
     except OSError as exc:
-        shutil.rmtree(stage, ignore_errors=True)
+        _discard(stage)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(f"disk full while staging {manifest.model} version {manifest.version}") from exc
         raise
 
 
+def _marker(stage: str) -> str:
+    """The file naming the manifest a stage's partial files belong to (next to the stage)."""
+    return os.path.join(os.path.dirname(stage), f".{os.path.basename(stage)}{DIGEST_FILE}")
+
+
+def _discard(stage: str) -> None:
+    """Wipe a stage and its marker: nothing of a refused or unfittable version stays."""
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        os.unlink(_marker(stage))
+    except OSError:
+        pass
+
+
 def _prepare(stage: str, digest: str) -> None:
     """Keep partial files only when they belong to this very manifest."""
-    marker = os.path.join(os.path.dirname(stage), f".{os.path.basename(stage)}{DIGEST_FILE}")
+    marker = _marker(stage)
     try:
         with open(marker) as f:
             same = f.read().strip() == digest

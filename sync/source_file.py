@@ -7,6 +7,7 @@ object. A missing root folder is an unreachable bucket (``SourceError``), not an
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -62,8 +63,8 @@ class FileSource:
         except FileNotFoundError as exc:
             raise Refused(f"{key} is listed in the manifest but missing from the bucket") from exc
         except OSError as exc:
-            if os.path.exists(path) and exc.filename == path:
-                raise
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) or (os.path.exists(path) and exc.filename == path):
+                raise  # the local disk, not the bucket: the fetcher wipes the stage (DiskFull)
             raise SourceError(f"reading {key}: {exc.strerror}") from exc
 
     def put(self, key: str, data: bytes) -> None:
