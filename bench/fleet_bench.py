@@ -1,6 +1,6 @@
 """Fleet-scale sync benchmark: N simulated devices (the real ``sync.follower`` code, each with
 its own state directory and S3 client) following one channel on a SeaweedFS bucket on
-loopback. Writes bench/RESULTS-fleet.md.
+loopback. Appends a section to bench/RESULTS.md.
 
     .venv/bin/python -m bench.fleet_bench [--devices 200] [--interval 2]
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import tempfile
 import threading
 import time
@@ -128,7 +129,10 @@ def write_results(args: Any, idle: float, cpu_ms: float, rss_per_device: float, 
         return f"{times[k]:.1f} s" if len(times) >= int(n * p) and times else "not reached"
 
     lines = [
-        "# Fleet sync benchmark (bench/fleet_bench.py)",
+        "",
+        f"## Fleet sync benchmark, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"Command: `{' '.join(sys.argv)}`.",
         "",
         f"{n} simulated devices (real `sync.follower` code, one state directory and one boto3 client each, "
         f"{args.threads} polling threads in one process) on one SeaweedFS S3 bucket on loopback, channel `stable`, "
@@ -151,8 +155,8 @@ def write_results(args: Any, idle: float, cpu_ms: float, rss_per_device: float, 
         "Idle CPU of a device's loop = CPU per idle poll / poll interval (e.g. "
         f"{cpu_ms:.2f} ms every 30 s = {cpu_ms / 30000 * 100:.4f} % of one core).",
     ]
-    out = Path(__file__).with_name("RESULTS-fleet.md")
-    out.write_text("\n".join(lines) + "\n")
+    with open(Path(__file__).with_name("RESULTS.md"), "a") as out:  # appended, like the other benches
+        out.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
