@@ -32,7 +32,7 @@ def build(base: str) -> Flask:
     def predict(name: str):  # type: ignore[no-untyped-def]
         fn = models[name]
         (arg,) = fn.structured_input_signature[1]
-        x = np.asarray(json.loads(request.data)["instances"], dtype=np.float32)
+        x = np.asarray(json.loads(request.get_data())["instances"], dtype=np.float32)
         out = next(iter(fn(**{arg: tf.constant(x)}).values())).numpy()
         return json.dumps({"predictions": out.tolist()}), 200, {"Content-Type": "application/json"}
 
