@@ -131,6 +131,7 @@ def start_naive(base: Path, port: int) -> subprocess.Popen:
             return proc
         except OSError:
             time.sleep(0.5)
+    stop(proc)  # never leave it behind holding the port
     raise RuntimeError("naive server did not start")
 
 
