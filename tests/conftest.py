@@ -31,6 +31,18 @@ ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
 
 
+def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", context: Any = lambda: "") -> Any:
+    """The first truthy value of ``predicate()``, polled every 0.2 s; fails after ``timeout``
+    with ``context()`` (log tails, say) in the message."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{context()}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,11 +12,12 @@ import json
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import requests
+
+from tests.conftest import poll_until
 
 ROOT = Path(__file__).resolve().parent.parent
 OFFSETS = {1: 2.0, 2: 3.0, 3: 4.0}  # version -> b in y = 0.5 x + b
@@ -117,13 +118,7 @@ def store_is_complete(models_dir: Path) -> list[str]:
 
 
 def wait(predicate: Any, timeout: float = 60, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return poll_until(predicate, timeout, what)
 
 
 class TCPProxy:

@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import pytest
 
 import appliance
 from appliance import discovery
-from tests.conftest import ROOT, free_port, stop_process
+from tests.conftest import ROOT, free_port, poll_until, stop_process
 
 SERVICE_TYPE = "_edge-appliance._tcp.local."
 HTTP_TYPE = "_http._tcp.local."
@@ -190,14 +189,8 @@ def events(proc: Proc) -> list[dict[str, Any]]:
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, *logs: Proc) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    tails = "\n".join(f"--- {p.log.name}\n{p.text()[-3000:]}" for p in logs)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
+    return poll_until(predicate, timeout, what,
+                      lambda: "\n".join(f"--- {p.log.name}\n{p.text()[-3000:]}" for p in logs))
 
 
 def discover(host: Host, *args: str) -> list[dict[str, Any]]:
