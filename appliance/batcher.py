@@ -23,7 +23,8 @@ free (no hand-off to another thread, so a lone request pays no wake-up latency).
 it sleeps; a leader whose own request is answered hands its slot to the thread of the
 oldest queued request, which then runs everything queued as the next batch.
 
-Thread-safety: ``submit`` may be called from any thread; ``start``/``close`` are idempotent.
+Thread-safety: ``submit`` may be called from any thread; ``close`` is idempotent. There is
+nothing to start: requests run on their own threads.
 """
 
 from __future__ import annotations
@@ -111,9 +112,6 @@ class Batcher:
         self.stats = BatchStats()
 
     # -- lifecycle ---------------------------------------------------------------------
-    def start(self) -> None:
-        """Nothing to start: requests run on their own threads (kept for lifecycle symmetry)."""
-
     def close(self, timeout: float = 30.0) -> None:
         """Refuse new requests and wait (bounded) for the queued ones to finish. Idempotent."""
         deadline = time.monotonic() + timeout

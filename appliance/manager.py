@@ -29,7 +29,7 @@ from runtimes import Decision, RuntimeFailure, Servable
 from . import device as device_mod
 from .batcher import Batcher
 from .config import Config, ModelConfig
-from .errors import NotFound, Unavailable, from_runtime
+from .errors import InvalidArgument, NotFound, Unavailable, from_runtime
 from .memory import release_freed_memory
 from .policy import State, aspired_versions, plan
 from .state import StateDB
@@ -336,9 +336,7 @@ class Manager:
             return None
         threads = params.num_batch_threads or self.device.get("cpu_count", 1)
         observe = self.metrics.batch_observer(name, servable.backend) if self.metrics is not None else None
-        batcher = Batcher(servable.run, params, f"{name}:{version}", threads, observe=observe)
-        batcher.start()
-        return batcher
+        return Batcher(servable.run, params, f"{name}:{version}", threads, observe=observe)
 
     def _fail(self, entry: ModelEntry, slot: VersionSlot, exc: Exception) -> None:
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeFailure) else str(exc)
@@ -386,7 +384,7 @@ class Manager:
                 raise NotFound(f"Servable not found for request: {_request_text(name, version, label)}")
             if label is not None:
                 if label not in entry.config.labels:
-                    raise NotFound(f"Unrecognized servable version label: {label}")
+                    raise InvalidArgument(f"Unrecognized servable version label: {label}")
                 version = entry.config.labels[label]
             if version is None:
                 ready = [s for s in entry.versions.values() if s.state == State.AVAILABLE]
@@ -439,7 +437,7 @@ class Manager:
         with self._lock:
             if label is not None:
                 if label not in entry.config.labels:
-                    raise NotFound(f"Unrecognized servable version label: {label}")
+                    raise InvalidArgument(f"Unrecognized servable version label: {label}")
                 version = entry.config.labels[label]
             slots = sorted(entry.versions.values(), key=lambda s: -s.version)
         if version is not None:

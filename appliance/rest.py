@@ -123,12 +123,7 @@ def _raw_path(environ: dict[str, Any]) -> str:
 
 # --- GET ----------------------------------------------------------------------------------
 def _status(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
-    try:
-        slots = manager.version_states(name, version, label)
-    except NotFound as exc:
-        if "label" in exc.message:
-            raise InvalidArgument(exc.message) from exc
-        raise
+    slots = manager.version_states(name, version, label)
     if not slots:
         raise NotFound(f"Could not find any versions of model {name}")
     statuses = [{
@@ -166,12 +161,7 @@ def _metadata(manager: Any, name: str, version: int | None, label: str | None) -
 
 
 def _handle(manager: Any, name: str, version: int | None, label: str | None) -> Any:
-    try:
-        return manager.handle(name, version, label)
-    except NotFound as exc:
-        if exc.message.startswith("Unrecognized servable version label"):
-            raise InvalidArgument(exc.message) from exc
-        raise
+    return manager.handle(name, version, label)
 
 
 # --- POST ---------------------------------------------------------------------------------

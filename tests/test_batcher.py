@@ -60,7 +60,6 @@ def batcher_factory():
 
     def make(run: Any, threads: int = 1, **kw: Any) -> Batcher:
         b = Batcher(run, params(**kw), "test", threads)
-        b.start()
         made.append(b)
         return b
 
