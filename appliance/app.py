@@ -8,6 +8,7 @@ the model manager; ``close()`` drains and stops. Both are idempotent.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
 import threading
@@ -29,6 +30,12 @@ from .metrics import Metrics
 from .openapi import spec as openapi_spec
 from .state import StateDB
 
+# Optional WSGI layers over the app, innermost first ("module:Class", each built as
+# ``Class(inner_wsgi_app, core)``): the KServe v2 API, token generation, rollout routing
+# and, outermost so it guards every path, authentication. A layer whose module this
+# install lacks is skipped.
+API_LAYERS = ("appliance.v2_rest:V2API", "appliance.generate_api:GenerateAPI",
+              "appliance.rollout:RolloutLayer", "appliance.auth:AuthLayer")
 PUBLIC_STATUS_KEYS = ("bucket_credentials", "token", "password", "secret")
 # Heavy libraries a technician (and the small-device tests) want to know are loaded or not.
 HEAVY_MODULES = ("tensorflow", "ai_edge_litert", "tflite_runtime", "boto3", "zeroconf", "cryptography")
@@ -119,6 +126,15 @@ def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
         ui_bp = None
     if ui_bp is not None:
         app.register_blueprint(ui_bp)
+    for layer in API_LAYERS:
+        module_name, _, class_name = layer.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:  # the layer exists but something it needs is missing: say so
+                raise
+            continue
+        app.wsgi_app = getattr(module, class_name)(app.wsgi_app, core)  # type: ignore[method-assign]
     return app
 
 

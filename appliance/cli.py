@@ -20,7 +20,8 @@ from .errors import ConfigError
 
 # Modules that add subcommands with ``add_commands(subparsers)``; each imports its heavy
 # libraries inside the command function, so building the parser stays cheap.
-COMMAND_MODULES = ("appliance.install", "appliance.discovery", "sync.cli")
+COMMAND_MODULES = ("appliance.install", "appliance.discovery", "sync.cli", "appliance.tfs_flags",
+                   "appliance.rollout_cli")
 SAMPLE_DIR = os.path.join(os.path.dirname(__file__), "sample_models")
 
 
@@ -34,6 +35,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "state_dir": args.state,
         "poll_interval_s": args.poll_interval,
         "discovery.enabled": False if args.no_discovery else None,
+        "grpc.port": args.grpc_port,
         "sync.bucket": args.bucket,
         "sync.channel": args.channel,
         "sync.poll_interval_s": args.poll_interval if args.bucket else None,
@@ -145,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between scans of the model directory (and bucket polls with --bucket)")
     serve.add_argument("--bucket", help="follow models in s3://bucket/prefix, file:///path or https://host/prefix")
     serve.add_argument("--channel", help="bucket channel to follow (default: the newest committed version)")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8500, TF Serving's; 0: no gRPC)")
     serve.add_argument("--no-discovery", action="store_true", help="do not announce the service with mDNS")
     serve.set_defaults(func=cmd_serve)
 
@@ -156,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:
         try:
             mod = importlib.import_module(module)
-        except ImportError:  # an optional part that this install lacks
+        except ModuleNotFoundError as exc:  # an optional part that this install lacks
+            if exc.name != module and not module.startswith(exc.name or "\0"):
+                raise
             continue
         mod.add_commands(sub)
     return parser

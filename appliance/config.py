@@ -106,6 +106,69 @@ class DiscoveryConfig:
     recheck_interval_s: float = 30.0
 
 
+# Sections for the API, security and rollout parts. Each part owns its dataclass: add
+# fields there (with defaults that protect a small device) and check them in ``validate``.
+@dataclass
+class GRPCConfig:
+    """TF Serving's gRPC API (and the KServe v2 gRPC service) on one port."""
+
+    port: int = 8500  # TF Serving's; 0: no gRPC
+    socket_path: str = ""  # as --grpc_socket_path: also listen on this Unix domain socket
+    max_message_bytes: int = 64 * 1024 * 1024  # TF Serving users hit gRPC's 4 MB default
+
+    def validate(self, key: str) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{key}.port", f"{self.port} is not a TCP port (0 turns gRPC off)")
+        if self.max_message_bytes < 1024:
+            raise ConfigError(f"{key}.max_message_bytes", "must be at least 1024")
+
+
+@dataclass
+class TFServingFilesConfig:
+    """tensorflow_model_server's own config files, read as it reads them."""
+
+    model_config_file: str = ""
+    model_config_file_poll_wait_seconds: float = 0.0  # 0: read once (and on reload)
+    batching_parameters_file: str = ""
+    monitoring_config_file: str = ""
+
+    def validate(self, key: str) -> None:
+        if self.model_config_file_poll_wait_seconds < 0:
+            raise ConfigError(f"{key}.model_config_file_poll_wait_seconds", "must not be negative")
+
+
+@dataclass
+class SecurityConfig:
+    """Tokens and TLS."""
+
+    def validate(self, key: str) -> None:
+        pass
+
+
+@dataclass
+class LimitsConfig:
+    """Request limits that protect a small device from one hostile or careless client."""
+
+    def validate(self, key: str) -> None:
+        pass
+
+
+@dataclass
+class GenerationConfig:
+    """Token streaming from generative models."""
+
+    def validate(self, key: str) -> None:
+        pass
+
+
+@dataclass
+class RolloutConfig:
+    """A candidate version next to the serving one, and how it is judged."""
+
+    def validate(self, key: str) -> None:
+        pass
+
+
 @dataclass
 class ModelConfig:
     """One served model. ``version_policy``: latest | all | specific (with ``versions``)."""
@@ -118,6 +181,7 @@ class ModelConfig:
     labels: dict[str, int] = field(default_factory=dict)
     backend: str = ""  # empty: runtime.backend
     batching: dict[str, Any] = field(default_factory=dict)  # overrides of [batching]
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
 @dataclass
@@ -132,6 +196,11 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    grpc: GRPCConfig = field(default_factory=GRPCConfig)
+    tfs: TFServingFilesConfig = field(default_factory=TFServingFilesConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     models: list[ModelConfig] = field(default_factory=list)
 
     def batching_for(self, model: ModelConfig) -> BatchingConfig:
@@ -206,6 +275,8 @@ def validate(config: Config) -> Config:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")
     if len(config.discovery.name.encode()) > 63:
         raise ConfigError("discovery.name", "must be at most 63 bytes (a DNS label)")
+    for section in ("grpc", "tfs", "security", "limits", "generation"):
+        getattr(config, section).validate(section)
     names = set()
     for i, model in enumerate(config.models):
         key = f"models[{i}]"
@@ -221,6 +292,7 @@ def validate(config: Config) -> Config:
         if model.backend and model.backend not in BACKEND_CHOICES:
             raise ConfigError(f"{key}.backend", f"must be one of {', '.join(BACKEND_CHOICES)}")
         config.batching_for(model)
+        model.rollout.validate(f"{key}.rollout")
     if not config.state_dir:
         config.state_dir = default_state_dir()
     return config

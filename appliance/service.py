@@ -19,6 +19,7 @@ Never set it on a device.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -167,7 +168,8 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
               file=sys.stderr)
         service.core.close()
         return 1
-    _add_optional_parts(service, ("appliance.sync_loop",))  # adds routes: before the first request
+    # sync adds routes and gRPC binds its port: both before the first request
+    _add_optional_parts(service, ("appliance.sync_loop", "appliance.grpc_server"))
     service.serve_http()
     _add_optional_parts(service, ("appliance.notify", "appliance.discovery"))
     assert service.server is not None
@@ -181,8 +183,11 @@ def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
     """Parts that may be missing on a device or fail without harming serving."""
     for module in modules:
         try:
-            part = __import__(module, fromlist=["attach"])
-        except ImportError:
+            part = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:  # the part exists but something it needs is missing: say so
+                log.warning("%s is not available: %s", module, exc)
+                service.core.extras.setdefault("problems", []).append(f"{module}: {exc}")
             continue
         try:
             part.attach(service)

@@ -138,6 +138,8 @@ def launch(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, r
     port = port or free_port()
     if not discovery and "--no-discovery" not in args:
         args = [*args, "--no-discovery"]
+    if "--grpc-port" not in args:  # gRPC only where a test asks for it: parallel servers never fight for 8500
+        args = [*args, "--grpc-port", "0"]
     state = tmp_path / f"state-{port}"
     log = tmp_path / f"server-{port}.log"
     cmd = [python, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
