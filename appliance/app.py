@@ -79,6 +79,11 @@ class Appliance:
             self.db.event("service_stop", "edge-appliance stopped")
         self.db.close()
 
+    def problems(self) -> list[str]:
+        """What is wrong but not fatal: a damaged or read-only state database, a part that
+        failed to start. Shown by /readyz, /api/status and the page."""
+        return [*self.db.problems, *self.extras.get("problems", [])]
+
     def status(self) -> dict[str, Any]:
         """The snapshot behind /api/status and the status page (no secrets)."""
         assert self.manager is not None
@@ -95,6 +100,7 @@ class Appliance:
             "models": models,
             "events": self.db.recent(50),
             **self.extras,
+            "problems": self.problems(),
         }
 
 
@@ -150,9 +156,12 @@ def _register_service_routes(app: Flask, core: Appliance) -> None:
     @app.get("/readyz")
     def readyz() -> Response:
         ready = core.manager is not None and core.manager.ready()
-        body = {"ready": ready}
+        body: dict[str, Any] = {"ready": ready}
         if core.manager is not None and not ready:
             body["models"] = {n: m["serving_version"] for n, m in core.manager.snapshot().items()}
+        problems = core.problems()
+        if problems:
+            body["problems"] = problems
         return _json(body, 200 if ready else 503)
 
     @app.get("/api/status")

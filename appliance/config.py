@@ -96,6 +96,20 @@ class SyncConfig:
     report_interval_s: float = 300.0
     s3_endpoint_url: str = ""  # else AWS_ENDPOINT_URL / the AWS config
     s3_region: str = ""
+    max_manifest_bytes: int = 4 << 20  # cap on a manifest, channel pointer or index read (endless data)
+    stall_timeout_s: float = 30.0  # a transfer moving < 1 KiB/s (or nothing) this long is abandoned
+
+    def validate(self, key: str) -> None:
+        if self.max_manifest_bytes < 4096:
+            raise ConfigError(f"{key}.max_manifest_bytes", "must be at least 4096")
+        if not self.stall_timeout_s > 0:
+            raise ConfigError(f"{key}.stall_timeout_s", "must be positive")
+
+    def limits(self) -> Any:
+        """The sources' transfer limits (``sync.source.Limits``) from this section."""
+        from sync.source import Limits
+
+        return Limits(max_document_bytes=self.max_manifest_bytes, stall_timeout_s=self.stall_timeout_s)
 
 
 @dataclass
@@ -275,7 +289,7 @@ def validate(config: Config) -> Config:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")
     if len(config.discovery.name.encode()) > 63:
         raise ConfigError("discovery.name", "must be at most 63 bytes (a DNS label)")
-    for section in ("grpc", "tfs", "security", "limits", "generation"):
+    for section in ("sync", "grpc", "tfs", "security", "limits", "generation"):
         getattr(config, section).validate(section)
     names = set()
     for i, model in enumerate(config.models):

@@ -78,9 +78,12 @@ def device_id(state_dir: str) -> str:
     # Random, not derived from /etc/machine-id: devices cloned from one image share that id,
     # and their fleet reports and mDNS ids must not collide.
     ident = os.urandom(6).hex()
-    os.makedirs(state_dir, exist_ok=True)
-    with open(path, "w") as f:
-        f.write(ident)
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(ident)
+    except OSError:  # a read-only state directory: this id lasts until the next start
+        pass
     return ident
 
 

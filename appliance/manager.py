@@ -25,6 +25,7 @@ import numpy as np
 
 import runtimes
 from runtimes import Decision, RuntimeFailure, Servable
+from sync.store import check_version_tree, verify_version
 
 from . import device as device_mod
 from .batcher import Batcher
@@ -223,7 +224,9 @@ class Manager:
         on_disk = versions_on_disk(cfg.base_path)
         self._forget_changed_quarantine(entry, on_disk)
         aspired = aspired_versions(cfg.version_policy, on_disk, cfg.latest, cfg.versions, entry.quarantined)
-        with self._lock:
+        with self._lock:  # an unloaded version whose directory is gone has nothing left to show
+            for version in [v for v, s in entry.versions.items() if s.state == State.END and v not in on_disk]:
+                del entry.versions[version]
             states = {v: s.state for v, s in entry.versions.items()}
         to_load, to_unload = plan(states, aspired)
         for version in sorted(to_load, reverse=True):  # newest first: it is the one to serve
@@ -285,6 +288,11 @@ class Manager:
         self._transition(slot, State.LOADING, f"loading {name} version {version} from {path}", "load_start")
         started = time.perf_counter()
         try:
+            check_version_tree(path)  # links, devices, FIFOs: refused, never followed (Refused)
+            changed = verify_version(path)  # bytes changed since sync verified them (no manifest: none)
+            if changed:
+                raise RuntimeFailure(f"{name} version {version} no longer matches its verified manifest: "
+                                     + "; ".join(changed[:3]))
             decision, servable = self._select(name, entry.config, version, path)
             slot.decision = decision.to_dict()
             if servable is None:

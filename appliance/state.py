@@ -5,6 +5,16 @@ status page and ``/api/status`` read) and ``kv`` (cached backend decisions and o
 JSON facts that must survive a restart). Only events and periodic aggregates are written
 here, never one row per request. Thread-safe: one connection behind a lock; WAL mode so a
 power cut loses at most the last transaction.
+
+A state database must never stop the service from serving. ``open()`` checks the file
+(``PRAGMA quick_check``) and falls back instead of raising: a corrupt database (with its
+``-wal``/``-shm``) is moved aside to ``state.db.corrupt-<time>`` and a fresh one is made;
+one that cannot be opened or written (read-only file, folder or filesystem, missing
+folder that cannot be made) is replaced by an in-memory database until the next start.
+Either way ``problems`` says what happened, for ``/readyz`` and the status page. Later
+write failures (disk full, damage under us) are logged and added to ``problems`` once,
+never raised into the caller (a model swap must not fail because an event could not be
+stored).
 """
 
 from __future__ import annotations
@@ -29,19 +39,71 @@ class StateDB:
         self._lock = threading.Lock()
         self._db: sqlite_utils.Database | None = None
         self._listeners: list[Any] = []
+        self.problems: list[str] = []  # what went wrong with the database (shown, never raised)
+        self.in_memory = path == ":memory:"
 
     def open(self) -> "StateDB":
-        if self._db is None:
-            if self.path != ":memory:":
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            self._db = sqlite_utils.Database(conn)
-            self._db["events"].create({"id": int, "ts": float, "kind": str, "model": str, "version": int,
-                                       "message": str, "detail": str}, pk="id", if_not_exists=True)
-            self._db["kv"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+        """Open (or create) the database; never raises for a bad file: see the module docstring."""
+        if self._db is not None:
+            return self
+        try:
+            self._db = self._connect(self.path)
+        except sqlite3.OperationalError as exc:  # cannot open or write: read-only, missing folder, I/O
+            self._fall_back(f"cannot be opened for writing ({exc})")
+        except sqlite3.DatabaseError as exc:  # not a database, malformed, failed its check
+            self._replace_corrupt(exc)
+        except OSError as exc:  # the folder cannot be made
+            self._fall_back(f"cannot be created ({exc.strerror or exc})")
         return self
+
+    @staticmethod
+    def _connect(path: str) -> sqlite_utils.Database:
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if path != ":memory:" and str(mode).lower() != "wal":
+                raise sqlite3.OperationalError(f"journal_mode is {mode}, not wal (read-only?)")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            check = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+            if check != ["ok"]:
+                raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(map(str, check[:3]))}")
+            db = sqlite_utils.Database(conn)
+            db["events"].create({"id": int, "ts": float, "kind": str, "model": str, "version": int,
+                                 "message": str, "detail": str}, pk="id", if_not_exists=True)
+            db["kv"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+            conn.execute("INSERT OR REPLACE INTO kv(key, value) VALUES ('state_db_opened', ?)",
+                         [json.dumps(time.time())])  # a write now: a read-only file fails here, not later
+            return db
+        except BaseException:
+            conn.close()
+            raise
+
+    def _replace_corrupt(self, exc: Exception) -> None:
+        """Move a damaged database (and its WAL) aside and start a fresh one."""
+        aside = f"{self.path}.corrupt-{int(time.time())}"
+        try:
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(self.path + suffix):
+                    os.replace(self.path + suffix, aside + suffix)
+            self._db = self._connect(self.path)
+        except (OSError, sqlite3.Error) as again:
+            self._fall_back(f"is damaged ({exc}) and could not be replaced ({again})")
+            return
+        self._problem(f"state database {self.path} was damaged ({exc}); moved to {aside}, started a fresh one "
+                      "(event history and cached backend decisions are lost)")
+
+    def _fall_back(self, why: str) -> None:
+        self._problem(f"state database {self.path} {why}; events and cached decisions are kept in memory "
+                      "until the next start")
+        self.in_memory = True
+        self._db = self._connect(":memory:")
+
+    def _problem(self, message: str) -> None:
+        if message not in self.problems:
+            self.problems.append(message)
+            log.error(message)
 
     def close(self) -> None:
         with self._lock:
@@ -59,11 +121,14 @@ class StateDB:
         log.info(message, extra={"event": kind, "model": model, "version": version, **detail})
         with self._lock:
             if self._db is not None:
-                table = self._db["events"]
-                table.insert(row)
-                last = table.last_pk
-                if last and last % 500 == 0:
-                    self._db.execute("DELETE FROM events WHERE id <= ?", [last - MAX_EVENTS])
+                try:
+                    table = self._db["events"]
+                    table.insert(row)
+                    last = table.last_pk
+                    if last and last % 500 == 0:
+                        self._db.execute("DELETE FROM events WHERE id <= ?", [last - MAX_EVENTS])
+                except sqlite3.Error as exc:  # disk full, damage under us: serving goes on
+                    self._problem(f"state database {self.path}: writing an event failed ({exc})")
         for callback in list(self._listeners):
             callback(row)
 
@@ -72,7 +137,11 @@ class StateDB:
             if self._db is None:
                 return []
             where, args = ("model = ?", [model]) if model else (None, None)
-            rows = list(self._db["events"].rows_where(where, args, order_by="id desc", limit=limit))
+            try:
+                rows = list(self._db["events"].rows_where(where, args, order_by="id desc", limit=limit))
+            except sqlite3.Error as exc:
+                self._problem(f"state database {self.path}: reading events failed ({exc})")
+                return []
         for row in rows:
             row["detail"] = json.loads(row["detail"]) if row.get("detail") else {}
         return rows
@@ -91,7 +160,10 @@ class KV(MutableMapping[str, Any]):
         with self._db._lock:
             if self._db._db is None:
                 raise KeyError(key)
-            rows = list(self._db._db["kv"].rows_where("key = ?", [key]))
+            try:
+                rows = list(self._db._db["kv"].rows_where("key = ?", [key]))
+            except sqlite3.Error:
+                rows = []
         if not rows:
             raise KeyError(key)
         return json.loads(rows[0]["value"])
@@ -99,7 +171,10 @@ class KV(MutableMapping[str, Any]):
     def __setitem__(self, key: str, value: Any) -> None:
         with self._db._lock:
             if self._db._db is not None:
-                self._db._db["kv"].upsert({"key": key, "value": json.dumps(value, default=str)}, pk="key")
+                try:
+                    self._db._db["kv"].upsert({"key": key, "value": json.dumps(value, default=str)}, pk="key")
+                except sqlite3.Error as exc:  # a cache: losing an entry costs a re-measure, never a request
+                    self._db._problem(f"state database {self._db.path}: writing {key!r} failed ({exc})")
 
     def __delitem__(self, key: str) -> None:
         with self._db._lock:

@@ -76,7 +76,7 @@ class SyncLoop:
         cfg = service.config.sync
         self.cfg = cfg
         self.store = Store(service.config.state_dir)
-        self.source = open_source(cfg.bucket, cfg.s3_endpoint_url, cfg.s3_region)
+        self.source = open_source(cfg.bucket, cfg.s3_endpoint_url, cfg.s3_region, cfg.limits())
         options = Options(models=list(cfg.models), channel=cfg.channel,
                           public_key=load_public_key(cfg.public_key) if cfg.public_key else None,
                           device_tags=device_tags(self.core.device), retain=max(1, cfg.retain))
@@ -154,6 +154,7 @@ class SyncLoop:
                 if self.core.manager is not None:
                     self.core.manager.poll_now()
         self.status["targets"] = dict(self.follower.targets)
+        self.status["problems"] = list(self.store.problems)
         self._maybe_report(changed)
         return self._next_delay()
 

@@ -7,12 +7,18 @@ fsynced, ready for ``Store.commit``; or raises. ``Refused``: the bucket holds wr
 files stay (``<file>.part``) so the next attempt resumes with a ranged GET. ``DiskFull``:
 not enough room; the stage is wiped. Files already on disk with the same sha256 (another
 version of the model) are hard-linked (or copied across filesystems), not downloaded.
+
+Every download is capped at its signed size (the source cuts an endless object off there
+and refuses it), and the stage lives under the store's private (0700) staging directory,
+so the bytes that were hashed are the bytes ``Store.commit`` renames into the store: no
+other user can reach them in between.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import inspect
 import os
 import shutil
 from dataclasses import dataclass
@@ -83,7 +89,8 @@ def _prepare(stage: str, digest: str) -> None:
         same = False
     if not same:
         shutil.rmtree(stage, ignore_errors=True)
-    os.makedirs(stage, exist_ok=True)
+    os.makedirs(stage, mode=0o700, exist_ok=True)
+    os.chmod(stage, 0o700)  # private even when the caller's staging parent is not
     with open(marker, "w") as f:
         f.write(digest)
 
@@ -145,7 +152,10 @@ def _download(source: Any, manifest: Manifest, entry: FileEntry, dest: str, stat
     if offset >= entry.size:  # a stale or over-long partial: start again
         offset = 0
     key = join(manifest.model, str(manifest.version), entry.path)
-    source.download(key, part, offset)  # SourceError leaves the partial for a ranged resume
+    if "limit" in inspect.signature(source.download).parameters:
+        source.download(key, part, offset, limit=entry.size)  # SourceError leaves the partial for a resume
+    else:  # a source without caps (an old test double): the size check below still refuses
+        source.download(key, part, offset)
     got = _size(part)
     stats.downloaded_bytes += got - offset
     stats.downloaded_files += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import posixpath
 import time
@@ -153,9 +154,10 @@ def parse_json(data: bytes, what: str) -> dict[str, Any]:
 
 
 def check_expiry(doc: dict[str, Any], what: str, now: float | None = None) -> None:
+    """The freeze-attack check: a document past its ``expires`` is refused (0: never)."""
     expires = doc.get("expires") or 0
-    if not isinstance(expires, (int, float)):
-        raise Refused(f"{what} has a malformed expires field")
+    if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not math.isfinite(expires) or expires < 0:
+        raise Refused(f"{what} has a malformed expires field {expires!r}")
     if expires and expires < (now or time.time()):
         raise Refused(f"{what} expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(expires))}")
 
@@ -166,10 +168,15 @@ def verify(data: bytes, model: str, version: int, public_key: Any, device_tags: 
     what = f"{model} version {version} manifest"
     doc = parse_json(data, what)
     check_signature(doc, public_key, what)
-    if doc.get("model") != model or doc.get("version") != version:
+    # The signature covers model, version, compat and every file: a signed manifest copied
+    # to another model or version number (replay, mix-and-match) fails here.
+    if doc.get("model") != model or type(doc.get("version")) is not int or doc.get("version") != version:
         raise Refused(f"{what} names {doc.get('model')!r} version {doc.get('version')!r}")
     check_expiry(doc, what, now)
-    missing = sorted(set(doc.get("compat") or []) - set(device_tags))
+    compat = doc.get("compat") or []
+    if not isinstance(compat, list) or not all(isinstance(t, str) for t in compat):
+        raise Refused(f"{what} has a malformed compat field (a list of device tags)")
+    missing = sorted(set(compat) - set(device_tags))
     if missing:
         raise Refused(f"{what} needs {', '.join(missing)}; this device offers {', '.join(sorted(device_tags))}")
     return Manifest(model, version, _files(doc.get("files"), what), doc)
@@ -205,6 +212,6 @@ def verify_channel(data: bytes, model: str, channel: str, public_key: Any, now: 
     if public_key is not None and (doc.get("model") != model or doc.get("channel") != channel):
         raise Refused(f"{what} pointer names {doc.get('model')!r}/{doc.get('channel')!r}")
     check_expiry(doc, what, now)
-    if not isinstance(doc.get("version"), int) or doc["version"] < 0:
+    if type(doc.get("version")) is not int or doc["version"] < 0:
         raise Refused(f"{what} pointer has no integer version")
     return doc

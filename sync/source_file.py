@@ -3,25 +3,54 @@
 ETags are ``<mtime_ns>-<size>`` from one ``stat()``, so an idle poll is a stat, not a read.
 Writes go to a temporary file, are fsynced and renamed, so a reader never sees half an
 object. A missing root folder is an unreachable bucket (``SourceError``), not an empty one.
+Objects are opened without following a symbolic link and must be regular files: a link
+to ``/dev/zero`` or a FIFO planted in the bucket folder is ``Refused``, never read.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
+from typing import BinaryIO
 
 from . import faults
 from .errors import Refused, SourceError
-from .source import MISSING, NOT_MODIFIED, OK, Fetched
+from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, copy_limited, read_limited
 
 
 class FileSource:
     writable = True
 
-    def __init__(self, url: str, root: str):
+    def __init__(self, url: str, root: str, limits: Limits | None = None):
         self.url, self.root = url, root
+        self.limits = limits or Limits()
         self.requests = 0
+
+    def _open_object(self, key: str) -> BinaryIO:
+        """The object as a regular file, never through a final symbolic link, never blocking
+        on a FIFO (O_NONBLOCK) or reading a device."""
+        try:
+            kind = stat.S_IFMT(os.lstat(self._path(key)).st_mode)
+        except OSError:
+            kind = stat.S_IFREG  # missing: the open below says so
+        if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):  # never open a device at all
+            raise Refused(f"{key} is not a regular file in the bucket folder (a device, FIFO or socket)")
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise Refused(f"{key} is a symbolic link in the bucket folder; objects must be regular files") from exc
+            raise
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory", key)
+            raise Refused(f"{key} is not a regular file in the bucket folder (a device, FIFO or socket)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -34,32 +63,36 @@ class FileSource:
         self.requests += 1
         self._check_root()
         try:
-            with open(self._path(key), "rb") as f:
+            with self._open_object(key) as f:
                 st = os.fstat(f.fileno())
                 tag = f"{st.st_mtime_ns:x}-{st.st_size:x}"
                 if etag and tag == etag:
                     return Fetched(NOT_MODIFIED, etag=tag)
-                return Fetched(OK, f.read(), tag)
+                return Fetched(OK, read_limited(f.read, self.limits.max_document_bytes, key), tag)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return Fetched(MISSING)
         except OSError as exc:
             raise SourceError(f"reading {key}: {exc.strerror}") from exc
 
-    def download(self, key: str, path: str, offset: int = 0) -> None:
+    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> None:
         self.requests += 1
         self._check_root()
         try:
-            with open(self._path(key), "rb") as src, open(path, "r+b" if offset else "wb") as dst:
+            with self._open_object(key) as src, open(path, "r+b" if offset else "wb") as dst:
                 src.seek(offset)
                 dst.seek(offset)
                 dst.truncate()
                 first = True
-                while block := src.read(1 << 20):
+
+                def write(block: bytes) -> None:
+                    nonlocal first
                     dst.write(block)
                     if first:
                         dst.flush()
                         faults.point("mid_download")
                         first = False
+
+                copy_limited(src.read, write, None if limit is None else max(0, limit - offset), key)
         except FileNotFoundError as exc:
             raise Refused(f"{key} is listed in the manifest but missing from the bucket") from exc
         except OSError as exc:

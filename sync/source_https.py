@@ -4,30 +4,34 @@ Idle polls are conditional GETs (``If-None-Match`` with the last ETag, else
 ``If-Modified-Since``); resumes use ``Range``. A static server cannot list folders, so
 this source relies on the index files the publisher writes (``_models.json``,
 ``<model>/versions.json``). TLS is verified against the system store (``SSL_CERT_FILE``
-to point elsewhere).
+to point elsewhere). Bodies are read with ``read1`` (what has arrived, never "wait for a
+full buffer"), so the slow-retrieval check sees a trickle as it happens; the socket
+timeout is ``stall_timeout_s`` (nothing at all for that long is a stall too). A body
+announced longer than its cap (``Content-Length``) is refused before it is read.
 """
 
 from __future__ import annotations
 
 import http.client
-import shutil
+import socket
 import urllib.error
 import urllib.request
 from typing import Any
 from urllib.parse import quote
 
 from .errors import ReadOnlySource, Refused, SourceError
-from .source import MISSING, NOT_MODIFIED, OK, Fetched
+from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, Pacer, copy_limited, read_limited
 
-TIMEOUT_S = 30
+TRANSFER_ERRORS = (OSError, http.client.HTTPException, urllib.error.URLError)  # socket.timeout is an OSError
 
 
 class HTTPSource:
     writable = False
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, limits: Limits | None = None):
         self.url = url
         self.base = url.rstrip("/")
+        self.limits = limits or Limits()
         self.requests = 0
         self._modified: dict[str, str] = {}
 
@@ -35,14 +39,21 @@ class HTTPSource:
         self.requests += 1
         request = urllib.request.Request(f"{self.base}/{quote(key)}", headers=headers)
         try:
-            return urllib.request.urlopen(request, timeout=TIMEOUT_S)
+            return urllib.request.urlopen(request, timeout=self.limits.stall_timeout_s)
         except urllib.error.HTTPError as exc:
             exc.close()
             if exc.code in (NOT_MODIFIED, MISSING, 416):
                 return exc.code
             raise SourceError(f"GET {key}: HTTP {exc.code} {exc.reason}") from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise SourceError(f"GET {key}: {getattr(exc, 'reason', exc)}") from exc
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            raise SourceError(f"GET {key}: {_why(exc, self.limits)}") from exc
+
+    def _announced(self, response: Any, key: str, room: int | None) -> None:
+        """Refuse a body whose Content-Length already says it is over its cap."""
+        length = response.headers.get("Content-Length")
+        if room is not None and length is not None and length.isdigit() and int(length) > room:
+            response.close()
+            raise Refused(f"{key}: the server announces {length} bytes, over the {room}-byte limit")
 
     def read(self, key: str, etag: str = "") -> Fetched:
         headers = {}
@@ -53,29 +64,41 @@ class HTTPSource:
         response = self._open(key, headers)
         if isinstance(response, int):
             return Fetched(NOT_MODIFIED, etag=etag) if response == NOT_MODIFIED else Fetched(MISSING)
+        self._announced(response, key, self.limits.max_document_bytes)
         with response:
             try:
-                data = response.read()
-            except (OSError, http.client.HTTPException) as exc:
-                raise SourceError(f"GET {key} broke off: {exc}") from exc
+                data = read_limited(response.read1, self.limits.max_document_bytes, key, Pacer(f"GET {key}", self.limits))
+            except TRANSFER_ERRORS as exc:
+                raise SourceError(f"GET {key} broke off: {_why(exc, self.limits)}") from exc
             tag = response.headers.get("ETag") or ("lm:" + response.headers.get("Last-Modified", "")
                                                    if response.headers.get("Last-Modified") else "")
         return Fetched(OK, data, tag)
 
-    def download(self, key: str, path: str, offset: int = 0) -> None:
+    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> None:
         response = self._open(key, {"Range": f"bytes={offset}-"} if offset else {})
         if response == 416 and offset:
-            return self.download(key, path, 0)
+            return self.download(key, path, 0, limit)
         if isinstance(response, int):
             raise Refused(f"{key} is listed in the manifest but missing from the bucket")
-        with response, open(path, "r+b" if offset else "wb") as f:
-            resumed = offset and response.status == 206
-            f.seek(offset if resumed else 0)
+        start = offset if offset and response.status == 206 else 0
+        room = None if limit is None else max(0, limit - start)
+        self._announced(response, key, room)
+        with response, open(path, "r+b" if start else "wb") as f:
+            f.seek(start)
             f.truncate()
+
+            def write(block: bytes) -> None:
+                try:
+                    f.write(block)
+                except OSError as exc:  # the local disk (full?), not the bucket: the fetcher decides
+                    raise _LocalWriteError(exc) from exc
+
             try:
-                shutil.copyfileobj(response, f, 1 << 20)
-            except (ConnectionError, TimeoutError, urllib.error.URLError, http.client.HTTPException) as exc:
-                raise SourceError(f"GET {key} broke off: {exc}") from exc
+                copy_limited(response.read1, write, room, key, Pacer(f"GET {key}", self.limits))
+            except _LocalWriteError as local:
+                raise local.error from None
+            except TRANSFER_ERRORS as exc:
+                raise SourceError(f"GET {key} broke off: {_why(exc, self.limits)}") from exc
 
     def put(self, key: str, data: bytes) -> None:
         raise ReadOnlySource(f"{self.url} is read-only (https); publish to the bucket behind it")
@@ -88,3 +111,16 @@ class HTTPSource:
 
     def close(self) -> None:
         pass
+
+
+class _LocalWriteError(Exception):
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _why(exc: BaseException, limits: Limits) -> str:
+    reason = getattr(exc, "reason", exc)
+    if isinstance(reason, (socket.timeout, TimeoutError)) or isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"stalled: no data for {limits.stall_timeout_s:g} s (sync.stall_timeout_s)"
+    return str(reason)

@@ -3,7 +3,10 @@
 boto3 (imported when the source first talks to the bucket) resolves credentials and the
 endpoint the standard way: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, profiles,
 ``AWS_ENDPOINT_URL``; ``sync.s3_endpoint_url``/``sync.s3_region`` override. Idle polls are
-``GetObject`` with ``If-None-Match`` (one request, 304 when nothing changed).
+``GetObject`` with ``If-None-Match`` (one request, 304 when nothing changed). Limits as
+every source: documents capped at ``max_document_bytes``, downloads at their signed size
+(``ContentLength`` checked first), botocore's read timeout is ``stall_timeout_s`` and the
+slow-retrieval check runs between 64 KiB chunks.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import threading
 from typing import Any
 
 from .errors import Refused, SourceError
-from .source import MISSING, NOT_MODIFIED, OK, Fetched, join
+from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, Pacer, copy_limited, join, read_limited
 
 MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 
@@ -20,8 +23,10 @@ MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 class S3Source:
     writable = True
 
-    def __init__(self, url: str, bucket: str, prefix: str, endpoint_url: str = "", region: str = ""):
+    def __init__(self, url: str, bucket: str, prefix: str, endpoint_url: str = "", region: str = "",
+                 limits: Limits | None = None):
         self.url, self.bucket, self.prefix = url, bucket, prefix
+        self.limits = limits or Limits()
         self.endpoint_url, self.region = endpoint_url, region
         self.requests = 0
         self._client: Any = None
@@ -33,7 +38,7 @@ class S3Source:
                 import boto3
                 from botocore.config import Config
 
-                config = Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"})
+                config = Config(connect_timeout=5, read_timeout=self.limits.stall_timeout_s, retries={"max_attempts": 2, "mode": "standard"})
                 self._client = boto3.session.Session().client(
                     "s3", endpoint_url=self.endpoint_url or None, region_name=self.region or None, config=config)
             return self._client
@@ -60,20 +65,27 @@ class S3Source:
         extra = {"IfNoneMatch": etag} if etag else {}
         try:
             obj = self._call(f"GET {key}", self._s3().get_object, Key=self._key(key), **extra)
+            self._check_length(obj, key, self.limits.max_document_bytes)
             return Fetched(OK, self._body(obj, key), obj.get("ETag", ""))
         except _Answer as answer:
             return Fetched(NOT_MODIFIED, etag=etag) if answer.code == "304" else Fetched(MISSING)
 
     @staticmethod
-    def _body(obj: Any, key: str) -> bytes:
+    def _check_length(obj: Any, key: str, room: int | None) -> None:
+        length = obj.get("ContentLength")
+        if room is not None and isinstance(length, int) and length > room:
+            obj["Body"].close()
+            raise Refused(f"{key}: the bucket announces {length} bytes, over the {room}-byte limit")
+
+    def _body(self, obj: Any, key: str) -> bytes:
         from botocore.exceptions import BotoCoreError
 
         try:
-            return obj["Body"].read()
+            return read_limited(obj["Body"].read, self.limits.max_document_bytes, key, Pacer(f"GET {key}", self.limits))
         except (BotoCoreError, OSError) as exc:
             raise SourceError(f"GET {key}: {exc}") from exc
 
-    def download(self, key: str, path: str, offset: int = 0) -> None:
+    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> None:
         from botocore.exceptions import BotoCoreError
 
         extra = {"Range": f"bytes={offset}-"} if offset else {}
@@ -81,14 +93,15 @@ class S3Source:
             obj = self._call(f"GET {key}", self._s3().get_object, Key=self._key(key), **extra)
         except _Answer as answer:
             if answer.code == "InvalidRange":  # the object shrank below what we hold: start again
-                return self.download(key, path, 0) if offset else None
+                return self.download(key, path, 0, limit) if offset else None
             raise Refused(f"{key} is listed in the manifest but missing from the bucket") from None
+        room = None if limit is None else max(0, limit - offset)
+        self._check_length(obj, key, room)
         with open(path, "r+b" if offset else "wb") as f:
             f.seek(offset)
             f.truncate()
             try:
-                for chunk in obj["Body"].iter_chunks(1 << 20):
-                    f.write(chunk)
+                copy_limited(obj["Body"].read, f.write, room, key, Pacer(f"GET {key}", self.limits))
             except (BotoCoreError, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, ConnectionError):
                     raise  # a local write error (disk full) is not the bucket's fault

@@ -2,12 +2,16 @@
 
 Layout under the state directory::
 
-    models/<name>/<version>/   complete, verified versions only (what the manager serves)
-    staging/                   downloads in progress; emptied at start-up
+    models/<name>/<version>/   complete, verified versions only (what the manager serves);
+                               regular files (read-only, 0444) and folders, nothing else
+    staging/                   downloads in progress (0700: only the service reaches them);
+                               emptied at start-up
     sync/parked/<name>/<v>/    verified versions moved out of the way by a channel move back
                                or a pin (kept for a move forward again; retention trims them)
     sync/trust.json            per model: the highest version ever trusted and the newest
-                               channel pointer seen (outside the model store)
+                               channel pointer seen (outside the model store, 0700 folder).
+                               Never lower than the newest committed version still on disk, so
+                               losing or corrupting the file does not reopen old versions
     sync/pins.json             per model: the version ``appliance rollback`` pinned
 
 Every change of ``models/`` is one ``rename()`` on the same filesystem after the files and
@@ -19,13 +23,21 @@ an atomic replace.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import stat
 import tempfile
+import time
 import uuid
 from typing import Any, Iterable
 
-from .manifest import MANIFEST
+from .errors import Refused
+from .manifest import MANIFEST, sha256_file
+
+log = logging.getLogger("sync.store")
+PRIVATE = 0o700
+SHARED_READ_ONLY = 0o755  # others may read and traverse, only the service writes
 
 
 def fsync_dir(path: str) -> None:
@@ -36,16 +48,80 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: str) -> None:
-    """fsync every file, then every directory bottom-up, under ``root``."""
+def fsync_tree(root: str, read_only: bool = False) -> None:
+    """fsync every file, then every directory bottom-up; with ``read_only`` files become 0444
+    and folders 0755 (whatever the umask was when they were made)."""
     for dirpath, _, names in os.walk(root, topdown=False):
         for name in names:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
             try:
+                if read_only:
+                    os.fchmod(fd, 0o444)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if read_only:
+            os.chmod(dirpath, SHARED_READ_ONLY)
         fsync_dir(dirpath)
+
+
+def unsafe_entries(root: str) -> list[str]:
+    """Whatever under a version directory is not a plain folder or regular file: symbolic
+    links (they could point anywhere: /etc, /dev/zero, another model), devices, FIFOs,
+    sockets. Nothing is followed or opened."""
+    found = []
+    for dirpath, dirs, names in os.walk(root):
+        for name in dirs + names:
+            full = os.path.join(dirpath, name)
+            mode = os.lstat(full).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                kind = {stat.S_IFLNK: "symbolic link", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket",
+                        stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}.get(stat.S_IFMT(mode), "special file")
+                found.append(f"{os.path.relpath(full, root)} ({kind})")
+    return sorted(found)
+
+
+def check_version_tree(root: str) -> None:
+    """``Refused`` when a version directory (or the directory itself) holds anything but
+    folders and regular files. The model manager calls it before loading any version."""
+    if os.path.islink(root):
+        raise Refused(f"{root} is a symbolic link; a version directory must be a real folder")
+    bad = unsafe_entries(root)
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise Refused(f"{root} holds {shown}; a model version may hold only folders and regular files")
+
+
+def verify_version(root: str) -> list[str]:
+    """Differences between a version directory and its ``MANIFEST.json`` (empty: intact).
+    Re-hashes every file: what a load-time check calls to catch bytes changed after the
+    fetcher verified them. A directory without a manifest (``--models DIR``) has none."""
+    path = os.path.join(root, MANIFEST)
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path, "rb") as f:
+            files = json.load(f)["files"]
+        problems = [f"{e['path']}: missing or changed since it was verified" for e in files
+                    if not _same(os.path.join(root, *str(e["path"]).split("/")), e)]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{MANIFEST} unreadable: {exc}"]
+    listed = {str(e["path"]) for e in files} | {MANIFEST}
+    extra = [rel for rel in _regular_files(root) if rel not in listed]
+    return problems + [f"{rel}: not in the manifest" for rel in extra]
+
+
+def _same(path: str, entry: dict[str, Any]) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == entry.get("size") and sha256_file(path) == entry.get("sha256")
+
+
+def _regular_files(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/")
+                  for d, _, names in os.walk(root) for n in names)
 
 
 def write_json_atomic(path: str, doc: Any) -> None:
@@ -79,13 +155,18 @@ class Store:
         self.staging_dir = os.path.join(state_dir, "staging")
         self.sync_dir = os.path.join(state_dir, "sync")
         self.parked_dir = os.path.join(self.sync_dir, "parked")
+        self.problems: list[str] = []  # integrity findings (a corrupt trust record) for the status page
 
     def open(self) -> "Store":
-        """Create the folders and throw away whatever a previous run left in staging."""
+        """Create the folders and throw away whatever a previous run left in staging.
+        Staging and the sync records are private to the service (0700, whatever the umask)."""
         for path in (self.models_dir, self.sync_dir, self.parked_dir):
             os.makedirs(path, exist_ok=True)
+        os.chmod(self.models_dir, SHARED_READ_ONLY)  # a world-writable store would let anyone add a version
+        os.chmod(self.sync_dir, PRIVATE)
         shutil.rmtree(self.staging_dir, ignore_errors=True)
-        os.makedirs(self.staging_dir, exist_ok=True)
+        os.makedirs(self.staging_dir, mode=PRIVATE, exist_ok=True)
+        os.chmod(self.staging_dir, PRIVATE)
         return self
 
     # -- versions ------------------------------------------------------------------------
@@ -117,13 +198,16 @@ class Store:
         return index
 
     def commit(self, stage: str, model: str, version: int) -> str:
-        """Move a fully fsynced staging directory into the store with one rename."""
+        """Move a fully fsynced staging directory into the store with one rename. Its files
+        become read-only; anything but folders and regular files is ``Refused``."""
+        check_version_tree(stage)
         parent = os.path.join(self.models_dir, model)
         if not os.path.isdir(parent):
             os.makedirs(parent)
+            os.chmod(parent, SHARED_READ_ONLY)
             fsync_dir(self.models_dir)
         target = os.path.join(parent, str(version))
-        fsync_tree(stage)
+        fsync_tree(stage, read_only=True)  # the stage was private: the served version is readable, not writable, by others
         os.rename(stage, target)
         fsync_dir(parent)
         return target
@@ -171,13 +255,49 @@ class Store:
 
     # -- durable records -----------------------------------------------------------------
     def trust(self, model: str) -> dict[str, Any]:
-        return read_json(os.path.join(self.sync_dir, "trust.json")).get(model, {})
+        """The model's trust record, its ``version`` never below the newest committed version
+        on disk (served or parked): a lost, deleted or corrupt ``trust.json`` cannot make
+        an older version acceptable again while a newer one is still here."""
+        record = dict(self._trust_doc().get(model) or {})
+        floor = self._committed_floor(model)
+        if floor > int(record.get("version", -1)):
+            record["version"] = floor
+        return record
 
     def set_trust(self, model: str, record: dict[str, Any]) -> None:
         path = os.path.join(self.sync_dir, "trust.json")
-        doc = read_json(path)
+        doc = self._trust_doc()
         doc[model] = record
         write_json_atomic(path, doc)
+
+    def _trust_doc(self) -> dict[str, Any]:
+        """trust.json; a corrupt one is moved aside (kept for a look) and reported."""
+        path = os.path.join(self.sync_dir, "trust.json")
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            if isinstance(doc, dict) and all(isinstance(v, dict) for v in doc.values()):
+                return doc
+            raise ValueError("not an object of per-model records")
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            aside = f"{path}.corrupt-{int(time.time())}"
+            try:
+                os.replace(path, aside)
+            except OSError:
+                aside = "(could not be moved aside)"
+            problem = (f"sync trust records {path} were unreadable ({exc}); moved to {aside}; the highest "
+                       "trusted version falls back to the newest committed version on disk")
+            log.error(problem)
+            self.problems.append(problem)
+            return {}
+
+    def _committed_floor(self, model: str) -> int:
+        """The newest version on disk that sync committed (it has a manifest), or -1."""
+        committed = [v for v, path in {**self.versions(model), **self.parked(model)}.items()
+                     if os.path.isfile(os.path.join(path, MANIFEST))]
+        return max(committed, default=-1)
 
     def pins(self) -> dict[str, int]:
         return {k: int(v) for k, v in read_json(pins_path(self.state_dir)).items() if isinstance(v, int)}

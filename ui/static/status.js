@@ -147,6 +147,13 @@
     ready.textContent = svc.ready ? "ready" : "not ready";
     ready.className = "badge " + (svc.ready ? "ok" : "bad");
     document.title = (svc.ready ? "" : "(!) ") + (dev.hostname || "edge-appliance") + " · status";
+    let banner = document.getElementById("problems");
+    if (!banner) {
+      banner = h("ul", { id: "problems", class: "problems bad" });
+      ready.closest("header") ? ready.closest("header").after(banner) : document.body.prepend(banner);
+    }
+    banner.replaceChildren(...(st.problems || []).map((p) => h("li", null, p)));
+    banner.hidden = !(st.problems || []).length;
   }
 
   function renderDevice(st) {
