@@ -90,6 +90,7 @@ class HTTPSource:
             def write(block: bytes) -> None:
                 try:
                     f.write(block)
+                    f.flush()  # what arrived is on disk: a resume after a kill or stall starts there
                 except OSError as exc:  # the local disk (full?), not the bucket: the fetcher decides
                     raise _LocalWriteError(exc) from exc
 

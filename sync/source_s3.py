@@ -100,8 +100,12 @@ class S3Source:
         with open(path, "r+b" if offset else "wb") as f:
             f.seek(offset)
             f.truncate()
+            def write(block: bytes) -> None:
+                f.write(block)
+                f.flush()  # what arrived is on disk: a resume after a kill or stall starts there
+
             try:
-                copy_limited(obj["Body"].read, f.write, room, key, Pacer(f"GET {key}", self.limits))
+                copy_limited(obj["Body"].read, write, room, key, Pacer(f"GET {key}", self.limits))
             except (BotoCoreError, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, ConnectionError):
                     raise  # a local write error (disk full) is not the bucket's fault
