@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import sys
 import threading
 import time
@@ -36,7 +37,14 @@ from .state import StateDB
 # install lacks is skipped.
 API_LAYERS = ("appliance.v2_rest:V2API", "appliance.generate_api:GenerateAPI",
               "appliance.rollout:RolloutLayer", "appliance.auth:AuthLayer")
-PUBLIC_STATUS_KEYS = ("bucket_credentials", "token", "password", "secret")
+# /api/status and the page never show a secret: a string under a key naming one is "***"
+# (a *_file key is a path and stays visible, its content never is), and any URL in any
+# string loses its password and the values of signing/credential query parameters.
+PUBLIC_STATUS_KEYS = ("token", "password", "passwd", "secret", "credential", "credentials", "private_key",
+                      "api_key", "access_key", "secret_key", "authorization")  # key name endings
+_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|"
+                           r"token|access_token|password|secret|key|api_key)=)[^&#\s\"']*")
 # Heavy libraries a technician (and the small-device tests) want to know are loaded or not.
 HEAVY_MODULES = ("tensorflow", "ai_edge_litert", "tflite_runtime", "boto3", "zeroconf", "cryptography")
 
@@ -90,7 +98,7 @@ class Appliance:
         models = self.manager.snapshot()
         for name, model in models.items():
             model["requests"] = self.metrics.window.summary(name)
-        return {
+        return redact({
             "service": {"name": "edge-appliance", "version": __version__, "device_id": self.device_id,
                         "uptime_s": round(time.time() - self.started_at, 1), "ready": self.manager.ready(),
                         "last_poll": self.manager.last_poll,
@@ -101,19 +109,26 @@ class Appliance:
             "events": self.db.recent(50),
             **self.extras,
             "problems": self.problems(),
-        }
+        })
 
 
 def _public_config(config: Config) -> dict[str, Any]:
-    return _redact(dataclasses.asdict(config))
+    return redact(dataclasses.asdict(config))
 
 
-def _redact(value: Any) -> Any:
+def _secret_key(key: str) -> bool:
+    return key.lower().endswith(PUBLIC_STATUS_KEYS)  # admin_token, not max_new_tokens or tls_key_file
+
+
+def redact(value: Any) -> Any:
+    """``value`` (status, config) with secrets masked: see PUBLIC_STATUS_KEYS."""
     if isinstance(value, dict):
-        return {k: ("***" if any(s in k.lower() for s in PUBLIC_STATUS_KEYS) and v else _redact(v))
+        return {k: ("***" if isinstance(k, str) and _secret_key(k) and isinstance(v, str) and v else redact(v))
                 for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact(v) for v in value]
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    if isinstance(value, str) and ("=" in value or "@" in value):
+        return _SECRET_QUERY.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", value))
     return value
 
 

@@ -153,18 +153,76 @@ class TFServingFilesConfig:
 
 @dataclass
 class SecurityConfig:
-    """Tokens and TLS."""
+    """Bearer tokens per scope (admin, inference, read) and TLS for the REST port.
+
+    A ``*_token_file`` is an absolute path, or a bare name looked up in systemd's
+    ``$CREDENTIALS_DIRECTORY`` (``LoadCredential=``). With neither token nor file, the
+    credential ``admin-token`` / ``inference-token`` / ``read-token`` is used when the unit
+    provides it. No admin token at all: admin endpoints are off (403). No inference or
+    read token: that scope is open. Files are read at start-up and on reload, not here.
+    """
+
+    admin_token: str = ""
+    admin_token_file: str = ""
+    inference_token: str = ""
+    inference_token_file: str = ""
+    read_token: str = ""
+    read_token_file: str = ""
+    tls_cert_file: str = ""  # PEM certificate chain; with tls_key_file, the REST port speaks HTTPS only
+    tls_key_file: str = ""  # PEM private key (unencrypted)
+    tls_client_ca_file: str = ""  # PEM CA bundle: when set, clients must present a certificate it signed
+    tls_min_version: str = "TLSv1.2"  # TLSv1.2 | TLSv1.3
 
     def validate(self, key: str) -> None:
-        pass
+        for scope in ("admin", "inference", "read"):
+            token = getattr(self, f"{scope}_token")
+            if token and getattr(self, f"{scope}_token_file"):
+                raise ConfigError(f"{key}.{scope}_token", f"set either {scope}_token or {scope}_token_file, not both")
+            if token and (len(token) < 16 or token != token.strip()):
+                raise ConfigError(f"{key}.{scope}_token", "must be at least 16 characters with no surrounding spaces "
+                                  "(generate one: openssl rand -hex 32)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError(f"{key}.tls_key_file" if self.tls_cert_file else f"{key}.tls_cert_file",
+                              "TLS needs both tls_cert_file and tls_key_file")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError(f"{key}.tls_client_ca_file", "client certificates need TLS on (tls_cert_file, tls_key_file)")
+        if self.tls_min_version not in ("TLSv1.2", "TLSv1.3"):
+            raise ConfigError(f"{key}.tls_min_version", "must be TLSv1.2 or TLSv1.3")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
 
 @dataclass
 class LimitsConfig:
     """Request limits that protect a small device from one hostile or careless client."""
 
+    # Connections (appliance/http_server.py). A connection that sends nothing is closed after
+    # idle_timeout_s; once a request's first byte arrives its headers must be complete within
+    # header_timeout_s and the whole request (headers and body) within request_timeout_s,
+    # however slowly the bytes trickle in (a timer reset by every byte stops no slowloris).
+    max_connections: int = 200  # open HTTP connections; more wait in the kernel's queue
+    idle_timeout_s: float = 30.0  # a keep-alive (or fresh) connection with no request in progress
+    header_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0
+    # Overload: a complete request that waited longer than this for a worker thread gets 503
+    # + Retry-After at once instead of running late; accepted requests keep a bounded latency.
+    max_queue_wait_s: float = 2.0  # 0: never shed
+
     def validate(self, key: str) -> None:
-        pass
+        self._validate_connections(key)
+
+    def _validate_connections(self, key: str) -> None:
+        if not 1 <= self.max_connections <= 900:  # waitress runs on select(): fds below 1024
+            raise ConfigError(f"{key}.max_connections", "must be between 1 and 900")
+        for name in ("idle_timeout_s", "header_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{key}.{name}", "must be positive")
+        if self.request_timeout_s < self.header_timeout_s:
+            raise ConfigError(f"{key}.request_timeout_s", "must be at least header_timeout_s")
+        if self.max_queue_wait_s < 0:
+            raise ConfigError(f"{key}.max_queue_wait_s", "must not be negative (0: never shed)")
 
 
 @dataclass

@@ -1,15 +1,25 @@
 """The device-side sync loop: follow the bucket, hand new versions to the model manager.
 
-``attach(service)`` (called by the service after start-up) does nothing without
-``sync.bucket``. Otherwise it points the manager at ``<state>/models``, empties
+``attach(service)`` (called by the service after start-up) registers the admin endpoints
+(``POST /api/reload`` always; the sync ones need ``sync.bucket``). Without a bucket that is
+all it does. Otherwise it points the manager at ``<state>/models``, empties
 ``<state>/staging``, starts one daemon thread that polls the bucket every
 ``sync.poll_interval_s`` (+- ``sync.jitter``; doubling up to ``sync.max_backoff_s`` while the
 bucket errors), registers ``POST /api/sync`` and writes ``_devices/<device-id>.json``
 after each change and every ``sync.report_interval_s``. It stops on the "stopping" hook.
 
 Nothing here can stop serving: every failure is caught, recorded as an event and shown
-in ``/api/status`` under ``sync``. ``POST /api/sync`` is allowed from loopback only until
-the service has an admin token (none is defined yet).
+in ``/api/status`` under ``sync``.
+
+Admin endpoints (a POST under ``/api/``: appliance/auth.py lets them through only with the
+admin token, and answers 403 while none is configured):
+
+* ``POST /api/sync``: poll the bucket now and wait for that poll; the sync status.
+* ``POST /api/models/<m>/rollback``: pin ``m`` to a version kept on disk, as ``appliance
+  rollback`` does (body ``{"version": N}``, default the one below the newest; ``{"clear":
+  true}`` removes the pin), then poll; the pin and the sync status.
+* ``POST /api/reload``: what SIGHUP does (re-read the config file and apply it), waiting for
+  the result: 200 when applied, 409 with the reason when the file was refused.
 """
 
 from __future__ import annotations
@@ -23,27 +33,63 @@ from urllib.parse import urlparse, urlunparse
 
 from flask import Blueprint, Response, jsonify, request
 
+from sync.cli import _previous as previous_version  # the rollback target, as ``appliance rollback`` picks it
+
 from sync import faults
 from sync.errors import ReadOnlySource, SourceError
 from sync.follower import Follower, LocalModel, Options
 from sync.manifest import dumps, load_public_key
 from sync.source import open_source
-from sync.store import Store
+from sync.store import Store, set_pin
 
 from . import __version__
 
 log = logging.getLogger("appliance.sync")
-LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+RELOAD_WAIT_S = 120.0
 
 
 def attach(service: Any) -> "SyncLoop | None":
+    reloads = Reloads(service)
+    service.hooks.append(reloads.on_hook)
     if not service.config.sync.bucket:
+        _register_routes(service, None, reloads)
         return None
     loop = SyncLoop(service)
     loop.start()
     service.hooks.append(loop.on_hook)
-    _register_routes(service, loop)
+    _register_routes(service, loop, reloads)
     return loop
+
+
+class Reloads:
+    """``POST /api/reload``: ask the service's main loop for a SIGHUP reload and wait for it."""
+
+    def __init__(self, service: Any):
+        self.service = service
+        self._done = threading.Condition()
+        self._count = 0
+        self._last: tuple[bool, str] = (True, "")
+
+    def on_hook(self, what: str, service: Any) -> None:
+        if what in ("reloaded", "reload_failed"):
+            with self._done:
+                self._count += 1
+                self._last = (what == "reloaded", str(getattr(service, "reload_error", "")))
+                self._done.notify_all()
+
+    def reload(self, timeout: float = RELOAD_WAIT_S) -> tuple[bool, str] | None:
+        """(applied, reason) of the reload this call asked for; None if it did not finish in time."""
+        with self._done:
+            wanted = self._count + 1
+        request_reload = getattr(self.service, "request_reload", None)
+        if request_reload is not None:
+            request_reload()
+        else:  # the same flag SIGHUP sets: the main loop runs the reload, never a request thread
+            self.service._reload.set()
+        with self._done:
+            if not self._done.wait_for(lambda: self._count >= wanted, timeout):
+                return None
+            return self._last
 
 
 def public_bucket_url(url: str) -> str:
@@ -222,15 +268,60 @@ class SyncLoop:
                 "last_error": self.status["last_error"], "models": models, "backend_decisions": decisions}
 
 
-def _register_routes(service: Any, loop: SyncLoop) -> None:
-    bp = Blueprint("sync", __name__)
+def _error(status: int, message: str) -> Response:
+    response = jsonify({"error": message})
+    response.status_code = status
+    return response
+
+
+def _register_routes(service: Any, loop: SyncLoop | None, reloads: Reloads) -> None:
+    """Admin endpoints; the token check is appliance/auth.py's (every POST under /api/)."""
+    bp = Blueprint("admin", __name__)
+    no_sync = "fleet sync is off on this device (sync.bucket is empty)"
+
+    @bp.post("/api/reload")
+    def reload() -> Response:
+        result = reloads.reload()
+        if result is None:
+            return _error(504, f"the reload did not finish within {RELOAD_WAIT_S:g} s")
+        applied, reason = result
+        if not applied:
+            return _error(409, f"config reload refused, the running config is kept: {reason}")
+        return jsonify({"reloaded": True})
 
     @bp.post("/api/sync")
     def sync_now() -> Response:
-        if request.remote_addr not in LOOPBACK:  # no admin token exists yet: loopback only
-            response = jsonify({"error": "POST /api/sync is allowed from this device only (loopback)"})
-            response.status_code = 403
-            return response
+        if loop is None:
+            return _error(409, f"nothing to sync: {no_sync}")
         return jsonify(loop.sync_now())
 
+    @bp.post("/api/models/<model>/rollback")
+    def rollback(model: str) -> Response:
+        if loop is None:
+            return _error(409, f"rollback pins a synced version: {no_sync}")
+        body = request.get_json(force=True, silent=True) if request.content_length else {}  # any Content-Type
+        if not isinstance(body, dict):
+            return _error(400, 'the body must be a JSON object: {"version": N} or {"clear": true} (or empty)')
+        return rollback_to(loop, model, body)
+
     service.app.register_blueprint(bp)  # attach() runs before the HTTP server serves
+
+
+def rollback_to(loop: SyncLoop, model: str, body: dict[str, Any]) -> Response:
+    """Pin (or unpin) ``model`` as ``appliance rollback`` does, then poll so it takes effect now."""
+    state_dir = loop.store.state_dir
+    version = body.get("version")
+    if body.get("clear") is True:
+        set_pin(state_dir, model, None)
+        return jsonify({"model": model, "pinned": None, "sync": loop.sync_now()})
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        return _error(400, f'"version" must be an integer, got {version!r}')
+    on_disk = sorted(set(loop.store.versions(model)) | set(loop.store.parked(model)))
+    if version is None:
+        version = previous_version(loop.store, model)
+    if version not in on_disk:
+        return _error(409, f"{model} version {version} is not on disk (have: {on_disk or 'none'})")
+    set_pin(state_dir, model, version)
+    loop._event("rollback", f"{model} pinned to version {version} (POST /api/models/{model}/rollback)",
+                model=model, version=version)
+    return jsonify({"model": model, "pinned": version, "sync": loop.sync_now()})
