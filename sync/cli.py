@@ -80,11 +80,19 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    """Ask the running service on this device to poll the bucket now."""
-    request = urllib.request.Request(args.url.rstrip("/") + "/api/sync", data=b"", method="POST")
+    """Ask the running service on this device to poll the bucket now (an admin endpoint:
+    the admin token is sent as the config file or the unit's credential gives it)."""
+    headers = {}
+    token = _admin_token(args)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(args.url.rstrip("/") + "/api/sync", data=b"", method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             status = json.loads(response.read())
+    except urllib.error.HTTPError as exc:  # 403 without a token, 409 without a bucket: the service says why
+        print(f"the service refused: {exc.code} {_error_text(exc)}", file=sys.stderr)
+        return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"cannot reach the service at {args.url}: {exc}", file=sys.stderr)
         return 1
@@ -113,6 +121,25 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         print(f"{args.model} pinned to version {version}")
     args.timeout = 120
     return cmd_sync(args) if not args.no_sync else 0
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token from ``--token-file``, else as the service finds its own ([security]
+    of ``--config``, or the ``admin-token`` credential when run inside the unit)."""
+    if getattr(args, "token_file", None):
+        with open(args.token_file) as f:
+            return f.read().strip() or None
+    from appliance.auth import client_admin_token
+    from appliance.config import load as load_config
+
+    return client_admin_token(load_config(getattr(args, "config", None)).security)
+
+
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(exc.read()).get("error", exc.reason))
+    except (ValueError, AttributeError, OSError):
+        return str(exc.reason)
 
 
 def _previous(store: Any, model: str) -> int | None:
@@ -171,6 +198,8 @@ def add_commands(sub: Any) -> None:
     s = sub.add_parser("sync", help="make the running service poll the bucket now")
     s.add_argument("--url", default="http://127.0.0.1:8501", help="the service on this device")
     s.add_argument("--timeout", type=float, default=120)
+    s.add_argument("--config", help="TOML config file whose [security] gives the admin token")
+    s.add_argument("--token-file", help="a file holding the admin token")
     s.set_defaults(func=_run(cmd_sync))
 
     r = sub.add_parser("rollback", help="pin a model to an older version kept on disk")
@@ -181,4 +210,5 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--state", help="state directory")
     r.add_argument("--url", default="http://127.0.0.1:8501", help="the service to tell (POST /api/sync)")
     r.add_argument("--no-sync", action="store_true", help="only write the pin")
+    r.add_argument("--token-file", help="a file holding the admin token (for the poll)")
     r.set_defaults(func=_run(cmd_rollback))

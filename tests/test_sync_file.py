@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,7 +28,11 @@ def test_folder_bucket_full_scenario(start_server: Any, tmp_path: Path, hpt: Pat
     cli = [sys.executable, "-m", "appliance.cli"]
     subprocess.run(cli + ["publish", "--bucket", f"file://{folder}", "--model", "hpt", "--channel", "stable",
                           "--sign-key", str(tmp_path / "sign.key"), str(hpt / "1")], check=True, cwd=ROOT)
-    server = start_device(start_server, tmp_path, f"file://{folder}", public_key=pub)
+    creds = tmp_path / "credentials"  # what systemd's LoadCredential=admin-token:... provides
+    creds.mkdir()
+    (creds / "admin-token").write_text("t0k3n-" + "x" * 26 + "\n")
+    server = start_device(start_server, tmp_path, f"file://{folder}", public_key=pub,
+                          env={"CREDENTIALS_DIRECTORY": str(creds)})
 
     def corrupt(version: int) -> None:
         data = next((folder / "hpt" / str(version) / "variables").glob("variables.data-*"))
@@ -46,8 +51,13 @@ def test_folder_bucket_full_scenario(start_server: Any, tmp_path: Path, hpt: Pat
     fleet = subprocess.run(cli + ["fleet", "--bucket", f"file://{folder}"], capture_output=True, text=True,
                            cwd=ROOT, check=True)
     assert doc["device_id"] in fleet.stdout and "1 devices" in fleet.stdout
-    sync = subprocess.run(cli + ["sync", "--url", server.url], capture_output=True, text=True, cwd=ROOT)
-    assert sync.returncode == 0 and json.loads(sync.stdout)["targets"] == {"hpt": 2}
+    outsider = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+    refused = subprocess.run(cli + ["sync", "--url", server.url], capture_output=True, text=True, cwd=ROOT,
+                             env=outsider)
+    assert refused.returncode == 1 and "401" in refused.stderr and "admin token" in refused.stderr, refused.stderr
+    inside = {**os.environ, "CREDENTIALS_DIRECTORY": str(creds)}  # the CLI run as the unit finds the credential
+    sync = subprocess.run(cli + ["sync", "--url", server.url], capture_output=True, text=True, cwd=ROOT, env=inside)
+    assert sync.returncode == 0 and json.loads(sync.stdout)["targets"] == {"hpt": 2}, sync.stderr
 
 
 def test_unsigned_version_and_unloadable_version_are_refused(start_server: Any, tmp_path: Path, hpt: Path,
