@@ -189,6 +189,29 @@ def module_server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) ->
         server.stop()
 
 
+@pytest.fixture
+def http_servers() -> Iterator[Any]:
+    """``start(app, threads=2, limits=None, security=None)``: appliance.http_server's real
+    server on a free loopback port, its loop in a thread; closed and joined at teardown."""
+    from appliance.config import LimitsConfig
+    from appliance.http_server import HTTPServer
+
+    servers: list[tuple[Any, threading.Thread]] = []
+
+    def start(app: Any, threads: int = 2, limits: Any = None, security: Any = None) -> Any:
+        server = HTTPServer(app, "127.0.0.1", 0, threads, 1 << 20, limits=limits or LimitsConfig(),
+                            **({"security": security} if security is not None else {}))
+        loop = threading.Thread(target=server.serve_forever, name="http-under-test")
+        loop.start()
+        servers.append((server, loop))
+        return server
+
+    yield start
+    for server, loop in servers:
+        server.close()
+        loop.join(10)
+
+
 def _children() -> set[int]:
     try:
         import psutil

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import requests
@@ -31,20 +31,11 @@ def echo_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> lis
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[..., HTTPServer]]:
-    servers: list[tuple[HTTPServer, threading.Thread]] = []
-
+def serve(http_servers: Callable[..., HTTPServer]) -> Callable[..., HTTPServer]:
     def start(threads: int = 2, **limits: Any) -> HTTPServer:
-        server = HTTPServer(echo_app, "127.0.0.1", 0, threads, 1 << 20, limits=LimitsConfig(**limits))
-        loop = threading.Thread(target=server.serve_forever, name="http-under-test")
-        loop.start()
-        servers.append((server, loop))
-        return server
+        return http_servers(echo_app, threads, LimitsConfig(**limits))
 
-    yield start
-    for server, loop in servers:
-        server.close()
-        loop.join(10)
+    return start
 
 
 class Trickler(threading.Thread):

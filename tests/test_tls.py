@@ -12,10 +12,9 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import requests
@@ -115,25 +114,16 @@ def test_concurrent_large_requests_over_tls(https_service: Any, certs: dict[str,
 
 
 @pytest.fixture
-def tls_server(certs: dict[str, Any]) -> Iterator[Callable[..., HTTPServer]]:
-    servers: list[tuple[HTTPServer, threading.Thread]] = []
-
+def tls_server(certs: dict[str, Any], http_servers: Callable[..., HTTPServer]) -> Callable[..., HTTPServer]:
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [environ["wsgi.url_scheme"].encode()]
 
     def start(limits: LimitsConfig | None = None, **security: Any) -> HTTPServer:
         sec = SecurityConfig(tls_cert_file=str(certs["cert"]), tls_key_file=str(certs["key"]), **security)
-        server = HTTPServer(app, "127.0.0.1", 0, 2, 1 << 20, limits=limits or LimitsConfig(), security=sec)
-        loop = threading.Thread(target=server.serve_forever, name="https-under-test")
-        loop.start()
-        servers.append((server, loop))
-        return server
+        return http_servers(app, 2, limits, sec)
 
-    yield start
-    for server, loop in servers:
-        server.close()
-        loop.join(10)
+    return start
 
 
 def test_client_certificates_when_a_client_ca_is_set(tls_server: Callable[..., HTTPServer],
