@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import __version__, logs
+from . import __version__, logs, memory
 from .app import Appliance, create_app
 from .config import Config
 from .config import load as load_config
@@ -159,6 +159,7 @@ def url_for(config: Config, port: int) -> str:
 
 def main(config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None) -> int:
     logs.setup(config.log_level)
+    memory.limit_arenas()  # before any thread: see appliance/memory.py
     service = Service(config, config_path, overrides)
     service.install_signals()
     try:
