@@ -227,7 +227,13 @@ class LimitsConfig:
 
 @dataclass
 class GenerationConfig:
-    """Token streaming from generative models."""
+    """Token streaming from generative models (``:generate``, appliance/generation.py)."""
+
+    max_streams: int = 24  # streams at once, all models (each holds an HTTP thread); more: 503 + Retry-After
+    max_streams_per_step: int = 0  # streams per decode call; 0: the model's batching.max_batch_size
+    step_batching: bool = True  # false: one decode call per stream per step (the bench's baseline)
+    default_max_new_tokens: int = 64  # when a request names none
+    max_new_tokens_limit: int = 1024  # the most a request may ask for
 
     def validate(self, key: str) -> None:
         pass
@@ -238,7 +244,14 @@ class RolloutConfig:
     """A candidate version next to the serving one, and how it is judged."""
 
     def validate(self, key: str) -> None:
-        pass
+        for name in ("max_streams", "default_max_new_tokens", "max_new_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}", "must be at least 1")
+        if self.max_streams_per_step < 0:
+            raise ConfigError(f"{key}.max_streams_per_step", "must not be negative (0: batching.max_batch_size)")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ConfigError(f"{key}.default_max_new_tokens",
+                              f"must not exceed max_new_tokens_limit ({self.max_new_tokens_limit})")
 
 
 @dataclass

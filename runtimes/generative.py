@@ -1,0 +1,334 @@
+"""Generative models on a loaded :class:`Servable`: detect the signature convention, drive it.
+
+Two conventions make a version servable for token generation:
+
+* **LiteRT LLM** (ai-edge-torch's generative converter): signatures ``prefill`` or
+  ``prefill_<N>`` (inputs ``tokens`` [1, N], ``input_pos`` [N], the external KV cache
+  ``kv_cache_k_<i>`` / ``kv_cache_v_<i>``, optionally ``mask`` [1, 1, N, L]) and ``decode``
+  (``tokens`` [B, 1], ``input_pos`` [B] per sequence or [1] shared, the cache with batch B,
+  optionally ``mask`` [B, 1, 1, L]); outputs ``logits`` (decode) and the updated cache under
+  the input names. Prefill logits are not needed: the prompt minus its last token is
+  prefilled, and the last token is the stream's first decode input.
+* **generate_step** (hand-written SavedModels): inputs ``input_ids`` [batch, n], and
+  optionally ``cache`` [batch, ...] with ``input_pos`` [batch] (position of each row's first
+  id); outputs ``logits`` ([batch, vocab] or [batch, n, vocab]: the last is used) and, with
+  a cache, ``cache``. Without a cache the whole history is fed each step.
+
+A driver holds no stream state: the caller owns :class:`Slots`, the server-side KV cache of
+up to ``capacity`` sequences, one row each, kept between steps. A decode signature with a
+fixed batch B runs all B rows every call (streams are packed into the rows, empty rows
+compute and are ignored); a dynamic batch runs rows ``0..n-1`` (the caller keeps active
+rows packed at the front with ``move``). Drivers are not thread-safe: one decode loop
+drives one ``Slots``. This module imports numpy only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .base import LoadFailure, Servable, SignatureInfo
+
+KV_PREFIX = "kv_cache_"
+PREFILL_RE = re.compile(r"prefill(?:_(\d+))?")
+MASKED = float(np.finfo(np.float32).min)  # additive mask value for positions a query must not see
+
+Shapes = Mapping[str, Mapping[str, tuple[int, ...] | None]]
+
+
+@dataclass
+class Slots:
+    """The cache of up to ``capacity`` sequences: ``arrays`` (name -> [capacity, ...]) for
+    models with a cache, ``history`` (token ids per row) for a generate_step without one."""
+
+    capacity: int
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    history: list[list[int]] = field(default_factory=list)
+
+
+class Driver:
+    """Common part of both conventions (see module docstring)."""
+
+    kind = ""
+    batch_size: int | None = None  # fixed decode batch; None: any number of rows
+    context_length: int | None = None  # positions the cache holds; None: unknown
+    vocab_size = 0
+
+    def __init__(self, servable: Servable):
+        self.servable = servable
+
+    def new_slots(self, capacity: int) -> Slots:
+        raise NotImplementedError
+
+    def prefill(self, slots: Slots, row: int, prompt: Sequence[int]) -> None:
+        """Make ``row`` hold ``prompt[:-1]``; ``prompt[-1]`` is the row's first decode token."""
+        raise NotImplementedError
+
+    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """One step of the given rows: next-token logits [len(rows), vocab]."""
+        raise NotImplementedError
+
+    def move(self, slots: Slots, src: int, dst: int) -> None:
+        """Copy one sequence's cache to another row (keeps a dynamic batch packed)."""
+        for array in slots.arrays.values():
+            array[dst] = array[src]
+        if slots.history:
+            slots.history[dst] = slots.history[src]
+
+    def warm_up(self) -> None:
+        """One short prompt and one step: allocates what the first request would."""
+        slots = self.new_slots(self.batch_size or 1)
+        self.prefill(slots, 0, [0, 0])
+        self.decode(slots, [0], [0], [1])
+
+    def _rows(self, n: int) -> int:
+        """Rows one call feeds: the fixed batch, else exactly ``n``."""
+        return self.batch_size or n
+
+    def _run(self, signature: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.servable.run(signature, feeds)
+
+    def describe(self) -> dict[str, Any]:
+        return {"convention": self.kind, "decode_batch": self.batch_size or "dynamic",
+                "context_length": self.context_length, "vocab_size": self.vocab_size}
+
+
+def _batch(shape: tuple[int, ...] | None) -> int | None:
+    return shape[0] if shape and shape[0] > 0 else None
+
+
+def _own(array: np.ndarray) -> np.ndarray:
+    """A backend's output kept as the next step's cache: used as is when writable."""
+    return array if array.flags.writeable else array.copy()
+
+
+def _last_logits(logits: np.ndarray, rows: int) -> np.ndarray:
+    return logits.reshape(rows, -1, logits.shape[-1])[:, -1]
+
+
+class LiteRTLLM(Driver):
+    """The prefill/decode convention of ai-edge-torch's generative converter."""
+
+    kind = "litert-llm"
+
+    def __init__(self, servable: Servable, declared: Shapes):
+        super().__init__(servable)
+        sigs = servable.signatures
+        # (prefill length, signature); length 0: the signature takes any length.
+        self.prefills = sorted((_dim(declared[name]["tokens"], 1) or 0, name)
+                               for name in sigs if PREFILL_RE.fullmatch(name))
+        if self.prefills[0][0] == 0:
+            self.prefills = self.prefills[:1]
+        dec, shapes = sigs["decode"], declared["decode"]
+        self.kv_names = sorted(n for n in dec.inputs if n.startswith(KV_PREFIX))
+        missing = [n for n in ("tokens", "input_pos") if n not in dec.inputs] + \
+                  ["logits"] * ("logits" not in dec.outputs) + ["kv_cache_* inputs"] * (not self.kv_names)
+        if missing:
+            raise LoadFailure(f"the decode signature does not follow the LiteRT LLM convention: it lacks "
+                              f"{', '.join(missing)}")
+        self.batch_size = _batch(shapes["tokens"])
+        pos_rows = _batch(shapes["input_pos"])
+        self.shared_position = bool(self.batch_size and self.batch_size > 1 and pos_rows == 1)
+        self.has_mask = "mask" in dec.inputs
+        kv_shape = shapes[self.kv_names[0]] or ()
+        if self.has_mask:  # [B, 1, 1, L]
+            self.context_length = (shapes["mask"] or (0,))[-1]
+        else:  # [B, L, heads, dim] (ai-edge-torch's default layout)
+            self.context_length = kv_shape[1] if len(kv_shape) > 1 else None
+        self.vocab_size = int((dec.outputs["logits"].shape or (0,))[-1])
+        self.row_shapes = {n: tuple(shapes[n] or ())[1:] for n in self.kv_names}
+        self.dtypes = {n: dec.inputs[n].dtype for n in self.kv_names}
+
+    def new_slots(self, capacity: int) -> Slots:
+        rows = self.batch_size or capacity
+        return Slots(rows, {n: np.zeros((rows, *self.row_shapes[n]), self.dtypes[n]) for n in self.kv_names})
+
+    def _mask(self, rows: int, queries: np.ndarray) -> np.ndarray:
+        """[rows, 1, q, L]: 0 where key position <= the query's position, else MASKED."""
+        keys = np.arange(self.context_length or 0)
+        allowed = keys[None, None, None, :] <= queries.reshape(rows, 1, -1, 1)
+        return np.where(allowed, 0.0, MASKED).astype(np.float32)
+
+    def prefill(self, slots: Slots, row: int, prompt: Sequence[int]) -> None:
+        tokens = list(prompt[:-1])
+        longest = self.prefills[-1][0] or len(tokens)
+        start = 0
+        while start < len(tokens):
+            chunk = tokens[start:start + longest]
+            length, name = next(((n, s) for n, s in self.prefills if n >= len(chunk)), self.prefills[-1])
+            length = length or len(chunk)  # a dynamic prefill length takes the chunk as it is
+            # Padding goes to later positions (clamped inside the cache): later steps overwrite
+            # them before any query may see them.
+            pos = np.minimum(np.arange(start, start + length), (self.context_length or start + length) - 1)
+            feeds = {"tokens": np.array([chunk + [0] * (length - len(chunk))], np.int32),
+                     "input_pos": pos.astype(np.int32),
+                     **{n: slots.arrays[n][row:row + 1] for n in self.kv_names}}
+            if self.has_mask:
+                feeds["mask"] = self._mask(1, np.arange(start, start + length))
+            out = self._run(name, feeds)
+            for n in self.kv_names:
+                slots.arrays[n][row] = out[n][0]
+            start += len(chunk)
+
+    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        logits = np.empty((len(rows), self.vocab_size), np.float32)
+        groups = {p: [i for i, q in enumerate(positions) if q == p] for p in positions} if self.shared_position \
+            else {None: list(range(len(rows)))}
+        for position, members in groups.items():
+            logits[members] = self._decode_group(slots, [rows[i] for i in members], [tokens[i] for i in members],
+                                                 [positions[i] for i in members], partial=position is not None)
+        return logits
+
+    def _decode_group(self, slots: Slots, rows: list[int], tokens: list[int], positions: list[int],
+                      partial: bool) -> np.ndarray:
+        n = self._rows(len(rows))
+        if self.batch_size is None and rows != list(range(len(rows))):
+            raise ValueError(f"a dynamic decode batch runs rows 0..{len(rows) - 1}, got {rows}")
+        feed_tokens = np.zeros((n, 1), np.int32)
+        feed_pos = np.zeros(n, np.int32)
+        feed_tokens[rows, 0] = tokens
+        feed_pos[rows] = positions
+        shared = np.array(positions[:1], np.int32)  # every row of this call is at this position
+        feeds = {"tokens": feed_tokens, "input_pos": shared if self.shared_position else feed_pos,
+                 **{k: slots.arrays[k][:n] for k in self.kv_names}}
+        if self.has_mask:
+            feeds["mask"] = self._mask(n, feed_pos)
+        out = self._run("decode", feeds)
+        for k in self.kv_names:
+            if partial:  # a shared position: other rows' caches must not take this call's writes
+                slots.arrays[k][rows] = out[k][rows]
+            elif n == slots.capacity:
+                slots.arrays[k] = _own(out[k])
+            else:
+                slots.arrays[k][:n] = out[k]
+        return _last_logits(out["logits"], n)[rows]
+
+
+def _dim(shape: tuple[int, ...] | None, i: int) -> int | None:
+    return shape[i] if shape and len(shape) > i and shape[i] > 0 else None
+
+
+class GenerateStep(Driver):
+    """The ``generate_step`` signature (module docstring)."""
+
+    kind = "generate_step"
+    SIGNATURE = "generate_step"
+
+    def __init__(self, servable: Servable, declared: Shapes):
+        super().__init__(servable)
+        sig = servable.signatures[self.SIGNATURE]
+        shapes = declared[self.SIGNATURE]
+        self.ids = "input_ids" if "input_ids" in sig.inputs else "tokens"
+        if self.ids not in sig.inputs or "logits" not in sig.outputs:
+            raise LoadFailure("generate_step must take 'input_ids' [batch, n] and return 'logits'")
+        self.has_cache = "cache" in sig.inputs
+        if self.has_cache and ("input_pos" not in sig.inputs or "cache" not in sig.outputs):
+            raise LoadFailure("a generate_step with a 'cache' input must also take 'input_pos' and return 'cache'")
+        self.batch_size = _batch(shapes[self.ids])
+        self.id_dtype = sig.inputs[self.ids].dtype
+        self.vocab_size = int((sig.outputs["logits"].shape or (0,))[-1])
+        if self.has_cache:
+            cache = shapes["cache"] or ()
+            if len(cache) < 2 or any(d <= 0 for d in cache[1:]):
+                raise LoadFailure(f"generate_step's cache must have a known shape after the batch, got {cache}")
+            self.cache_shape, self.cache_dtype = tuple(cache[1:]), sig.inputs["cache"].dtype
+
+    def new_slots(self, capacity: int) -> Slots:
+        rows = self.batch_size or capacity
+        if not self.has_cache:
+            return Slots(rows, history=[[] for _ in range(rows)])
+        return Slots(rows, {"cache": np.zeros((rows, *self.cache_shape), self.cache_dtype)})
+
+    def prefill(self, slots: Slots, row: int, prompt: Sequence[int]) -> None:
+        if not self.has_cache:
+            slots.history[row] = list(prompt[:-1])
+            return
+        slots.arrays["cache"][row] = 0
+        if len(prompt) < 2:
+            return
+        n = self._rows(1)
+        ids = np.zeros((n, len(prompt) - 1), self.id_dtype)
+        ids[0] = prompt[:-1]
+        cache = np.zeros((n, *self.cache_shape), self.cache_dtype)
+        out = self._run(self.SIGNATURE, {self.ids: ids, "input_pos": np.zeros(n, np.int32), "cache": cache})
+        slots.arrays["cache"][row] = out["cache"][0]
+
+    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        if not self.has_cache:
+            return self._decode_history(slots, rows, tokens)
+        n = self._rows(len(rows))
+        if self.batch_size is None and list(rows) != list(range(len(rows))):
+            raise ValueError(f"a dynamic decode batch runs rows 0..{len(rows) - 1}, got {list(rows)}")
+        ids = np.zeros((n, 1), self.id_dtype)
+        pos = np.zeros(n, np.int32)
+        ids[list(rows), 0] = tokens
+        pos[list(rows)] = positions
+        out = self._run(self.SIGNATURE, {self.ids: ids, "input_pos": pos, "cache": slots.arrays["cache"][:n]})
+        if n == slots.capacity:
+            slots.arrays["cache"] = _own(out["cache"])
+        else:
+            slots.arrays["cache"][:n] = out["cache"]
+        return _last_logits(out["logits"], n)[list(rows)]
+
+    def _decode_history(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """No cache: the whole history each step; rows of equal length share a call."""
+        logits = np.empty((len(rows), self.vocab_size), np.float32)
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            slots.history[row] = slots.history[row] + [token]
+        by_length: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_length.setdefault(len(slots.history[row]), []).append(i)
+        for length, members in by_length.items():
+            for start in range(0, len(members), self.batch_size or len(members)):
+                part = members[start:start + (self.batch_size or len(members))]
+                ids = np.zeros((self._rows(len(part)), length), self.id_dtype)
+                ids[:len(part)] = [slots.history[rows[i]] for i in part]
+                out = self._run(self.SIGNATURE, {self.ids: ids})
+                logits[part] = _last_logits(out["logits"], ids.shape[0])[:len(part)]
+        return logits
+
+
+def declared_shapes(servable: Servable) -> dict[str, dict[str, tuple[int, ...] | None]]:
+    """Input shapes as the model declares them. LiteRT servables report a resizable batch
+    dimension (-1) for every input, so for them the model file's own ``shape_signature`` is
+    read with a metadata-only interpreter (no tensors allocated, the file is mmapped)."""
+    shapes = {name: {n: s.shape for n, s in sig.inputs.items()} for name, sig in servable.signatures.items()}
+    path = getattr(servable, "path", None)
+    if getattr(servable, "backend", "") != "tflite" or not path:
+        return shapes
+    from .tflite import interpreter_module
+
+    interp = interpreter_module().Interpreter(model_path=path)
+    for key in interp.get_signature_list():
+        runner = interp.get_signature_runner(key)
+        shapes[key] = {n: tuple(int(d) for d in det.get("shape_signature", det["shape"]))
+                       for n, det in runner.get_input_details().items()}
+    return shapes
+
+
+def convention(signatures: Mapping[str, SignatureInfo]) -> str | None:
+    """Which convention the signatures follow, by name alone (cheap: no model calls)."""
+    if "decode" in signatures and any(PREFILL_RE.fullmatch(n) for n in signatures):
+        return LiteRTLLM.kind
+    if GenerateStep.SIGNATURE in signatures:
+        return GenerateStep.kind
+    return None
+
+
+def detect(servable: Servable) -> Driver | None:
+    """The driver for a servable's generation signatures; None when it has none.
+    Raises ``LoadFailure`` naming what is wrong when the signatures are there but malformed."""
+    kind = convention(servable.signatures)
+    if kind is None:
+        return None
+    try:
+        declared = declared_shapes(servable)
+        return LiteRTLLM(servable, declared) if kind == LiteRTLLM.kind else GenerateStep(servable, declared)
+    except (KeyError, IndexError, TypeError) as exc:
+        raise LoadFailure(f"{kind} signatures are malformed: {type(exc).__name__}: {exc}") from exc
+
+
+__all__ = ["Driver", "GenerateStep", "LiteRTLLM", "Slots", "convention", "declared_shapes", "detect"]
