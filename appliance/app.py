@@ -36,7 +36,7 @@ from .state import StateDB
 # and, outermost so it guards every path, authentication. A layer whose module this
 # install lacks is skipped.
 API_LAYERS = ("appliance.v2_rest:V2API", "appliance.generate_api:GenerateAPI",
-              "appliance.rollout:RolloutLayer", "appliance.auth:AuthLayer")
+              "appliance.rollout:RolloutLayer", "appliance.body_limits:GzipBodies", "appliance.auth:AuthLayer")
 # /api/status and the page never show a secret: a string under a key naming one is "***"
 # (a *_file key is a path and stays visible, its content never is), and any URL in any
 # string loses its password and the values of signing/credential query parameters.

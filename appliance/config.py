@@ -209,9 +209,22 @@ class LimitsConfig:
     # Overload: a complete request that waited longer than this for a worker thread gets 503
     # + Retry-After at once instead of running late; accepted requests keep a bounded latency.
     max_queue_wait_s: float = 2.0  # 0: never shed
+    # JSON request bodies (appliance/tfs_json.py), checked before and right after parsing: a
+    # hostile body gets a 400 naming the limit, never a deep recursion or an allocation past its size.
+    max_json_depth: int = 100  # nesting of [ and { (TF Serving's and Triton's tests use 100)
+    max_tensor_elements: int = 4 * 1024 * 1024  # values in a request's tensors, all inputs together
+    max_instances: int = 4096  # rows of "instances" (and "examples") in one request
 
     def validate(self, key: str) -> None:
         self._validate_connections(key)
+        self._validate_json(key)
+
+    def _validate_json(self, key: str) -> None:
+        if not 2 <= self.max_json_depth <= 1000:  # the JSON parser itself stops at 1024
+            raise ConfigError(f"{key}.max_json_depth", "must be between 2 and 1000")
+        for name in ("max_tensor_elements", "max_instances"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}", "must be at least 1")
 
     def _validate_connections(self, key: str) -> None:
         if not 1 <= self.max_connections <= 900:  # waitress runs on select(): fds below 1024
@@ -236,14 +249,6 @@ class GenerationConfig:
     max_new_tokens_limit: int = 1024  # the most a request may ask for
 
     def validate(self, key: str) -> None:
-        pass
-
-
-@dataclass
-class RolloutConfig:
-    """A candidate version next to the serving one, and how it is judged."""
-
-    def validate(self, key: str) -> None:
         for name in ("max_streams", "default_max_new_tokens", "max_new_tokens_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{key}.{name}", "must be at least 1")
@@ -252,6 +257,14 @@ class RolloutConfig:
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ConfigError(f"{key}.default_max_new_tokens",
                               f"must not exceed max_new_tokens_limit ({self.max_new_tokens_limit})")
+
+
+@dataclass
+class RolloutConfig:
+    """A candidate version next to the serving one, and how it is judged."""
+
+    def validate(self, key: str) -> None:
+        pass
 
 
 @dataclass

@@ -30,7 +30,8 @@ import orjson
 
 from .errors import ApplianceError, InvalidArgument
 from .generation import Generation, Params, Stream, Vocabulary
-from .rest import _raw_path, _read_body
+from .body_limits import read_raw as _read_body
+from .rest import _raw_path
 
 log = logging.getLogger("appliance.generate")
 

@@ -5,6 +5,8 @@ a path under ``/v1/`` that matches neither grammar is ``400 Malformed request: <
 an unknown model or version is ``404 Servable not found for request: ...``; an unknown
 signature or label is 400 (INVALID_ARGUMENT in TF Serving). Every error body is
 ``{"error": "..."}``. The hot path is JSON decode -> numpy -> batcher -> numpy -> JSON.
+Bodies may be gzip (appliance/body_limits.py); ``[limits]`` bound their nesting, values and
+rows (appliance/tfs_json.py), each refusal a 400 that names the limit.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 
 from . import protowire as pw
 from . import tfs_json
-from .errors import ApplianceError, InvalidArgument, NotFound, PayloadTooLarge, Unimplemented
+from .body_limits import read_body
+from .errors import ApplianceError, InvalidArgument, NotFound, Unimplemented
 from .manager import VersionSlot, run_signature
 
 POST_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
@@ -67,8 +70,9 @@ class V1API:
                 verb, name = match.group(4), match.group(1)
                 model, version, label = _parse(match)
                 name = model
-                raw = _read_body(environ, self.core.config.server.max_body_bytes)
-                body = VERBS[verb](self.core.manager, _parse_object(raw), model, version, label, raw)
+                raw = read_body(environ, self.core.config.server.max_body_bytes)
+                limits = self.core.config.limits
+                body = VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label, raw, limits)
                 self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
                 return 200, body, []
             match = GET_RE.fullmatch(path) if method == "GET" else None
@@ -165,19 +169,8 @@ def _handle(manager: Any, name: str, version: int | None, label: str | None) -> 
 
 
 # --- POST ---------------------------------------------------------------------------------
-def _read_body(environ: dict[str, Any], limit: int) -> bytes:
-    length = environ.get("CONTENT_LENGTH")
-    if length and int(length) > limit:
-        raise PayloadTooLarge(f"request body of {length} bytes is over the limit of {limit} bytes (server.max_body_bytes)")
-    stream = environ["wsgi.input"]
-    data = stream.read(int(length)) if length else stream.read(limit + 1)
-    if len(data) > limit:
-        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (server.max_body_bytes)")
-    return data
-
-
-def _parse_object(data: bytes) -> dict[str, Any]:
-    body = tfs_json.loads(data)
+def _parse_object(data: bytes, limits: Any) -> dict[str, Any]:
+    body = tfs_json.loads(data, limits)
     if not isinstance(body, dict):
         raise InvalidArgument("JSON Value: the request body Is not object")
     return body
@@ -191,13 +184,13 @@ def _signature_name(body: dict[str, Any]) -> str:
 
 
 def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-             raw: bytes | None = None) -> bytes:
+             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS) -> bytes:
     signature_name = _signature_name(body)
     if "instances" in body and not body["instances"] and isinstance(body["instances"], list):
         raise InvalidArgument("JSON Value: No values in 'instances' array")
     with _handle(manager, name, version, label) as slot:
         signature = _signature(slot, signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
-        inputs, row_format = tfs_json.decode_predict(body, signature, raw)
+        inputs, row_format = tfs_json.decode_predict(body, signature, raw, limits)
         outputs = _run(slot, signature, inputs)
     return tfs_json.encode_predict(outputs, row_format)
 
@@ -219,7 +212,7 @@ def _run(slot: VersionSlot, signature: SignatureInfo, inputs: dict[str, np.ndarr
     return run_signature(slot, signature.name, inputs, batch=not problems)
 
 
-def _examples(body: dict[str, Any], method: str) -> np.ndarray:
+def _examples(body: dict[str, Any], method: str, limits: Any) -> np.ndarray:
     examples = body.get("examples")
     if examples is None:
         raise InvalidArgument(f"JSON Value: When method is {method}, key 'examples' is expected and was not found")
@@ -227,6 +220,7 @@ def _examples(body: dict[str, Any], method: str) -> np.ndarray:
         raise InvalidArgument("JSON Value: Expecting 'examples' value to be an list/array")
     if not examples:
         raise InvalidArgument("JSON Value: 'examples' value is an empty array")
+    tfs_json.check_rows(len(examples), "examples", limits)
     context = body.get("context")
     for item in [context] * (context is not None) + examples:
         if not isinstance(item, dict):
@@ -255,9 +249,9 @@ def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
 
 
 def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-                      method: str) -> bytes:
+                      method: str, limits: Any) -> bytes:
     signature_name = _signature_name(body)
-    serialized = _examples(body, method)
+    serialized = _examples(body, method, limits)
     with _handle(manager, name, version, label) as slot:
         signature = _signature(slot, signature_name, f"No signature was found with the name: {signature_name}")
         if "inputs" not in signature.inputs or len(signature.inputs) != 1:
@@ -287,6 +281,7 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
     if classes is None and scores is None:
         raise InvalidArgument('Expected classification signature outputs to contain at least one of "classes" or "scores".')
     ref = scores if scores is not None else classes
+    assert ref is not None  # one of them, checked above
     if ref.ndim != 2 or ref.shape[0] != n:
         raise InvalidArgument(f"Expected Tensor shape: [batch_size num_classes] but got {list(ref.shape)}")
     results = []
@@ -302,6 +297,6 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
 
 VERBS: dict[str, Callable[..., bytes]] = {
     "predict": _predict,
-    "classify": lambda m, body, n, v, l, raw: _classify_regress(m, body, n, v, l, "classify"),
-    "regress": lambda m, body, n, v, l, raw: _classify_regress(m, body, n, v, l, "regress"),
+    "classify": lambda m, body, n, v, l, raw, limits: _classify_regress(m, body, n, v, l, "classify", limits),
+    "regress": lambda m, body, n, v, l, raw, limits: _classify_regress(m, body, n, v, l, "regress", limits),
 }

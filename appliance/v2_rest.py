@@ -36,7 +36,8 @@ from . import v2_codec as codec
 from .errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from .manager import VersionSlot, run_signature
 from .policy import State
-from .rest import _raw_path, _read_body
+from .body_limits import read_raw as _read_body
+from .rest import _raw_path
 from .tfs_json import shape_error
 
 log = logging.getLogger("appliance.v2")

@@ -301,7 +301,9 @@ def test_v1_and_v2_requests_share_a_batch(server: Any) -> None:
     def v2() -> None:
         answers["v2"] = server.post(f"/v2/models/{model}/infer", _json(_x(data=x2.reshape(-1).tolist()))[0])
 
-    server.proc.send_signal(signal.SIGUSR1)  # freeze
+    frozen_before = server.log_text().count("batchers frozen")
+    server.proc.send_signal(signal.SIGUSR1)  # freeze; the signal is handled asynchronously:
+    server.wait_for(lambda: server.log_text().count("batchers frozen") > frozen_before, 30, "the freeze")
     threads = [threading.Thread(target=f) for f in (v1, v2)]
     try:
         for t in threads:

@@ -1,0 +1,227 @@
+"""The hostile-JSON cases TF Serving's and Triton's own tests pin down, against the real server.
+
+Deep nesting, 500,000 brackets, a 10^6-digit number, shapes no memory could hold, NaN and
+Infinity both ways, doubles past float32's range, URL-safe and broken base64, gzip bombs,
+chunked bodies over the limit; then 10,000 of them while the server's RSS is watched.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import select
+import socket
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+
+MAX_BODY = 1536 * 1024  # room for 500,000 brackets and a 10^6-digit number; small enough to bomb past
+NO_DISCOVERY = "[discovery]\nenabled = false\n"
+
+
+@pytest.fixture(scope="module")
+def server(module_server: Any, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    config = tmp_path_factory.mktemp("edge-config") / "appliance.toml"
+    models = "".join(f'[[models]]\nname = "{name}"\nbase_path = "{models_dir / name}"\n'
+                     for name in ("half_plus_two", "string_model", "keras_mlp_tflite"))
+    config.write_text(f"poll_interval_s = 5.0\n[server]\nmax_body_bytes = {MAX_BODY}\n{NO_DISCOVERY}{models}")
+    srv = module_server("--config", str(config), timeout=180)
+    return srv
+
+
+def predict(server: Any, model: str, body: bytes | str | dict[str, Any], **kw: Any) -> requests.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(f"{server.url}/v1/models/{model}:predict", data=data, timeout=60, **kw)
+
+
+def refused(resp: requests.Response, status: int, *words: str) -> str:
+    assert resp.status_code == status, resp.text[:500]
+    message = resp.json()["error"]
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def alive(server: Any) -> None:
+    assert server.proc.poll() is None, server.log_text()[-3000:]
+    assert server.get("/healthz").status_code == 200
+
+
+def nested(depth: int) -> bytes:
+    """``{"instances": [...]}`` with ``depth`` levels of JSON nesting in all."""
+    inner = depth - 2  # the object and the instances list
+    return b'{"instances": ' + b"[" * (inner + 1) + b"1.0" + b"]" * (inner + 1) + b"}"
+
+
+# --- nesting --------------------------------------------------------------------------------
+def test_nesting_past_the_limit_is_400_naming_it(server: Any) -> None:
+    refused(predict(server, "half_plus_two", nested(101)), 400, "max_json_depth", "100")
+    refused(predict(server, "string_model", b'{"instances": ["' + b"[" * 500 + b'"], "x": ' + b"{\"a\":" * 120
+                    + b"1" + b"}" * 120 + b"}"), 400, "max_json_depth")
+
+
+def test_nesting_at_the_limit_is_not_a_depth_error(server: Any) -> None:
+    message = refused(predict(server, "half_plus_two", nested(100)), 400)  # 98 dimensions: numpy's limit is 64
+    assert "max_json_depth" not in message
+    ok = predict(server, "string_model", {"instances": ["[" * 5000, "{" * 5000]})  # brackets inside strings
+    assert ok.status_code == 200, ok.text[:300]
+
+
+def test_500000_brackets_is_400_and_the_process_lives(server: Any) -> None:
+    for body in (b"[" * 500_000, b"[" * 250_000 + b"]" * 250_000, b'{"instances": ' + b"[" * 499_990):
+        refused(predict(server, "half_plus_two", body), 400, "max_json_depth")
+    alive(server)
+
+
+# --- numbers --------------------------------------------------------------------------------
+def test_a_million_digit_number_is_400(server: Any) -> None:
+    digits = b"9" * 1_000_000
+    refused(predict(server, "half_plus_two", b'{"instances": [' + digits + b"]}"), 400, "JSON Parse error")
+    refused(predict(server, "half_plus_two", b'{"instances": [-' + digits + b", NaN]}"), 400, "JSON Parse error")
+    alive(server)
+
+
+def test_nan_and_infinity_accepted_and_written_as_tf_serving_does(server: Any) -> None:
+    body = b'{"instances": [NaN, Infinity, -Infinity, Inf, -Inf, 1.0]}'
+    resp = predict(server, "half_plus_two", body)
+    assert resp.status_code == 200, resp.text
+    assert resp.text.replace(" ", "") == '{"predictions":[NaN,Infinity,-Infinity,Infinity,-Infinity,2.5]}'
+    got = json.loads(resp.text)["predictions"]  # Python's json reads them as TF Serving's clients do
+    assert math.isnan(got[0]) and got[1:] == [math.inf, -math.inf, math.inf, -math.inf, 2.5]
+    columnar = predict(server, "half_plus_two", b'{"inputs": {"x": [NaN, 2.0]}}')
+    assert columnar.text.replace(" ", "") == '{"outputs":[NaN,3.0]}'
+
+
+def test_nan_inside_strings_is_just_text(server: Any) -> None:
+    resp = predict(server, "string_model", b'{"instances": ["NaN", "-Infinity"]}')
+    assert resp.status_code == 200, resp.text
+    assert [row["len"] for row in resp.json()["predictions"]] == [3, 9]
+
+
+def test_a_double_past_float32_range_is_infinity(server: Any) -> None:
+    resp = predict(server, "half_plus_two", {"instances": [1e39, -3.5e38, 3.0e38]})
+    assert resp.status_code == 200, resp.text
+    assert json.loads(resp.text)["predictions"] == [math.inf, -math.inf, pytest.approx(1.5e38, rel=1e-6)]
+    refused(predict(server, "half_plus_two", b'{"instances": [1e400]}'), 400, "JSON Parse error")
+
+
+# --- shapes no memory can hold --------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [[1 << 60, 64], [-1, 64], [1 << 62, 1 << 62], [-5]])
+def test_declared_shapes_past_memory_are_400_with_nothing_allocated(server: Any, shape: list[int]) -> None:
+    process = psutil.Process(server.proc.pid)
+    before = process.memory_info().rss
+    body = {"inputs": [{"name": "x", "shape": shape, "datatype": "FP32", "data": [1.0] * 64}]}
+    resp = requests.post(f"{server.url}/v2/models/keras_mlp_tflite/infer", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert "shape" in resp.json()["error"]
+    assert process.memory_info().rss - before < 32 << 20
+    alive(server)
+
+
+# --- base64 ------------------------------------------------------------------------------------------
+def test_url_safe_base64_is_400_saying_so(server: Any) -> None:
+    refused(predict(server, "string_model", {"instances": [{"b64": "_-8_"}]}), 400, "URL-safe", "'+' and '/'")
+
+
+@pytest.mark.parametrize("text", ["not base64!!", "A", "AP8===", "AP8=x", "////=", "é"])
+def test_broken_base64_is_400_saying_so(server: Any, text: str) -> None:
+    refused(predict(server, "string_model", {"instances": [{"b64": text}]}), 400, "not valid base64")
+
+
+def test_base64_padding_is_optional_as_in_absl(server: Any) -> None:
+    resp = predict(server, "string_model", {"instances": [{"b64": "AP8"}, {"b64": "AP8="}]})
+    assert resp.status_code == 200, resp.text
+    assert [row["echo_bytes"] for row in resp.json()["predictions"]] == [{"b64": "AP8="}] * 2
+
+
+# --- bodies: gzip and chunked ------------------------------------------------------------------------
+def test_gzip_body_is_accepted_as_tf_serving_does(server: Any) -> None:
+    body = gzip.compress(b'{"instances": [1.0, 2.0, 5.0]}')
+    resp = predict(server, "half_plus_two", body, headers={"Content-Encoding": "gzip"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"predictions": [2.5, 3.0, 4.5]}
+
+
+def test_gzip_bomb_is_413(server: Any) -> None:
+    bomb = gzip.compress(b'{"instances": [' + b" " * (64 << 20) + b"1.0]}", 9)
+    assert len(bomb) < MAX_BODY // 8
+    refused(predict(server, "half_plus_two", bomb, headers={"Content-Encoding": "gzip"}), 413,
+            "inflates", "max_body_bytes")
+    alive(server)
+
+
+@pytest.mark.parametrize("encoding, body, words", [
+    ("gzip", b'{"instances": [1.0]}', ("not valid gzip",)),
+    ("gzip", gzip.compress(b'{"instances": [1.0]}')[:-12], ("truncated",)),
+    ("br", b'{"instances": [1.0]}', ("not supported",)),
+])
+def test_broken_or_unknown_encodings_are_400(server: Any, encoding: str, body: bytes, words: tuple[str, ...]) -> None:
+    refused(predict(server, "half_plus_two", body, headers={"Content-Encoding": encoding}), 400, *words)
+
+
+def test_chunked_body_over_the_limit_is_413_before_it_ends(server: Any) -> None:
+    """The body never ends (no last chunk): a 413 proves the server did not wait to buffer it all."""
+    reply = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/models/half_plus_two:predict HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (16 * 1024, b" " * (16 * 1024))
+        sent = 0
+        while sent <= MAX_BODY and not select.select([sock], [], [], 0)[0]:  # until over the limit
+            sock.sendall(chunk)
+            sent += len(chunk)
+        assert select.select([sock], [], [], 30)[0], "no answer although the body is over the limit"
+        try:
+            while data := sock.recv(65536):  # the server closes after its 413
+                reply += data
+        except ConnectionResetError:  # what we sent after its answer was never read: fine
+            pass
+    assert sent > MAX_BODY
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+
+
+# --- memory across 10,000 of them ------------------------------------------------------------
+def hostile_requests() -> list[tuple[str, bytes, dict[str, str], int]]:
+    """(path, body, headers, expected status) for one round; the costly ones once a round."""
+    hpt, text = "/v1/models/half_plus_two:predict", "/v1/models/string_model:predict"
+    v2 = "/v2/models/keras_mlp_tflite/infer"
+    cheap = [
+        (hpt, nested(101), {}, 400),
+        (hpt, b'{"instances": [NaN, 1e39]}', {}, 200),
+        (hpt, b'{"instances": [1e400]}', {}, 400),
+        (text, b'{"instances": [{"b64": "_-8_"}]}', {}, 400),
+        (text, b'{"instances": [{"b64": "AP8=x"}]}', {}, 400),
+        (hpt, gzip.compress(b'{"instances": [1.0]}'), {"Content-Encoding": "gzip"}, 200),
+        (hpt, gzip.compress(b" " * (8 << 20)), {"Content-Encoding": "gzip"}, 413),
+        (v2, json.dumps({"inputs": [{"name": "x", "shape": [1 << 60, 64], "datatype": "FP32",
+                                     "data": [0.0]}]}).encode(), {}, 400),
+        (hpt, b'{"instances": [[[1.0], [2.0, 3.0]]]}', {}, 400),
+    ]
+    costly = [(hpt, b"[" * 500_000, {}, 400), (hpt, b'{"instances": [' + b"7" * 1_000_000 + b"]}", {}, 400)]
+    return cheap * 20 + costly
+
+
+def test_rss_stays_flat_across_10000_hostile_requests(server: Any) -> None:
+    process = psutil.Process(server.proc.pid)
+    round_ = hostile_requests()
+    session = requests.Session()
+
+    def send(n: int) -> None:
+        for i in range(n):
+            path, body, headers, status = round_[i % len(round_)]
+            resp = session.post(server.url + path, data=body, headers=headers, timeout=60)
+            assert resp.status_code == status, (path, body[:80], resp.text[:300])
+
+    send(len(round_) * 3)  # warm: allocator arenas, caches and thread stacks reach their size
+    before = process.memory_info().rss
+    send(10_000)
+    after = process.memory_info().rss
+    session.close()
+    alive(server)
+    print(f"server RSS across 10,000 hostile requests: {before >> 20} MiB -> {after >> 20} MiB")
+    # Generous: allocator noise is a few MB; a leak of one body per request would be gigabytes.
+    assert after - before < 64 << 20, f"RSS grew from {before >> 20} MiB to {after >> 20} MiB"
