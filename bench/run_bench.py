@@ -106,11 +106,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
-def start_service(base: Path, backend: str, batching: bool, port: int, state: Path) -> subprocess.Popen:
+def start_service(base: Path, backend: str, batching: bool, port: int, state: Path,
+                  extra_config: str = "") -> subprocess.Popen:
+    """The service on ``base``; ``extra_config``: more TOML tables appended to its config."""
     config = state / "bench.toml"
     state.mkdir(parents=True, exist_ok=True)
     config.write_text(f'models_dir = "{base}"\nstate_dir = "{state}"\npoll_interval_s = 60\n'
-                      f'[runtime]\nbackend = "{backend}"\n[batching]\nenable_batching = {str(batching).lower()}\n')
+                      f'[runtime]\nbackend = "{backend}"\n[batching]\nenable_batching = {str(batching).lower()}\n'
+                      + extra_config)
     proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(config),
                              "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=open(state / "server.log", "wb"))
