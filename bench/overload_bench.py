@@ -22,6 +22,7 @@ import asyncio
 import json
 import platform
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -178,6 +179,7 @@ def run(model: str, factor: float, seconds: float, measure: float, clients: int,
         limits = json.loads(_get(f"http://127.0.0.1:{port}/api/status"))["http"]
     finally:
         stop(server)
+        shutil.rmtree(state, ignore_errors=True)
     bound_ms = limits["max_queue_wait_s"] * 1000 + 4 * capacity["p99_ms"]
     verdict = {
         "accepted_p99_within_queue_bound": overload["ok_p99_ms"] <= bound_ms,
