@@ -252,6 +252,14 @@ def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: in
                       method: str, limits: Any) -> bytes:
     signature_name = _signature_name(body)
     serialized = _examples(body, method, limits)
+    _, signature, outputs = run_examples(manager, serialized, name, version, label, signature_name, method)
+    return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
+
+
+def run_examples(manager: Any, serialized: np.ndarray, name: str, version: int | None, label: str | None,
+                 signature_name: str, method: str) -> tuple[int, SignatureInfo, dict[str, np.ndarray]]:
+    """Run serialized tf.Examples through a classify or regress signature (REST and gRPC):
+    (the version that answered, its signature, the outputs)."""
     with _handle(manager, name, version, label) as slot:
         signature = _signature(slot, signature_name, f"No signature was found with the name: {signature_name}")
         if "inputs" not in signature.inputs or len(signature.inputs) != 1:
@@ -263,27 +271,13 @@ def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: in
             raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend, "
                                 f"but {name} version {slot.version} is served by tflite; {hint}")
         outputs = _run(slot, signature, {"inputs": serialized})
-    return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
+        return slot.version, signature, outputs
 
 
 def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> Any:
     if method == "regress":
-        if "outputs" not in outputs:
-            raise InvalidArgument(f"No regression outputs found in SignatureDef: {signature.name}")
-        values = outputs["outputs"]
-        if values.ndim == 2 and values.shape[1] == 1:
-            values = values[:, 0]
-        if values.ndim != 1 or values.shape[0] != n:
-            raise InvalidArgument("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
-                                  f"but got {list(outputs['outputs'].shape)}")
-        return values.astype(np.float32)
-    classes, scores = outputs.get("classes"), outputs.get("scores")
-    if classes is None and scores is None:
-        raise InvalidArgument('Expected classification signature outputs to contain at least one of "classes" or "scores".')
-    ref = scores if scores is not None else classes
-    assert ref is not None  # one of them, checked above
-    if ref.ndim != 2 or ref.shape[0] != n:
-        raise InvalidArgument(f"Expected Tensor shape: [batch_size num_classes] but got {list(ref.shape)}")
+        return regression_values(signature, outputs, n)
+    classes, scores, ref = classification_outputs(outputs, n)
     results = []
     for i in range(n):
         row = []
@@ -293,6 +287,31 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
             row.append([label, float(scores[i, j]) if scores is not None else 0.0])
         results.append(row)
     return results
+
+
+def regression_values(signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """A regress signature's ``outputs`` as one float32 value per example (REST and gRPC)."""
+    if "outputs" not in outputs:
+        raise InvalidArgument(f"No regression outputs found in SignatureDef: {signature.name}")
+    values = outputs["outputs"]
+    if values.ndim == 2 and values.shape[1] == 1:
+        values = values[:, 0]
+    if values.ndim != 1 or values.shape[0] != n:
+        raise InvalidArgument("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
+                              f"but got {list(outputs['outputs'].shape)}")
+    return values.astype(np.float32)
+
+
+def classification_outputs(outputs: dict[str, np.ndarray], n: int) -> tuple[Any, Any, np.ndarray]:
+    """(classes or None, scores or None, the one of them that gives the shape [n, k])."""
+    classes, scores = outputs.get("classes"), outputs.get("scores")
+    if classes is None and scores is None:
+        raise InvalidArgument('Expected classification signature outputs to contain at least one of "classes" or "scores".')
+    ref = scores if scores is not None else classes
+    assert ref is not None  # one of them, checked above
+    if ref.ndim != 2 or ref.shape[0] != n:
+        raise InvalidArgument(f"Expected Tensor shape: [batch_size num_classes] but got {list(ref.shape)}")
+    return classes, scores, ref
 
 
 VERBS: dict[str, Callable[..., bytes]] = {
