@@ -417,3 +417,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
             target = getattr(target, part)
         _set_field(target, leaf, value, ".".join(parents))
     return validate(config)
+    if config.tfs.model_config_file or config.tfs.batching_parameters_file or config.tfs.monitoring_config_file:
+        from .tfs_config import apply  # TF Serving's own files; protobuf only when used
+
+        apply(config)

@@ -170,7 +170,7 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
         service.core.close()
         return 1
     # sync adds routes and gRPC binds its port: both before the first request
-    _add_optional_parts(service, ("appliance.sync_loop", "appliance.grpc_server"))
+    _add_optional_parts(service, ("appliance.sync_loop", "appliance.grpc_server", "appliance.tfs_config"))
     service.serve_http()
     _add_optional_parts(service, ("appliance.notify", "appliance.discovery"))
     assert service.server is not None

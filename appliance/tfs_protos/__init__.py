@@ -57,6 +57,7 @@ class _Messages:
             "ReloadConfigRequest": "tensorflow.serving.ReloadConfigRequest",
             "ReloadConfigResponse": "tensorflow.serving.ReloadConfigResponse",
             "ModelSpec": "tensorflow.serving.ModelSpec",
+            "ModelServerConfig": "tensorflow.serving.ModelServerConfig",
             "TensorProto": "tensorflow.TensorProto",
             "TensorShapeProto": "tensorflow.TensorShapeProto",
             "SignatureDef": "tensorflow.SignatureDef",
