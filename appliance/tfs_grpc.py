@@ -253,7 +253,7 @@ def _inputs(tensors: Any, signature: SignatureInfo) -> dict[str, np.ndarray]:
     out = {}
     for key, tensor in tensors.items():
         try:
-            array = pw.decode_tensor(tensor.SerializeToString())
+            array = from_tensor(tensor)
         except (ValueError, KeyError, IndexError) as exc:
             raise InvalidArgument(f"input {key!r}: not a valid TensorProto ({exc})") from exc
         want = signature.inputs[key].dtype
@@ -262,6 +262,28 @@ def _inputs(tensors: Any, signature: SignatureInfo) -> dict[str, np.ndarray]:
                                   "is provided")
         out[key] = array
     return out
+
+
+_FIELD_OF_ENUM = {1: "float_val", 2: "double_val", 3: "int_val", 9: "int64_val", 10: "bool_val"}
+
+
+def from_tensor(tensor: Any) -> np.ndarray:
+    """A TensorProto as numpy: the common cases straight from the message's fields (the
+    hot path), the rest through appliance/protowire.py's decoder."""
+    dtype = pw.DTYPES.get(tensor.dtype)
+    shape = tuple(d.size for d in tensor.tensor_shape.dim)
+    if dtype is not None and dtype.kind != "O" and any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in shape {list(shape)}")
+    if dtype is not None and dtype.kind != "O" and tensor.tensor_content:
+        return np.frombuffer(tensor.tensor_content, dtype=dtype).reshape(shape).copy()
+    field = _FIELD_OF_ENUM.get(tensor.dtype)
+    if field is not None and not tensor.tensor_content:
+        values = np.array(getattr(tensor, field), dtype=dtype)
+        count = int(np.prod(shape)) if shape else 1
+        if values.size == 1 and count > 1:  # one value fills the tensor, as TensorFlow reads it
+            values = np.full(count, values[0], dtype=dtype)
+        return values.reshape(shape)
+    return pw.decode_tensor(tensor.SerializeToString())
 
 
 def _dtype_name(dtype: np.dtype) -> str:
