@@ -32,6 +32,7 @@ from .errors import ApplianceError, InvalidArgument
 from .generation import Generation, Params, Stream, Vocabulary
 from .body_limits import read_raw as _read_body
 from .rest import _raw_path
+from .v2_rest import json_object
 
 log = logging.getLogger("appliance.generate")
 
@@ -159,12 +160,7 @@ def _unexpected(exc: Exception) -> ApplianceError:
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"the request is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("the request body must be a JSON object")
+    body = json_object(raw, "generate request")
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise InvalidArgument(f"unknown field {unknown[0]!r}; a generate request takes {', '.join(FIELDS)}")

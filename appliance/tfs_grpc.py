@@ -19,7 +19,6 @@ appliance/tfs_protos (a private descriptor pool): no TensorFlow at run time.
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from typing import Any, Callable
 
@@ -32,11 +31,12 @@ from . import protowire as pw
 from .config import ModelConfig
 from .config import validate as validate_config
 from .errors import ApplianceError, ConfigError, InvalidArgument, NotFound, QueueFull, Unimplemented
+from .grpc_status import guarded
 from .rest import (CLASSIFY_METHOD, REGRESS_METHOD, _handle, _run, _signature, classification_outputs,
                    regression_values, run_examples)
 from .tfs_protos import pb
 
-log = logging.getLogger("appliance.tfs.grpc")
+TFS_CODES = {QueueFull: "RESOURCE_EXHAUSTED"}  # as the issue's TF Serving clients expect for a full queue
 
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
 MODEL_SERVICE = "tensorflow.serving.ModelService"
@@ -60,7 +60,7 @@ class TFServingGRPC:
     def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
         def table(methods: dict[str, tuple[Any, Any, Callable[[Any], Any]]]) -> dict[str, Any]:
             return {name: grpc.unary_unary_rpc_method_handler(
-                guarded(fn, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+                guarded(fn, name, TFS_CODES), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
                 for name, (req, resp, fn) in methods.items()}
 
         prediction = table({
@@ -209,23 +209,6 @@ class _Observed:
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         status = 200 if exc is None else exc.http_status if isinstance(exc, ApplianceError) else 500
         self.metrics.observe_request(self.name, self.api, status, time.perf_counter() - self.started)
-
-
-def guarded(fn: Callable[[Any], Any], method: str) -> Callable[[Any, grpc.ServicerContext], Any]:
-    """The service's errors as TF Serving's status codes, with their messages."""
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return fn(request)
-        except ApplianceError as exc:
-            error = exc
-        except Exception as exc:  # a bug: logged here, never a traceback to the client
-            log.exception("unhandled error in %s", method)
-            error = ApplianceError(f"internal error: {type(exc).__name__}")
-        code = "RESOURCE_EXHAUSTED" if isinstance(error, QueueFull) else error.grpc_code
-        if error.retry_after:
-            context.set_trailing_metadata((("retry-after", str(int(error.retry_after))),))
-        context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), error.message)
-    return call
 
 
 # -- request side ------------------------------------------------------------------------

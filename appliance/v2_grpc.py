@@ -18,7 +18,6 @@ time: only grpcio and protobuf.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Any, Callable
@@ -28,10 +27,10 @@ import numpy as np
 
 from . import v2_codec as codec
 from .errors import ApplianceError, InvalidArgument, NotFound
+from .grpc_status import guarded
 from .v2_protos import pb
 from .v2_rest import Requested, Tensor, V2Service, _version
 
-log = logging.getLogger("appliance.v2.grpc")
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 
@@ -66,7 +65,7 @@ class V2GRPC:
             "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse, self.model_infer),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: grpc.unary_unary_rpc_method_handler(_guarded(fn), request_deserializer=req.FromString,
+            name: grpc.unary_unary_rpc_method_handler(guarded(fn, name), request_deserializer=req.FromString,
                                                       response_serializer=resp.SerializeToString)
             for name, (req, resp, fn) in methods.items()})
 
@@ -113,20 +112,6 @@ class V2GRPC:
             raise
         finally:
             self.core.metrics.observe_request(request.model_name, "v2_infer", status, time.perf_counter() - started)
-
-
-def _guarded(fn: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
-    """Turn the service's errors into gRPC status codes with their messages."""
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return fn(request)
-        except ApplianceError as exc:
-            error = exc
-        except Exception as exc:  # a bug: logged here, never a traceback to the client
-            log.exception("unhandled error in the v2 gRPC service")
-            error = ApplianceError(f"internal error: {type(exc).__name__}")
-        context.abort(getattr(grpc.StatusCode, error.grpc_code, grpc.StatusCode.INTERNAL), error.message)
-    return call
 
 
 def _grpc_version(text: str) -> int | None:

@@ -329,7 +329,7 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
         raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
     length = codec.header_length(header_length, len(body))
     try:
-        header = _json_object(body if length is None else body[:length])
+        header = json_object(body if length is None else body[:length])
     except InvalidArgument as exc:
         if length is None and b'"binary_data_size"' in body:  # binary tensors, but no header length
             raise InvalidArgument(f"{exc.message}; the request sets binary_data_size but has no {HEADER_LENGTH} "
@@ -350,15 +350,16 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
     return InferRequest(request_id, inputs, outputs, parameters, binary_default)
 
 
-def _json_object(data: bytes) -> dict[str, Any]:
+def json_object(data: bytes, what: str = "inference request") -> dict[str, Any]:
+    """A JSON object body (v2 and :generate), or a 400 that says what is wrong with it."""
     if not data.strip():
-        raise InvalidArgument("the request body is empty; expected an inference request JSON object")
+        raise InvalidArgument(f"the request body is empty; expected an {what} JSON object")
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise InvalidArgument(f"the request is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise InvalidArgument("the inference request must be a JSON object")
+        raise InvalidArgument(f"the {what} must be a JSON object")
     return value
 
 

@@ -141,9 +141,14 @@ def launch(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, r
     if "--grpc-port" not in args:  # gRPC only where a test asks for it: parallel servers never fight for 8500
         args = [*args, "--grpc-port", "0"]
     state = tmp_path / f"state-{port}"
-    log = tmp_path / f"server-{port}.log"
     cmd = [python, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--state", str(state), *args]
+    return spawn(cmd, port, state, tmp_path / f"server-{port}.log", env, ready, timeout)
+
+
+def spawn(cmd: list[str], port: int, state: Path, log: Path, env: dict[str, str] | None = None,
+          ready: bool = True, timeout: float = 120) -> Server:
+    """Run ``cmd`` (a service listening on ``port``) with its output in ``log``; wait for /readyz."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)

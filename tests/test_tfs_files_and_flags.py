@@ -3,21 +3,17 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
-import requests
 
 from appliance import tfs_config, tfs_flags
 from appliance.config import load as load_config
 from appliance.errors import ConfigError
-from tests.conftest import ROOT, Server, free_port, poll_until
+from tests.conftest import Server, free_port, poll_until, spawn
 
 MODELS_CONFIG = """
 model_config_list {{
@@ -116,22 +112,10 @@ def test_a_malformed_batching_file_names_the_line_and_field(tmp_path: Path) -> N
 
 # -- live ----------------------------------------------------------------------------------
 def start_tfs(tmp_path: Path, flags: list[str]) -> Server:
-    port, state, log = free_port(), tmp_path / "state", tmp_path / "tfs.log"
+    port = free_port()
     cmd = [sys.executable, "-m", "appliance.cli", "tfs", f"--rest_api_port={port}", *flags,
-           "--host", "127.0.0.1", "--state", str(state), "--no-discovery"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server(proc, port, state, log)
-    server.wait_for(lambda: _ready(server), 120, "the server to be ready")
-    return server
-
-
-def _ready(server: Server) -> bool:
-    try:
-        return server.get("/readyz", timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
+           "--host", "127.0.0.1", "--state", str(tmp_path / "state"), "--no-discovery"]
+    return spawn(cmd, port, tmp_path / "state", tmp_path / "tfs.log")
 
 
 def test_a_tf_serving_start_up_line_starts_the_service(tmp_path: Path, models_dir: Path) -> None:
