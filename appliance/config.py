@@ -261,10 +261,43 @@ class GenerationConfig:
 
 @dataclass
 class RolloutConfig:
-    """A candidate version next to the serving one, and how it is judged."""
+    """A candidate version next to the serving one, and how it is judged (docs/rollouts.md).
+
+    ``mode`` off: a newer version replaces the serving one as soon as it is loaded (TF
+    Serving's behaviour). shadow / canary: it is loaded next to the serving one as the
+    candidate and promoted or aborted on the gates below.
+    """
+
+    mode: str = "off"  # off | shadow | canary
+    shadow_percent: float = 100.0  # share of requests copied to the candidate in shadow mode
+    canary_percent: float = 10.0  # share of requests the candidate answers in canary mode
+    sticky_header: str = "X-Client-Key"  # canary: the same key always gets the same version
+    min_requests: int = 100  # candidate requests observed before a promotion
+    max_duration_s: float = 3600.0  # undecided after this long (too little traffic): abort
+    max_error_rate: float = 0.01  # candidate failures where the serving version succeeded
+    max_p99_latency_ratio: float = 1.5  # candidate p99 / serving p99
+    max_output_drift: float = 0.05  # mean |difference| of numeric outputs, or top-1 disagreement rate
+    shadow_queue: int = 64  # shadow copies waiting; beyond this they are dropped (never the answer)
+    shadow_busy_share: float = 0.05  # the shadow thread runs at most this share of the time; the rest is shed
 
     def validate(self, key: str) -> None:
-        pass
+        if self.mode not in ("off", "shadow", "canary"):
+            raise ConfigError(f"{key}.mode", f"must be off, shadow or canary, got {self.mode!r}")
+        for name in ("shadow_percent", "canary_percent"):
+            if not 0 <= getattr(self, name) <= 100:
+                raise ConfigError(f"{key}.{name}", "must be between 0 and 100")
+        if self.min_requests < 1:
+            raise ConfigError(f"{key}.min_requests", "must be at least 1")
+        if self.shadow_queue < 1:
+            raise ConfigError(f"{key}.shadow_queue", "must be at least 1")
+        if not 0 < self.shadow_busy_share <= 1:
+            raise ConfigError(f"{key}.shadow_busy_share", "must be in (0, 1]")
+        for name in ("max_duration_s", "max_p99_latency_ratio"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{key}.{name}", "must be positive")
+        for name in ("max_error_rate", "max_output_drift"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name}", "must not be negative")
 
 
 @dataclass
@@ -416,8 +449,8 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
         for part in parents:
             target = getattr(target, part)
         _set_field(target, leaf, value, ".".join(parents))
-    return validate(config)
     if config.tfs.model_config_file or config.tfs.batching_parameters_file or config.tfs.monitoring_config_file:
         from .tfs_config import apply  # TF Serving's own files; protobuf only when used
 
         apply(config)
+    return validate(config)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 import numpy as np
 
 import runtimes
-from runtimes import Decision, RuntimeFailure, Servable
+from runtimes import Decision, RuntimeFailure, Servable, generative
 from sync.store import check_version_tree, verify_version
 
 from . import device as device_mod
@@ -79,6 +79,10 @@ class ModelEntry:
     config: ModelConfig
     versions: dict[int, VersionSlot] = field(default_factory=dict)
     quarantined: dict[int, tuple[float, str]] = field(default_factory=dict)  # version -> (dir mtime, why)
+    # Rollouts (config rollout.mode shadow|canary): the version answering unversioned
+    # requests, and a newer one loaded next to it until appliance/rollout.py judges it.
+    serving: int | None = None
+    candidate: int | None = None
 
 
 def _is_version(name: str) -> bool:
@@ -224,6 +228,7 @@ class Manager:
         on_disk = versions_on_disk(cfg.base_path)
         self._forget_changed_quarantine(entry, on_disk)
         aspired = aspired_versions(cfg.version_policy, on_disk, cfg.latest, cfg.versions, entry.quarantined)
+        aspired = self._rollout_aspired(entry, aspired)
         with self._lock:  # an unloaded version whose directory is gone has nothing left to show
             for version in [v for v, s in entry.versions.items() if s.state == State.END and v not in on_disk]:
                 del entry.versions[version]
@@ -240,6 +245,59 @@ class Manager:
             slot = entry.versions.get(version)
             if slot is not None and slot.state == State.AVAILABLE:
                 self._begin_unload(slot, f"superseded (aspired versions: {aspired})")
+
+    def _rollout_aspired(self, entry: ModelEntry, aspired: list[int]) -> list[int]:
+        """With a rollout mode, a newer version becomes the candidate beside the serving one
+        instead of replacing it; without one, the serving version follows the policy."""
+        with self._lock:
+            live = {v for v, s in entry.versions.items() if s.state == State.AVAILABLE}
+            if entry.serving not in live:
+                entry.serving = max(live, default=None)
+            if entry.config.rollout.mode == "off" or entry.config.version_policy != "latest":
+                entry.serving = entry.candidate = None  # no pin: the newest available version answers
+                return aspired
+            if entry.serving is None:
+                return aspired
+            newest = max(aspired, default=None)
+            entry.candidate = newest if newest is not None and newest > entry.serving else None
+            return sorted({entry.serving, *([entry.candidate] if entry.candidate is not None else [])})
+
+    def rollout_versions(self, name: str) -> tuple[int | None, int | None]:
+        """(serving, candidate) of a model; candidate only once it is AVAILABLE."""
+        with self._lock:
+            entry = self._models.get(name)
+            if entry is None:
+                return None, None
+            slot = entry.versions.get(entry.candidate) if entry.candidate is not None else None
+            ready = slot is not None and slot.state == State.AVAILABLE
+            return entry.serving, (entry.candidate if ready else None)
+
+    def promote(self, name: str, version: int) -> None:
+        """Make the candidate ``version`` the serving one in one step (new requests get it at
+        once, in-flight ones finish on the old one, which then drains and unloads)."""
+        with self._lock:
+            entry = self.entry(name)
+            slot = entry.versions.get(version)
+            if entry.candidate != version or slot is None or slot.state != State.AVAILABLE:
+                raise InvalidArgument(f"{name} version {version} is not an available rollout candidate")
+            old = entry.versions.get(entry.serving) if entry.serving is not None else None
+            entry.serving, entry.candidate = version, None
+        if old is not None and old.version != version:
+            self._begin_unload(old, f"version {version} promoted")
+        self.poll_now()
+
+    def quarantine(self, name: str, version: int, reason: str) -> None:
+        """Stop a candidate: unload it and never load it again unless its directory is replaced."""
+        with self._lock:
+            entry = self.entry(name)
+            slot = entry.versions.get(version)
+            if entry.candidate == version:
+                entry.candidate = None
+            entry.quarantined[version] = (_mtime(slot.path if slot else os.path.join(entry.config.base_path,
+                                                                                   str(version))), reason)
+        if slot is not None:
+            self._begin_unload(slot, f"quarantined: {reason}")
+        self.poll_now()
 
     @staticmethod
     def _forget_changed_quarantine(entry: ModelEntry, on_disk: Mapping[int, str]) -> None:
@@ -326,6 +384,12 @@ class Manager:
     def _warm_up(self, servable: Servable, path: str) -> None:
         requests = warmup_requests(path)
         if not requests:
+            # Generation signatures (prefill/decode, generate_step) warm up with one real prompt
+            # and step: zeros resized to "batch 1" do not fit a fixed-length prefill's input_pos.
+            driver = generative.detect(servable)
+            if driver is not None:
+                driver.warm_up()
+                return
             for sig in servable.signatures.values():
                 if not any(spec.is_string for spec in sig.inputs.values()):  # no valid synthetic tf.Example
                     servable.run(sig.name, runtimes.synthetic_inputs(sig, 1))
@@ -403,7 +467,8 @@ class Manager:
                                        f"no version of {name} could be loaded ({self._why_not_ready(entry)})")
                     raise Unavailable(f"model {name} has no available version yet "
                                       f"({self._why_not_ready(entry)})", retry_after=1)
-                slot = max(ready, key=lambda s: s.version)
+                pinned = entry.versions.get(entry.serving) if entry.serving is not None else None
+                slot = pinned if pinned is not None and pinned in ready else max(ready, key=lambda s: s.version)
             else:
                 slot = entry.versions.get(version)
                 if slot is None or slot.state != State.AVAILABLE:
@@ -478,7 +543,8 @@ class Manager:
         for name, entry in entries:
             with self._lock:
                 slots = sorted(entry.versions.values(), key=lambda s: -s.version)
-            serving = max((s.version for s in slots if s.state == State.AVAILABLE), default=None)
+            available = [s.version for s in slots if s.state == State.AVAILABLE]
+            serving = entry.serving if entry.serving in available else max(available, default=None)
             out[name] = {
                 "base_path": entry.config.base_path,
                 "version_policy": entry.config.version_policy,
@@ -487,6 +553,8 @@ class Manager:
                 "quarantined": {str(v): why for v, (_, why) in entry.quarantined.items()},
                 "versions": [s.describe() for s in slots],
             }
+            if entry.config.rollout.mode != "off":
+                out[name]["candidate_version"] = entry.candidate
         return out
 
 

@@ -123,7 +123,7 @@ class SyncLoop:
         self.cfg = cfg
         self.store = Store(service.config.state_dir)
         self.source = open_source(cfg.bucket, cfg.s3_endpoint_url, cfg.s3_region, cfg.limits())
-        options = Options(models=list(cfg.models), channel=cfg.channel,
+        options = Options(models=list(cfg.models), channel=cfg.channel, device_id=self.core.device_id,
                           public_key=load_public_key(cfg.public_key) if cfg.public_key else None,
                           device_tags=device_tags(self.core.device), retain=max(1, cfg.retain))
         self.follower = Follower(self.source, self.store, options, self._event, self._local)
@@ -265,7 +265,8 @@ class SyncLoop:
                 "software_version": __version__, "updated": time.time(),
                 "healthy": bool(manager and manager.ready()), "channel": self.cfg.channel,
                 "last_sync": self.status["last_poll"], "last_change": self.status["last_change"],
-                "last_error": self.status["last_error"], "models": models, "backend_decisions": decisions}
+                "last_error": self.status["last_error"], "models": models, "backend_decisions": decisions,
+                "rollouts": self.core.extras.get("rollouts", {})}
 
 
 def _error(status: int, message: str) -> Response:

@@ -26,6 +26,7 @@ from .fetcher import fetch
 from .manifest import MANIFEST, verify, verify_channel
 from .source import MISSING, NOT_MODIFIED, Fetched
 from .store import Store
+from .waves import admission
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 Event = Callable[..., None]
@@ -38,6 +39,7 @@ class Options:
     public_key: Any = None  # Ed25519 public key object, or None: signatures not required
     device_tags: frozenset[str] = frozenset()
     retain: int = 2
+    device_id: str = ""  # decides wave membership (sync/waves.py)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Follower:
         self._cache: dict[str, tuple[str, Any]] = {}  # key -> (etag, parsed doc or Refused)
         self._refused: dict[tuple[str, int], str] = {}  # (model, version) -> manifest etag
         self._pin_noted: dict[str, int] = {}
+        self._wave_noted: dict[str, str] = {}
         self.targets: dict[str, int] = {}
 
     def sync_once(self) -> PollResult:
@@ -138,7 +141,10 @@ class Follower:
         if target is None:
             return
         self._check_rollback(model, target, pointer)
+        if pointer is not None and not self._admitted(model, target, pointer):
+            return
         self.targets[model] = target
+        candidate = self._candidate(model, target, pointer)
         if target not in self.store.versions(model):
             if target in self.store.parked(model):
                 self.store.unpark(model, target)
@@ -147,10 +153,39 @@ class Follower:
             else:
                 self._install(model, target)
             result.changed.append(f"{model}:{target}")
-        if self._park_newer(model, target):
+        if candidate is not None and candidate not in self.store.versions(model):
+            self._install(model, candidate)  # judged on the device when its rollout mode is on
+            result.changed.append(f"{model}:{candidate} (candidate)")
+        if self._park_newer(model, target, keep=candidate):
             result.changed.append(f"{model}:{target} (newer versions set aside)")
         self._record_trust(model, target, pointer)
-        self._retain(model, target, local)
+        self._retain(model, target, local, candidate)
+
+    def _admitted(self, model: str, target: int, pointer: dict[str, Any]) -> bool:
+        """Waves and halt (sync/waves.py): a device outside the open waves keeps what it
+        has. One with nothing of this model yet, or already on the target, is never held."""
+        have = self.store.versions(model)
+        if target in have or not have:
+            return True
+        verdict = admission(self.options.device_id, pointer, f"{model} channel {self.options.channel}")
+        if verdict.admitted:
+            self._wave_noted.pop(model, None)
+            return True
+        if self._wave_noted.get(model) != f"{target}:{verdict.wave}":
+            self._wave_noted[model] = f"{target}:{verdict.wave}"
+            self.event("sync_wave_wait", f"{model} stays on version {max(have)}: version {target} not yet for this "
+                       f"device ({verdict.reason})", model=model, version=target, wave=verdict.wave,
+                       opens_at=verdict.opens_at)
+        return False
+
+    @staticmethod
+    def _candidate(model: str, target: int, pointer: dict[str, Any] | None) -> int | None:
+        value = (pointer or {}).get("candidate")
+        if value is None:
+            return None
+        if type(value) is not int or value <= target:
+            raise Refused(f"{model} channel pointer: candidate must be a version above {target}, got {value!r}")
+        return value
 
     def _check_rollback(self, model: str, target: int, pointer: dict[str, Any] | None) -> None:
         trust = self.store.trust(model)
@@ -202,8 +237,8 @@ class Follower:
                    reason=reason)
         return Refused(reason)
 
-    def _park_newer(self, model: str, target: int) -> bool:
-        newer = sorted(v for v in self.store.versions(model) if v > target)
+    def _park_newer(self, model: str, target: int, keep: int | None = None) -> bool:
+        newer = sorted(v for v in self.store.versions(model) if v > target and v != keep)
         for version in newer:
             self.store.park(model, version)
             self.event("sync_parked", f"{model} version {version} set aside: the target is version {target}",
@@ -226,8 +261,9 @@ class Follower:
             self._pin_noted[model] = pin
             self.event("sync_pinned", f"{model} pinned to version {pin} (appliance rollback)", model=model, version=pin)
 
-    def _retain(self, model: str, target: int, local: LocalModel) -> None:
+    def _retain(self, model: str, target: int, local: LocalModel, candidate: int | None = None) -> None:
         protect = {target} | ({local.serving} if local.serving is not None else set())
+        protect |= {candidate} if candidate is not None else set()
         deleted = self.store.retain(model, self.options.retain, protect, local.quarantined)
         if deleted:
             self.event("sync_retention", f"{model}: deleted old versions {deleted} (keeping {self.options.retain})",

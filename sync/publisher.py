@@ -22,6 +22,7 @@ from .errors import Refused
 from .follower import MODEL_NAME
 from .manifest import MANIFEST, build, channel_doc, dumps, sign
 from .source import MISSING, join
+from .waves import parse_waves
 
 DAY_S = 86400.0
 
@@ -81,14 +82,42 @@ def _update_indexes(source: Any, model: str, version: int) -> None:
 
 
 def set_channel(source: Any, model: str, channel: str, version: int, sign_key: Any = None,
-                expires_days: float = 365) -> dict[str, Any]:
-    """Point ``channel`` at a committed version (signed when a key is given)."""
+                expires_days: float = 365, waves: list[dict[str, Any]] | None = None,
+                candidate: int | None = None) -> dict[str, Any]:
+    """Point ``channel`` at a committed version (signed when a key is given), optionally in
+    staged ``waves`` and with a ``candidate`` for devices to judge (sync/waves.py)."""
     _check_name(model)
     if not MODEL_NAME.match(channel):
         raise Refused(f"channel name {channel!r}: use letters, digits, '.', '_' and '-'")
     if source.read(f"{model}/{version}/{MANIFEST}").status == MISSING:
         raise Refused(f"{model} version {version} is not published (no {MANIFEST})")
     doc = channel_doc(model, channel, version, time.time() + expires_days * DAY_S if expires_days else 0)
+    if waves:
+        parse_waves({"waves": waves}, f"{model} channel {channel}")  # refuse a bad plan before devices see it
+        doc["waves"] = waves
+    if candidate is not None:
+        if source.read(f"{model}/{candidate}/{MANIFEST}").status == MISSING:
+            raise Refused(f"candidate {model} version {candidate} is not published (no {MANIFEST})")
+        if candidate <= version:
+            raise Refused(f"candidate version {candidate} must be above the channel's version {version}")
+        doc["candidate"] = int(candidate)
+    return _put_channel(source, model, channel, doc, sign_key)
+
+
+def halt_channel(source: Any, model: str, channel: str, sign_key: Any = None, halt: bool = True) -> dict[str, Any]:
+    """Set (or clear) ``halt`` in a channel pointer: no device moves while it is set."""
+    fetched = source.read(f"{model}/channels/{channel}.json")
+    if fetched.status == MISSING:
+        raise Refused(f"{model} has no channel {channel!r} in the bucket")
+    doc = {k: v for k, v in json.loads(fetched.data).items() if k != "signature"}
+    if halt:
+        doc["halt"] = True
+    else:
+        doc.pop("halt", None)
+    return _put_channel(source, model, channel, doc, sign_key)
+
+
+def _put_channel(source: Any, model: str, channel: str, doc: dict[str, Any], sign_key: Any) -> dict[str, Any]:
     if sign_key is not None:
         doc = sign(doc, sign_key)
     source.put(f"{model}/channels/{channel}.json", dumps(doc))

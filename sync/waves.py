@@ -1,0 +1,77 @@
+"""Staged fleet waves, decided on each device with no central server (docs/rollouts.md).
+
+A channel pointer may carry ``"waves": [{"percent": 5, "hold_minutes": 30},
+{"percent": 25, "hold_minutes": 60}, {"percent": 100}]`` (cumulative shares of the fleet)
+and ``"waves_start"`` (epoch seconds; default the pointer's ``created``). Wave *i* opens
+once the holds of the waves before it have passed. A device belongs to the first wave
+whose percent exceeds its *share*: a stable hash of its device id and the version, so the
+answer is the same after every restart and differs from one version to the next (the
+same devices are not always first). ``"halt": true`` stops every further move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import Refused
+
+
+@dataclass(frozen=True)
+class Admission:
+    admitted: bool
+    wave: int  # index of the device's wave (0-based)
+    opens_at: float  # when that wave opens (epoch seconds)
+    reason: str
+
+
+def share(device_id: str, version: int) -> float:
+    """The device's place in [0, 1) for this version: uniform over device ids, stable."""
+    digest = hashlib.sha256(f"{device_id}\0{int(version)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def parse_waves(pointer: dict[str, Any], what: str) -> list[tuple[float, float]]:
+    """[(cumulative percent, hold seconds)], checked; [] when the pointer declares none."""
+    waves = pointer.get("waves")
+    if waves is None:
+        return []
+    if not isinstance(waves, list) or not waves:
+        raise Refused(f"{what}: waves must be a non-empty list")
+    parsed, last = [], 0.0
+    for i, wave in enumerate(waves):
+        percent = wave.get("percent") if isinstance(wave, dict) else None
+        hold = wave.get("hold_minutes", 0) if isinstance(wave, dict) else None
+        if not isinstance(percent, (int, float)) or not last < percent <= 100:
+            raise Refused(f"{what}: waves[{i}].percent must increase and lie in (0, 100], got {percent!r}")
+        if not isinstance(hold, (int, float)) or hold < 0:
+            raise Refused(f"{what}: waves[{i}].hold_minutes must be a non-negative number, got {hold!r}")
+        parsed.append((float(percent), float(hold) * 60))
+        last = percent
+    if last != 100:
+        raise Refused(f"{what}: the last wave must reach percent 100, got {last}")
+    return parsed
+
+
+def admission(device_id: str, pointer: dict[str, Any], what: str = "channel", now: float | None = None) -> Admission:
+    """Whether this device may move to the pointer's version now."""
+    version = int(pointer["version"])
+    if pointer.get("halt"):
+        return Admission(False, -1, 0.0, f"{what} is halted: no device moves")
+    waves = parse_waves(pointer, what)
+    if not waves:
+        return Admission(True, 0, 0.0, "no waves declared")
+    start = float(pointer.get("waves_start") or pointer.get("created") or 0)
+    mine = share(device_id, version) * 100
+    opens = start
+    for index, (percent, hold) in enumerate(waves):
+        if mine < percent:
+            now = time.time() if now is None else now
+            if now >= opens:
+                return Admission(True, index, opens, f"in wave {index + 1} ({percent:g}%), open")
+            return Admission(False, index, opens, f"in wave {index + 1} ({percent:g}%), which opens in "
+                                                  f"{(opens - now) / 60:.1f} min")
+        opens += hold
+    raise AssertionError("unreachable: the last wave covers 100%")
