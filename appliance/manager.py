@@ -14,6 +14,7 @@ Thread-safety: every public method may be called from any thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -25,12 +26,12 @@ import numpy as np
 
 import runtimes
 from runtimes import Decision, RuntimeFailure, Servable, generative
-from sync.store import check_version_tree, verify_version
+from sync.store import check_version_tree, rollout_policies, verify_version
 
 from . import device as device_mod
 from .batcher import Batcher
-from .config import Config, ModelConfig
-from .errors import InvalidArgument, NotFound, Unavailable, from_runtime
+from .config import Config, ModelConfig, RolloutConfig
+from .errors import ApplianceError, InvalidArgument, NotFound, Unavailable, from_runtime
 from .memory import release_freed_memory
 from .policy import State, aspired_versions, plan
 from .state import StateDB
@@ -83,6 +84,11 @@ class ModelEntry:
     # requests, and a newer one loaded next to it until appliance/rollout.py judges it.
     serving: int | None = None
     candidate: int | None = None
+    # The channel's rollout policy when a synced channel carries one (it replaces the
+    # model's own [models.rollout] in ``config``; ``own_rollout`` keeps the latter).
+    own_rollout: RolloutConfig | None = None
+    channel_policy: dict[str, Any] | None = None
+    channel_candidate: int | None = None  # judged only: never served as the newest version
 
 
 def _is_version(name: str) -> bool:
@@ -161,7 +167,9 @@ class Manager:
             removed = [n for n in self._models if n not in wanted]
             for name, cfg in wanted.items():
                 if name in self._models:
-                    self._models[name].config = cfg
+                    entry = self._models[name]
+                    entry.own_rollout, entry.channel_policy = cfg.rollout, None  # re-applied at the next pass
+                    entry.config = cfg
                 else:
                     self._models[name] = ModelEntry(cfg)
             gone = {n: self._models.pop(n) for n in removed}
@@ -218,16 +226,52 @@ class Manager:
                         self._models.setdefault(cfg.name, ModelEntry(cfg))
         with self._lock:
             entries = list(self._models.items())
+        self._apply_channel_policies(entries)
         for name, entry in entries:
             if self._stop.is_set():
                 return
             self._reconcile_model(name, entry)
 
+    def _apply_channel_policies(self, entries: list[tuple[str, ModelEntry]]) -> None:
+        """A synced channel's rollout policy (sync/follower.py records it) replaces the
+        model's own [models.rollout]: the central team sets it for the whole fleet. A policy
+        this device cannot take is refused once, with the reason, and the own one stays."""
+        policies = rollout_policies(self.config.state_dir) if self.config.state_dir else {}
+        for name, entry in entries:
+            record = policies.get(name) or {}
+            candidate, policy = record.get("candidate"), record.get("policy")
+            entry.channel_candidate = candidate if isinstance(candidate, int) else None
+            if policy == entry.channel_policy:
+                continue
+            entry.channel_policy = policy
+            own = entry.own_rollout if entry.own_rollout is not None else entry.config.rollout
+            rollout = own
+            if policy is not None:
+                try:
+                    rollout = RolloutConfig(**policy)
+                    rollout.validate("rollout")
+                except (TypeError, ApplianceError) as exc:
+                    self.db.event("rollout_policy_refused", f"{name}: the channel's rollout policy is refused, "
+                                  f"the device's own applies: {exc}", model=name)
+                    rollout = own
+            with self._lock:
+                entry.own_rollout = own
+                entry.config = dataclasses.replace(entry.config, rollout=rollout)
+
+    def rollout_policy(self, name: str) -> RolloutConfig | None:
+        """The rollout policy in force for ``name`` (lock-free: the request path reads it)."""
+        entry = self._models.get(name)
+        return entry.config.rollout if entry is not None else None
+
     def _reconcile_model(self, name: str, entry: ModelEntry) -> None:
         cfg = entry.config
         on_disk = versions_on_disk(cfg.base_path)
         self._forget_changed_quarantine(entry, on_disk)
-        aspired = aspired_versions(cfg.version_policy, on_disk, cfg.latest, cfg.versions, entry.quarantined)
+        servable = on_disk
+        if entry.channel_candidate is not None and cfg.rollout.mode == "off" and len(on_disk) > 1:
+            # a channel's candidate is there to be judged: without a rollout it is never served
+            servable = {v: p for v, p in on_disk.items() if v != entry.channel_candidate}
+        aspired = aspired_versions(cfg.version_policy, servable, cfg.latest, cfg.versions, entry.quarantined)
         aspired = self._rollout_aspired(entry, aspired)
         with self._lock:  # an unloaded version whose directory is gone has nothing left to show
             for version in [v for v, s in entry.versions.items() if s.state == State.END and v not in on_disk]:

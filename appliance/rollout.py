@@ -37,6 +37,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from .body_limits import read_raw
+from .config import RolloutConfig
 from .errors import ApplianceError
 
 PREDICT_RE = re.compile(r"/v1/models/([^/:]+):(predict|classify|regress)")
@@ -181,8 +182,6 @@ class RolloutLayer:
         self._shadow_sizes: dict[str, int] = {}
         self._shadow_shares: dict[str, float] = {}
         self._waiting: collections.Counter[str] = collections.Counter()  # shadow copies queued per model
-        self._policies_of: Any = None  # the config object _policy_cache was computed from
-        self._policy_cache: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         r = core.metrics.registry
         self.m_requests = Counter("edge_appliance_rollout_requests", "Rollout requests by version and role",
@@ -219,19 +218,10 @@ class RolloutLayer:
         current = self._active.get(model)  # a dict read is atomic under the GIL
         if current is not None and not current.decided:
             return current
-        policy = self._policies().get(model)
+        policy = self.core.manager.rollout_policy(model) if self.core.manager is not None else None
         if policy is None or policy.mode == "off":
             return None
         return self._refresh(model)
-
-    def _policies(self) -> dict[str, Any]:
-        """The rollout policy per configured model, recomputed when the config object changes
-        (a reload replaces it), so the request path needs no manager lock to read one."""
-        config = self.core.config
-        if self._policies_of is not config:
-            self._policy_cache = {m.name: m.rollout for m in config.models}
-            self._policies_of = config
-        return self._policy_cache
 
     def _refresh(self, model: str) -> Rollout | None:
         manager = self.core.manager
@@ -268,7 +258,7 @@ class RolloutLayer:
             from .rest import error_response
 
             return error_response(exc)(environ, start_response)
-        policy = self._policies().get(rollout.model) or self.core.manager.entry(rollout.model).config.rollout
+        policy = self.core.manager.rollout_policy(rollout.model) or RolloutConfig()
         use_candidate = rollout.mode == "canary" and self._canary_pick(environ, policy)
         if use_candidate:
             code, headers, out, seconds = self._call(environ, body, rollout.model, rollout.candidate, verb)

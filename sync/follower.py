@@ -25,8 +25,8 @@ from .errors import Refused
 from .fetcher import fetch
 from .manifest import MANIFEST, verify, verify_channel
 from .source import MISSING, NOT_MODIFIED, Fetched
-from .store import Store
-from .waves import admission
+from .store import Store, set_rollout_policy
+from .waves import admission, check_rollout_policy
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 Event = Callable[..., None]
@@ -145,6 +145,7 @@ class Follower:
             return
         self.targets[model] = target
         candidate = self._candidate(model, target, pointer)
+        self._rollout_policy(model, pointer, candidate)
         if target not in self.store.versions(model):
             if target in self.store.parked(model):
                 self.store.unpark(model, target)
@@ -177,6 +178,19 @@ class Follower:
                        f"device ({verdict.reason})", model=model, version=target, wave=verdict.wave,
                        opens_at=verdict.opens_at)
         return False
+
+    def _rollout_policy(self, model: str, pointer: dict[str, Any] | None, candidate: int | None) -> None:
+        """The channel's candidate and rollout policy (the central team's, for the whole
+        fleet) go where the manager reads them: the candidate is only ever judged, never
+        served as the newest version, and the channel's policy replaces the device's own
+        [models.rollout] (which applies when the channel has none)."""
+        policy = (pointer or {}).get("rollout")
+        if policy is not None:
+            policy = check_rollout_policy(policy, f"{model} channel {self.options.channel}")
+        doc = {"candidate": candidate, "policy": policy} if candidate is not None or policy is not None else None
+        if set_rollout_policy(self.store.state_dir, model, doc):
+            self.event("sync_rollout_policy", f"{model}: rollout from the channel: candidate {candidate}, "
+                       f"policy {policy or 'the device own'}", model=model, candidate=candidate, policy=policy)
 
     @staticmethod
     def _candidate(model: str, target: int, pointer: dict[str, Any] | None) -> int | None:

@@ -22,7 +22,7 @@ from .errors import Refused
 from .follower import MODEL_NAME
 from .manifest import MANIFEST, build, channel_doc, dumps, sign
 from .source import MISSING, join
-from .waves import parse_waves
+from .waves import check_rollout_policy, parse_waves
 
 DAY_S = 86400.0
 
@@ -83,9 +83,10 @@ def _update_indexes(source: Any, model: str, version: int) -> None:
 
 def set_channel(source: Any, model: str, channel: str, version: int, sign_key: Any = None,
                 expires_days: float = 365, waves: list[dict[str, Any]] | None = None,
-                candidate: int | None = None) -> dict[str, Any]:
+                candidate: int | None = None, rollout: dict[str, Any] | None = None) -> dict[str, Any]:
     """Point ``channel`` at a committed version (signed when a key is given), optionally in
-    staged ``waves`` and with a ``candidate`` for devices to judge (sync/waves.py)."""
+    staged ``waves`` and with a ``candidate`` for devices to judge (sync/waves.py) under the
+    ``rollout`` policy (the keys of a model's [models.rollout]; devices validate them)."""
     _check_name(model)
     if not MODEL_NAME.match(channel):
         raise Refused(f"channel name {channel!r}: use letters, digits, '.', '_' and '-'")
@@ -101,6 +102,8 @@ def set_channel(source: Any, model: str, channel: str, version: int, sign_key: A
         if candidate <= version:
             raise Refused(f"candidate version {candidate} must be above the channel's version {version}")
         doc["candidate"] = int(candidate)
+    if rollout is not None:
+        doc["rollout"] = check_rollout_policy(rollout, f"{model} channel {channel}")
     return _put_channel(source, model, channel, doc, sign_key)
 
 

@@ -148,6 +148,30 @@ def pins_path(state_dir: str) -> str:
     return os.path.join(state_dir, "sync", "pins.json")
 
 
+def rollout_policies_path(state_dir: str) -> str:
+    """Per model, the candidate and rollout policy its channel pointer carries,
+    ``{"candidate": N | null, "policy": {...} | null}`` (the manager reads it)."""
+    return os.path.join(state_dir, "sync", "rollout.json")
+
+
+def rollout_policies(state_dir: str) -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in read_json(rollout_policies_path(state_dir)).items() if isinstance(v, dict)}
+
+
+def set_rollout_policy(state_dir: str, model: str, policy: dict[str, Any] | None) -> bool:
+    """Record (None: forget) the channel's rollout entry of ``model``; True when it changed."""
+    path = rollout_policies_path(state_dir)
+    doc = read_json(path)
+    if doc.get(model) == policy or (policy is None and model not in doc):
+        return False
+    if policy is None:
+        doc.pop(model, None)
+    else:
+        doc[model] = policy
+    write_json_atomic(path, doc)
+    return True
+
+
 class Store:
     def __init__(self, state_dir: str):
         self.state_dir = state_dir

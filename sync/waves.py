@@ -75,3 +75,12 @@ def admission(device_id: str, pointer: dict[str, Any], what: str = "channel", no
                                                   f"{(opens - now) / 60:.1f} min")
         opens += hold
     raise AssertionError("unreachable: the last wave covers 100%")
+
+
+def check_rollout_policy(policy: Any, where: str) -> dict[str, Any]:
+    """The shape of a channel's rollout policy: a JSON object of scalars (the device checks
+    names and values against its RolloutConfig, and refuses what it does not know)."""
+    if not isinstance(policy, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float, bool))
+                                               for k, v in policy.items()):
+        raise Refused(f"{where}: rollout must be an object of names and plain values, got {policy!r}")
+    return dict(policy)
