@@ -81,7 +81,7 @@ class Service:
     def install_signals(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
         signal.signal(signal.SIGINT, lambda *_: self._stop.set())
-        signal.signal(signal.SIGHUP, lambda *_: self._reload.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.request_reload())
         if os.environ.get(TEST_HOOKS_ENV) == "1":
             log.warning("%s=1: test hooks on (SIGUSR1 freezes the batchers); never on a device", TEST_HOOKS_ENV)
             signal.signal(signal.SIGUSR1, lambda *_: self._toggle_freeze.set())
@@ -146,6 +146,10 @@ class Service:
         log.info("stopped after %.1f s", time.monotonic() - started)
         self._emit("stopped")
         return 0
+
+    def request_reload(self) -> None:
+        """What SIGHUP does: the main loop re-reads the config (never a request thread)."""
+        self._reload.set()
 
     def request_stop(self) -> None:
         self._stop.set()

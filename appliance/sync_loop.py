@@ -81,11 +81,7 @@ class Reloads:
         """(applied, reason) of the reload this call asked for; None if it did not finish in time."""
         with self._done:
             wanted = self._count + 1
-        request_reload = getattr(self.service, "request_reload", None)
-        if request_reload is not None:
-            request_reload()
-        else:  # the same flag SIGHUP sets: the main loop runs the reload, never a request thread
-            self.service._reload.set()
+        self.service.request_reload()
         with self._done:
             if not self._done.wait_for(lambda: self._count >= wanted, timeout):
                 return None

@@ -178,7 +178,7 @@ class ConfigFilePoller(threading.Thread):
             if stamp != self._seen:
                 self._seen = stamp
                 log.info("%s changed: reloading", self.path)
-                self.service._reload.set()  # the main loop reloads, as on SIGHUP
+                self.service.request_reload()
 
     def on_hook(self, what: str, service: Any) -> None:
         if what == "stopping":
