@@ -5,8 +5,10 @@ client) for anything unexpected."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Mapping
+import time
+from typing import Any, Callable, Iterator, Mapping
 
 import grpc
 
@@ -32,3 +34,16 @@ def guarded(fn: Callable[[Any], Any], method: str,
             context.set_trailing_metadata((("retry-after", str(int(error.retry_after))),))
         context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), error.message)
     return call
+
+
+@contextlib.contextmanager
+def observed(metrics: Any, model: str, api: str) -> Iterator[None]:
+    """Count a call in the request metrics as REST does: the status an error maps to."""
+    started, status = time.perf_counter(), 200
+    try:
+        yield
+    except Exception as exc:
+        status = exc.http_status if isinstance(exc, ApplianceError) else 500
+        raise
+    finally:
+        metrics.observe_request(model, api, status, time.perf_counter() - started)

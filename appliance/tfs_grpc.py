@@ -19,7 +19,6 @@ appliance/tfs_protos (a private descriptor pool): no TensorFlow at run time.
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any, Callable
 
 import grpc
@@ -30,8 +29,8 @@ from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 from . import protowire as pw
 from .config import ModelConfig
 from .config import validate as validate_config
-from .errors import ApplianceError, ConfigError, InvalidArgument, NotFound, QueueFull, Unimplemented
-from .grpc_status import guarded
+from .errors import ConfigError, InvalidArgument, NotFound, QueueFull, Unimplemented
+from .grpc_status import guarded, observed
 from .rest import (CLASSIFY_METHOD, REGRESS_METHOD, _handle, _run, _signature, classification_outputs,
                    regression_values, run_examples)
 from .tfs_protos import pb
@@ -84,7 +83,7 @@ class TFServingGRPC:
     # -- PredictionService ----------------------------------------------------------------
     def predict(self, request: Any) -> Any:
         name, version, label = _spec(request.model_spec)
-        with self._observed(name, "predict"):
+        with observed(self.core.metrics, name, "predict"):
             signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
             with _handle(self.manager, name, version, label) as slot:
                 signature = _signature(slot, signature_name,
@@ -129,7 +128,7 @@ class TFServingGRPC:
 
     def _examples_task(self, spec: Any, input_msg: Any, method: str, spec_out: Any, result: Any) -> None:
         name, version, label = _spec(spec)
-        with self._observed(name, method):
+        with observed(self.core.metrics, name, method):
             signature_name = spec.signature_name or DEFAULT_SIGNATURE
             serialized = _examples(input_msg)
             served, signature, outputs = run_examples(self.manager, serialized, name, version, label,
@@ -192,23 +191,6 @@ class TFServingGRPC:
         response = pb.ReloadConfigResponse()
         response.status.error_code = pb.enum_value("tensorflow.error.Code", "OK")
         return response
-
-    def _observed(self, name: str, api: str) -> "_Observed":
-        return _Observed(self.core.metrics, name, api)
-
-
-class _Observed:
-    """Counts a request in the metrics as REST does (same API labels)."""
-
-    def __init__(self, metrics: Any, name: str, api: str):
-        self.metrics, self.name, self.api = metrics, name, api
-
-    def __enter__(self) -> None:
-        self.started = time.perf_counter()
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        status = 200 if exc is None else exc.http_status if isinstance(exc, ApplianceError) else 500
-        self.metrics.observe_request(self.name, self.api, status, time.perf_counter() - self.started)
 
 
 # -- request side ------------------------------------------------------------------------

@@ -19,15 +19,14 @@ time: only grpcio and protobuf.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Callable
 
 import grpc
 import numpy as np
 
 from . import v2_codec as codec
-from .errors import ApplianceError, InvalidArgument, NotFound
-from .grpc_status import guarded
+from .errors import InvalidArgument, NotFound
+from .grpc_status import guarded, observed
 from .v2_protos import pb
 from .v2_rest import Requested, Tensor, V2Service, _version
 
@@ -95,8 +94,7 @@ class V2GRPC:
 
     # -- inference ------------------------------------------------------------------------
     def model_infer(self, request: Any) -> Any:
-        started, status = time.perf_counter(), 200
-        try:
+        with observed(self.core.metrics, request.model_name, "v2_infer"):
             inputs = _inputs(request)
             requested = [Requested(o.name) for o in request.outputs] or None
             result = self.service.infer(request.model_name, _grpc_version(request.model_version), inputs,
@@ -107,11 +105,6 @@ class V2GRPC:
                 response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.array.shape)
                 response.raw_output_contents.append(codec.to_raw(tensor.array))
             return response
-        except Exception as exc:
-            status = exc.http_status if isinstance(exc, ApplianceError) else 500
-            raise
-        finally:
-            self.core.metrics.observe_request(request.model_name, "v2_infer", status, time.perf_counter() - started)
 
 
 def _grpc_version(text: str) -> int | None:
