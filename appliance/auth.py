@@ -68,6 +68,9 @@ class ScopeToken:
     error: str = ""
 
 
+NO_TOKEN = ScopeToken()  # a scope with nothing configured (frozen, so one is shared)
+
+
 @dataclass(frozen=True)
 class Tokens:
     scopes: dict[str, ScopeToken] = field(default_factory=dict)
@@ -189,8 +192,8 @@ def authorize(core: Any, scope: str | None, authorization_header: str | None) ->
     if scope is None:
         return Decision(True)
     tokens = tokens_for(core)
-    own = tokens.scopes.get(scope, ScopeToken())
-    admin = tokens.scopes.get(ADMIN, ScopeToken())
+    own = tokens.scopes.get(scope, NO_TOKEN)
+    admin = tokens.scopes.get(ADMIN, NO_TOKEN)
     if scope == ADMIN and not admin.digest:
         return Decision(False, 403, f"admin endpoints are off: {admin.error}" if admin.error else ADMIN_OFF)
     if own.error:  # a token is configured for this scope but unusable: closed, and why

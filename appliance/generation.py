@@ -190,6 +190,9 @@ class DecodeLoop:
         self.lane_size = min(driver.batch_size, lane_size) if driver.batch_size else lane_size
         self.packed = driver.batch_size is None  # a dynamic batch runs rows 0..n-1: keep them packed
         self.model = slot.model
+        metrics = owner.metrics  # this model's series, looked up once: the step loop runs per token
+        self._step_rows, self._ttft = metrics.step_rows.labels(self.model), metrics.ttft.labels(self.model)
+        self._tokens = metrics.tokens.labels(self.model)
         self.pending: list[Stream] = []  # guarded by owner.lock
         self.lanes: list[Lane] = []
         self.thread = threading.Thread(target=self._run, name=f"generate-{slot.model}-{slot.version}", daemon=True)
@@ -259,7 +262,7 @@ class DecodeLoop:
             streams = [lane.rows[r] for r in rows]
             logits = self.driver.decode(lane.slots, rows, [s.next_input for s in streams],  # type: ignore[union-attr]
                                         [s.position for s in streams])  # type: ignore[union-attr]
-            self.owner.metrics.step_rows.labels(self.model).observe(len(rows))
+            self._step_rows.observe(len(rows))
             for i in reversed(range(len(rows))):  # backwards: finishing may move a later row into this one
                 self._advance(lane, rows[i], streams[i], logits[i])  # type: ignore[arg-type]
         self.lanes = [lane for lane in self.lanes if lane.active()]  # an idle lane frees its cache
@@ -271,10 +274,10 @@ class DecodeLoop:
             return
         if stream.first_at is None:
             stream.first_at = time.monotonic()
-            self.owner.metrics.ttft.labels(self.model).observe(stream.first_at - stream.started)
+            self._ttft.observe(stream.first_at - stream.started)
         stream.tokens.append(token)
         stream.events.put(("token", token))
-        self.owner.metrics.tokens.labels(self.model).inc()
+        self._tokens.inc()
         stream.next_input, stream.position = token, stream.position + 1
         context = self.driver.context_length
         if len(stream.tokens) >= stream.params.max_new_tokens:

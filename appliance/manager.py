@@ -236,7 +236,9 @@ class Manager:
         """A synced channel's rollout policy (sync/follower.py records it) replaces the
         model's own [models.rollout]: the central team sets it for the whole fleet. A policy
         this device cannot take is refused once, with the reason, and the own one stays."""
-        policies = rollout_policies(self.config.state_dir) if self.config.state_dir else {}
+        if not self.config.sync.bucket:  # only the sync loop writes it: no file I/O on every poll otherwise
+            return
+        policies = rollout_policies(self.config.state_dir)
         for name, entry in entries:
             record = policies.get(name) or {}
             candidate, policy = record.get("candidate"), record.get("policy")

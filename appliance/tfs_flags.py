@@ -114,7 +114,6 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
         if not arg.startswith("-"):
             raise ValueError(f"unexpected argument {arg!r} (flags look like --name=value)")
         name, eq, value = arg.lstrip("-").partition("=")
-        name = name.replace("-", "_") if name in ("no-discovery",) else name
         if name in ("config", "state", "host"):
             if not eq:
                 if i >= len(argv):
@@ -122,8 +121,8 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
                 value, i = argv[i], i + 1
             ours[name] = value
             continue
-        if name in ("no_discovery", "version"):
-            ours[name] = True
+        if name in ("no-discovery", "no_discovery", "version"):
+            ours[name.replace("-", "_")] = True
             continue
         boolean = name in ("enable_batching", "prefer_tflite_model", "enable_model_warmup") or \
             name in IGNORED and not eq and (i >= len(argv) or argv[i].startswith("-"))
