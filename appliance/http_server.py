@@ -156,8 +156,7 @@ class _DrainingTask(WSGITask):
         """503 + Retry-After without running the app: the worker is free again in microseconds,
         so the queue drains at once and the requests it does serve keep a bounded wait."""
         self.channel.server.guard.count("shed_overload")
-        body = json.dumps({"error": f"overloaded: the request waited {waited:.1f} s for a worker, over "
-                                    f"limits.max_queue_wait_s = {limit:g}; retry later"}).encode()
+        body = _overload_error(waited, limit)
         self.status = "503 Service Unavailable"
         self.response_headers.extend([("Content-Type", "application/json"), ("Retry-After", "1")])
         self.content_length = len(body)
@@ -338,6 +337,11 @@ class _TLSChannel(_DrainingChannel):
             return 0  # retried with the same bytes when the socket is writable again
 
 
+def _overload_error(waited: float, limit: float) -> bytes:
+    return json.dumps({"error": f"overloaded: requests wait {waited:.1f} s for a worker, over "
+                                f"limits.max_queue_wait_s = {limit:g}; retry later"}).encode()
+
+
 def _timeout_response(what: str, limit: float) -> bytes:
     body = json.dumps({"error": f"request timeout: the {what} did not arrive within {limit:g} s "
                                 f"(limits.{'header' if what == 'request headers' else 'request'}_timeout_s)"}).encode()
@@ -412,36 +416,35 @@ class _Guard:
         """Overloaded (the oldest queued request already waited past ``max_queue_wait_s``):
         answer a new request 503 + Retry-After from the loop thread as soon as its headers
         are in, without reading its body or taking a worker; the connection then closes."""
+        body = self._door_error(request)
+        if body is not None:
+            self._answer(channel, b"503 Service Unavailable", body, b"Retry-After: 1\r\n")
+
+    def _door_error(self, request: Any) -> bytes | None:
+        """The 503 body when a new request is to be refused at the door (counted), else None."""
         limit = self.limits.max_queue_wait_s
         if not limit or request.path in UNSHED_PATHS:
-            return
+            return None
         waited = self.queue_wait()
         if waited <= limit * DOOR_FRACTION:
-            return
+            return None
         self.count("shed_overload")
-        body = json.dumps({"error": f"overloaded: requests wait {waited:.1f} s for a worker, over "
-                                    f"limits.max_queue_wait_s = {limit:g}; retry later"}).encode()
-        self._answer(channel, b"503 Service Unavailable", body, b"Retry-After: 1\r\n")
+        return _overload_error(waited, limit)
 
     def add_task(self, channel: Any) -> None:
         """(loop thread, the channel's requests_lock held) Queue a complete request for a
         worker, or, while overloaded, answer it 503 + Retry-After here at once: it costs no
         worker, and the connection stays open for the client's retry."""
-        limit = self.limits.max_queue_wait_s
         request = channel.requests[0] if len(channel.requests) == 1 else None
-        if limit and request is not None and request.path not in UNSHED_PATHS and not request.error:
-            waited = self.queue_wait()
-            if waited > limit * DOOR_FRACTION:
-                channel.requests.pop()
-                self.count("shed_overload")
-                body = json.dumps({"error": f"overloaded: requests wait {waited:.1f} s for a worker, over "
-                                            f"limits.max_queue_wait_s = {limit:g}; retry later"}).encode()
-                head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                        b"Retry-After: 1\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
-                with channel.outbuf_lock:
-                    channel.outbufs[-1].append(head + body)
-                    channel.total_outbufs_len += len(head) + len(body)
-                return
+        body = self._door_error(request) if request is not None and not request.error else None
+        if body is not None:
+            channel.requests.pop()
+            head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Retry-After: 1\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+            with channel.outbuf_lock:
+                channel.outbufs[-1].append(head + body)
+                channel.total_outbufs_len += len(head) + len(body)
+            return
         self.server.task_dispatcher.add_task(channel)
 
     def _cut(self, channel: Any, what: str, limit: float) -> None:
