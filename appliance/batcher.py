@@ -23,15 +23,23 @@ free (no hand-off to another thread, so a lone request pays no wake-up latency).
 it sleeps; a leader whose own request is answered hands its slot to the thread of the
 oldest queued request, which then runs everything queued as the next batch.
 
-Thread-safety: ``submit`` may be called from any thread; ``close`` is idempotent. There is
-nothing to start: requests run on their own threads.
+Callers on an event loop (the gRPC server, appliance/grpc_server.py) have no thread to
+lend: ``submit_async`` queues the request the same way and awaits it. When such a request
+is due to lead, a runner thread of this batcher (at most ``num_batch_threads``, started on
+demand) runs batches until the queue is empty, and each finished batch wakes its awaiting
+requests with one call into their loop, not one per request.
+
+Thread-safety: ``submit`` may be called from any thread, ``submit_async`` from any event
+loop; ``close`` is idempotent. There is nothing to start: requests run on their own threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -46,7 +54,7 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class _Task:
-    __slots__ = ("signature", "inputs", "rows", "wake", "done", "lead", "result", "error", "enqueued")
+    __slots__ = ("signature", "inputs", "rows", "wake", "done", "lead", "result", "error", "enqueued", "future")
 
     def __init__(self, signature: str, inputs: Mapping[str, np.ndarray], rows: int):
         self.signature, self.inputs, self.rows = signature, inputs, rows
@@ -56,6 +64,7 @@ class _Task:
         self.result: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
         self.enqueued = time.perf_counter()
+        self.future: asyncio.Future | None = None  # set for submit_async: no thread waits on ``wake``
 
 
 @dataclass
@@ -109,6 +118,7 @@ class Batcher:
         self._busy = 0  # execution slots in use (leaders running a batch)
         self._closed = False
         self._frozen = False
+        self._runners: ThreadPoolExecutor | None = None  # for requests of submit_async (no thread of their own)
         self.stats = BatchStats()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -119,6 +129,9 @@ class Batcher:
             self._closed = True
             while (self._queued_rows or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(0.05)
+            runners, self._runners = self._runners, None
+        if runners is not None:
+            runners.shutdown(wait=False)
 
     def freeze(self, frozen: bool) -> None:
         """Test hook: stop taking batches (simulates a wedged backend for the watchdog)."""
@@ -139,22 +152,45 @@ class Batcher:
     # -- request side ------------------------------------------------------------------
     def submit(self, signature: str, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run ``inputs`` as part of a batch and return this request's rows of the outputs."""
-        rows = _rows(inputs)
-        if rows is None or rows == 0:
+        tasks = self._tasks(signature, inputs)
+        if tasks is None:
             return self._direct(signature, inputs)
-        limit = self.params.max_batch_size
-        if rows > limit and not self.params.split_large_requests:
-            raise InvalidArgument(f"request has {rows} rows, more than max_batch_size {limit}")
-        tasks = [_Task(signature, {k: v[i:i + limit] for k, v in inputs.items()}, min(limit, rows - i))
-                 for i in range(0, rows, limit)]
         self._enqueue(tasks)
         for task in tasks:
             self._await(task, timeout)
-            if task.error is not None:
-                raise task.error
-        if len(tasks) == 1:
-            return tasks[0].result  # type: ignore[return-value]
-        return {k: np.concatenate([t.result[k] for t in tasks]) for k in tasks[0].result}  # type: ignore[index]
+        return _joined(tasks)
+
+    async def submit_async(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``submit`` for a caller on an event loop: the same queue and batches, awaited.
+        Cancelled while still queued (the client went away), the request leaves the queue."""
+        loop = asyncio.get_running_loop()
+        tasks = self._tasks(signature, inputs)
+        if tasks is None:
+            return await loop.run_in_executor(None, self._direct, signature, inputs)
+        for task in tasks:
+            task.future = loop.create_future()
+        self._enqueue(tasks, start=True)
+        try:
+            for task in tasks:
+                await task.future  # type: ignore[misc]
+        except asyncio.CancelledError:
+            with self._cond:
+                for task in tasks:
+                    if not task.done:
+                        self._unqueue(task)
+            raise
+        return _joined(tasks)
+
+    def _tasks(self, signature: str, inputs: Mapping[str, np.ndarray]) -> list[_Task] | None:
+        """The request as tasks of at most max_batch_size rows; None: it cannot be batched."""
+        rows = _rows(inputs)
+        if rows is None or rows == 0:
+            return None
+        limit = self.params.max_batch_size
+        if rows > limit and not self.params.split_large_requests:
+            raise InvalidArgument(f"request has {rows} rows, more than max_batch_size {limit}")
+        return [_Task(signature, {k: v[i:i + limit] for k, v in inputs.items()}, min(limit, rows - i))
+                for i in range(0, rows, limit)]
 
     def _direct(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -167,7 +203,9 @@ class Batcher:
         return (task.signature,) + tuple(
             (k, v.dtype.str, v.ndim if pad else v.shape[1:]) for k, v in sorted(task.inputs.items()))
 
-    def _enqueue(self, tasks: list[_Task]) -> None:
+    def _enqueue(self, tasks: list[_Task], start: bool = False) -> None:
+        """Queue ``tasks`` (or refuse them whole); ``start``: hand free slots out at once (the
+        tasks have no thread that could lead on its own)."""
         rows = sum(t.rows for t in tasks)
         capacity = self.params.max_enqueued_batches * self.params.max_batch_size
         with self._cond:
@@ -180,6 +218,8 @@ class Batcher:
             for task in tasks:
                 self._queues.setdefault(self._group(task), collections.deque()).append(task)
             self._queued_rows += rows
+            if start:
+                self._hand_over()
 
     # -- execution (leader/follower) ------------------------------------------------------
     def _await(self, task: _Task, timeout: float | None) -> None:
@@ -220,8 +260,22 @@ class Batcher:
         if own.lead:
             self._lead(own)
 
+    def _run_queued(self, own: _Task) -> None:
+        """A runner thread leading for ``own`` (a submit_async task): batches until none is queued."""
+        while True:
+            with self._cond:
+                if self._frozen or not any(self._queues.values()):
+                    own.lead = False
+                    self._busy -= 1
+                    self._hand_over()
+                    return
+                batch = self._pop_batch()
+            self._execute(batch)
+            self.stats.last_progress = time.monotonic()
+
     def _hand_over(self) -> None:
-        """Under the lock: give free slots to the threads of the oldest queued tasks."""
+        """Under the lock: give free slots to the threads of the oldest queued tasks (a runner
+        thread for a task that has none)."""
         while not self._frozen and self._busy < self._threads_wanted:
             waiting = [t for q in self._queues.values() for t in q if not t.lead]
             if not waiting:
@@ -229,7 +283,12 @@ class Batcher:
             task = min(waiting, key=lambda t: t.enqueued)
             task.lead = True
             self._busy += 1
-            task.wake.set()
+            if task.future is None:
+                task.wake.set()
+                continue
+            if self._runners is None:
+                self._runners = ThreadPoolExecutor(self._threads_wanted, thread_name_prefix=f"batch-{self.name}")
+            self._runners.submit(self._run_queued, task)
         if self._closed and not self._queued_rows and not self._busy:
             self._cond.notify_all()
 
@@ -330,11 +389,35 @@ class Batcher:
         self._finish(batch)
 
     def _finish(self, batch: list[_Task]) -> None:
-        """Mark answered under the lock, so a leader clearing its wake-up cannot miss it."""
+        """Mark answered under the lock, so a leader clearing its wake-up cannot miss it; then
+        wake the batch's awaiting (submit_async) requests with one call into their loop."""
         with self._cond:
             for task in batch:
                 task.done = True
                 task.wake.set()
+        awaiting = [t.future for t in batch if t.future is not None]
+        if awaiting:
+            loop = awaiting[0].get_loop()
+            try:
+                loop.call_soon_threadsafe(_resolve, awaiting)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+
+def _resolve(futures: list[asyncio.Future]) -> None:
+    for future in futures:
+        if not future.done():  # a cancelled waiter is gone
+            future.set_result(None)
+
+
+def _joined(tasks: list[_Task]) -> dict[str, np.ndarray]:
+    """The request's outputs from its answered tasks (the first error, if any, raised)."""
+    for task in tasks:
+        if task.error is not None:
+            raise task.error
+    if len(tasks) == 1:
+        return tasks[0].result  # type: ignore[return-value]
+    return {k: np.concatenate([t.result[k] for t in tasks]) for k in tasks[0].result}  # type: ignore[index]
 
 
 def _pad_trailing(parts: list[np.ndarray]) -> list[np.ndarray]:

@@ -317,3 +317,95 @@ def test_real_litert_servable_under_concurrency(models_dir: Path, batcher_factor
     finally:
         batcher.close()
         servable.close()
+
+
+# -- submit_async: callers on an event loop (the gRPC server) ---------------------------------
+class LoopThread:
+    """An event loop in its own thread, as appliance/grpc_server.py runs one."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.asyncio = asyncio
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Any) -> Any:
+        return self.asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(WAIT)
+        self.loop.close()
+
+
+@pytest.fixture
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def test_async_and_thread_requests_share_a_batch_and_get_their_own_rows(batcher_factory, loop_thread) -> None:
+    backend = Gated()
+    batcher = batcher_factory(backend)
+    first = hold_first_batch(batcher, backend)
+    awaited = [loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(i, n=2)})) for i in range(5)]
+    threaded = [Client(batcher, rows(10 + i)) for i in range(3)]
+    wait_queued(batcher, 5 * 2 + 3)
+    backend.open()
+    for i, future in enumerate(awaited):
+        np.testing.assert_allclose(future.result(WAIT)["y"], 2 * rows(i, n=2) + 1)
+    for i, client in enumerate(threaded):
+        np.testing.assert_allclose(client.outcome()["y"], 2 * rows(10 + i) + 1)
+    first.outcome()
+    assert [b.shape[0] for b in backend.batches] == [1, 13]  # one batch for all eight waiting requests
+
+
+def test_async_requests_alone_are_run_by_the_batchers_own_threads(batcher_factory, loop_thread) -> None:
+    backend = Gated()
+    backend.open()
+    batcher = batcher_factory(backend, threads=2, max_batch_size=4)
+    futures = [loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(i, n=3)})) for i in range(20)]
+    for i, future in enumerate(futures):
+        np.testing.assert_allclose(future.result(WAIT)["y"], 2 * rows(i, n=3) + 1)
+    big = loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(0, n=10)}))  # split in 3 tasks
+    np.testing.assert_allclose(big.result(WAIT)["y"], 2 * rows(0, n=10) + 1)
+    assert max(b.shape[0] for b in backend.batches) <= 4
+
+
+def test_async_errors_and_a_full_queue_reach_the_caller(batcher_factory, loop_thread) -> None:
+    backend = Gated(fail_when=lambda x: bool((x < 0).any()))
+    batcher = batcher_factory(backend, max_batch_size=2, max_enqueued_batches=2)
+    first = hold_first_batch(batcher, backend)
+    bad = loop_thread.submit(batcher.submit_async("serving_default", {"x": -rows(1)}))
+    good = loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(2)}))
+    wait_queued(batcher, 2)
+    with pytest.raises(QueueFull):  # 2 queued + 3 > 2 batches of 2 rows
+        loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(3, n=3)})).result(WAIT)
+    backend.open()
+    with pytest.raises(InvalidArgument):
+        bad.result(WAIT)
+    np.testing.assert_allclose(good.result(WAIT)["y"], 2 * rows(2) + 1)  # the bad member failed alone
+    first.outcome()
+
+
+def test_a_cancelled_async_request_leaves_the_queue(batcher_factory, loop_thread) -> None:
+    backend = Gated()
+    batcher = batcher_factory(backend)
+    first = hold_first_batch(batcher, backend)
+    gone = loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(1, n=5)}))
+    kept = loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(2)}))
+    wait_queued(batcher, 6)
+    gone.cancel()  # what the gRPC server does when the client goes away
+    wait_until = threading.Event()
+    for _ in range(WAIT * 100):
+        if batcher.snapshot()["queue_depth_rows"] == 1:
+            break
+        wait_until.wait(0.01)
+    assert batcher.snapshot()["queue_depth_rows"] == 1
+    backend.open()
+    np.testing.assert_allclose(kept.result(WAIT)["y"], 2 * rows(2) + 1)
+    first.outcome()
+    assert [b.shape[0] for b in backend.batches] == [1, 1]  # the cancelled rows never ran
