@@ -290,22 +290,23 @@ def grpc_scope(method: str) -> str | None:
 
 
 def grpc_interceptor(core: Any) -> Any:
-    """A ``grpc.ServerInterceptor`` applying ``authorize`` to each call's ``authorization``
-    metadata: UNAUTHENTICATED for a missing or wrong token, PERMISSION_DENIED for admin
-    methods while admin is off, UNAVAILABLE when the scope's token file cannot be read."""
+    """A ``grpc.aio.ServerInterceptor`` (the gRPC port is a grpc.aio server) applying
+    ``authorize`` to each call's ``authorization`` metadata: UNAUTHENTICATED for a missing
+    or wrong token, PERMISSION_DENIED for admin methods while admin is off, UNAVAILABLE
+    when the scope's token file cannot be read."""
     import grpc  # only where gRPC is served
 
     codes = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED,
              503: grpc.StatusCode.UNAVAILABLE}
 
-    class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-        def intercept_service(self, continuation: Any, details: Any) -> Any:
+    class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+        async def intercept_service(self, continuation: Any, details: Any) -> Any:
             scope = grpc_scope(details.method)
             header = next((v for k, v in (details.invocation_metadata or ()) if k == "authorization"), None)
             if isinstance(header, bytes):
                 header = header.decode("latin-1")
             decision = authorize(core, scope, header)
-            handler = continuation(details)
+            handler = await continuation(details)
             if decision.allowed or handler is None:
                 return handler
             return _denying_handler(grpc, handler, codes[decision.status], decision.message)

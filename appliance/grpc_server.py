@@ -1,21 +1,30 @@
 """The service's gRPC port: TF Serving's PredictionService and ModelService
 (appliance/tfs_grpc.py) and the KServe v2 GRPCInferenceService (appliance/v2_grpc.py).
 
-``attach(service)`` (before the HTTP server serves) starts one ``grpc.server`` on
-``[grpc] port`` (TF Serving's 8500; 0: none) and/or the Unix socket ``[grpc]
-socket_path`` (as ``--grpc_socket_path``), with ``max_message_bytes`` both ways (gRPC's 4
-MB default is what TF Serving users hit first). The token check of appliance/auth.py runs
-as an interceptor. The server stops, after in-flight calls finish (bounded by
-``server.drain_timeout_s``), on the service's "stopping" hook. Same process, same manager,
-same batchers as REST.
+``attach(service)`` (before the HTTP server serves) starts one server on ``[grpc] port``
+(TF Serving's 8500; 0: none) and/or the Unix socket ``[grpc] socket_path`` (as
+``--grpc_socket_path``), with ``max_message_bytes`` both ways (gRPC's 4 MB default is what
+TF Serving users hit first). The token check of appliance/auth.py runs as an interceptor.
+The server stops, after in-flight calls finish (bounded by ``server.drain_timeout_s``), on
+the service's "stopping" hook. Same process, same manager, same batchers as REST.
+
+Why grpc.aio and not ``grpc.server``: the threaded server hands every call between its
+polling thread and a pool thread several times, and each hand-off is a GIL switch; on a
+small device that cost more CPU per call than the whole REST path. On the aio server a
+call's Python work (decode, queue, encode) runs on one event loop; Predict awaits its batch
+(appliance/batcher.py ``submit_async``), and one wake-up answers the whole batch. Methods
+written as plain functions (metadata, status, reload, Classify/Regress) run on a thread pool
+of ``server.threads``, as gRPC's aio server does for them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Coroutine, Sequence
 
 import grpc
 
@@ -34,6 +43,51 @@ def attach(service: Any) -> "GRPCServer | None":
     return server
 
 
+class AioServer:
+    """A ``grpc.aio`` server on an event loop of its own thread, driven from plain threads
+    with the calls of ``grpc.Server`` (add handlers and ports, start, stop)."""
+
+    def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()):
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(self._pool)  # requests that run alone (not batched) run here
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
+        self._thread.start()
+
+        async def make() -> Any:  # the server binds to the loop it is created on
+            return grpc.aio.server(migration_thread_pool=self._pool, options=list(options),
+                                   interceptors=list(interceptors))
+        self.server = self._run(make())
+
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self.server.add_generic_rpc_handlers(handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        async def add() -> int:
+            return self.server.add_insecure_port(address)
+        return self._run(add())
+
+    def start(self) -> None:
+        self._run(self.server.start())
+
+    def stop(self, grace: float | None) -> None:
+        """Stop taking calls, let in-flight ones finish for up to ``grace`` seconds, then
+        close the loop and its threads."""
+        if self.loop.is_closed():
+            return
+        try:
+            self._run(self.server.stop(grace), (grace or 0) + 5)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+            if not self._thread.is_alive():
+                self.loop.close()
+            self._pool.shutdown(wait=False)
+
+
 class GRPCServer:
     def __init__(self, service: Any):
         self.service = service
@@ -49,16 +103,24 @@ class GRPCServer:
             pass
         else:
             interceptors.append(grpc_interceptor(self.core))
-        # As many handler threads as HTTP workers: each waits on a batch like an HTTP worker does.
-        self._pool = ThreadPoolExecutor(max_workers=service.config.server.threads, thread_name_prefix="grpc")
-        self.server = grpc.server(self._pool, options=options, interceptors=interceptors)
+        # As many pool threads as HTTP workers: a method run there waits on a batch like an HTTP worker.
+        self.server = AioServer(service.config.server.threads, options, interceptors)
         tfs_grpc.add_to_server(self.server, self.core)
         v2_grpc.add_to_server(self.server, self.core)
         self.addresses: list[str] = []
-        host = service.config.server.host or "0.0.0.0"
+        try:
+            self._listen(service.config.server.host or "0.0.0.0", cfg)
+        except BaseException:
+            self.server.stop(None)  # no loop thread left behind by a port that failed
+            raise
+
+    def _listen(self, host: str, cfg: Any) -> None:
         if cfg.port:
             address = f"[{host}]:{cfg.port}" if ":" in host else f"{host}:{cfg.port}"
-            bound = self.server.add_insecure_port(address)
+            try:
+                bound = self.server.add_insecure_port(address)
+            except RuntimeError as exc:
+                raise OSError(f"cannot listen for gRPC on {address}: {exc}") from exc
             if not bound:
                 raise OSError(f"cannot listen for gRPC on {address}")
             self.addresses.append(address.rsplit(":", 1)[0] + f":{bound}")
@@ -81,5 +143,4 @@ class GRPCServer:
             self.stop(service.config.server.drain_timeout_s)
 
     def stop(self, grace: float) -> None:
-        self.server.stop(grace).wait(grace + 1)
-        self._pool.shutdown(wait=False)
+        self.server.stop(grace)

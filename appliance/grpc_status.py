@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Awaitable, Callable, Iterator, Mapping
 
 import grpc
 
@@ -24,16 +24,35 @@ def guarded(fn: Callable[[Any], Any], method: str,
     def call(request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(request)
-        except ApplianceError as exc:
-            error = exc
         except Exception as exc:
-            log.exception("unhandled error in %s", method)
-            error = ApplianceError(f"internal error: {type(exc).__name__}")
-        code = next((c for kind, c in (codes or {}).items() if isinstance(error, kind)), error.grpc_code)
-        if error.retry_after:
-            context.set_trailing_metadata((("retry-after", str(int(error.retry_after))),))
-        context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), error.message)
+            code, message = _status(exc, method, codes, context)
+        context.abort(code, message)
     return call
+
+
+def guarded_async(fn: Callable[[Any], Awaitable[Any]], method: str,
+                  codes: Mapping[type, str] | None = None) -> Callable[[Any, Any], Awaitable[Any]]:
+    """``guarded`` for a coroutine method, served on the event loop of the grpc.aio server."""
+    async def call(request: Any, context: Any) -> Any:
+        try:
+            return await fn(request)
+        except Exception as exc:
+            code, message = _status(exc, method, codes, context)
+        await context.abort(code, message)
+    return call
+
+
+def _status(exc: Exception, method: str, codes: Mapping[type, str] | None, context: Any) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for ``exc`` (its retry-after put in the trailing metadata)."""
+    if isinstance(exc, ApplianceError):
+        error = exc
+    else:
+        log.exception("unhandled error in %s", method, exc_info=exc)
+        error = ApplianceError(f"internal error: {type(exc).__name__}")
+    code = next((c for kind, c in (codes or {}).items() if isinstance(error, kind)), error.grpc_code)
+    if error.retry_after:
+        context.set_trailing_metadata((("retry-after", str(int(error.retry_after))),))
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), error.message
 
 
 @contextlib.contextmanager

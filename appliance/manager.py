@@ -14,6 +14,7 @@ Thread-safety: every public method may be called from any thread.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -624,6 +625,19 @@ def run_signature(slot: VersionSlot, signature: str, inputs: Mapping[str, np.nda
     """Through the batcher when batching is on (and ``batch``), else straight to the servable."""
     if batch and slot.batcher is not None:
         return slot.batcher.submit(signature, inputs)
+    return _run_alone(slot, signature, inputs)
+
+
+async def run_signature_async(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray],
+                              batch: bool = True) -> dict[str, np.ndarray]:
+    """``run_signature`` for a caller on an event loop: the batch is awaited; a request that
+    runs alone runs on the loop's executor, never on the loop."""
+    if batch and slot.batcher is not None:
+        return await slot.batcher.submit_async(signature, inputs)
+    return await asyncio.get_running_loop().run_in_executor(None, _run_alone, slot, signature, inputs)
+
+
+def _run_alone(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     assert slot.servable is not None
     try:
         return slot.servable.run(signature, inputs)

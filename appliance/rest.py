@@ -203,13 +203,17 @@ def _signature(slot: VersionSlot, name: str, missing: str) -> SignatureInfo:
 
 
 def _run(slot: VersionSlot, signature: SignatureInfo, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return run_signature(slot, signature.name, inputs, batch=_batchable(slot, signature, inputs))
+
+
+def _batchable(slot: VersionSlot, signature: SignatureInfo, inputs: dict[str, np.ndarray]) -> bool:
     """Inputs that fit the declared shapes join a batch. Others run alone: TensorFlow, like
     TF Serving, is the judge there (an Identity such as half_plus_two's ``x`` takes any
     shape); LiteRT's shapes are real, so a mismatch is refused here with the reason."""
     problems = [p for k, arr in inputs.items() if (p := tfs_json.shape_error(arr, signature.inputs[k], f"input {k!r}"))]
     if problems and getattr(slot.servable, "backend", "") == "tflite":
         raise InvalidArgument(problems[0])
-    return run_signature(slot, signature.name, inputs, batch=not problems)
+    return not problems
 
 
 def _examples(body: dict[str, Any], method: str, limits: Any) -> np.ndarray:

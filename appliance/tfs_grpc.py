@@ -19,6 +19,7 @@ appliance/tfs_protos (a private descriptor pool): no TensorFlow at run time.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Callable
 
 import grpc
@@ -30,8 +31,9 @@ from . import protowire as pw
 from .config import ModelConfig
 from .config import validate as validate_config
 from .errors import ConfigError, InvalidArgument, NotFound, QueueFull, Unimplemented
-from .grpc_status import guarded, observed
-from .rest import (CLASSIFY_METHOD, REGRESS_METHOD, _handle, _run, _signature, classification_outputs,
+from .grpc_status import guarded, guarded_async, observed
+from .manager import run_signature_async
+from .rest import (CLASSIFY_METHOD, REGRESS_METHOD, _batchable, _handle, _signature, classification_outputs,
                    regression_values, run_examples)
 from .tfs_protos import pb
 
@@ -57,9 +59,12 @@ class TFServingGRPC:
         self.core = core
 
     def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
+        """Predict is a coroutine, served on the grpc.aio server's loop (the hot path: no thread
+        per call); the other methods are plain functions the server runs on its thread pool."""
         def table(methods: dict[str, tuple[Any, Any, Callable[[Any], Any]]]) -> dict[str, Any]:
             return {name: grpc.unary_unary_rpc_method_handler(
-                guarded(fn, name, TFS_CODES), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+                (guarded_async if inspect.iscoroutinefunction(fn) else guarded)(fn, name, TFS_CODES),
+                request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
                 for name, (req, resp, fn) in methods.items()}
 
         prediction = table({
@@ -81,7 +86,7 @@ class TFServingGRPC:
         return self.core.manager
 
     # -- PredictionService ----------------------------------------------------------------
-    def predict(self, request: Any) -> Any:
+    async def predict(self, request: Any) -> Any:
         name, version, label = _spec(request.model_spec)
         with observed(self.core.metrics, name, "predict"):
             signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
@@ -90,7 +95,8 @@ class TFServingGRPC:
                                        f'Serving signature name: "{signature_name}" not found in signature def')
                 inputs = _inputs(request.inputs, signature)
                 wanted = _output_filter(request.output_filter, signature)
-                outputs = _run(slot, signature, inputs)
+                outputs = await run_signature_async(slot, signature.name, inputs,
+                                                    batch=_batchable(slot, signature, inputs))
                 served = slot.version
             response = pb.PredictResponse()
             _echo_spec(response.model_spec, name, served, signature_name)

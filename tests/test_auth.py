@@ -227,7 +227,8 @@ def test_bad_security_config_names_the_key(tmp_path: Path, toml: str, key: str) 
 # -- gRPC ------------------------------------------------------------------------------------
 def test_grpc_interceptor_applies_the_tokens() -> None:
     import grpc
-    from concurrent import futures
+
+    from appliance.grpc_server import AioServer
 
     core = fake_core(inference_token=INFER)
     echo = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok:" + req)
@@ -235,7 +236,7 @@ def test_grpc_interceptor_applies_the_tokens() -> None:
     health = grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": echo})
     admin = grpc.method_handlers_generic_handler("tensorflow.serving.ModelService",
                                                  {"HandleReloadConfigRequest": echo})
-    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[auth.grpc_interceptor(core)])
+    server = AioServer(2, interceptors=[auth.grpc_interceptor(core)])  # the service's kind of gRPC server
     server.add_generic_rpc_handlers((handlers, health, admin))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -258,7 +259,7 @@ def test_grpc_interceptor_applies_the_tokens() -> None:
             code, details = call("/tensorflow.serving.ModelService/HandleReloadConfigRequest", INFER)
             assert code == grpc.StatusCode.PERMISSION_DENIED and "admin endpoints are off" in details
     finally:
-        server.stop(None).wait(5)
+        server.stop(None)
 
 
 # -- rollback through the API (fleet sync from a folder bucket) ------------------------------
