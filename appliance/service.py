@@ -164,6 +164,7 @@ def url_for(config: Config, port: int) -> str:
 def main(config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None) -> int:
     logs.setup(config.log_level)
     memory.limit_arenas()  # before any thread: see appliance/memory.py
+    memory.tune_gc()  # after the imports of start-up: see appliance/memory.py
     service = Service(config, config_path, overrides)
     service.install_signals()
     try:
