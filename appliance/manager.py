@@ -15,6 +15,7 @@ Thread-safety: every public method may be called from any thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -59,7 +60,13 @@ class VersionSlot:
     load_ms: float = 0.0
     warmup_ms: float = 0.0
     available_since: float = 0.0
-    refs: int = 0
+    # Requests holding this version: one entry each. deque.append/pop are atomic under the
+    # GIL, so a request counts itself in and out without the manager's lock (Manager.handle).
+    inflight: collections.deque = field(default_factory=collections.deque, repr=False)
+
+    @property
+    def refs(self) -> int:
+        return len(self.inflight)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -70,7 +77,7 @@ class VersionSlot:
             "load_ms": round(self.load_ms, 1),
             "warmup_ms": round(self.warmup_ms, 1),
             "available_since": self.available_since or None,
-            "in_flight": self.refs,
+            "in_flight": len(self.inflight),
             "decision": self.decision,
             "batching": self.batcher.snapshot() if self.batcher else None,
         }
@@ -145,6 +152,9 @@ class Manager:
         self._models: dict[str, ModelEntry] = {}
         self._lock = threading.RLock()
         self._drained = threading.Condition(self._lock)
+        # (name, version, label) -> the slot ``handle`` chose, for requests that take no lock.
+        # Replaced by an empty dict (under the lock) whenever what it chose from changes.
+        self._picks: dict[tuple[str, int | None, str | None], VersionSlot] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -174,6 +184,7 @@ class Manager:
                 else:
                     self._models[name] = ModelEntry(cfg)
             gone = {n: self._models.pop(n) for n in removed}
+            self._picks = {}
         for name, entry in gone.items():
             for slot in list(entry.versions.values()):
                 self._begin_unload(slot, f"model {name} removed from the configuration")
@@ -297,6 +308,7 @@ class Manager:
         """With a rollout mode, a newer version becomes the candidate beside the serving one
         instead of replacing it; without one, the serving version follows the policy."""
         with self._lock:
+            self._picks = {}  # the serving pin may move below
             live = {v for v, s in entry.versions.items() if s.state == State.AVAILABLE}
             if entry.serving not in live:
                 entry.serving = max(live, default=None)
@@ -329,6 +341,7 @@ class Manager:
                 raise InvalidArgument(f"{name} version {version} is not an available rollout candidate")
             old = entry.versions.get(entry.serving) if entry.serving is not None else None
             entry.serving, entry.candidate = version, None
+            self._picks = {}
         if old is not None and old.version != version:
             self._begin_unload(old, f"version {version} promoted")
         self.poll_now()
@@ -357,6 +370,7 @@ class Manager:
     def _transition(self, slot: VersionSlot, state: State, message: str, kind: str, **detail: Any) -> None:
         with self._lock:
             slot.state = state
+            self._picks = {}
         self.db.event(kind, message, model=slot.model, version=slot.version, state=state.value, **detail)
 
     # -- loading -----------------------------------------------------------------------
@@ -483,7 +497,7 @@ class Manager:
         deadline = time.monotonic() + timeout
         with self._lock:
             while slot.refs > 0 and time.monotonic() < deadline:
-                self._drained.wait(deadline - time.monotonic())
+                self._drained.wait(min(0.1, deadline - time.monotonic()))  # the count drops without the lock
             left = slot.refs
         if slot.batcher is not None:
             slot.batcher.close()
@@ -496,7 +510,22 @@ class Manager:
 
     # -- request side ------------------------------------------------------------------
     def handle(self, name: str, version: int | None = None, label: str | None = None) -> Handle:
-        """A handle on the requested version (latest AVAILABLE when none is named)."""
+        """A handle on the requested version (latest AVAILABLE when none is named).
+
+        The request path takes no lock while nothing changed since the same request was
+        last answered: dozens of HTTP workers taking one lock twice per request queued on
+        it under the GIL (a convoy: most of their time under overload). A request counts
+        itself in first and checks the state after, so an unload that starts meanwhile
+        (state first, then waiting for the count to reach zero) always waits for it."""
+        slot = self._picks.get((name, version, label))
+        if slot is not None:
+            slot.inflight.append(None)
+            if slot.state == State.AVAILABLE:
+                return Handle(self, slot)
+            self._release(slot)
+        return self._handle_locked(name, version, label)
+
+    def _handle_locked(self, name: str, version: int | None, label: str | None) -> Handle:
         with self._lock:
             entry = self._models.get(name)
             if entry is None:
@@ -522,13 +551,14 @@ class Manager:
                     if slot is not None and slot.state in (State.START, State.LOADING):
                         raise Unavailable(f"{name} version {version} is still loading", retry_after=1)
                     raise NotFound(f"Servable not found for request: {_request_text(name, version, label)}")
-            slot.refs += 1
+            slot.inflight.append(None)
+            self._picks[(name, version, label)] = slot
         return Handle(self, slot)
 
     def _release(self, slot: VersionSlot) -> None:
-        with self._lock:
-            slot.refs -= 1
-            if slot.refs == 0 and slot.state == State.UNLOADING:
+        slot.inflight.pop()
+        if not slot.inflight and slot.state == State.UNLOADING:
+            with self._lock:
                 self._drained.notify_all()
 
     @staticmethod

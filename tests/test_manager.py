@@ -302,3 +302,42 @@ def test_more_than_1000_warmup_records_fail_the_load(warmup: Any) -> None:
     """TF Serving: 'Number of warmup records exceeds the maximum (1000)' fails the load."""
     _, _, outcome = warmup
     assert failed_load(outcome["too_many"]), outcome["too_many"]
+
+
+def test_a_version_unloads_only_after_the_requests_holding_it_let_go(models_dir: Path, tmp_path: Path) -> None:
+    """Manager.handle takes no lock once a request was answered before (the pick is cached):
+    an unload that starts while requests hold the version still waits for every one of them,
+    and requests after it never get the unloading version."""
+    from appliance.app import Appliance
+    from appliance.config import load as load_config
+    from appliance.errors import ApplianceError
+    from tests.conftest import poll_until
+
+    base = tmp_path / "models"
+    shutil.copytree(models_dir / "keras_mlp_tflite", base / "keras_mlp_tflite")
+    config = load_config(None, {"models_dir": str(base), "state_dir": str(tmp_path / "state"),
+                                "discovery.enabled": False, "poll_interval_s": 60.0})
+    appliance = Appliance(config).start()
+    try:
+        manager = appliance.manager
+        assert manager is not None
+        poll_until(manager.ready, timeout=120, what="the model loaded")
+        with manager.handle("keras_mlp_tflite"):
+            pass  # the pick is now cached: what follows takes the lock-free path
+        held = [manager.handle("keras_mlp_tflite") for _ in range(3)]
+        slot = held[0].slot
+        assert all(h.slot is slot for h in held) and slot.refs == 3
+        unloading = threading.Thread(target=manager._begin_unload, args=(slot, "test", False))
+        unloading.start()
+        poll_until(lambda: slot.state.value == "UNLOADING", timeout=10, what="the unload to begin")
+        with pytest.raises(ApplianceError):  # the cached pick is gone with the state change
+            manager.handle("keras_mlp_tflite")
+        for h in held[:2]:
+            h.__exit__(None, None, None)
+        unloading.join(0.5)
+        assert unloading.is_alive() and slot.servable is not None  # one request still holds it
+        held[2].__exit__(None, None, None)
+        unloading.join(30)
+        assert not unloading.is_alive() and slot.servable is None and slot.refs == 0
+    finally:
+        appliance.close()
