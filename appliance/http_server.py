@@ -69,13 +69,15 @@ from waitress.task import ErrorTask, WSGITask
 
 from .config import LimitsConfig, SecurityConfig
 from .errors import ConfigError
+from .queue_delay import SHORT_FRACTION, QueueDelay
 
 log = logging.getLogger("appliance.http")
 
 IDLE_GRACE_S = 1.0  # during a drain, how long an idle keep-alive connection may stay open
 RECV_BYTES = 256 * 1024
 # A new request joins the back of the queue and will wait about as long as its head has:
-# once that is past this fraction of limits.max_queue_wait_s, new requests are refused at
+# once that is past this fraction of the wait allowed (limits.max_queue_wait_s, or a tenth
+# of it while the queue stands: appliance/queue_delay.py), new requests are refused at
 # the door (fast, no worker), so the ones admitted stay within the limit; a request that
 # still waits past the whole limit is shed by the worker that picks it up.
 DOOR_FRACTION = 0.5
@@ -143,20 +145,22 @@ class _DrainingTask(WSGITask):
     that sheds its request when it waited too long for a worker (overload)."""
 
     def execute(self) -> None:
-        limit = getattr(self.channel.server, "max_queue_wait_s", 0.0)
+        delay = getattr(self.channel.server, "queue_delay", None)
         done = getattr(self.request, "completed_at", None)
-        if limit and done is not None and self.request.path not in UNSHED_PATHS:
-            waited = time.monotonic() - done
-            if waited > limit:
-                self._shed(waited, limit)
+        if delay is not None and done is not None and self.request.path not in UNSHED_PATHS:
+            now = time.monotonic()
+            waited = now - done
+            delay.observe(waited, now)
+            if waited > delay.allowed(now):
+                self._shed(waited, delay)
                 return
         super().execute()
 
-    def _shed(self, waited: float, limit: float) -> None:
+    def _shed(self, waited: float, delay: QueueDelay) -> None:
         """503 + Retry-After without running the app: the worker is free again in microseconds,
         so the queue drains at once and the requests it does serve keep a bounded wait."""
         self.channel.server.guard.count("shed_overload")
-        body = _overload_error(waited, limit)
+        body = _overload_error(waited, delay)
         self.status = "503 Service Unavailable"
         self.response_headers.extend([("Content-Type", "application/json"), ("Retry-After", "1")])
         self.content_length = len(body)
@@ -337,9 +341,14 @@ class _TLSChannel(_DrainingChannel):
             return 0  # retried with the same bytes when the socket is writable again
 
 
-def _overload_error(waited: float, limit: float) -> bytes:
-    return json.dumps({"error": f"overloaded: requests wait {waited:.1f} s for a worker, over "
-                                f"limits.max_queue_wait_s = {limit:g}; retry later"}).encode()
+def _overload_error(waited: float, delay: QueueDelay) -> bytes:
+    if delay.standing:
+        why = (f"the queue has been standing, so a request may wait {delay.short:g} s "
+               f"({SHORT_FRACTION:g} x limits.max_queue_wait_s = {delay.limit:g})")
+    else:
+        why = f"over limits.max_queue_wait_s = {delay.limit:g}"
+    return json.dumps({"error": f"overloaded: requests wait {waited:.1f} s for a worker, {why}; "
+                                "retry later"}).encode()
 
 
 def _timeout_response(what: str, limit: float) -> bytes:
@@ -376,6 +385,8 @@ class _Guard:
         queued = len(self.server.task_dispatcher.queue)  # complete requests waiting for a worker
         self.stats["queued"] = queued
         self.stats["peak_queued"] = max(queued, self.stats.get("peak_queued", 0))
+        delay = self.server.queue_delay
+        self.stats["queue_standing"] = bool(delay is not None and delay.allowed(mono) < delay.limit)
         for channel in channels:
             self._check(channel, mono)
 
@@ -422,14 +433,14 @@ class _Guard:
 
     def _door_error(self, request: Any) -> bytes | None:
         """The 503 body when a new request is to be refused at the door (counted), else None."""
-        limit = self.limits.max_queue_wait_s
-        if not limit or request.path in UNSHED_PATHS:
+        delay = self.server.queue_delay
+        if delay is None or request.path in UNSHED_PATHS:
             return None
         waited = self.queue_wait()
-        if waited <= limit * DOOR_FRACTION:
+        if waited <= delay.allowed(time.monotonic()) * DOOR_FRACTION:
             return None
         self.count("shed_overload")
-        return _overload_error(waited, limit)
+        return _overload_error(waited, delay)
 
     def add_task(self, channel: Any) -> None:
         """(loop thread, the channel's requests_lock held) Queue a complete request for a
@@ -554,7 +565,8 @@ class HTTPServer:
         self._server.channel_class = _TLSChannel if context else _DrainingChannel
         self._server.ssl_context = context
         self._server.draining = False  # read by _DrainingTask
-        self._server.max_queue_wait_s = limits.max_queue_wait_s  # read by _DrainingTask
+        # read by _DrainingTask and the door; None: never shed (limits.max_queue_wait_s = 0)
+        self._server.queue_delay = QueueDelay(limits.max_queue_wait_s) if limits.max_queue_wait_s else None
         self.guard = self._server.guard = _Guard(self._server, limits, context is not None)
         self._server.maintenance = self.guard.maintenance  # type: ignore[method-assign]
         self._server.add_task = self.guard.add_task  # type: ignore[method-assign]
