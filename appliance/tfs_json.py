@@ -207,7 +207,9 @@ def to_array(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
     try:
         if spec.is_string:
             arr = np.array(_strings(value, where), dtype=object)
-            if arr.dtype != object or (arr.ndim and arr.size and not isinstance(arr.flat[0], bytes)):
+            # every element, not just the first: ["", [""]] is ragged too (numpy makes it an
+            # object array holding a list, which no backend takes)
+            if arr.dtype != object or (arr.ndim and not all(isinstance(v, bytes) for v in arr.flat)):
                 raise ValueError("inhomogeneous string tensor")
         else:
             if _contains_b64(value):

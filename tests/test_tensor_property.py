@@ -122,3 +122,13 @@ def test_json_to_tensor_and_back_or_a_400_naming_the_problem(dtype: Any, shape: 
     problem = tfs_json.shape_error(arr, sig.inputs["x"], "input 'x'")
     assert problem is None or "input 'x'" in problem
     assert same(back(tfs_json.encode_predict({"y": arr}, row_format), want), arr)
+
+
+@pytest.mark.parametrize("instances", [["", [""]], [["a"], "b"], [[""], [[""]]]], ids=str)
+def test_ragged_string_tensors_are_refused_whatever_their_first_element(instances: list[Any]) -> None:
+    """Found by the property above: a string tensor whose first element is fine but a later
+    one is a list became an object array holding a list, and encoding it failed (500)."""
+    raw = json.dumps({"instances": instances}).encode()
+    with pytest.raises(InvalidArgument) as err:
+        tfs_json.decode_predict(tfs_json.loads(raw), signature(object, None), raw)
+    assert err.value.http_status == 400 and "ragged" in err.value.message
