@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import resource
 import struct
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import check_loopback, percentile  # noqa: E402
+from bench.loadgen import check_loopback, closed_loop  # noqa: E402
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 WINDOW = 2**31 - 1  # the largest window HTTP/2 allows: the server never waits for us
@@ -41,11 +40,6 @@ _deadline = getattr(asyncio, "timeout", None)  # 3.11+; on 3.10 each read is bou
 
 class GoAway(Exception):
     """The server is closing the connection: count it and reconnect."""
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
@@ -166,25 +160,8 @@ async def run(host: str, port: int, path: str, message: bytes, concurrency: int,
               warmup: float) -> dict:
     """One closed-loop run; only calls started after ``warmup`` s count, for ``duration`` s."""
     check_loopback(host)
-    start = time.perf_counter()
-    measure_from, stop = start + warmup, start + warmup + duration
-    record: list[float] = []
-    errors: dict[str, int] = {}
-    tasks = [asyncio.create_task(_client(host, port, path, message, stop, record, errors, measure_from))
-             for _ in range(concurrency)]
-    await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
-    cpu0 = _cpu()
-    await asyncio.gather(*tasks)
-    cpu = _cpu() - cpu0
-    duration = min(duration, time.perf_counter() - measure_from)
-    lat = sorted(record)
-    return {
-        "concurrency": concurrency, "ok": len(lat), "errors": sum(errors.values()), "error_kinds": errors,
-        "rps": round(len(lat) / duration, 1),
-        "p50_ms": round(percentile(lat, 0.50) * 1000, 3), "p90_ms": round(percentile(lat, 0.90) * 1000, 3),
-        "p99_ms": round(percentile(lat, 0.99) * 1000, 3), "max_ms": round((lat[-1] if lat else 0) * 1000, 3),
-        "client_cpu_s": round(cpu, 3), "client_cpu_pct": round(100 * cpu / duration, 1),
-    }
+    return await closed_loop(lambda stop, record, errors, measure_from: _client(
+        host, port, path, message, stop, record, errors, measure_from), concurrency, duration, warmup)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ import resource
 import socket
 import sys
 import time
+from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 
@@ -87,14 +88,21 @@ async def run(url: str, body: bytes, concurrency: int, duration: float, warmup: 
     path = parts.path + (f"?{parts.query}" if parts.query else "")
     request = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    await asyncio.sleep(0)
+    return await closed_loop(lambda stop, record, errors, measure_from: _client(
+        host, port, request, stop, record, errors, measure_from, expect, max_requests), concurrency, duration, warmup)
+
+
+async def closed_loop(client: Callable[[float, list, dict, float], Awaitable[None]], concurrency: int,
+                      duration: float, warmup: float) -> dict:
+    """Run ``concurrency`` copies of ``client(stop, record, errors, measure_from)`` (each
+    appends its latencies to ``record`` and counts failures in ``errors``) and sum them up:
+    shared by this generator and bench/h2load.py."""
     start = time.perf_counter()
     measure_from, stop = start + warmup, start + warmup + duration
     record: list[float] = []
     errors: dict[str, int] = {}
-    cpu0 = None
-    await asyncio.sleep(0)
-    tasks = [asyncio.create_task(_client(host, port, request, stop, record, errors, measure_from, expect,
-                                         max_requests)) for _ in range(concurrency)]
+    tasks = [asyncio.create_task(client(stop, record, errors, measure_from)) for _ in range(concurrency)]
     await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
     cpu0 = _cpu()
     await asyncio.gather(*tasks)
@@ -106,7 +114,7 @@ async def run(url: str, body: bytes, concurrency: int, duration: float, warmup: 
         "rps": round(len(lat) / duration, 1),
         "p50_ms": round(percentile(lat, 0.50) * 1000, 3), "p90_ms": round(percentile(lat, 0.90) * 1000, 3),
         "p99_ms": round(percentile(lat, 0.99) * 1000, 3), "max_ms": round((lat[-1] if lat else 0) * 1000, 3),
-        "client_cpu_pct": round(100 * cpu / duration, 1),
+        "client_cpu_s": round(cpu, 3), "client_cpu_pct": round(100 * cpu / duration, 1),
     }
 
 
