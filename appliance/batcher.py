@@ -56,15 +56,17 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class _Task:
     __slots__ = ("signature", "inputs", "rows", "wake", "done", "lead", "result", "error", "enqueued", "future")
 
-    def __init__(self, signature: str, inputs: Mapping[str, np.ndarray], rows: int):
+    def __init__(self, signature: str, inputs: Mapping[str, np.ndarray], rows: int, awaited: bool = False):
         self.signature, self.inputs, self.rows = signature, inputs, rows
-        self.wake = threading.Event()  # set when done, or when this task's thread is handed the lead
+        # set when done, or when this task's thread is handed the lead; none for submit_async
+        # (no thread waits on it, and an Event is a lock and a condition per request)
+        self.wake: threading.Event | None = None if awaited else threading.Event()
         self.done = False
         self.lead = False
         self.result: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
         self.enqueued = time.perf_counter()
-        self.future: asyncio.Future | None = None  # set for submit_async: no thread waits on ``wake``
+        self.future: asyncio.Future | None = None  # submit_async's
 
 
 @dataclass
@@ -164,7 +166,7 @@ class Batcher:
         """``submit`` for a caller on an event loop: the same queue and batches, awaited.
         Cancelled while still queued (the client went away), the request leaves the queue."""
         loop = asyncio.get_running_loop()
-        tasks = self._tasks(signature, inputs)
+        tasks = self._tasks(signature, inputs, awaited=True)
         if tasks is None:
             return await loop.run_in_executor(None, self._direct, signature, inputs)
         for task in tasks:
@@ -181,7 +183,7 @@ class Batcher:
             raise
         return _joined(tasks)
 
-    def _tasks(self, signature: str, inputs: Mapping[str, np.ndarray]) -> list[_Task] | None:
+    def _tasks(self, signature: str, inputs: Mapping[str, np.ndarray], awaited: bool = False) -> list[_Task] | None:
         """The request as tasks of at most max_batch_size rows; None: it cannot be batched."""
         rows = _rows(inputs)
         if rows is None or rows == 0:
@@ -189,7 +191,7 @@ class Batcher:
         limit = self.params.max_batch_size
         if rows > limit and not self.params.split_large_requests:
             raise InvalidArgument(f"request has {rows} rows, more than max_batch_size {limit}")
-        return [_Task(signature, {k: v[i:i + limit] for k, v in inputs.items()}, min(limit, rows - i))
+        return [_Task(signature, {k: v[i:i + limit] for k, v in inputs.items()}, min(limit, rows - i), awaited)
                 for i in range(0, rows, limit)]
 
     def _direct(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -283,7 +285,7 @@ class Batcher:
             task = min(waiting, key=lambda t: t.enqueued)
             task.lead = True
             self._busy += 1
-            if task.future is None:
+            if task.wake is not None:
                 task.wake.set()
                 continue
             if self._runners is None:
@@ -394,7 +396,8 @@ class Batcher:
         with self._cond:
             for task in batch:
                 task.done = True
-                task.wake.set()
+                if task.wake is not None:
+                    task.wake.set()
         awaiting = [t.future for t in batch if t.future is not None]
         if awaiting:
             loop = awaiting[0].get_loop()

@@ -151,16 +151,17 @@ class _DrainingTask(WSGITask):
             now = time.monotonic()
             waited = now - done
             delay.observe(waited, now)
-            if waited > delay.allowed(now):
-                self._shed(waited, delay)
+            allowed = delay.allowed(now)
+            if waited > allowed:
+                self._shed(waited, delay, allowed)
                 return
         super().execute()
 
-    def _shed(self, waited: float, delay: QueueDelay) -> None:
+    def _shed(self, waited: float, delay: QueueDelay, allowed: float) -> None:
         """503 + Retry-After without running the app: the worker is free again in microseconds,
         so the queue drains at once and the requests it does serve keep a bounded wait."""
         self.channel.server.guard.count("shed_overload")
-        body = _overload_error(waited, delay)
+        body = _overload_error(waited, delay, allowed)
         self.status = "503 Service Unavailable"
         self.response_headers.extend([("Content-Type", "application/json"), ("Retry-After", "1")])
         self.content_length = len(body)
@@ -341,8 +342,8 @@ class _TLSChannel(_DrainingChannel):
             return 0  # retried with the same bytes when the socket is writable again
 
 
-def _overload_error(waited: float, delay: QueueDelay) -> bytes:
-    if delay.standing:
+def _overload_error(waited: float, delay: QueueDelay, allowed: float) -> bytes:
+    if allowed < delay.limit:  # the short wait of a standing queue applied
         why = (f"the queue has been standing, so a request may wait {delay.short:g} s "
                f"({SHORT_FRACTION:g} x limits.max_queue_wait_s = {delay.limit:g})")
     else:
@@ -436,11 +437,11 @@ class _Guard:
         delay = self.server.queue_delay
         if delay is None or request.path in UNSHED_PATHS:
             return None
-        waited = self.queue_wait()
-        if waited <= delay.allowed(time.monotonic()) * DOOR_FRACTION:
+        waited, allowed = self.queue_wait(), delay.allowed(time.monotonic())
+        if waited <= allowed * DOOR_FRACTION:
             return None
         self.count("shed_overload")
-        return _overload_error(waited, delay)
+        return _overload_error(waited, delay, allowed)
 
     def add_task(self, channel: Any) -> None:
         """(loop thread, the channel's requests_lock held) Queue a complete request for a

@@ -77,7 +77,7 @@ class VersionSlot:
             "load_ms": round(self.load_ms, 1),
             "warmup_ms": round(self.warmup_ms, 1),
             "available_since": self.available_since or None,
-            "in_flight": len(self.inflight),
+            "in_flight": self.refs,
             "decision": self.decision,
             "batching": self.batcher.snapshot() if self.batcher else None,
         }
