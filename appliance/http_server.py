@@ -68,6 +68,7 @@ from waitress.server import BaseWSGIServer
 from waitress.task import ErrorTask, WSGITask
 
 from .config import LimitsConfig, SecurityConfig
+from . import loop_io
 from .errors import ConfigError
 from .queue_delay import SHORT_FRACTION, QueueDelay
 
@@ -202,6 +203,33 @@ class _DrainingChannel(HTTPChannel):
     parser_class = _StampedParser
     request_started: float | None = None
 
+    # -- socket calls that keep the GIL (appliance/loop_io.py): plain TCP only ---------------
+    def recv(self, buffer_size: int) -> bytes:
+        if not loop_io.AVAILABLE or self._fileno is None:
+            return bytes(super().recv(buffer_size))
+        try:
+            data = loop_io.recv(self._fileno, buffer_size)
+        except OSError as why:
+            if why.args[0] in wasyncore._DISCONNECTED:
+                self.handle_close()
+                return b""
+            raise
+        if not data:  # the peer closed
+            self.handle_close()
+        return data
+
+    def send(self, data: Any, do_close: bool = True) -> int:
+        if not loop_io.AVAILABLE or self._fileno is None:
+            return int(super().send(data, do_close))
+        try:
+            return loop_io.send(self._fileno, data)
+        except OSError as why:
+            if why.args[0] in wasyncore._DISCONNECTED:
+                if do_close:
+                    self.handle_close()
+                return 0
+            raise
+
     def received(self, data: bytes) -> bool:
         partial = self.request
         result = super().received(data)  # type: ignore[no-untyped-call]
@@ -251,8 +279,9 @@ class _DrainingChannel(HTTPChannel):
         super().handle_close()
 
     def _discard(self) -> None:
+        plain = loop_io.AVAILABLE and not isinstance(self.socket, ssl.SSLSocket) and self._fileno is not None
         try:
-            data = self.socket.recv(65536)
+            data = loop_io.recv(self._fileno, 65536) if plain else self.socket.recv(65536)
         except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
@@ -335,9 +364,12 @@ class _TLSChannel(_DrainingChannel):
             return
         super().handle_write()
 
+    def recv(self, buffer_size: int) -> bytes:
+        return bytes(wasyncore.dispatcher.recv(self, buffer_size))  # through OpenSSL, not libc
+
     def send(self, data: Any, do_close: bool = True) -> int:
         try:
-            return int(super().send(data, do_close))
+            return int(wasyncore.dispatcher.send(self, data, do_close))
         except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
             return 0  # retried with the same bytes when the socket is writable again
 
@@ -578,8 +610,12 @@ class HTTPServer:
         self._closed = threading.Event()
 
     def serve_forever(self) -> None:
+        server = self._server
         try:
-            self._server.run()
+            # waitress's run(), with the loop of appliance/loop_io.py (no GIL convoy)
+            loop_io.loop(server.adj.asyncore_loop_timeout, server._map)
+        except (SystemExit, KeyboardInterrupt):
+            server.task_dispatcher.shutdown()
         finally:
             self._closed.set()
 
