@@ -129,10 +129,15 @@ class GRPCConfig:
     port: int = 8500  # TF Serving's; 0: no gRPC
     socket_path: str = ""  # as --grpc_socket_path: also listen on this Unix domain socket
     max_message_bytes: int = 64 * 1024 * 1024  # TF Serving users hit gRPC's 4 MB default
+    # "lean": appliance/h2_grpc.py, unary calls over hand-framed HTTP/2 (a third of grpcio's
+    # CPU per call); "grpcio": grpcio's own grpc.aio server, kept as the fallback
+    transport: str = "lean"
 
     def validate(self, key: str) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{key}.port", f"{self.port} is not a TCP port (0 turns gRPC off)")
+        if self.transport not in ("lean", "grpcio"):
+            raise ConfigError(f"{key}.transport", f"{self.transport!r} is not a gRPC server (lean or grpcio)")
         if self.max_message_bytes < 1024:
             raise ConfigError(f"{key}.max_message_bytes", "must be at least 1024")
 

@@ -8,13 +8,16 @@ TF Serving users hit first). The token check of appliance/auth.py runs as an int
 The server stops, after in-flight calls finish (bounded by ``server.drain_timeout_s``), on
 the service's "stopping" hook. Same process, same manager, same batchers as REST.
 
-Why grpc.aio and not ``grpc.server``: the threaded server hands every call between its
-polling thread and a pool thread several times, and each hand-off is a GIL switch; on a
-small device that cost more CPU per call than the whole REST path. On the aio server a
-call's Python work (decode, queue, encode) runs on one event loop; Predict awaits its batch
-(appliance/batcher.py ``submit_async``), and one wake-up answers the whole batch. Methods
-written as plain functions (metadata, status, reload, Classify/Regress) run on a thread pool
-of ``server.threads``, as gRPC's aio server does for them.
+Which server: ``[grpc] transport``. "lean" (the default) is appliance/h2_grpc.py, unary
+gRPC over HTTP/2 framed here, on one event loop; "grpcio" is grpcio's ``grpc.aio`` server
+(``AioServer`` below), kept as the fallback. Both take the same generic handlers and
+interceptor, so the services do not know which one runs them. Why not grpcio by default:
+its per-call machinery cost more server CPU than the whole REST path on a small device
+(bench/RESULTS.md). Why an event loop and not ``grpc.server``'s threads: each hand-off
+between threads is a GIL switch; on the loop a call's Python work (decode, queue, encode)
+runs in one place, Predict awaits its batch (appliance/batcher.py ``submit_async``), and one
+wake-up answers the whole batch. Methods written as plain functions (metadata, status,
+reload, Classify/Regress) run on a thread pool of ``server.threads``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Coroutine, Sequence
 import grpc
 
 from . import tfs_grpc, v2_grpc
+from .h2_grpc import LeanServer
 
 log = logging.getLogger("appliance.grpc")
 
@@ -104,7 +108,8 @@ class GRPCServer:
         else:
             interceptors.append(grpc_interceptor(self.core))
         # As many pool threads as HTTP workers: a method run there waits on a batch like an HTTP worker.
-        self.server = AioServer(service.config.server.threads, options, interceptors)
+        kind = LeanServer if cfg.transport == "lean" else AioServer
+        self.server = kind(service.config.server.threads, options, interceptors)
         tfs_grpc.add_to_server(self.server, self.core)
         v2_grpc.add_to_server(self.server, self.core)
         self.addresses: list[str] = []
@@ -132,7 +137,7 @@ class GRPCServer:
 
     def start(self) -> None:
         self.server.start()
-        self.core.extras["grpc"] = {"addresses": self.addresses,
+        self.core.extras["grpc"] = {"addresses": self.addresses, "transport": self.service.config.grpc.transport,
                                     "max_message_bytes": self.service.config.grpc.max_message_bytes,
                                     "services": [tfs_grpc.PREDICTION_SERVICE, tfs_grpc.MODEL_SERVICE,
                                                  v2_grpc.SERVICE_NAME]}

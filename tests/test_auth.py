@@ -225,10 +225,11 @@ def test_bad_security_config_names_the_key(tmp_path: Path, toml: str, key: str) 
 
 
 # -- gRPC ------------------------------------------------------------------------------------
-def test_grpc_interceptor_applies_the_tokens() -> None:
+@pytest.mark.parametrize("kind", ["lean", "grpcio"])
+def test_grpc_interceptor_applies_the_tokens(kind: str) -> None:
     import grpc
 
-    from appliance.grpc_server import AioServer
+    from appliance.grpc_server import AioServer, LeanServer
 
     core = fake_core(inference_token=INFER)
     echo = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok:" + req)
@@ -236,7 +237,8 @@ def test_grpc_interceptor_applies_the_tokens() -> None:
     health = grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": echo})
     admin = grpc.method_handlers_generic_handler("tensorflow.serving.ModelService",
                                                  {"HandleReloadConfigRequest": echo})
-    server = AioServer(2, interceptors=[auth.grpc_interceptor(core)])  # the service's kind of gRPC server
+    # either of the service's gRPC servers ([grpc] transport)
+    server = (LeanServer if kind == "lean" else AioServer)(2, interceptors=[auth.grpc_interceptor(core)])
     server.add_generic_rpc_handlers((handlers, health, admin))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

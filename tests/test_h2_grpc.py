@@ -1,0 +1,285 @@
+"""The lean gRPC server (appliance/h2_grpc.py) against grpcio's real client, and against raw
+HTTP/2 frames for what a well-behaved client never sends.
+
+The service's own RPCs run on it in tests/test_grpc_tfs.py and tests/test_v2_grpc.py
+(tensorflow-serving-api's and tritonclient's stubs); here it serves small echo methods so
+that each transport rule (flow control both ways, sizes, deadlines, cancellation, status
+and trailers, compression, drain, Unix sockets, hostile framing) is tested on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Any, Iterator
+
+import grpc
+import hpack
+import pytest
+
+from appliance import h2_grpc
+from appliance.h2_grpc import LeanServer
+
+MAX = 8 << 20
+MESSAGE = "naïve 100% ✓: the spec's percent-encoding, round trip"
+
+
+class Methods:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.started = threading.Event()
+
+    def echo(self, request: bytes, context: Any) -> bytes:  # a plain function: runs on the pool
+        return request
+
+    async def big(self, request: bytes, context: Any) -> bytes:  # a coroutine: runs on the loop
+        n = int(request)
+        return bytes(range(256)) * (n // 256) + bytes(n % 256)
+
+    async def sleep(self, request: bytes, context: Any) -> bytes:
+        self.started.set()
+        try:
+            await asyncio.sleep(float(request))
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return b"woke"
+
+    def fail(self, request: bytes, context: Any) -> bytes:
+        context.set_trailing_metadata((("retry-after", "7"), ("trace-bin", b"\x00\xffraw")))
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, MESSAGE)
+        raise AssertionError("abort returned")
+
+
+def _handlers(methods: Methods) -> grpc.GenericRpcHandler:
+    def bad_deserializer(raw: bytes) -> bytes:
+        raise ValueError("not this")
+    table = {"Echo": grpc.unary_unary_rpc_method_handler(methods.echo),
+             "Big": grpc.unary_unary_rpc_method_handler(methods.big),
+             "Sleep": grpc.unary_unary_rpc_method_handler(methods.sleep),
+             "Fail": grpc.unary_unary_rpc_method_handler(methods.fail),
+             "Strict": grpc.unary_unary_rpc_method_handler(methods.echo, request_deserializer=bad_deserializer)}
+    return grpc.method_handlers_generic_handler("t.Test", table)
+
+
+@pytest.fixture()
+def served() -> Iterator[tuple[LeanServer, int, Methods]]:
+    methods = Methods()
+    server = LeanServer(2, [("grpc.max_receive_message_length", MAX), ("grpc.max_send_message_length", MAX)])
+    server.add_generic_rpc_handlers((_handlers(methods),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield server, port, methods
+    finally:
+        server.stop(None)
+
+
+def channel(port: int, **extra: Any) -> grpc.Channel:
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=options, **extra)
+
+
+def rpc_error(call: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call(*args, **kwargs)
+    return err.value
+
+
+def test_messages_larger_than_every_window_go_both_ways(served: Any) -> None:
+    _, port, _ = served
+    payload = os.urandom(5 << 20)  # over the 64 KiB default windows and our 4 MiB stream window
+    with channel(port) as ch:
+        assert ch.unary_unary("/t.Test/Echo")(payload, timeout=30) == payload
+        big = ch.unary_unary("/t.Test/Big")(b"%d" % (6 << 20), timeout=30)  # over grpcio's receive windows
+        assert len(big) == 6 << 20 and big[:256] == bytes(range(256))
+        assert ch.unary_unary("/t.Test/Echo")(b"", timeout=10) == b""  # an empty message is a message
+
+
+def test_more_concurrent_calls_than_streams_allowed(served: Any) -> None:
+    _, port, _ = served
+    n = h2_grpc.MAX_STREAMS + 150  # the client must queue what the server's SETTINGS do not allow
+    with channel(port) as ch:
+        echo = ch.unary_unary("/t.Test/Echo")
+        futures = [echo.future(b"call %d" % i, timeout=60) for i in range(n)]
+        assert [f.result() for f in futures] == [b"call %d" % i for i in range(n)]
+
+
+def test_status_message_and_trailing_metadata_reach_the_client(served: Any) -> None:
+    _, port, _ = served
+    with channel(port) as ch:
+        err = rpc_error(ch.unary_unary("/t.Test/Fail"), b"", timeout=10)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.details() == MESSAGE
+        trailers = dict(err.trailing_metadata())
+        assert trailers["retry-after"] == "7" and trailers["trace-bin"] == b"\x00\xffraw"
+        err = rpc_error(ch.unary_unary("/t.Test/Nope"), b"", timeout=10)
+        assert err.code() == grpc.StatusCode.UNIMPLEMENTED
+        err = rpc_error(ch.unary_unary("/t.Test/Strict"), b"x", timeout=10)
+        assert err.code() == grpc.StatusCode.INTERNAL and "deserializing" in err.details()
+        assert ch.unary_unary("/t.Test/Echo")(b"still here", timeout=10) == b"still here"
+
+
+def test_message_size_limits_both_ways(served: Any) -> None:
+    _, port, _ = served
+    with channel(port) as ch:
+        err = rpc_error(ch.unary_unary("/t.Test/Echo"), bytes(MAX + 1), timeout=30)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"({MAX + 1} vs. {MAX})" in err.details()
+        err = rpc_error(ch.unary_unary("/t.Test/Big"), b"%d" % (MAX + 1), timeout=30)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Sent message larger than max" in err.details()
+        assert ch.unary_unary("/t.Test/Echo")(bytes(MAX), timeout=30) == bytes(MAX)  # the limit itself passes
+
+
+def test_deadline_and_cancellation_stop_the_method(served: Any) -> None:
+    _, port, methods = served
+    with channel(port) as ch:
+        sleep = ch.unary_unary("/t.Test/Sleep")
+        started = time.monotonic()
+        err = rpc_error(sleep, b"30", timeout=0.5)
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 10
+        assert methods.cancelled.wait(10), "the method kept running past its deadline"
+        methods.cancelled.clear()
+        methods.started.clear()
+        future = sleep.future(b"30", timeout=60)
+        assert methods.started.wait(10)
+        future.cancel()  # the client resets the stream
+        assert methods.cancelled.wait(10), "a cancelled call's method kept running"
+        assert sleep(b"0.01", timeout=10) == b"woke"
+
+
+def test_gzip_compressed_requests(served: Any) -> None:
+    _, port, _ = served
+    payload = b"squeeze me " * 10000
+    with channel(port, compression=grpc.Compression.Gzip) as ch:
+        assert ch.unary_unary("/t.Test/Echo")(payload, timeout=10) == payload
+
+
+def test_unix_socket(tmp_path: Any) -> None:
+    path = str(tmp_path / "grpc.sock")
+    server = LeanServer(1)
+    server.add_generic_rpc_handlers((_handlers(Methods()),))
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"unix:{path}") as ch:
+            assert ch.unary_unary("/t.Test/Echo")(b"local", timeout=10) == b"local"
+    finally:
+        server.stop(None)
+    assert not os.path.exists(path)
+
+
+def test_drain_finishes_calls_in_flight_and_refuses_new_ones(served: Any) -> None:
+    server, port, methods = served
+    with channel(port) as ch:
+        future = ch.unary_unary("/t.Test/Sleep").future(b"1", timeout=30)
+        assert methods.started.wait(10)
+        stopper = threading.Thread(target=server.stop, args=(10,))
+        stopper.start()
+        assert future.result() == b"woke"
+        stopper.join(15)
+        assert not stopper.is_alive()
+    with channel(port) as ch:
+        err = rpc_error(ch.unary_unary("/t.Test/Echo"), b"x", timeout=3)
+        assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+# -- raw HTTP/2: what grpcio's client never sends ----------------------------------------------
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream) + payload
+
+
+def read_frame(sock: socket.socket) -> tuple[int, int, int, bytes] | None:
+    head = _read(sock, 9)
+    if head is None:
+        return None
+    length = int.from_bytes(head[:3], "big")
+    payload = _read(sock, length) if length else b""
+    return head[3], head[4], int.from_bytes(head[5:9], "big") & 0x7FFFFFFF, payload or b""
+
+
+def _read(sock: socket.socket, n: int) -> bytes | None:
+    out = b""
+    while len(out) < n:
+        try:
+            chunk = sock.recv(n - len(out))
+        except (socket.timeout, ConnectionResetError):
+            return None
+        if not chunk:
+            return None
+        out += chunk
+    return out
+
+
+def request_headers(encoder: hpack.Encoder, port: int) -> bytes:
+    return encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
+                           (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"), ("te", "trailers")])
+
+
+def test_not_http2_or_oversized_frames_close_only_that_connection(served: Any) -> None:
+    _, port, _ = served
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        frames = []
+        while (f := read_frame(sock)) is not None:
+            frames.append(f)
+        assert any(kind == h2_grpc.GOAWAY and payload[4:8] == b"\x00\x00\x00\x01" for kind, _, _, payload in frames)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0)
+                     + struct.pack(">I", h2_grpc.OUR_MAX_FRAME + 1)[1:] + bytes((0, 0)) + struct.pack(">I", 1))
+        frames = []
+        while (f := read_frame(sock)) is not None:
+            frames.append(f)
+        assert any(kind == h2_grpc.GOAWAY and payload[4:8] == b"\x00\x00\x00\x06" for kind, _, _, payload in frames)
+    with channel(port) as ch:
+        assert ch.unary_unary("/t.Test/Echo")(b"fine", timeout=10) == b"fine"
+
+
+def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> None:
+    """Streams opened and fed but never finished: the server stops giving connection credit
+    once what it holds half-received passes its budget, so the client is held back."""
+    server, port, _ = served
+    budget = MAX + h2_grpc.CONNECTION_WINDOW
+    cap = 6 * budget  # what this client would send if nothing held it back
+    encoder = hpack.Encoder()
+    window, stream_window, stream_sent = 65535, {}, {}
+    sent, current, next_stream = 0, 0, 1
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0))
+        last_credit = time.monotonic()
+        while sent < cap and time.monotonic() - last_credit < 2:
+            while select.select([sock], [], [], 0)[0]:
+                kind, flags, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
+                assert kind is not None, "the server closed the connection"
+                if kind == h2_grpc.WINDOW_UPDATE:
+                    last_credit = time.monotonic()
+                    if stream_id == 0:
+                        window += int.from_bytes(payload, "big")
+                    else:
+                        stream_window[stream_id] += int.from_bytes(payload, "big")
+                elif kind == h2_grpc.SETTINGS and not flags & 1:
+                    sock.sendall(frame(h2_grpc.SETTINGS, 1, 0))
+            if not current or stream_sent[current] >= MAX:  # each stream declares MAX bytes, never all sent
+                current, next_stream = next_stream, next_stream + 2
+                sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, current, request_headers(encoder, port)))
+                stream_window[current], stream_sent[current] = h2_grpc.STREAM_WINDOW, 0
+                prefix = b"\x00" + (MAX + 1).to_bytes(4, "big")
+                sock.sendall(frame(h2_grpc.DATA, 0, current, prefix))
+                window, stream_window[current], sent = window - 5, stream_window[current] - 5, sent + 5
+            n = min(16384, window, stream_window[current], MAX - stream_sent[current])
+            if n <= 0:
+                select.select([sock], [], [], 0.3)
+                continue
+            sock.sendall(frame(h2_grpc.DATA, 0, current, bytes(n)))
+            window, stream_window[current] = window - n, stream_window[current] - n
+            stream_sent[current] += n
+            sent += n
+        held = [c.buffered for c in list(server.connections)]
+    assert sent < cap, "the server kept giving credit to a client that never finishes a request"
+    assert sent <= budget + 2 * h2_grpc.CONNECTION_WINDOW
+    assert held and max(held) <= budget + h2_grpc.CONNECTION_WINDOW
