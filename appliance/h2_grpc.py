@@ -36,6 +36,8 @@ from typing import Any, Coroutine, Sequence
 import grpc
 import hpack
 
+from .batcher import LONE_CALL
+
 log = logging.getLogger("appliance.grpc")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -471,6 +473,9 @@ class Connection(asyncio.Protocol):
                 self.server.loop.time() + max(0.0, deadline - time.monotonic()), self.expire, stream)
 
     async def call(self, stream: _Stream, method: str, message: bytes, context: Context) -> None:
+        server = self.server
+        server.in_flight += 1
+        LONE_CALL.set(server.alone)  # this task's own context: the batcher may run a lone call here
         try:
             handler = await self.server.lookup(CallDetails(method, context.invocation_metadata()))
             if handler is None or handler.unary_unary is None:
@@ -502,6 +507,8 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error in %s", method)
             self.finish(stream, grpc.StatusCode.UNKNOWN, "Unexpected error in the method handler")
+        finally:
+            server.in_flight -= 1
 
     def expire(self, stream: _Stream) -> None:
         stream.timer = None
@@ -629,6 +636,10 @@ class LeanServer:
         self._cache: dict[str, Any] = {}
         self.unix_paths: list[str] = []
         self.lookup = self._chain()
+        self.in_flight = 0  # calls running on the loop (their coroutines started, not finished)
+
+    def alone(self) -> bool:
+        return self.in_flight == 1
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -409,3 +409,51 @@ def test_a_cancelled_async_request_leaves_the_queue(batcher_factory, loop_thread
     np.testing.assert_allclose(kept.result(WAIT)["y"], 2 * rows(2) + 1)
     first.outcome()
     assert [b.shape[0] for b in backend.batches] == [1, 1]  # the cancelled rows never ran
+
+
+def test_a_lone_call_of_a_quick_model_runs_on_its_loop_and_others_queue(batcher_factory, loop_thread) -> None:
+    """LONE_CALL (set by the lean gRPC server) lets a call alone on its loop run a quick model
+    right there; a call that is not alone, a caller that sets nothing, or a slow model go
+    through the batcher's own threads."""
+    from appliance import batcher as batcher_module
+
+    ran_on: list[str] = []
+
+    def backend(signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ran_on.append(threading.current_thread().name)
+        if (inputs["x"] < 0).any():
+            raise InputFailure("negative values are not allowed")
+        return {"y": 2 * inputs["x"] + 1}
+
+    batcher = batcher_factory(backend)
+    alone = {"now": True}
+
+    async def call(x: np.ndarray, lone: bool | None) -> Any:
+        if lone is not None:
+            batcher_module.LONE_CALL.set(lambda: alone["now"])
+            alone["now"] = lone
+        return await batcher.submit_async("serving_default", {"x": x})
+
+    def run(x: np.ndarray, lone: bool | None) -> Any:  # each call a task, with a context of its own
+        return loop_thread.submit(call(x, lone)).result(WAIT)
+
+    loop_name = loop_thread.submit(_thread_name()).result(WAIT)
+    np.testing.assert_allclose(run(rows(1), True)["y"], 2 * rows(1) + 1)
+    assert ran_on[-1] != loop_name  # no run measured yet: the model is not known to be quick
+    np.testing.assert_allclose(run(rows(2), True)["y"], 2 * rows(2) + 1)
+    assert ran_on[-1] == loop_name
+    with pytest.raises(InvalidArgument, match="negative"):  # errors come back as from a batch
+        run(-rows(3), True)
+    assert ran_on[-1] == loop_name
+    run(rows(4), False)
+    assert ran_on[-1] != loop_name
+    run(rows(5), None)
+    assert ran_on[-1] != loop_name
+    assert batcher.snapshot()["rows"] == 5  # counted as batches of one
+    batcher.stats.run_seconds = batcher.stats.batches * 2 * batcher_module.INLINE_RUN_S  # as a slow model
+    run(rows(6), True)
+    assert ran_on[-1] != loop_name
+
+
+async def _thread_name() -> str:
+    return threading.current_thread().name
