@@ -326,14 +326,17 @@ class Connection(asyncio.Protocol):
             payload = payload[5:]
         stream = self.streams.get(stream_id)
         if stream is None:
-            if stream_id % 2 == 0 or stream_id <= self.last_stream:
-                raise _ConnectionError(PROTOCOL_ERROR, f"stream {stream_id} is not a new client stream")
-            self.last_stream = stream_id
+            if stream_id % 2 == 0:
+                raise _ConnectionError(PROTOCOL_ERROR, f"stream {stream_id} is not a client stream")
             stream = _Stream(stream_id, self.peer_initial_window)
-            if self.going_away or self.server.closing or len(self.streams) >= MAX_STREAMS:
+            if stream_id <= self.last_stream:
+                pass  # a stream we already answered or reset: decoded below, then ignored
+            elif self.going_away or self.server.closing or len(self.streams) >= MAX_STREAMS:
                 self.write(_frame(RST_STREAM, 0, stream_id, (7).to_bytes(4, "big")))  # REFUSED_STREAM
-                return
-            self.streams[stream_id] = stream
+                # its header block is still decoded below (not kept): HPACK's table must stay in step
+            else:
+                self.streams[stream_id] = stream
+            self.last_stream = max(self.last_stream, stream_id)
         elif stream.headers is not None and not flags & END_STREAM:
             raise _ConnectionError(PROTOCOL_ERROR, "request trailers must end the stream")
         stream.end_after_headers = bool(flags & END_STREAM)
@@ -349,6 +352,8 @@ class Connection(asyncio.Protocol):
         except hpack.HPACKError as exc:
             raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from exc
         stream.block = b""
+        if self.streams.get(stream.id) is not stream:
+            return  # refused or reset: decoded only to keep the header table in step
         if stream.headers is None:
             stream.headers = fields  # type: ignore[assignment]
         if stream.end_after_headers:

@@ -1,6 +1,7 @@
 """TF Serving's gRPC Predict against its REST :predict, same service, same model, one run.
 
     .venv/bin/python bench/grpc_bench.py [--model mlp] [--concurrency 1 8 32] [--duration 8]
+        [--rounds N] [--transport lean|grpcio]
 
 One service (the bench MLP, LiteRT, batching on) on loopback, with gRPC on. For each
 concurrency, alternately: REST (bench/loadgen.py: keep-alive HTTP/1.1 connections, the JSON
@@ -85,12 +86,16 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--client", choices=["h2", "grpcio"], default="h2", help="the gRPC load generator")
+    ap.add_argument("--transport", choices=["lean", "grpcio"], default="lean",
+                    help="the service's gRPC server ([grpc] transport)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="REST and gRPC alternated this many times per concurrency (this box is noisy)")
     ap.add_argument("--json", help="write every figure here")
     a = ap.parse_args()
     base = bench_models()
     port, grpc_port = free_port(), free_port()
     state = Path(tempfile.mkdtemp(prefix="grpc-bench-"))
-    server = start_service(base, "tflite", True, port, state, f"[grpc]\nport = {grpc_port}\n")
+    server = start_service(base, "tflite", True, port, state, f"[grpc]\nport = {grpc_port}\ntransport = \"{a.transport}\"\n")
     rows = []
     try:
         payload, request = body(a.model), predict_bytes(a.model)
@@ -107,7 +112,7 @@ def main() -> int:
             result["server_cpu_ms_per_request"] = round(1000 * spent / total, 3) if total else None
             return result
 
-        for c in a.concurrency:
+        for c in [c for c in a.concurrency for _ in range(a.rounds)]:
             rest = measured(loadgen.run(url, payload, c, a.duration, a.warmup, b"predictions"))
             if a.client == "h2":
                 grpc_ = measured(h2load.run("127.0.0.1", grpc_port, PREDICT, request, c, a.duration, a.warmup))
@@ -124,7 +129,8 @@ def main() -> int:
         stop(server)
         shutil.rmtree(state, ignore_errors=True)
     result = {"machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} cpus",
-              "date": time.strftime("%Y-%m-%d %H:%M"), "model": a.model, "client": a.client, "rows": rows}
+              "date": time.strftime("%Y-%m-%d %H:%M"), "model": a.model, "client": a.client,
+              "transport": a.transport, "rows": rows}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -283,3 +283,48 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
     assert sent < cap, "the server kept giving credit to a client that never finishes a request"
     assert sent <= budget + 2 * h2_grpc.CONNECTION_WINDOW
     assert held and max(held) <= budget + h2_grpc.CONNECTION_WINDOW
+
+
+def test_streams_over_the_limit_are_refused_and_the_header_table_stays_in_step(served: Any) -> None:
+    """The stream after MAX_STREAMS open ones is refused (REFUSED_STREAM, which clients retry),
+    yet its header block is decoded: a later request that refers to the header-table entry
+    it added is still understood."""
+    _, port, _ = served
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0))
+        opened = [1 + 2 * i for i in range(h2_grpc.MAX_STREAMS)]
+        for s in opened:  # headers only: requests still arriving
+            sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, s, request_headers(encoder, port)))
+        over = opened[-1] + 2
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
+                                (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
+                                ("x-probe", "added-by-the-refused-stream")])
+        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, over, block))
+        refused = None
+        while refused is None:
+            kind, _, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
+            assert kind is not None
+            if kind == h2_grpc.RST_STREAM:
+                refused = (stream_id, int.from_bytes(payload, "big"))
+        assert refused == (over, 7)
+        sock.sendall(frame(h2_grpc.RST_STREAM, 0, opened[0], (8).to_bytes(4, "big")))  # the client gives one up
+        last = over + 2
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
+                                (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
+                                ("x-probe", "added-by-the-refused-stream")])
+        assert len(block) < 12  # every field a reference into the table, x-probe's included
+        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, last, block)
+                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, last, b"\x00\x00\x00\x00\x05hello"))
+        data, status = b"", None
+        while status is None:
+            kind, flags, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
+            assert kind is not None and kind != h2_grpc.GOAWAY, payload
+            if stream_id != last:
+                continue
+            if kind == h2_grpc.DATA:
+                data += payload
+            elif kind == h2_grpc.HEADERS:
+                fields = dict(decoder.decode(payload))
+                status = fields.get("grpc-status", status)
+        assert status == "0" and data == b"\x00\x00\x00\x00\x05hello"
