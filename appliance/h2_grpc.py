@@ -61,8 +61,12 @@ OUR_SETTINGS = struct.pack(">HIHIHIHIHI", 0x2, 0, 0x3, MAX_STREAMS, 0x4, STREAM_
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
+def _frame_header(kind: int, flags: int, stream: int, length: int) -> bytes:
+    return (length << 8 | kind).to_bytes(4, "big") + bytes((flags,)) + stream.to_bytes(4, "big")
+
+
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return (len(payload) << 8 | kind).to_bytes(4, "big") + bytes((flags,)) + stream.to_bytes(4, "big") + payload
+    return _frame_header(kind, flags, stream, len(payload)) + payload
 
 
 def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
@@ -544,20 +548,29 @@ class Connection(asyncio.Protocol):
         self.flush(stream)
 
     def flush(self, stream: _Stream) -> None:
-        """Send what the windows allow of a queued response; the trailers once the data is out."""
+        """Send what the windows allow of a queued response; the trailers once the data is out.
+        The data is a memoryview cut into frames without copying, written in one go."""
         data, trailers = stream.pending
-        while data:
-            n = min(len(data), self.send_window, stream.window, self.peer_max_frame)
+        view = memoryview(data)
+        pieces: list[Any] = []
+        sent = 0
+        while sent < len(view):
+            n = min(len(view) - sent, self.send_window, stream.window, self.peer_max_frame)
             if n <= 0:
-                stream.pending = [data, trailers]
-                return
-            self.write(_frame(DATA, 0, stream.id, data[:n]))
-            data = data[n:]
+                break
+            pieces += (_frame_header(DATA, 0, stream.id, n), view[sent:sent + n])
+            sent += n
             self.send_window -= n
             stream.window -= n
-        stream.pending = []
-        self.write(self._headers_frames(stream.id, trailers, END_STREAM))
-        self.done(stream)
+        if sent < len(view):
+            stream.pending = [view[sent:], trailers]
+        else:
+            stream.pending = []
+            pieces.append(self._headers_frames(stream.id, trailers, END_STREAM))
+        if pieces and self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(pieces)
+        if not stream.pending:
+            self.done(stream)
 
     def finish(self, stream: _Stream, code: grpc.StatusCode, message: str,
                trailing: Sequence[tuple[str, Any]] = ()) -> None:
