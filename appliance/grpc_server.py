@@ -22,17 +22,15 @@ reload, Classify/Regress) run on a thread pool of ``server.threads``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine, Sequence
+from typing import Any, Sequence
 
 import grpc
 
 from . import tfs_grpc, v2_grpc
 from .h2_grpc import LeanServer
+from .loop_thread import LoopThread
 
 log = logging.getLogger("appliance.grpc")
 
@@ -47,24 +45,17 @@ def attach(service: Any) -> "GRPCServer | None":
     return server
 
 
-class AioServer:
+class AioServer(LoopThread):
     """A ``grpc.aio`` server on an event loop of its own thread, driven from plain threads
     with the calls of ``grpc.Server`` (add handlers and ports, start, stop)."""
 
     def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()):
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
-        self.loop = asyncio.new_event_loop()
-        self.loop.set_default_executor(self._pool)  # requests that run alone (not batched) run here
-        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
-        self._thread.start()
+        super().__init__(threads)
 
         async def make() -> Any:  # the server binds to the loop it is created on
-            return grpc.aio.server(migration_thread_pool=self._pool, options=list(options),
+            return grpc.aio.server(migration_thread_pool=self.pool, options=list(options),
                                    interceptors=list(interceptors))
-        self.server = self._run(make())
-
-    def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        self.server = self.run(make())
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self.server.add_generic_rpc_handlers(handlers)
@@ -72,10 +63,10 @@ class AioServer:
     def add_insecure_port(self, address: str) -> int:
         async def add() -> int:
             return self.server.add_insecure_port(address)
-        return self._run(add())
+        return self.run(add())
 
     def start(self) -> None:
-        self._run(self.server.start())
+        self.run(self.server.start())
 
     def stop(self, grace: float | None) -> None:
         """Stop taking calls, let in-flight ones finish for up to ``grace`` seconds, then
@@ -83,13 +74,9 @@ class AioServer:
         if self.loop.is_closed():
             return
         try:
-            self._run(self.server.stop(grace), (grace or 0) + 5)
+            self.run(self.server.stop(grace), (grace or 0) + 5)
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
-            if not self._thread.is_alive():
-                self.loop.close()
-            self._pool.shutdown(wait=False)
+            self.close_loop()
 
 
 class GRPCServer:

@@ -27,16 +27,15 @@ import base64
 import logging
 import os
 import struct
-import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine, Sequence
+from typing import Any, Sequence
 
 import grpc
 import hpack
 
 from .batcher import LONE_CALL
+from .loop_thread import LoopThread
 
 log = logging.getLogger("appliance.grpc")
 
@@ -631,22 +630,18 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class LeanServer:
+class LeanServer(LoopThread):
     """The calls of ``grpc.Server`` (add handlers and ports, start, stop) for this transport,
     its event loop on a thread of its own; methods written as plain functions run on a pool
     of ``threads``."""
 
     def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()):
+        super().__init__(threads)
         opts = dict(options)
         self.max_receive = int(opts.get("grpc.max_receive_message_length", 4 * 1024 * 1024))
         self.max_send = int(opts.get("grpc.max_send_message_length", 2**31 - 1))
         self.handlers: list[grpc.GenericRpcHandler] = []
         self.interceptors = list(interceptors)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
-        self.loop = asyncio.new_event_loop()
-        self.loop.set_default_executor(self.pool)
-        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
-        self._thread.start()
         self.listeners: list[asyncio.AbstractServer] = []
         self.connections: set[Connection] = set()
         self.closing = False
@@ -658,9 +653,6 @@ class LeanServer:
 
     def alone(self) -> bool:
         return self.in_flight == 1
-
-    def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self.handlers.extend(handlers)
@@ -682,7 +674,7 @@ class LeanServer:
             self.listeners.append(server)
             return int(server.sockets[0].getsockname()[1])
         try:
-            return int(self._run(listen()))
+            return int(self.run(listen()))
         except OSError as exc:
             raise RuntimeError(f"cannot bind {address}: {exc}") from exc
 
@@ -690,7 +682,7 @@ class LeanServer:
         async def serve() -> None:
             for server in self.listeners:
                 await server.start_serving()
-        self._run(serve())
+        self.run(serve())
 
     async def _find(self, details: Any) -> Any:
         handler = self._cache.get(details.method)
@@ -734,13 +726,9 @@ class LeanServer:
                 if connection.transport is not None:
                     connection.transport.close()
         try:
-            self._run(drain(), (grace or 0) + 5)
+            self.run(drain(), (grace or 0) + 5)
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
-            if not self._thread.is_alive():
-                self.loop.close()
-            self.pool.shutdown(wait=False)
+            self.close_loop()
             for path in self.unix_paths:
                 try:
                     os.unlink(path)

@@ -328,3 +328,24 @@ def test_streams_over_the_limit_are_refused_and_the_header_table_stays_in_step(s
                 fields = dict(decoder.decode(payload))
                 status = fields.get("grpc-status", status)
         assert status == "0" and data == b"\x00\x00\x00\x00\x05hello"
+
+
+def test_another_http2_implementation_is_understood(served: Any, tmp_path: Any) -> None:
+    """curl's HTTP/2 (nghttp2: its own HPACK encoder, Huffman-coded strings) as the client,
+    so the server is not only ever tested against grpcio's framing."""
+    import shutil
+    import subprocess
+
+    curl = shutil.which("curl")
+    if curl is None or "HTTP2" not in subprocess.run([curl, "-V"], capture_output=True, text=True).stdout:
+        pytest.skip("no curl with HTTP/2 here")
+    _, port, _ = served
+    message = b"from nghttp2 " * 500
+    body = tmp_path / "request.bin"
+    body.write_bytes(b"\x00" + len(message).to_bytes(4, "big") + message)
+    out = subprocess.run([curl, "-s", "--http2-prior-knowledge", "-X", "POST", "-H", "content-type: application/grpc",
+                          "-H", "te: trailers", "-H", "x-custom-header: a value curl Huffman-codes",
+                          "--data-binary", f"@{body}", "-o", str(tmp_path / "reply.bin"), "-w", "%{http_version} %{http_code}",
+                          f"http://127.0.0.1:{port}/t.Test/Echo"], capture_output=True, text=True, timeout=30)
+    assert out.stdout == "2 200", out
+    assert (tmp_path / "reply.bin").read_bytes() == body.read_bytes()

@@ -1,0 +1,32 @@
+"""An asyncio event loop on a thread of its own, with a thread pool as its default executor,
+driven from plain threads: what both gRPC servers run on (appliance/h2_grpc.py's lean one,
+grpcio's grpc.aio in appliance/grpc_server.py). Methods written as plain functions run on
+the pool; coroutines, Predict among them, run on the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Coroutine
+
+
+class LoopThread:
+    def __init__(self, threads: int, name: str = "grpc"):
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(self.pool)  # requests that run alone (not batched) run here too
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
+        """Run ``coro`` on the loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close_loop(self) -> None:
+        """Stop the loop, join its thread (bounded), close the loop; the pool stops taking work."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
+        self.pool.shutdown(wait=False)
