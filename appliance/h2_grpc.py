@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import logging
 import os
 import struct
@@ -46,18 +47,31 @@ NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL, COMPRESS
 MAX_WINDOW = 2**31 - 1
 OUR_MAX_FRAME = 1 << 20  # advertised: large messages arrive in fewer frames
 MAX_HEADER_BLOCK = 64 * 1024
-MAX_STREAMS = 256  # calls in flight per connection; the batch queue bounds the work behind them
-# Receive windows: what a client may send ahead of our reading it. A stream's is given back
-# as its bytes arrive (its message is capped by size anyway); the connection's only while
-# the requests it holds half-received stay under a budget, so one client cannot make the
-# service buffer more than about budget + CONNECTION_WINDOW however many streams it opens.
-STREAM_WINDOW = 4 << 20
-CONNECTION_WINDOW = 8 << 20
+MAX_STREAMS = 100  # calls in flight per connection; the batch queue bounds the work behind them
+# Receive flow control. A new stream may send STREAM_WINDOW bytes; once its message's length
+# prefix has arrived the stream is *admitted* (oldest first) while the messages admitted on
+# the connection fit a budget (the largest message + CONNECTION_WINDOW), and is then given
+# credit for its whole message at once. The oldest waiting stream is always admitted when
+# none is, so requests that together exceed the budget take turns instead of deadlocking,
+# and one client holds at most budget + MAX_STREAMS x STREAM_WINDOW bytes half-received.
+# Bytes sent beyond the credit given are a FLOW_CONTROL_ERROR. The connection window itself
+# is topped up as bytes arrive: the streams' credit is what bounds memory.
+STREAM_WINDOW = 65535
+CONNECTION_WINDOW = 16 << 20
+GRANT_SLACK = 16384  # over a message's own size: room for padding
 # Our SETTINGS: no push, MAX_STREAMS, STREAM_WINDOW, frames up to OUR_MAX_FRAME, header
 # lists up to MAX_HEADER_BLOCK.
 OUR_SETTINGS = struct.pack(">HIHIHIHIHI", 0x2, 0, 0x3, MAX_STREAMS, 0x4, STREAM_WINDOW, 0x5, OUR_MAX_FRAME,
                            0x6, MAX_HEADER_BLOCK)
-_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_TIMEOUT = re.compile(rb"(\d{1,8})([HMSmun])")  # the spec's TimeoutValue: at most 8 digits
+
+
+def _unpad(payload: bytes) -> bytes:
+    """A PADDED frame's content: the pad length byte and the padding removed."""
+    if not payload or payload[0] >= len(payload):
+        raise _ConnectionError(PROTOCOL_ERROR, "padding as long as the frame or longer")
+    return payload[1:len(payload) - payload[0]]
 
 
 def _frame_header(kind: int, flags: int, stream: int, length: int) -> bytes:
@@ -168,8 +182,8 @@ class Context:
 
 
 class _Stream:
-    __slots__ = ("id", "block", "end_after_headers", "headers", "body", "unacked", "window", "pending", "task",
-                 "timer")
+    __slots__ = ("id", "block", "end_after_headers", "headers", "body", "received", "granted", "need", "admitted",
+                 "window", "pending", "headers_sent", "task", "timer")
 
     def __init__(self, stream_id: int, window: int):
         self.id = stream_id
@@ -177,9 +191,13 @@ class _Stream:
         self.end_after_headers = False
         self.headers: list[tuple[bytes, bytes]] | None = None
         self.body = bytearray()
-        self.unacked = 0  # bytes received on this stream since its last WINDOW_UPDATE
+        self.received = 0  # DATA bytes (padding included) taken in on this stream
+        self.granted = STREAM_WINDOW  # the credit we gave it in all
+        self.need: int | None = None  # its message's size with the prefix, once the prefix is in
+        self.admitted = False
         self.window = window  # what the peer lets us send on this stream
-        self.pending: list[bytes] = []  # response bytes (data payload, then trailers) waiting for window
+        self.pending: list[Any] = []  # response bytes (data payload, then trailers) waiting for window
+        self.headers_sent = False  # response headers out: a late status goes as trailers only
         self.task: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
 
@@ -205,8 +223,11 @@ class Connection(asyncio.Protocol):
         self.send_window = 65535  # the connection's, as the peer lets us send
         self.peer_initial_window = 65535
         self.peer_max_frame = 16384
-        self.received_unacked = 0  # bytes of DATA taken in since our last connection WINDOW_UPDATE
+        self.conn_received = 0  # DATA bytes taken in on the connection
+        self.conn_granted = CONNECTION_WINDOW  # the connection credit we gave in all
         self.buffered = 0  # bytes of requests not yet complete, held in their streams
+        self.committed = 0  # the sizes of the admitted requests still arriving
+        self.waiting = 0  # streams whose size is known, not admitted yet
         self.continuing: _Stream | None = None
         self.going_away = False
         self.peer = "unknown"
@@ -233,10 +254,16 @@ class Connection(asyncio.Protocol):
         self.server.connection_closed()
 
     def pause_writing(self) -> None:
+        """The client is not reading: stop reading it too (no new calls, no PING answers
+        piling up) until the transport's buffer drains."""
         self.write_paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         buf = self.buffer
@@ -291,11 +318,17 @@ class Connection(asyncio.Protocol):
                 self.continuing = None
                 self.headers_done(stream)
         elif kind == SETTINGS:
+            if stream_id:
+                raise _ConnectionError(PROTOCOL_ERROR, "SETTINGS on a stream")
             if not flags & ACK:
                 self.on_settings(payload)
         elif kind == WINDOW_UPDATE:
-            increment = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+            if len(payload) != 4:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE payload is not 4 bytes")
+            increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
             if stream_id == 0:
+                if not increment:
+                    raise _ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0 on the connection")
                 self.send_window += increment
                 if self.send_window > MAX_WINDOW:
                     raise _ConnectionError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
@@ -305,12 +338,18 @@ class Connection(asyncio.Protocol):
             elif stream_id in self.streams:
                 stream = self.streams[stream_id]
                 stream.window += increment
-                if stream.pending:
+                if not increment or stream.window > MAX_WINDOW:
+                    self.reset(stream, FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR)
+                elif stream.pending:
                     self.flush(stream)
         elif kind == PING:
+            if len(payload) != 8 or stream_id:
+                raise _ConnectionError(FRAME_SIZE_ERROR if stream_id == 0 else PROTOCOL_ERROR, "malformed PING")
             if not flags & ACK:
                 self.write(_frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
+            if stream_id == 0:
+                raise _ConnectionError(PROTOCOL_ERROR, "RST_STREAM on stream 0")
             stream = self.streams.pop(stream_id, None)
             if stream is not None:
                 self.release(stream)
@@ -324,7 +363,7 @@ class Connection(asyncio.Protocol):
 
     def on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if flags & PADDED:
-            payload = payload[1:len(payload) - payload[0]]
+            payload = _unpad(payload)
         if flags & PRIORITY_FLAG:
             payload = payload[5:]
         stream = self.streams.get(stream_id)
@@ -359,50 +398,87 @@ class Connection(asyncio.Protocol):
             return  # refused or reset: decoded only to keep the header table in step
         if stream.headers is None:
             stream.headers = fields  # type: ignore[assignment]
-        if stream.end_after_headers:
+        if stream.end_after_headers and stream.task is None:  # a second END_STREAM changes nothing
             self.dispatch(stream)
 
     def on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
         size = len(payload)
-        self.received_unacked += size
+        self.conn_received += size
+        if self.conn_received > self.conn_granted:
+            raise _ConnectionError(FLOW_CONTROL_ERROR, "DATA beyond the connection's window")
+        if self.conn_granted - self.conn_received < CONNECTION_WINDOW // 2:  # top it up
+            increment = CONNECTION_WINDOW - (self.conn_granted - self.conn_received)
+            self.write(_frame(WINDOW_UPDATE, 0, 0, increment.to_bytes(4, "big")))
+            self.conn_granted += increment
         stream = self.streams.get(stream_id)
         if stream is None or stream.task is not None:
-            self.credit()
             return  # a stream we reset or already answered: its data is counted and dropped
+        stream.received += size
+        if stream.received > stream.granted:
+            raise _ConnectionError(FLOW_CONTROL_ERROR, f"DATA beyond stream {stream_id}'s window")
         if flags & PADDED:
-            payload = payload[1:len(payload) - payload[0]]
-        if not flags & END_STREAM:
-            stream.unacked += size
-            if stream.unacked >= STREAM_WINDOW // 2:  # the stream's credit back as its bytes arrive
-                self.write(_frame(WINDOW_UPDATE, 0, stream_id, stream.unacked.to_bytes(4, "big")))
-                stream.unacked = 0
+            payload = _unpad(payload)
         stream.body += payload
         self.buffered += len(payload)
-        self.credit()
-        limit = self.server.max_receive + 5
-        if len(stream.body) > limit:
-            size = int.from_bytes(stream.body[1:5], "big")
-            self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"Received message larger than max ({size} vs. {self.server.max_receive})")
-            self.write(_frame(RST_STREAM, 0, stream_id, NO_ERROR.to_bytes(4, "big")))
+        max_receive = self.server.max_receive
+        if stream.need is None and len(stream.body) >= 5:
+            declared = int.from_bytes(stream.body[1:5], "big")
+            if declared > max_receive:
+                self.refuse_oversized(stream, declared)
+                return
+            stream.need = declared + 5
+            self.waiting += 1
+            self.admit()
+        if len(stream.body) > max_receive + 5:
+            self.refuse_oversized(stream, len(stream.body) - 5)
             return
         if flags & END_STREAM:
             self.dispatch(stream)
 
-    def credit(self) -> None:
-        """Give the connection's window back once half of it is used, unless the requests held
-        half-received are over budget: then the client waits until calls take their bytes."""
-        if self.received_unacked >= CONNECTION_WINDOW // 2 and \
-                self.buffered <= self.server.max_receive + CONNECTION_WINDOW:
-            self.write(_frame(WINDOW_UPDATE, 0, 0, self.received_unacked.to_bytes(4, "big")))
-            self.received_unacked = 0
+    def refuse_oversized(self, stream: _Stream, size: int) -> None:
+        self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Received message larger than max ({size} vs. {self.server.max_receive})")
+        self.write(_frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big")))
+
+    def admit(self) -> None:
+        """Admit waiting streams, oldest first, while their messages fit the budget (always
+        one when none is admitted), giving each credit for its whole message."""
+        budget = self.server.max_receive + 5 + CONNECTION_WINDOW
+        for stream in self.streams.values():
+            if not self.waiting:
+                return
+            if stream.admitted or stream.need is None or stream.need < 0 or stream.task is not None:
+                continue
+            if self.committed and self.committed + stream.need > budget:
+                continue
+            stream.admitted = True
+            self.waiting -= 1
+            self.committed += stream.need
+            if stream.need > stream.granted:
+                increment = stream.need + GRANT_SLACK - stream.granted
+                self.write(_frame(WINDOW_UPDATE, 0, stream.id, increment.to_bytes(4, "big")))
+                stream.granted += increment
+
+    def reset(self, stream: _Stream, code: int) -> None:
+        """End one stream with RST_STREAM ``code`` (a stream error: the connection lives on)."""
+        self.write(_frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big")))
+        self.streams.pop(stream.id, None)
+        self.release(stream)
+        self.drop(stream)
 
     def release(self, stream: _Stream) -> None:
-        """A stream's request bytes leave the connection's buffer (handed to its call, or dropped)."""
+        """A stream's request leaves the connection's accounts (handed to its call, answered
+        or reset): its bytes and its admission; waiting streams may be admitted now."""
         if stream.body:
             self.buffered -= len(stream.body)
             stream.body = bytearray()
-            self.credit()
+        if stream.admitted:
+            stream.admitted = False
+            self.committed -= stream.need or 0
+            self.admit()
+        elif stream.need is not None and stream.need >= 0:
+            self.waiting -= 1
+        stream.need = -1  # accounted for: never again
 
     def on_settings(self, payload: bytes) -> None:
         if len(payload) % 6:
@@ -415,6 +491,8 @@ class Connection(asyncio.Protocol):
                 delta, self.peer_initial_window = value - self.peer_initial_window, value
                 for stream in self.streams.values():
                     stream.window += delta
+                    if stream.window > MAX_WINDOW:
+                        raise _ConnectionError(FLOW_CONTROL_ERROR, "a stream window over 2^31-1")
             elif key == 0x5:
                 if not 16384 <= value <= 16777215:
                     raise _ConnectionError(PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} out of range")
@@ -428,17 +506,20 @@ class Connection(asyncio.Protocol):
     def dispatch(self, stream: _Stream) -> None:
         """The request is complete: check its headers and framing, then run the call."""
         method, metadata, deadline, encoding, problem = "", [], None, b"identity", ""
+        content_type, verb = b"", b""
         for name, value in stream.headers or ():
             if name == b":path":
                 method = value.decode("latin-1")
+            elif name == b":method":
+                verb = value
             elif name == b"content-type":
-                if not value.startswith(b"application/grpc"):
-                    problem = f"content-type {value.decode('latin-1')!r} is not application/grpc"
+                content_type = value
             elif name == b"grpc-timeout":
-                try:
-                    deadline = time.monotonic() + int(value[:-1]) * _TIMEOUT_UNITS[value[-1:].decode()]
-                except (ValueError, KeyError):
+                match = _TIMEOUT.fullmatch(value)
+                if match is None:
                     problem = f"malformed grpc-timeout {value.decode('latin-1')!r}"
+                else:
+                    deadline = time.monotonic() + int(match[1]) * _TIMEOUT_UNITS[match[2]]
             elif name == b"grpc-encoding":
                 encoding = value
             elif name[:1] != b":" and name not in (b"te", b"grpc-accept-encoding"):
@@ -448,6 +529,13 @@ class Connection(asyncio.Protocol):
                                      else value.decode("latin-1")))
                 except ValueError:
                     problem = f"metadata {key!r} is not base64"
+        if verb != b"POST":  # not a gRPC request at all: answered in HTTP, as grpcio does
+            self.http_error(stream, 405, f"method {verb.decode('latin-1')} is not POST")
+            return
+        if content_type != b"application/grpc" and not content_type.startswith((b"application/grpc+",
+                                                                                b"application/grpc;")):
+            self.http_error(stream, 415, f"content-type {content_type.decode('latin-1')!r} is not application/grpc")
+            return
         body = stream.body
         if not problem:
             if len(body) < 5 or body[0] > 1 or int.from_bytes(body[1:5], "big") != len(body) - 5:
@@ -465,6 +553,8 @@ class Connection(asyncio.Protocol):
             try:
                 inflate = zlib.decompressobj(31 if encoding == b"gzip" else 15)
                 message = inflate.decompress(message, self.server.max_receive + 1)
+                if len(message) <= self.server.max_receive and (not inflate.eof or inflate.unused_data):
+                    raise zlib.error("truncated, or followed by other bytes")
             except zlib.error as exc:
                 self.finish(stream, grpc.StatusCode.INTERNAL, f"cannot decompress the request: {exc}")
                 return
@@ -475,15 +565,16 @@ class Connection(asyncio.Protocol):
                 return
         self.release(stream)
         context = Context(tuple(metadata), deadline, self.peer)
-        stream.task = self.server.loop.create_task(self.call(stream, method, message, context))
+        server = self.server
+        server.in_flight += 1  # counted from here, so a burst read at once is not "alone"
+        stream.task = server.loop.create_task(self.call(stream, method, message, context))
+        stream.task.add_done_callback(server.call_done)
         if deadline is not None:
             stream.timer = self.server.loop.call_at(
                 self.server.loop.time() + max(0.0, deadline - time.monotonic()), self.expire, stream)
 
     async def call(self, stream: _Stream, method: str, message: bytes, context: Context) -> None:
-        server = self.server
-        server.in_flight += 1
-        LONE_CALL.set(server.alone)  # this task's own context: the batcher may run a lone call here
+        LONE_CALL.set(self.server.alone)  # this task's own context: the batcher may run a lone call here
         try:
             handler = await self.server.lookup(CallDetails(method, context.invocation_metadata()))
             if handler is None or handler.unary_unary is None:
@@ -515,8 +606,6 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error in %s", method)
             self.finish(stream, grpc.StatusCode.UNKNOWN, "Unexpected error in the method handler")
-        finally:
-            server.in_flight -= 1
 
     def expire(self, stream: _Stream) -> None:
         stream.timer = None
@@ -543,6 +632,7 @@ class Connection(asyncio.Protocol):
             self.done(stream)
             return
         self.write(head)
+        stream.headers_sent = True
         stream.pending = [data, trailers]
         self.flush(stream)
 
@@ -576,7 +666,15 @@ class Connection(asyncio.Protocol):
         """A status with no message: a trailers-only response."""
         if self.streams.get(stream.id) is not stream:
             return
-        block = RESPONSE_HEADERS + status_trailers(code, message, trailing)
+        block = status_trailers(code, message, trailing)
+        if not stream.headers_sent:  # a trailers-only response
+            block = RESPONSE_HEADERS + block
+        self.write(self._headers_frames(stream.id, block, END_STREAM))
+        self.done(stream)
+
+    def http_error(self, stream: _Stream, status: int, message: str) -> None:
+        """A request that is not gRPC: an HTTP status (":status" by its static-table name)."""
+        block = b"\x08" + _hpack_int(3, 7) + str(status).encode() + status_trailers(grpc.StatusCode.INTERNAL, message)
         self.write(self._headers_frames(stream.id, block, END_STREAM))
         self.done(stream)
 
@@ -653,6 +751,9 @@ class LeanServer(LoopThread):
 
     def alone(self) -> bool:
         return self.in_flight == 1
+
+    def call_done(self, task: Any) -> None:
+        self.in_flight -= 1
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self.handlers.extend(handlers)

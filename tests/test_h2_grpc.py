@@ -241,11 +241,13 @@ def test_not_http2_or_oversized_frames_close_only_that_connection(served: Any) -
 
 
 def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> None:
-    """Streams opened and fed but never finished: the server stops giving connection credit
-    once what it holds half-received passes its budget, so the client is held back."""
+    """Streams opened and fed but never finished: a stream gets credit for its whole message
+    only once admitted within the connection's budget, so a client that opens every stream
+    it may is held to about budget + MAX_STREAMS x STREAM_WINDOW bytes."""
     server, port, _ = served
-    budget = MAX + h2_grpc.CONNECTION_WINDOW
-    cap = 6 * budget  # what this client would send if nothing held it back
+    budget = MAX + 5 + h2_grpc.CONNECTION_WINDOW
+    bound = budget + h2_grpc.MAX_STREAMS * (h2_grpc.STREAM_WINDOW + h2_grpc.GRANT_SLACK)
+    cap = 4 * bound  # what this client would send if nothing held it back
     encoder = hpack.Encoder()
     window, stream_window, stream_sent = 65535, {}, {}
     sent, current, next_stream = 0, 0, 1
@@ -256,6 +258,7 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
             while select.select([sock], [], [], 0)[0]:
                 kind, flags, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
                 assert kind is not None, "the server closed the connection"
+                assert kind != h2_grpc.RST_STREAM, "a stream was refused: this client stays within the limits"
                 if kind == h2_grpc.WINDOW_UPDATE:
                     last_credit = time.monotonic()
                     if stream_id == 0:
@@ -264,25 +267,54 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
                         stream_window[stream_id] += int.from_bytes(payload, "big")
                 elif kind == h2_grpc.SETTINGS and not flags & 1:
                     sock.sendall(frame(h2_grpc.SETTINGS, 1, 0))
-            if not current or stream_sent[current] >= MAX:  # each stream declares MAX bytes, never all sent
+            ready = [s for s in stream_window if stream_window[s] > 0 and stream_sent[s] < MAX - 1]
+            if not ready and len(stream_window) < h2_grpc.MAX_STREAMS:  # each declares MAX bytes, never all sent
                 current, next_stream = next_stream, next_stream + 2
                 sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, current, request_headers(encoder, port)))
                 stream_window[current], stream_sent[current] = h2_grpc.STREAM_WINDOW, 0
-                prefix = b"\x00" + (MAX + 1).to_bytes(4, "big")
-                sock.sendall(frame(h2_grpc.DATA, 0, current, prefix))
+                sock.sendall(frame(h2_grpc.DATA, 0, current, b"\x00" + MAX.to_bytes(4, "big")))
                 window, stream_window[current], sent = window - 5, stream_window[current] - 5, sent + 5
-            n = min(16384, window, stream_window[current], MAX - stream_sent[current])
-            if n <= 0:
+                continue
+            if not ready or window <= 0:
                 select.select([sock], [], [], 0.3)
                 continue
+            current = ready[0]
+            n = min(16384, window, stream_window[current], MAX - 1 - stream_sent[current])
             sock.sendall(frame(h2_grpc.DATA, 0, current, bytes(n)))
             window, stream_window[current] = window - n, stream_window[current] - n
             stream_sent[current] += n
             sent += n
         held = [c.buffered for c in list(server.connections)]
-    assert sent < cap, "the server kept giving credit to a client that never finishes a request"
-    assert sent <= budget + 2 * h2_grpc.CONNECTION_WINDOW
-    assert held and max(held) <= budget + h2_grpc.CONNECTION_WINDOW
+    assert len(stream_window) == h2_grpc.MAX_STREAMS  # it did open every stream it may
+    assert sent <= bound, "the server gave credit past its budget to a client that never finishes a request"
+    assert held and max(held) <= bound
+
+
+def test_concurrent_large_requests_over_the_budget_take_turns(served: Any) -> None:
+    """Four messages near the size limit at once on one connection, more than the budget
+    admits together: the waiting ones are admitted as others finish (no deadlock)."""
+    _, port, _ = served
+    payloads = [os.urandom(MAX - 1024 * i) for i in range(4)]
+    with channel(port) as ch:
+        echo = ch.unary_unary("/t.Test/Echo")
+        futures = [echo.future(p, timeout=60) for p in payloads]
+        assert [f.result() == p for f, p in zip(futures, payloads)] == [True] * 4
+
+
+def test_data_past_the_granted_window_is_a_flow_control_error(served: Any) -> None:
+    _, port, _ = served
+    encoder = hpack.Encoder()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0)
+                     + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, request_headers(encoder, port)))
+        # a small declared message, then far more than a new stream's window, ignoring it
+        sock.sendall(frame(h2_grpc.DATA, 0, 1, b"\x00\x00\x00\x00\x0a" + bytes(16379)))
+        for _ in range(4):
+            sock.sendall(frame(h2_grpc.DATA, 0, 1, bytes(16384)))
+        frames = []
+        while (f := read_frame(sock)) is not None:
+            frames.append(f)
+        assert any(kind == h2_grpc.GOAWAY and payload[4:8] == b"\x00\x00\x00\x03" for kind, _, _, payload in frames)
 
 
 def test_streams_over_the_limit_are_refused_and_the_header_table_stays_in_step(served: Any) -> None:
@@ -349,3 +381,9 @@ def test_another_http2_implementation_is_understood(served: Any, tmp_path: Any) 
                           f"http://127.0.0.1:{port}/t.Test/Echo"], capture_output=True, text=True, timeout=30)
     assert out.stdout == "2 200", out
     assert (tmp_path / "reply.bin").read_bytes() == body.read_bytes()
+    for extra, status in ((["-H", "content-type: text/plain"], "415"), (["-X", "PUT"], "405")):
+        # not gRPC at all: an HTTP status, as grpcio answers
+        out = subprocess.run([curl, "-s", "--http2-prior-knowledge", "-X", "POST", "-H", "content-type: application/grpc",
+                              *extra, "--data-binary", f"@{body}", "-o", "/dev/null", "-w", "%{http_code}",
+                              f"http://127.0.0.1:{port}/t.Test/Echo"], capture_output=True, text=True, timeout=30)
+        assert out.stdout == status, (extra, out)
