@@ -12,9 +12,10 @@ do not know which server runs them (``[grpc] transport``: "lean", the default, o
 
 What it implements: the connection preface and SETTINGS, HPACK request headers (the
 ``hpack`` library; responses use only literal fields that need no table, so they are
-constant bytes), HEADERS + CONTINUATION, DATA, flow control both ways (a large receive
-window, replenished; the peer's windows respected when sending, the rest queued until its
-WINDOW_UPDATE), PING, RST_STREAM, GOAWAY (sent on drain, honoured when received),
+constant bytes), HEADERS + CONTINUATION, DATA, flow control both ways (receive
+credit per stream by admission within a per-connection budget, and enforced; the peer's
+windows respected when sending, the rest queued until its WINDOW_UPDATE; the connection
+not read while the client does not read), PING, RST_STREAM, GOAWAY (sent on drain, honoured when received),
 ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip-compressed requests, the maximum message size
 both ways (RESOURCE_EXHAUSTED) and TCP or Unix socket listeners. What it does not: TLS
 (the gRPC port is plaintext, as before), streaming RPCs (none are served), server push.
