@@ -473,13 +473,13 @@ class Connection(asyncio.Protocol):
         if stream.body:
             self.buffered -= len(stream.body)
             stream.body = bytearray()
+        need, stream.need = stream.need, -1  # accounted for, before admit() looks at the streams again
         if stream.admitted:
             stream.admitted = False
-            self.committed -= stream.need or 0
+            self.committed -= need or 0
             self.admit()
-        elif stream.need is not None and stream.need >= 0:
+        elif need is not None and need >= 0:
             self.waiting -= 1
-        stream.need = -1  # accounted for: never again
 
     def on_settings(self, payload: bytes) -> None:
         if len(payload) % 6:
