@@ -202,7 +202,7 @@ class Batcher:
         if alone is None or not s.batches or s.run_seconds > INLINE_RUN_S * s.batches or not alone():
             return False
         with self._cond:
-            if self._busy or self._queued_rows or self._frozen or self._closed or self._threads_wanted < 1:
+            if self._busy or self._queued_rows or self._frozen or self._closed:
                 return False
             self._busy += 1
             return True
@@ -210,7 +210,6 @@ class Batcher:
     def _run_here(self, task: _Task) -> dict[str, np.ndarray]:
         try:
             self._execute([task])
-            self.stats.last_progress = time.monotonic()
         finally:
             with self._cond:
                 self._busy -= 1
@@ -291,7 +290,6 @@ class Batcher:
                     break  # wait like a follower
                 batch = self._pop_batch()
             self._execute(batch)
-            self.stats.last_progress = time.monotonic()
         own.wake.wait()
         if own.lead:
             self._lead(own)
@@ -307,7 +305,6 @@ class Batcher:
                     return
                 batch = self._pop_batch()
             self._execute(batch)
-            self.stats.last_progress = time.monotonic()
 
     def _hand_over(self) -> None:
         """Under the lock: give free slots to the threads of the oldest queued tasks (a runner
@@ -388,6 +385,7 @@ class Batcher:
         finished = time.perf_counter()
         queued = sum(started - t.enqueued for t in batch) / len(batch)
         self._record(batch[0].signature, rows, padded, queued, finished - started)
+        self.stats.last_progress = time.monotonic()  # a batch finished: the watchdog's sign of life
 
     def _record(self, signature: str, rows: int, padded: int, queued: float, ran: float) -> None:
         with self._cond:

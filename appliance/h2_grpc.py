@@ -226,13 +226,16 @@ class Connection(asyncio.Protocol):
         self.peer_max_frame = 16384
         self.conn_received = 0  # DATA bytes taken in on the connection
         self.conn_granted = CONNECTION_WINDOW  # the connection credit we gave in all
-        self.buffered = 0  # bytes of requests not yet complete, held in their streams
         self.committed = 0  # the sizes of the admitted requests still arriving
         self.waiting = 0  # streams whose size is known, not admitted yet
         self.continuing: _Stream | None = None
         self.going_away = False
         self.peer = "unknown"
-        self.write_paused = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of requests not yet complete, held in their streams."""
+        return sum(len(stream.body) for stream in self.streams.values())
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -257,12 +260,10 @@ class Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         """The client is not reading: stop reading it too (no new calls, no PING answers
         piling up) until the transport's buffer drains."""
-        self.write_paused = True
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self.write_paused = False
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
@@ -351,10 +352,9 @@ class Connection(asyncio.Protocol):
         elif kind == RST_STREAM:
             if stream_id == 0:
                 raise _ConnectionError(PROTOCOL_ERROR, "RST_STREAM on stream 0")
-            stream = self.streams.pop(stream_id, None)
+            stream = self.streams.get(stream_id)
             if stream is not None:
-                self.release(stream)
-                self.drop(stream)
+                self.done(stream)  # its call is cancelled; a drain waiting on it is told
         elif kind == GOAWAY:
             self.going_away = True
             self.close_if_idle()
@@ -420,7 +420,6 @@ class Connection(asyncio.Protocol):
         if flags & PADDED:
             payload = _unpad(payload)
         stream.body += payload
-        self.buffered += len(payload)
         max_receive = self.server.max_receive
         if stream.need is None and len(stream.body) >= 5:
             declared = int.from_bytes(stream.body[1:5], "big")
@@ -463,16 +462,12 @@ class Connection(asyncio.Protocol):
     def reset(self, stream: _Stream, code: int) -> None:
         """End one stream with RST_STREAM ``code`` (a stream error: the connection lives on)."""
         self.write(_frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big")))
-        self.streams.pop(stream.id, None)
-        self.release(stream)
-        self.drop(stream)
+        self.done(stream)
 
     def release(self, stream: _Stream) -> None:
         """A stream's request leaves the connection's accounts (handed to its call, answered
         or reset): its bytes and its admission; waiting streams may be admitted now."""
-        if stream.body:
-            self.buffered -= len(stream.body)
-            stream.body = bytearray()
+        stream.body = bytearray()
         need, stream.need = stream.need, -1  # accounted for, before admit() looks at the streams again
         if stream.admitted:
             stream.admitted = False
@@ -610,10 +605,7 @@ class Connection(asyncio.Protocol):
 
     def expire(self, stream: _Stream) -> None:
         stream.timer = None
-        if self.streams.get(stream.id) is stream:
-            if stream.task is not None:
-                stream.task.cancel()
-            self.finish(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        self.finish(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")  # done() cancels the call
 
     # -- responses -------------------------------------------------------------------------
     def respond(self, stream: _Stream, payload: bytes, trailing: Sequence[tuple[str, Any]] = ()) -> None:
@@ -664,7 +656,7 @@ class Connection(asyncio.Protocol):
 
     def finish(self, stream: _Stream, code: grpc.StatusCode, message: str,
                trailing: Sequence[tuple[str, Any]] = ()) -> None:
-        """A status with no message: a trailers-only response."""
+        """End the stream with a status: trailers-only, or trailers after headers already sent."""
         if self.streams.get(stream.id) is not stream:
             return
         block = status_trailers(code, message, trailing)
@@ -690,23 +682,18 @@ class Connection(asyncio.Protocol):
         return out
 
     def done(self, stream: _Stream) -> None:
+        """The stream is over (answered, reset by either side, expired): out of the accounts,
+        its timer and its call cancelled, the connection closed if it was going away."""
         self.streams.pop(stream.id, None)
         self.release(stream)
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
         if stream.task is not None and stream.task is not asyncio.current_task():
-            stream.task.cancel()  # finished for it (deadline, size): its result is not wanted
+            stream.task.cancel()  # over before its call finished: its result is not wanted
         self.close_if_idle()
         if self.server.closing and not self.streams:
             self.server.connection_closed()
-
-    def drop(self, stream: _Stream) -> None:
-        """The client reset the stream: cancel its call."""
-        if stream.timer is not None:
-            stream.timer.cancel()
-        if stream.task is not None:
-            stream.task.cancel()
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -748,7 +735,7 @@ class LeanServer(LoopThread):
         self._cache: dict[str, Any] = {}
         self.unix_paths: list[str] = []
         self.lookup = self._chain()
-        self.in_flight = 0  # calls running on the loop (their coroutines started, not finished)
+        self.in_flight = 0  # calls dispatched and not finished (their tasks), on every connection
 
     def alone(self) -> bool:
         return self.in_flight == 1

@@ -391,3 +391,26 @@ def test_another_http2_implementation_is_understood(served: Any, tmp_path: Any) 
                               *extra, "--data-binary", f"@{body}", "-o", "/dev/null", "-w", "%{http_code}",
                               f"http://127.0.0.1:{port}/t.Test/Echo"], capture_output=True, text=True, timeout=30)
         assert out.stdout == status, (extra, out)
+
+
+def test_a_call_reset_during_drain_does_not_hold_the_drain(served: Any) -> None:
+    """The client resets its only call while the server drains and keeps the connection
+    open: the drain ends then, not after its grace."""
+    server, port, methods = served
+    encoder = hpack.Encoder()
+    block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Sleep"),
+                            (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc")])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0)
+                     + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, block)
+                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, 1, b"\x00\x00\x00\x00\x0260"))
+        assert methods.started.wait(10)
+        stopper = threading.Thread(target=server.stop, args=(60,))
+        started = time.monotonic()
+        stopper.start()
+        while (f := read_frame(sock)) is not None and f[0] != h2_grpc.GOAWAY:
+            pass  # the drain has begun
+        sock.sendall(frame(h2_grpc.RST_STREAM, 0, 1, (8).to_bytes(4, "big")))  # CANCEL, connection kept open
+        stopper.join(30)
+        assert not stopper.is_alive() and time.monotonic() - started < 20, "the drain waited out its grace"
+        assert methods.cancelled.wait(10)
