@@ -13,15 +13,15 @@ import os
 import sys
 from typing import Any
 
-from . import __version__
-from .config import BACKEND_CHOICES, Config
-from .config import load as load_config
-from .errors import ConfigError
+from appliance import __version__
+from appliance.core.config import BACKEND_CHOICES, Config
+from appliance.core.config import load as load_config
+from appliance.core.errors import ConfigError
 
 # Modules that add subcommands with ``add_commands(subparsers)``; each imports its heavy
 # libraries inside the command function, so building the parser stays cheap.
-COMMAND_MODULES = ("appliance.install", "appliance.discovery", "sync.cli", "appliance.tfs_flags",
-                   "appliance.rollout_cli")
+COMMAND_MODULES = ("appliance.install", "appliance.parts.discovery", "appliance.commands.fleet", "appliance.commands.tfs",
+                   "appliance.commands.rollout")
 SAMPLE_DIR = os.path.join(os.path.dirname(__file__), "sample_models")
 
 
@@ -72,7 +72,7 @@ SAMPLE_CURL = "curl -d '{{\"instances\": [1.0, 2.0, 5.0]}}' {url}/v1/models/half
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .service import main
+    from appliance.service import main
 
     overrides = _serve_overrides(args)
     config = load_config(args.config, overrides)
@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_probe(args: argparse.Namespace) -> int:
     import runtimes
 
-    from . import device
+    from appliance.core import device
 
     config = load_config(args.config, {"models_dir": args.models})
     info = device.profile(vars(config.runtime.tflite))
@@ -112,8 +112,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def _probe_models(config: Config, info: dict[str, Any]) -> dict[str, Any]:
     """Run the real selection (load and time each candidate) for each model's newest version."""
-    from .manager import Manager, discover_models, versions_on_disk
-    from .state import StateDB
+    from appliance.core.manager import Manager, discover_models, versions_on_disk
+    from appliance.core.state import StateDB
 
     db = StateDB(":memory:").open()
     manager = Manager(config, db, info)

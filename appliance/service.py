@@ -28,12 +28,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import __version__, logs, memory
-from .app import Appliance, create_app
-from .config import Config
-from .config import load as load_config
-from .errors import ConfigError
-from .http_server import HTTPServer
+from appliance import __version__
+from appliance.core import logs
+from appliance.core import memory
+from appliance.api.app import Appliance, create_app
+from appliance.core.config import Config
+from appliance.core.config import load as load_config
+from appliance.core.errors import ConfigError
+from appliance.transport.http.server import HTTPServer
 
 log = logging.getLogger("appliance.service")
 
@@ -175,9 +177,9 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
         service.core.close()
         return 1
     # sync adds routes and gRPC binds its port: both before the first request
-    _add_optional_parts(service, ("appliance.sync_loop", "appliance.grpc_server", "appliance.tfs_config"))
+    _add_optional_parts(service, ("appliance.parts.sync_loop", "appliance.transport.grpc.server", "appliance.api.tfserving.config_files"))
     service.serve_http()
-    _add_optional_parts(service, ("appliance.notify", "appliance.discovery"))
+    _add_optional_parts(service, ("appliance.parts.notify", "appliance.parts.discovery"))
     assert service.server is not None
     url = url_for(config, service.server.port)
     print(f"edge-appliance {__version__} serving on {url} (state: {config.state_dir}, pid {os.getpid()})",
@@ -193,10 +195,10 @@ def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
         except ModuleNotFoundError as exc:
             if exc.name != module:  # the part exists but something it needs is missing: say so
                 log.warning("%s is not available: %s", module, exc)
-                service.core.extras.setdefault("problems", []).append(f"{module}: {exc}")
+                service.core.report_problem(module.rsplit(".", 1)[-1], f"not available: {exc}")
             continue
         try:
             part.attach(service)
         except Exception as exc:  # logged and shown in status; the API keeps running
             log.exception("%s failed to start", module)
-            service.core.extras.setdefault("problems", []).append(f"{module}: {exc}")
+            service.core.report_problem(module.rsplit(".", 1)[-1], f"failed to start: {exc}")

@@ -41,8 +41,8 @@ PREDICT = "/tensorflow.serving.PredictionService/Predict"
 
 
 def predict_bytes(model: str) -> bytes:
-    from appliance.tfs_grpc import to_tensor
-    from appliance.tfs_protos import pb
+    from appliance.api.tfserving.grpc_service import to_tensor
+    from appliance.protos.tfserving import pb
 
     request = pb.PredictRequest()
     request.model_spec.name = model

@@ -100,10 +100,10 @@ def run_cycles(cycles: int, leak_every: int) -> dict[str, Any]:
     """One build, in this process: returns the RSS figures."""
     import numpy as np
 
-    from appliance import device as device_mod
-    from appliance.config import Config
-    from appliance.manager import Manager, run_signature
-    from appliance.state import StateDB
+    from appliance.core import device as device_mod
+    from appliance.core.config import Config
+    from appliance.core.manager import Manager, run_signature
+    from appliance.core.state import StateDB
     from runtimes.tflite import TFLiteBackend
 
     work = Path(tempfile.mkdtemp(prefix="swap-memory-"))

@@ -196,10 +196,10 @@ def module_server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) ->
 
 @pytest.fixture
 def http_servers() -> Iterator[Any]:
-    """``start(app, threads=2, limits=None, security=None)``: appliance.http_server's real
+    """``start(app, threads=2, limits=None, security=None)``: appliance.transport.http.server's real
     server on a free loopback port, its loop in a thread; closed and joined at teardown."""
-    from appliance.config import LimitsConfig
-    from appliance.http_server import HTTPServer
+    from appliance.core.config import LimitsConfig
+    from appliance.transport.http.server import HTTPServer
 
     servers: list[tuple[Any, threading.Thread]] = []
 

@@ -15,9 +15,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from appliance import auth
-from appliance.config import ConfigError, SecurityConfig
-from appliance.config import load as load_config
+from appliance.api import auth
+from appliance.core.config import ConfigError, SecurityConfig
+from appliance.core.config import load as load_config
 
 ADMIN = "admin-" + "a1" * 16
 INFER = "infer-" + "b2" * 16
@@ -229,7 +229,7 @@ def test_bad_security_config_names_the_key(tmp_path: Path, toml: str, key: str) 
 def test_grpc_interceptor_applies_the_tokens(kind: str) -> None:
     import grpc
 
-    from appliance.grpc_server import AioServer, LeanServer
+    from appliance.transport.grpc.server import AioServer, LeanServer
 
     core = fake_core(inference_token=INFER)
     echo = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok:" + req)

@@ -1,4 +1,4 @@
-"""appliance.batcher.Batcher, driven directly.
+"""appliance.core.batcher.Batcher, driven directly.
 
 A "gated" numpy backend holds its first batch until the test has queued the requests it
 wants merged, so the batches that form are decided by the test, not by timing. One test
@@ -16,9 +16,9 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import pytest
 
-from appliance.batcher import Batcher
-from appliance.config import BatchingConfig
-from appliance.errors import InvalidArgument, QueueFull
+from appliance.core.batcher import Batcher
+from appliance.core.config import BatchingConfig
+from appliance.core.errors import InvalidArgument, QueueFull
 from runtimes import InputFailure
 
 WAIT = 30  # seconds: a hang guard only, never a timing assertion
@@ -415,7 +415,7 @@ def test_a_lone_call_of_a_quick_model_runs_on_its_loop_and_others_queue(batcher_
     """LONE_CALL (set by the lean gRPC server) lets a call alone on its loop run a quick model
     right there; a call that is not alone, a caller that sets nothing, or a slow model go
     through the batcher's own threads."""
-    from appliance import batcher as batcher_module
+    from appliance.core import batcher as batcher_module
 
     ran_on: list[str] = []
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config import Config, load
-from appliance.errors import ConfigError
+from appliance.core.config import Config, load
+from appliance.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

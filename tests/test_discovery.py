@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 import appliance
-from appliance import discovery
+from appliance.parts import discovery
 from tests.conftest import ROOT, free_port, poll_until, stop_process
 
 SERVICE_TYPE = "_edge-appliance._tcp.local."

@@ -357,7 +357,7 @@ def test_a_read_only_state_folder_still_serves_and_says_why(tmp_path: Path, firs
             code, body = readyz(server)
             assert code == 200, body
             problems = " | ".join(body.get("problems", []))
-            assert "cannot be opened for writing" in problems and "appliance.sync_loop" in problems, problems
+            assert "cannot be opened for writing" in problems and "appliance.parts.sync_loop" in problems, problems
             r = server.post("/v1/models/small:predict", {"instances": [[0.1] * SMALL["in_dim"]]})
             assert r.status_code == 200, r.text
             status = server.get("/api/status").json()

@@ -235,8 +235,8 @@ def test_sampling_is_reproducible_with_a_seed(server: Any) -> None:
 
 
 def test_generation_config_is_validated_by_key() -> None:
-    from appliance.config import GenerationConfig
-    from appliance.errors import ConfigError
+    from appliance.core.config import GenerationConfig
+    from appliance.core.errors import ConfigError
 
     GenerationConfig().validate("generation")
     for fields, key in (({"max_streams": 0}, "generation.max_streams"),

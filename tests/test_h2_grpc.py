@@ -22,8 +22,8 @@ import grpc
 import hpack
 import pytest
 
-from appliance import h2_grpc
-from appliance.h2_grpc import LeanServer
+from appliance.transport.grpc import h2_server as h2_grpc
+from appliance.transport.grpc.h2_server import LeanServer
 
 MAX = 8 << 20
 MESSAGE = "naïve 100% ✓: the spec's percent-encoding, round trip"

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import requests
 
-from appliance import config as config_mod
-from appliance import tfs_json
-from appliance.body_limits import GzipBodies, read_body
-from appliance.config import LimitsConfig
-from appliance.errors import ConfigError, InvalidArgument, PayloadTooLarge
+from appliance.core import config as config_mod
+from appliance.api.tfserving import json_format as tfs_json
+from appliance.api.body import GzipBodies, read_body
+from appliance.core.config import LimitsConfig
+from appliance.core.errors import ConfigError, InvalidArgument, PayloadTooLarge
 
 NO_DISCOVERY = "[discovery]\nenabled = false\n"
 

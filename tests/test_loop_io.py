@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import requests
 
-from appliance import loop_io
-from appliance.http_server import HTTPServer
+from appliance.transport.http import loop_io
+from appliance.transport.http.server import HTTPServer
 
 pytestmark = pytest.mark.skipif(not loop_io.AVAILABLE, reason="libc socket calls are Linux-only")
 

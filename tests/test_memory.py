@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from appliance import memory
+from appliance.core import memory
 
 
 def test_tuned_gc_is_rare_but_an_unload_collects_reference_cycles() -> None:

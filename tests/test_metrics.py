@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.metrics import RequestWindow
+from appliance.core.metrics import RequestWindow
 from tests.conftest import Server, model_copy
 
 MODEL = "multisig_tflite"

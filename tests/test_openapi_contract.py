@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
                                  status_code_conformance)
 
-from appliance import __version__, openapi
+from appliance import __version__
+from appliance.api import openapi
 
 ADMIN_TOKEN = "contract-test-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -45,7 +46,7 @@ def test_every_endpoint_is_described(server: Any) -> None:
                  "/v1/models/{model}:regress", "/healthz", "/readyz", "/api/status", "/api/sync", "/api/reload",
                  "/api/models/{model}/rollback", "/monitoring/prometheus/metrics", "/openapi.json"):
         assert path in paths, path
-    from appliance import v2_rest
+    from appliance.api.kserve import rest as v2_rest
 
     assert set(v2_rest.OPENAPI_PATHS) <= set(paths)  # the API layers' own paths are merged in
     assert "401" in paths["/v2/models/{model}/infer"]["post"]["responses"]  # with the auth layer's answers

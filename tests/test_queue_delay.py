@@ -4,7 +4,7 @@ slept: the decisions depend on the waits observed, never on this machine's speed
 
 from __future__ import annotations
 
-from appliance.queue_delay import FORGET_INTERVALS, QueueDelay
+from appliance.transport.http.queue_delay import FORGET_INTERVALS, QueueDelay
 
 
 def feed(delay: QueueDelay, start: float, waits: list[float], step: float = 0.01) -> float:

@@ -60,7 +60,7 @@ def examples(**features: list[float]) -> np.ndarray:
 
 
 def real_device() -> dict[str, Any]:
-    from appliance import device
+    from appliance.core import device
 
     return device.profile({})
 

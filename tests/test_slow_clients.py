@@ -17,8 +17,8 @@ from typing import Any, Callable
 import pytest
 import requests
 
-from appliance.config import LimitsConfig
-from appliance.http_server import HTTPServer
+from appliance.core.config import LimitsConfig
+from appliance.transport.http.server import HTTPServer
 from tests.conftest import poll_until
 
 SLACK_S = 15.0  # generous: a loaded CI box; the point is "cut", not "cut on time"

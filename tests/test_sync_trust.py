@@ -435,9 +435,9 @@ def test_trickling_transfer_is_a_stall_too(tmp_path: Path, bucket: Path, mirror:
 def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: Path, mirror: Mirror) -> None:
     """The real SyncLoop (in-process, no model manager): a stalled transfer is an event and
     the status' last error, and the loop waits longer after each failure."""
-    from appliance.config import Config
-    from appliance.state import StateDB
-    from appliance.sync_loop import SyncLoop
+    from appliance.core.config import Config
+    from appliance.core.state import StateDB
+    from appliance.parts.sync_loop import SyncLoop
 
     publish(open_source(f"file://{bucket}"), "m", str(make_version(tmp_path, "v", {"model.tflite": b"s" * 5000})), 1)
     mirror.stall.add("m/1/model.tflite")

@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, get_args, get_origin, get_type_hints
 import pytest
 import requests
 
-from appliance import config as config_mod
-from appliance.notify import Liveness, watchdog_interval
+from appliance.core import config as config_mod
+from appliance.parts.notify import Liveness, watchdog_interval
 from tests.conftest import ROOT
 
 SYSTEMD = ROOT / "systemd"
@@ -270,7 +270,7 @@ def test_watchdog_interval_honours_watchdog_pid() -> None:
 
 def test_liveness_fails_while_every_http_worker_is_stuck() -> None:
     """The watchdog's HTTP half: a real server whose only worker thread hangs is not alive."""
-    from appliance.http_server import HTTPServer
+    from appliance.transport.http.server import HTTPServer
 
     release = threading.Event()
 

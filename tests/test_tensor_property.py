@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from appliance import tfs_json
-from appliance.errors import InvalidArgument
+from appliance.api.tfserving import json_format as tfs_json
+from appliance.core.errors import InvalidArgument
 from runtimes import SignatureInfo, TensorSpec
 
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.int8, np.uint8, np.bool_, object]

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import tfs_config, tfs_flags
-from appliance.config import load as load_config
-from appliance.errors import ConfigError
+from appliance.api.tfserving import config_files as tfs_config
+from appliance.commands import tfs as tfs_flags
+from appliance.core.config import load as load_config
+from appliance.core.errors import ConfigError
 from tests.conftest import Server, free_port, poll_until, spawn
 
 MODELS_CONFIG = """
@@ -120,7 +121,7 @@ def start_tfs(tmp_path: Path, flags: list[str]) -> Server:
 
 def test_a_tf_serving_start_up_line_starts_the_service(tmp_path: Path, models_dir: Path) -> None:
     grpc = pytest.importorskip("grpc")
-    from appliance.tfs_protos import pb
+    from appliance.protos.tfserving import pb
 
     (tmp_path / "batching.txt").write_text(BATCHING)
     grpc_port = free_port()

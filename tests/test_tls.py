@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from appliance.config import ConfigError, LimitsConfig, SecurityConfig
-from appliance.http_server import HTTPServer, tls_context
+from appliance.core.config import ConfigError, LimitsConfig, SecurityConfig
+from appliance.transport.http.server import HTTPServer, tls_context
 from tests.conftest import ROOT, free_port
 
 BODY = json.dumps({"instances": [[0.1] * 64]})

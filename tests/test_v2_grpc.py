@@ -25,9 +25,9 @@ tc_grpc = pytest.importorskip("tritonclient.grpc")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from appliance import v2_grpc  # noqa: E402
-from appliance.app import Appliance  # noqa: E402
-from appliance.config import load as load_config  # noqa: E402
+from appliance.api.kserve import grpc_service as v2_grpc  # noqa: E402
+from appliance.core.appliance import Appliance  # noqa: E402
+from appliance.core.config import load as load_config  # noqa: E402
 from tests.conftest import free_port, poll_until  # noqa: E402
 from tests.modelgen import reference_predict, reference_predict_tflite  # noqa: E402
 
@@ -203,8 +203,8 @@ def test_unknown_model_is_not_found_and_metrics_count_v2(stub: Any, core: Applia
     assert b'API="v2_infer",entrypoint="REST",model_name="keras_mlp_tflite",status="OK"' in text
 
 
-@pytest.mark.skipif(importlib.util.find_spec("appliance.grpc_server") is None,
-                    reason="appliance.grpc_server (the service's gRPC port) is not in this checkout yet")
+@pytest.mark.skipif(importlib.util.find_spec("appliance.transport.grpc.server") is None,
+                    reason="appliance.transport.grpc.server (the service's gRPC port) is not in this checkout yet")
 def test_served_on_the_service_grpc_port(start_server: Any, models: Path) -> None:
     grpc_port = free_port()
     server = start_server("--models", str(models / "keras_mlp_tflite"), "--model-name", "mlp",

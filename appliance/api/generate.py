@@ -1,0 +1,248 @@
+"""``POST /v1/models/{m}[/versions/{v}|/labels/{l}]:generate``: token generation over HTTP.
+
+A WSGI layer (``appliance.app.API_LAYERS``): it answers the ``:generate`` paths and hands
+everything else to the app inside it. The request is a JSON object::
+
+    {"input_ids": [ids...]} or {"text": "..."}       (text: the version ships assets/vocab.json)
+    "max_new_tokens": int, "temperature": float (0 = greedy, the default), "top_k": int,
+    "top_p": float, "seed": int, "stop": [ids...], "stream": bool
+
+Without ``stream`` the answer is one JSON object (tokens, text, finish reason, counts).
+With ``"stream": true`` it is server-sent events: one ``data: {"token": id, "text": ...}``
+per token, then ``event: done`` with the finish reason and counts (``event: error`` if the
+model failed). A client that disconnects is noticed at the next token written and its
+stream is cancelled at the next step. Errors before the first byte are TF Serving's
+``{"error": ...}`` with 400 (bad field, named), 404 (unknown model/version) or 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+from http import HTTPStatus
+from typing import Any, Callable, Iterator
+from urllib.parse import unquote
+
+import orjson
+
+from appliance.core.errors import ApplianceError, InvalidArgument
+from appliance.core.generation import Generation, Params, Stream, Vocabulary
+from appliance.api.body import read_raw as _read_body
+from appliance.api.tfserving.rest import _raw_path
+from appliance.api.kserve.rest import json_object
+
+log = logging.getLogger("appliance.generate")
+
+PATH_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:generate")
+FIELDS = ("input_ids", "text", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stream")
+JSON = "application/json"
+SSE = "text/event-stream"
+
+
+class GenerateAPI:
+    """See module docstring. ``generation`` (the step scheduler) is built on first use."""
+
+    def __init__(self, inner: Callable[..., Any], core: Any):
+        self.inner = inner
+        self.core = core
+        self._generation: Generation | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def generation(self) -> Generation:
+        """Built on the first request: its metrics exist only where generation is used."""
+        with self._lock:
+            if self._generation is None:
+                self._generation = Generation(self.core)
+            return self._generation
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        path = environ.get("PATH_INFO", "")
+        match = PATH_RE.fullmatch(_raw_path(environ).partition("?")[0]) if path.endswith(":generate") else None
+        if match is None or environ.get("REQUEST_METHOD") != "POST":
+            return self.inner(environ, start_response)
+        started = time.perf_counter()
+        name = unquote(match.group(1))
+        try:
+            stream, vocab, streaming = self._start(environ, match)
+        except Exception as exc:  # before the first byte: a plain {"error": ...} answer
+            error = exc if isinstance(exc, ApplianceError) else _unexpected(exc)
+            self.core.metrics.observe_request(name, "generate", error.http_status, time.perf_counter() - started)
+            headers = [("Retry-After", str(int(error.retry_after)))] if error.retry_after else []
+            return _respond(start_response, error.http_status, orjson.dumps({"error": error.message}), headers)
+        if streaming:
+            start_response("200 OK", [("Content-Type", SSE), ("Cache-Control", "no-cache"),
+                                      ("X-Accel-Buffering", "no")])
+            return _EventStream(self, stream, vocab, started)
+        status, body = self._collect(stream, vocab)
+        self.core.metrics.observe_request(name, "generate", status, time.perf_counter() - started)
+        return _respond(start_response, status, body, [])
+
+    def _start(self, environ: dict[str, Any], match: re.Match[str]) -> tuple[Stream, Vocabulary | None, bool]:
+        if self.core.manager is None:
+            raise ApplianceError("the service is not started")
+        name, version, label = unquote(match.group(1)), match.group(2), match.group(3)
+        body = _parse(_read_body(environ, self.core.config.server.max_body_bytes))
+        handle = self.core.manager.handle(name, int(version) if version else None, unquote(label) if label else None)
+        try:
+            driver, vocab = self.generation.prepare(handle.slot)
+            prompt = _prompt(body, vocab, driver.vocab_size)
+            params = _params(body, self.core.config.generation)
+            context = driver.context_length
+            if context is not None and len(prompt) >= context:
+                raise InvalidArgument(f"field 'input_ids': the prompt has {len(prompt)} tokens; this model's context "
+                                      f"holds {context}, so a prompt may have at most {context - 1}")
+            stream = self.generation.start(prompt, params, handle, name)
+        except BaseException:
+            handle.__exit__(None, None, None)
+            raise
+        return stream, vocab, bool(body.get("stream", False))
+
+    @staticmethod
+    def _collect(stream: Stream, vocab: Vocabulary | None) -> tuple[int, bytes]:
+        while True:
+            kind, value = stream.events.get()
+            if kind == "done":
+                return 200, orjson.dumps({**value, "tokens": stream.tokens,
+                                          "text": "".join(map(vocab.decode, stream.tokens)) if vocab else None})
+            if kind == "error":  # the model failed mid-way
+                return 500, orjson.dumps({"error": value})
+
+
+class _EventStream:
+    """The SSE body: an iterator whose ``close()`` (called by the WSGI server when the
+    response ends or the client is gone) cancels the stream if it is still running."""
+
+    def __init__(self, api: GenerateAPI, stream: Stream, vocab: Vocabulary | None, started: float):
+        self.api, self.stream, self.vocab, self.started = api, stream, vocab, started
+        self.finished = False
+        self._events = self._iterate()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._events)
+
+    def _iterate(self) -> Iterator[bytes]:
+        while True:
+            kind, value = self.stream.events.get()
+            if kind == "token":
+                text = self.vocab.decode(value) if self.vocab else None
+                yield b"data: " + orjson.dumps({"token": value, "text": text}) + b"\n\n"
+                continue
+            self.finished = True
+            status = 200 if kind == "done" else 500
+            self.api.core.metrics.observe_request(self.stream.model, "generate", status,
+                                                  time.perf_counter() - self.started)
+            payload = value if kind == "done" else {"error": value}
+            yield f"event: {'done' if kind == 'done' else 'error'}\ndata: ".encode() + orjson.dumps(payload) + b"\n\n"
+            return
+
+    def close(self) -> None:
+        if not self.finished:
+            self.stream.cancel()  # the loop drops it at its next step and releases the version
+
+
+def _respond(start_response: Callable[..., Any], status: int, body: bytes,
+             headers: list[tuple[str, str]]) -> list[bytes]:
+    start_response(f"{status} {HTTPStatus(status).phrase}",
+                   [("Content-Type", JSON), ("Content-Length", str(len(body))), *headers])
+    return [body]
+
+
+def _unexpected(exc: Exception) -> ApplianceError:
+    log.exception("unhandled error in the generate API")
+    return ApplianceError(f"internal error: {type(exc).__name__}")
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    body = json_object(raw, "generate request")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise InvalidArgument(f"unknown field {unknown[0]!r}; a generate request takes {', '.join(FIELDS)}")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidArgument("field 'stream' must be true or false")
+    return body
+
+
+def _ids(value: Any, name: str, vocab_size: int, allow_empty: bool) -> list[int]:
+    if not isinstance(value, list) or (not value and not allow_empty) or \
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InvalidArgument(f"field '{name}' must be a {'' if allow_empty else 'non-empty '}list of token ids")
+    bad = [v for v in value if not 0 <= v < vocab_size]
+    if bad:
+        raise InvalidArgument(f"field '{name}': token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return list(value)
+
+
+def _prompt(body: dict[str, Any], vocab: Vocabulary | None, vocab_size: int) -> list[int]:
+    if ("input_ids" in body) == ("text" in body):
+        raise InvalidArgument("field 'input_ids' or field 'text' is required (exactly one of them)")
+    if "input_ids" in body:
+        return _ids(body["input_ids"], "input_ids", vocab_size, allow_empty=False)
+    if vocab is None:
+        raise InvalidArgument("field 'text' needs a tokenizer vocabulary, and this version ships none "
+                              "(assets/vocab.json); send 'input_ids'")
+    if not isinstance(body["text"], str) or not body["text"]:
+        raise InvalidArgument("field 'text' must be a non-empty string")
+    return vocab.encode(body["text"])
+
+
+def _number(body: dict[str, Any], name: str, default: Any, kind: type, low: float, high: float) -> Any:
+    value = body.get(name, default)
+    if value is None and default is None:
+        return None
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not low <= value <= high:
+        raise InvalidArgument(f"field '{name}' must be {'a number' if kind is float else 'an integer'} "
+                              f"from {low:g} to {high:g}, got {value!r}")
+    return kind(value)
+
+
+def _params(body: dict[str, Any], config: Any) -> Params:
+    stop = body.get("stop", [])
+    if not isinstance(stop, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in stop):
+        raise InvalidArgument("field 'stop' must be a list of token ids")
+    return Params(
+        max_new_tokens=_number(body, "max_new_tokens", config.default_max_new_tokens, int, 1,
+                               config.max_new_tokens_limit),
+        temperature=_number(body, "temperature", 0.0, float, 0, 100),
+        top_k=_number(body, "top_k", 0, int, 0, 1 << 31),
+        top_p=_number(body, "top_p", 1.0, float, 1e-9, 1),
+        seed=_number(body, "seed", None, int, 0, (1 << 63) - 1),
+        stop=frozenset(stop))
+
+
+def _openapi_paths() -> dict[str, Any]:
+    error = {"description": "error", "content": {JSON: {"schema": {"type": "object", "properties": {
+        "error": {"type": "string"}}, "required": ["error"]}}}}
+    model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    version = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
+    label = {"name": "label", "in": "path", "required": True, "schema": {"type": "string"}}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    request = {"type": "object", "properties": {
+        "input_ids": ids, "text": {"type": "string"}, "max_new_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0}, "top_k": {"type": "integer", "minimum": 0},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "seed": {"type": "integer"},
+        "stop": ids, "stream": {"type": "boolean"}}}
+    paths = {}
+    for suffix, params in (("", [model]), ("/versions/{version}", [model, version]),
+                           ("/labels/{label}", [model, label])):
+        paths["/v1/models/{model}" + suffix + ":generate"] = {"post": {
+            "summary": "Generate tokens; step-batched with other streams of the version. "
+                       "stream=true: server-sent events, one per token, then event 'done'",
+            "parameters": params,
+            "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
+            "responses": {"200": {"description": "the generated tokens", "content": {
+                JSON: {"schema": {"type": "object"}}, SSE: {"schema": {"type": "string"}}}},
+                "400": error, "404": error, "413": error, "503": error}}}
+    return paths
+
+
+OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
+
+__all__ = ["GenerateAPI", "OPENAPI_PATHS"]

@@ -1,0 +1,276 @@
+"""Tensors of the Open Inference Protocol (KServe v2) <-> numpy, for REST and gRPC alike.
+
+Three encodings of one tensor, all checked against its declared ``shape`` and ``datatype``
+before any array exists:
+
+* JSON ``data``: flat or nested lists (KServe v2 REST). Numbers go to numpy in one
+  ``np.asarray`` call; the kind of what was parsed is checked once (no per-element Python).
+* Raw bytes: Triton's binary tensor data extension over HTTP (the JSON header, then each
+  binary input's bytes in input order, ``Inference-Header-Content-Length`` giving the header
+  size) and gRPC's ``raw_input_contents``. Little-endian, row-major, no padding; BYTES
+  elements are a 4-byte little-endian length and then the bytes. Fixed-size tensors are
+  ``np.frombuffer`` views on the request body: no copy, no parsing.
+* gRPC typed ``contents`` (``fp32_contents`` ...): see ``appliance.v2_grpc``.
+
+Size rules, the reason this module exists: a declared size is compared with what the
+shape and datatype need *before* anything is read, every slice is bounds-checked against
+the body, and leftover bytes are an error. A mismatch is ``InvalidArgument`` (400 /
+INVALID_ARGUMENT) naming the tensor, the sizes and why; never an over-read or a crash.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import orjson
+
+from appliance.core.errors import InvalidArgument
+
+# datatype name -> numpy dtype (little-endian, as the protocol's binary form is).
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"), "UINT32": np.dtype("<u4"), "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
+    "BYTES": np.dtype(object),
+}
+_BY_KIND = {(dt.kind, dt.itemsize): name for name, dt in DATATYPES.items()}
+_KNOWN_ELSEWHERE = {"BF16": "BF16 has no numpy type on this server; send FP32 or FP16"}
+MAX_DIMS = 32  # TensorFlow's own limit on a tensor's rank is far above any real model's
+
+
+def datatype_of(dtype: np.dtype) -> str:
+    """The protocol's name of a numpy dtype (strings of any kind are BYTES)."""
+    if dtype.kind in "OSU":
+        return "BYTES"
+    return _BY_KIND.get((dtype.kind, dtype.itemsize), f"unsupported({dtype.name})")
+
+
+def dtype_of(datatype: Any, where: str) -> np.dtype:
+    """The numpy dtype of a datatype name; 400 naming the input for anything else."""
+    dt = DATATYPES.get(datatype) if isinstance(datatype, str) else None
+    if dt is None:
+        hint = _KNOWN_ELSEWHERE.get(datatype) if isinstance(datatype, str) else None
+        raise InvalidArgument(f"{where}: invalid datatype {datatype!r}; "
+                              + (hint or f"expected one of {', '.join(DATATYPES)}"))
+    return dt
+
+
+def check_shape(shape: Any, where: str) -> tuple[int, ...]:
+    """A request's ``shape``: a list of non-negative integers (no bools, no floats)."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS or not all(
+            type(d) is int and 0 <= d < 1 << 63 for d in shape):
+        raise InvalidArgument(f"{where}: 'shape' must be a list of at most {MAX_DIMS} non-negative integers, "
+                              f"got {_short(shape)}")
+    return tuple(shape)
+
+
+def nbytes_for(shape: Sequence[int], dtype: np.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = orjson.dumps(value, default=str).decode() if not isinstance(value, (bytes, memoryview)) else "<bytes>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --- JSON data ----------------------------------------------------------------------------
+_JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}  # wanted kind -> parsed kinds accepted
+_KIND_WORDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "non-integer numbers", "U": "strings",
+               "O": "mixed values"}
+
+
+def from_json(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """``data`` (flat or nested, row-major) as an array of ``shape`` and ``datatype``."""
+    dtype = dtype_of(datatype, where)
+    count = math.prod(shape)
+    if not isinstance(data, list):
+        data = [data]  # a scalar for a one-element tensor, as some clients send it
+    try:
+        arr = _json_strings(data, where) if dtype.kind == "O" else _json_numbers(data, dtype, datatype, where)
+    except ValueError as exc:  # ragged nesting
+        raise InvalidArgument(f"{where}: 'data' is not a regular (rectangular) array: {_first_line(exc)}") from exc
+    if arr.size != count:
+        raise InvalidArgument(f"{where}: shape {list(shape)} needs {count} elements, 'data' has {arr.size}")
+    return arr.reshape(shape)
+
+
+def _json_numbers(data: list, dtype: np.dtype, datatype: str, where: str) -> np.ndarray:
+    arr = np.asarray(data)
+    if arr.size and arr.dtype.kind not in _JSON_KINDS[dtype.kind]:
+        got = _KIND_WORDS.get(arr.dtype.kind, arr.dtype.name)
+        raise InvalidArgument(f"{where}: 'data' holds {got}, which a {datatype} tensor cannot take")
+    if dtype.kind in "iu" and arr.size and arr.dtype != dtype:
+        info = np.iinfo(dtype)
+        low, high = arr.min(), arr.max()
+        if low < info.min or high > info.max:
+            raise InvalidArgument(f"{where}: value {low if low < info.min else high} is out of range for {datatype}")
+    return arr if arr.dtype == dtype else arr.astype(dtype)
+
+
+def _json_strings(data: list, where: str) -> np.ndarray:
+    flat = _flatten_strings(data, where, 0)
+    out = np.empty(len(flat), dtype=object)
+    out[:] = flat
+    return out
+
+
+def _flatten_strings(value: list, where: str, depth: int) -> list[bytes]:
+    if depth > MAX_DIMS:
+        raise InvalidArgument(f"{where}: 'data' is nested deeper than {MAX_DIMS} levels")
+    out: list[bytes] = []
+    widths: set[int | None] = set()  # nested list lengths (None: a string) must all agree
+    for v in value:
+        if isinstance(v, str):
+            out.append(v.encode())
+            widths.add(None)
+        elif isinstance(v, list):
+            inner = _flatten_strings(v, where, depth + 1)
+            widths.add(len(inner))
+            out.extend(inner)
+        else:
+            raise InvalidArgument(f"{where}: a BYTES tensor takes strings in 'data', got {type(v).__name__}")
+    if len(widths) > 1:
+        raise InvalidArgument(f"{where}: 'data' is not a regular (rectangular) array")
+    return out
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def to_json(arr: np.ndarray, name: str) -> Any:
+    """An output's ``data``: flat, row-major, in a form orjson writes natively."""
+    if arr.dtype.kind in "biuf":
+        if arr.dtype == np.float16:
+            arr = arr.astype(np.float32)
+        flat = arr.reshape(-1)
+        return flat if flat.flags.c_contiguous else np.ascontiguousarray(flat)
+    try:
+        return [v.decode() if isinstance(v, bytes) else str(v) for v in arr.reshape(-1).tolist()]
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"output {name!r} holds bytes that are not UTF-8, which JSON cannot carry; "
+                              "request it with \"parameters\": {\"binary_data\": true}") from exc
+
+
+# --- raw bytes --------------------------------------------------------------------------------
+def from_raw(buf: memoryview, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """One tensor from exactly ``buf`` (its whole binary payload): a view, never a copy."""
+    dtype = dtype_of(datatype, where)
+    if dtype.kind == "O":
+        return _bytes_elements(buf, math.prod(shape), where).reshape(shape)
+    need = nbytes_for(shape, dtype)
+    if len(buf) != need:
+        raise InvalidArgument(f"{where}: {len(buf)} bytes of binary data disagree with shape {list(shape)} and "
+                              f"datatype {datatype}, which need {need} bytes")
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    if dtype.kind == "b" and need and np.frombuffer(buf, dtype=np.uint8).max() > 1:
+        raise InvalidArgument(f"{where}: a BOOL element must be the byte 0 or 1")
+    return arr
+
+
+_U32 = struct.Struct("<I")
+
+
+def _bytes_elements(buf: memoryview, count: int, where: str) -> np.ndarray:
+    """BYTES elements: each a 4-byte little-endian length, then that many bytes."""
+    if 4 * count > len(buf):  # each element needs at least its 4-byte length: refuse before allocating
+        raise InvalidArgument(f"{where}: {count} BYTES elements need at least {4 * count} bytes, "
+                              f"the binary data has {len(buf)}")
+    out = np.empty(count, dtype=object)
+    pos, end = 0, len(buf)
+    for i in range(count):
+        if pos + 4 > end:
+            raise InvalidArgument(f"{where}: binary data ends inside the length of BYTES element {i} "
+                                  f"(of {count})")
+        (length,) = _U32.unpack_from(buf, pos)
+        pos += 4
+        if length > end - pos:
+            raise InvalidArgument(f"{where}: BYTES element {i} says {length} bytes, only {end - pos} are left")
+        out[i] = bytes(buf[pos:pos + length])
+        pos += length
+    if pos != end:
+        raise InvalidArgument(f"{where}: {end - pos} bytes are left after the {count} BYTES elements "
+                              "the shape asks for")
+    return out
+
+
+def to_raw(arr: np.ndarray) -> bytes:
+    """An output's binary form: little-endian row-major bytes, or length-prefixed BYTES."""
+    if arr.dtype.kind in "OSU":
+        parts = []
+        for v in arr.reshape(-1).tolist():
+            b = v if isinstance(v, bytes) else str(v).encode()
+            parts.append(_U32.pack(len(b)))
+            parts.append(b)
+        return b"".join(parts)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr).tobytes()
+
+
+# --- the binary tensor extension over HTTP ------------------------------------------------------
+def header_length(value: str | None, body_size: int) -> int | None:
+    """``Inference-Header-Content-Length``: None when absent (the whole body is JSON)."""
+    if value is None:
+        return None
+    try:
+        length = int(value.strip())
+    except ValueError:
+        raise InvalidArgument(f"Inference-Header-Content-Length is not an integer: {value[:40]!r}") from None
+    if not 0 < length <= body_size:
+        raise InvalidArgument(f"Inference-Header-Content-Length {length} is outside the body "
+                              f"(1 to {body_size} bytes)")
+    return length
+
+
+def binary_size(params: Mapping[str, Any], where: str) -> int | None:
+    size = params.get("binary_data_size")
+    if size is None:
+        return None
+    if type(size) is not int or size < 0:
+        raise InvalidArgument(f"{where}: 'binary_data_size' must be a non-negative integer, got {_short(size)}")
+    return size
+
+
+def check_binary_size(size: int, datatype: str, shape: tuple[int, ...], where: str) -> None:
+    """A fixed-size datatype's ``binary_data_size`` must be exactly what shape and datatype need."""
+    dtype = DATATYPES[datatype]
+    if dtype.kind != "O" and size != nbytes_for(shape, dtype):
+        raise InvalidArgument(f"{where}: binary_data_size {size} disagrees with shape {list(shape)} and datatype "
+                              f"{datatype}, which need {nbytes_for(shape, dtype)} bytes")
+
+
+class BinaryBody:
+    """The bytes after the JSON header, handed out in input order with bounds checks."""
+
+    __slots__ = ("view", "pos")
+
+    def __init__(self, body: bytes, start: int):
+        self.view = memoryview(body)
+        self.pos = start
+
+    def take(self, size: int, where: str) -> memoryview:
+        left = len(self.view) - self.pos
+        if size > left:
+            raise InvalidArgument(f"{where}: 'binary_data_size' is {size} bytes but only {left} bytes of binary "
+                                  "data are left in the body (truncated request?)")
+        chunk = self.view[self.pos:self.pos + size]
+        self.pos += size
+        return chunk
+
+    def finish(self) -> None:
+        left = len(self.view) - self.pos
+        if left:
+            raise InvalidArgument(f"the body has {left} bytes after the last binary input; the "
+                                  "binary_data_size values and Inference-Header-Content-Length must add up "
+                                  "to Content-Length")
+
+
+def join_binary(header: dict[str, Any], chunks: Iterable[bytes]) -> tuple[bytes, int]:
+    """A response body: the JSON header then each binary output; and the header's size."""
+    head = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
+    return b"".join([head, *chunks]), len(head)

@@ -1,0 +1,480 @@
+"""The Open Inference Protocol (KServe v2) over HTTP, with Triton's binary tensor extension.
+
+``V2Service`` is the protocol-neutral half (health, metadata, infer on numpy arrays), shared
+with the gRPC face in ``appliance.v2_grpc``; ``V2API`` is the WSGI layer answering
+``/v2...`` and handing every other path to the app inside it.
+
+Requests go through the same model manager, version policy, batcher, metrics and body-size
+limit as TF Serving's ``/v1`` API: an infer call takes a handle with ``manager.handle`` and
+runs ``run_signature``, so v2 and v1 requests to one model share batches. A model's v2
+inputs and outputs are those of its ``serving_default`` signature (else of the first
+signature by name, as model metadata says); a request picks another with the request
+parameter ``signature_name``.
+
+Status codes follow Triton: 400 for a bad request, 404 for an unknown model or version,
+503 while a model is loading or its queue is full, 413 over ``server.max_body_bytes``;
+every error body is ``{"error": "..."}``. Health endpoints answer with an empty body:
+200 for true, 400 for false (KServe: "a 4xx status code indicates false").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Callable
+from urllib.parse import unquote
+
+import numpy as np
+import orjson
+
+from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
+
+from appliance import __version__
+from appliance.api.kserve import codec
+from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
+from appliance.core.manager import VersionSlot, run_signature
+from appliance.core.policy import State
+from appliance.api.body import read_raw as _read_body
+from appliance.api.tfserving.rest import _raw_path
+from appliance.api.tfserving.json_format import shape_error
+
+log = logging.getLogger("appliance.v2")
+
+SERVER_NAME = "edge-appliance"
+EXTENSIONS = ("binary_tensor_data",)
+PLATFORMS = {"tflite": "tflite", "tf-cpu": "tensorflow_savedmodel", "tf-gpu": "tensorflow_savedmodel"}
+JSON = "application/json"
+OCTETS = "application/octet-stream"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_DUMP = orjson.OPT_SERIALIZE_NUMPY
+
+
+@dataclass
+class Tensor:
+    """One named tensor of a request or response, already decoded."""
+
+    name: str
+    array: np.ndarray
+    datatype: str
+
+
+@dataclass
+class Requested:
+    """One output a request asks for; ``binary`` None means the request-wide default."""
+
+    name: str
+    binary: bool | None = None
+
+
+@dataclass
+class InferResult:
+    model: str
+    version: int
+    outputs: list[tuple[Tensor, bool]]  # (tensor, as binary)
+
+
+class V2Service:
+    """Health, metadata and inference of the v2 protocol on numpy arrays.
+
+    Thread-safety: every method may be called from any thread (the manager and the
+    batcher are thread-safe; this class holds no state of its own).
+    """
+
+    def __init__(self, core: Any):
+        self.core = core
+
+    @property
+    def manager(self) -> Any:
+        if self.core.manager is None:
+            raise ApplianceError("the service is not started")
+        return self.core.manager
+
+    # -- health and metadata --------------------------------------------------------------
+    def live(self) -> bool:
+        return self.core.manager is not None
+
+    def ready(self) -> bool:
+        return self.core.ready()
+
+    def model_ready(self, name: str, version: int | None) -> bool:
+        slots = self.manager.version_states(name, version)  # NotFound for an unknown model/version
+        return any(s.state == State.AVAILABLE for s in slots)
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
+        versions = [str(s.version) for s in sorted(self.manager.version_states(name), key=lambda s: s.version)
+                    if s.state == State.AVAILABLE]
+        with self.manager.handle(name, version) as slot:
+            signatures = _signatures(slot)
+            signature = _default_signature(slot)
+            backend = getattr(slot.servable, "backend", "")
+        body: dict[str, Any] = {
+            "name": name, "versions": versions, "platform": PLATFORMS.get(backend, backend),
+            "inputs": [_tensor_metadata(k, v) for k, v in signature.inputs.items()],
+            "outputs": [_tensor_metadata(k, v) for k, v in signature.outputs.items()],
+        }
+        if len(signatures) > 1:  # not in the spec; tells a client which signatures it may name
+            body["parameters"] = {"signature_name": signature.name, "signatures": ",".join(sorted(signatures))}
+        return body
+
+    # -- inference ------------------------------------------------------------------------
+    def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
+              parameters: dict[str, Any], binary_default: bool = False) -> InferResult:
+        """Check the decoded inputs against the signature, run them through the batcher and
+        pick the requested outputs (all of them, in signature order, when none is named)."""
+        signature_name = parameters.get("signature_name")
+        if signature_name is not None and not isinstance(signature_name, str):
+            raise InvalidArgument("parameter 'signature_name' must be a string")
+        with self.manager.handle(name, version) as slot:
+            signature = (_named_signature(slot, name, signature_name) if signature_name
+                         else _default_signature(slot))
+            feeds = _feeds(signature, inputs, name)
+            wanted = _wanted(signature, requested, name)
+            outputs = run_signature(slot, signature.name, feeds)
+            served = slot.version
+        result = []
+        for want in wanted:
+            arr = outputs[want.name]
+            result.append((Tensor(want.name, arr, codec.datatype_of(arr.dtype)),
+                           binary_default if want.binary is None else want.binary))
+        return InferResult(name, served, result)
+
+
+def _signatures(slot: VersionSlot) -> dict[str, SignatureInfo]:
+    return dict(slot.servable.signatures) if slot.servable is not None else {}
+
+
+def _default_signature(slot: VersionSlot) -> SignatureInfo:
+    """serving_default, else the first signature by name: what model metadata describes, so
+    a client that builds its request from the metadata is always answered."""
+    signatures = _signatures(slot)
+    if DEFAULT_SIGNATURE in signatures:
+        return signatures[DEFAULT_SIGNATURE]
+    if not signatures:
+        raise InvalidArgument(f"{slot.model} version {slot.version} has no signatures")
+    return signatures[sorted(signatures)[0]]
+
+
+def _named_signature(slot: VersionSlot, model: str, name: str) -> SignatureInfo:
+    signatures = _signatures(slot)
+    if name not in signatures:
+        raise InvalidArgument(f"model '{model}' has no signature '{name}'; it has {', '.join(sorted(signatures))}")
+    return signatures[name]
+
+
+def _tensor_metadata(name: str, spec: TensorSpec) -> dict[str, Any]:
+    shape = [-1] if spec.shape is None else [-1 if d is None else int(d) for d in spec.shape]
+    return {"name": name, "datatype": codec.datatype_of(spec.dtype), "shape": shape}
+
+
+def _feeds(signature: SignatureInfo, inputs: list[Tensor], model: str) -> dict[str, np.ndarray]:
+    feeds: dict[str, np.ndarray] = {}
+    for tensor in inputs:
+        spec = signature.inputs.get(tensor.name)
+        if spec is None:
+            raise InvalidArgument(f"unexpected inference input '{tensor.name}' for model '{model}'; "
+                                  f"signature '{signature.name}' takes {', '.join(signature.inputs)}")
+        if tensor.name in feeds:
+            raise InvalidArgument(f"input '{tensor.name}' is given twice")
+        want = codec.datatype_of(spec.dtype)
+        if tensor.datatype != want:
+            raise InvalidArgument(f"inference input '{tensor.name}' data-type is '{tensor.datatype}', "
+                                  f"but model '{model}' expects '{want}'")
+        problem = shape_error(tensor.array, spec, f"input '{tensor.name}'")
+        if problem:
+            raise InvalidArgument(f"{problem} for model '{model}'")
+        feeds[tensor.name] = tensor.array
+    missing = [k for k in signature.inputs if k not in feeds]
+    if missing:
+        raise InvalidArgument(f"model '{model}' (signature '{signature.name}') needs input '{missing[0]}', "
+                              "which the request lacks")
+    return feeds
+
+
+def _wanted(signature: SignatureInfo, requested: list[Requested] | None, model: str) -> list[Requested]:
+    if not requested:
+        return [Requested(k) for k in signature.outputs]
+    seen = set()
+    for want in requested:
+        if want.name not in signature.outputs:
+            raise InvalidArgument(f"unexpected inference output '{want.name}' for model '{model}'; "
+                                  f"signature '{signature.name}' has {', '.join(signature.outputs)}")
+        if want.name in seen:
+            raise InvalidArgument(f"output '{want.name}' is requested twice")
+        seen.add(want.name)
+    return requested
+
+
+# --- the REST face ------------------------------------------------------------------------------
+Response = tuple[int, bytes, list[tuple[str, str]]]
+_STATUS_LINES = {code: f"{code} {HTTPStatus(code).phrase}" for code in (200, 400, 404, 405, 413, 429, 500, 501, 503)}
+_EMPTY: list[tuple[str, str]] = []
+
+
+class V2API:
+    """WSGI layer: answers ``/v2`` and ``/v2/...`` itself, hands every other path to ``inner``.
+
+    Like ``rest.V1API`` it bypasses Flask: ``dispatch`` maps (method, path, body) to
+    (status, body bytes, headers) with no request objects in between.
+    """
+
+    def __init__(self, inner: Callable[..., Any], core: Any):
+        self.inner = inner
+        self.core = core
+        self.service = V2Service(core)
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        path = environ.get("PATH_INFO", "")
+        if not (path == "/v2" or path.startswith("/v2/")):
+            return self.inner(environ, start_response)
+        status, body, headers = self.dispatch(environ)
+        if not any(k == "Content-Type" for k, _ in headers):
+            headers = [("Content-Type", JSON), *headers]
+        start_response(_STATUS_LINES.get(status) or f"{status} {HTTPStatus(status).phrase}",
+                       [*headers, ("Content-Length", str(len(body)))])
+        return [body]
+
+    def dispatch(self, environ: dict[str, Any]) -> Response:
+        method = environ.get("REQUEST_METHOD", "GET")
+        path = _raw_path(environ).partition("?")[0]
+        try:
+            route, model, version = _route(path)
+            if route == "infer":
+                return self._infer(environ, method, model, version)
+            if method != "GET":
+                raise MethodNotAllowed(f"method {method} not allowed on {path}")
+            return self._get(route, model, version)
+        except Exception as exc:  # every failure is {"error": ...}; never a stack trace
+            return _error(exc)
+
+    def _get(self, route: str, model: str, version: int | None) -> Response:
+        service = self.service
+        if route == "server":
+            return 200, orjson.dumps(service.server_metadata()), _EMPTY
+        if route in ("live", "ready"):
+            ok = service.live() if route == "live" else service.ready()
+            return (200 if ok else 400), b"", _EMPTY
+        if route == "model_ready":
+            return (200 if service.model_ready(model, version) else 400), b"", _EMPTY
+        return 200, orjson.dumps(service.model_metadata(model, version)), _EMPTY
+
+    def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Response:
+        if method != "POST":
+            raise MethodNotAllowed(f"method {method} not allowed on /v2/models/{model}/infer; use POST")
+        started, status = time.perf_counter(), 200
+        try:
+            body = _read_body(environ, self.core.config.server.max_body_bytes)
+            request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
+                                          environ.get("HTTP_CONTENT_ENCODING"))
+            result = self.service.infer(model, version, request.inputs, request.outputs, request.parameters,
+                                        request.binary_default)
+            return render_infer_response(result, request.id)
+        except Exception as exc:
+            status = exc.http_status if isinstance(exc, ApplianceError) else 500
+            raise
+        finally:
+            self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
+
+
+def _error(exc: Exception) -> Response:
+    if not isinstance(exc, ApplianceError):
+        log.exception("unhandled error in the v2 API")
+        exc = ApplianceError(f"internal error: {type(exc).__name__}")
+    headers = [("Retry-After", str(int(exc.retry_after)))] if exc.retry_after else _EMPTY
+    return exc.http_status, orjson.dumps({"error": exc.message}), headers
+
+
+def _route(path: str) -> tuple[str, str, int | None]:
+    """(route, model, version) of a /v2 path; NotFound for anything the protocol lacks."""
+    parts = path.split("/")[2:]  # "", "v2", ...
+    if parts in ([], [""]):
+        return "server", "", None
+    if parts[0] == "health" and len(parts) == 2 and parts[1] in ("live", "ready"):
+        return parts[1], "", None
+    if parts[0] == "models" and len(parts) >= 2 and parts[1]:
+        model, rest = unquote(parts[1]), parts[2:]
+        version = None
+        if rest[:1] == ["versions"] and len(rest) >= 2:
+            version, rest = _version(rest[1]), rest[2:]
+        if rest == []:
+            return "model", model, version
+        if rest in (["ready"], ["infer"]):
+            return ("model_ready" if rest == ["ready"] else "infer"), model, version
+    raise NotFound(f"no such endpoint in the v2 protocol: {path}")
+
+
+def _version(text: str) -> int:
+    if not text.isdigit() or int(text) >= 1 << 63:
+        raise InvalidArgument(f"model version must be a non-negative integer, got {unquote(text)!r}")
+    return int(text)
+
+
+# --- request and response bodies --------------------------------------------------------------
+@dataclass
+class InferRequest:
+    id: str | None
+    inputs: list[Tensor]
+    outputs: list[Requested] | None
+    parameters: dict[str, Any]
+    binary_default: bool
+
+
+def parse_infer_request(body: bytes, header_length: str | None, encoding: str | None = None) -> InferRequest:
+    """An infer request body: JSON alone, or (binary extension) a JSON header then tensor bytes."""
+    if encoding and encoding.strip().lower() not in ("identity", ""):
+        raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
+    length = codec.header_length(header_length, len(body))
+    try:
+        header = json_object(body if length is None else body[:length])
+    except InvalidArgument as exc:
+        if length is None and b'"binary_data_size"' in body:  # binary tensors, but no header length
+            raise InvalidArgument(f"{exc.message}; the request sets binary_data_size but has no {HEADER_LENGTH} "
+                                  "header saying where the JSON ends") from None
+        raise
+    parameters = _parameters(header.get("parameters"), "request")
+    binary = codec.BinaryBody(body, length) if length is not None else None
+    inputs = [_input(item, i, binary) for i, item in enumerate(_list(header, "inputs", required=True))]
+    if binary is not None:
+        binary.finish()
+    outputs = [_requested(item, i) for i, item in enumerate(_list(header, "outputs"))] or None
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidArgument("'id' must be a string")
+    binary_default = parameters.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise InvalidArgument("parameter 'binary_data_output' must be true or false")
+    return InferRequest(request_id, inputs, outputs, parameters, binary_default)
+
+
+def json_object(data: bytes, what: str = "inference request") -> dict[str, Any]:
+    """A JSON object body (v2 and :generate), or a 400 that says what is wrong with it."""
+    if not data.strip():
+        raise InvalidArgument(f"the request body is empty; expected an {what} JSON object")
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"the request is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"the {what} must be a JSON object")
+    return value
+
+
+def _list(header: dict[str, Any], key: str, required: bool = False) -> list[Any]:
+    value = header.get(key)
+    if value is None and not required:
+        return []
+    if not isinstance(value, list) or (required and not value):
+        raise InvalidArgument(f"'{key}' must be a non-empty list of objects" if required
+                              else f"'{key}' must be a list of objects")
+    return value
+
+
+def _parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where}: 'parameters' must be an object")
+    return value
+
+
+def _input(item: Any, index: int, binary: codec.BinaryBody | None) -> Tensor:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        raise InvalidArgument(f"inputs[{index}] must be an object with a string 'name'")
+    name = item["name"]
+    where = f"input '{name}'"
+    codec.dtype_of(item.get("datatype"), where)
+    datatype: str = item["datatype"]
+    shape = codec.check_shape(item.get("shape"), where)
+    size = codec.binary_size(_parameters(item.get("parameters"), where), where)
+    has_data = "data" in item
+    if (size is None) == (not has_data):
+        raise InvalidArgument(f"{where} must set exactly one of 'data' and parameters.binary_data_size, "
+                              f"but sets {'both' if has_data else 'neither'}")
+    if size is None:
+        return Tensor(name, codec.from_json(item["data"], datatype, shape, where), datatype)
+    if binary is None:
+        raise InvalidArgument(f"{where} has binary_data_size but the request has no {HEADER_LENGTH} header "
+                              "saying where the JSON ends")
+    codec.check_binary_size(size, datatype, shape, where)  # before reading: a wrong size never reads on
+    return Tensor(name, codec.from_raw(binary.take(size, where), datatype, shape, where), datatype)
+
+
+def _requested(item: Any, index: int) -> Requested:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        raise InvalidArgument(f"outputs[{index}] must be an object with a string 'name'")
+    params = _parameters(item.get("parameters"), f"output '{item['name']}'")
+    if params.get("classification"):
+        raise InvalidArgument(f"output '{item['name']}': the classification extension is not supported")
+    binary = params.get("binary_data")
+    if binary is not None and not isinstance(binary, bool):
+        raise InvalidArgument(f"output '{item['name']}': parameter 'binary_data' must be true or false")
+    return Requested(item["name"], binary)
+
+
+def render_infer_response(result: InferResult, request_id: str | None) -> Response:
+    outputs, chunks = [], []
+    for tensor, binary in result.outputs:
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.array.shape)}
+        if binary:
+            raw = codec.to_raw(tensor.array)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = codec.to_json(tensor.array, tensor.name)
+        outputs.append(entry)
+    header: dict[str, Any] = {"model_name": result.model, "model_version": str(result.version)}
+    if request_id is not None:
+        header["id"] = request_id
+    header["outputs"] = outputs
+    if not chunks:
+        return 200, orjson.dumps(header, option=_DUMP), _EMPTY
+    body, length = codec.join_binary(header, chunks)
+    return 200, body, [("Content-Type", OCTETS), (HEADER_LENGTH, str(length))]
+
+
+# --- OpenAPI -------------------------------------------------------------------------------------
+def _openapi_paths() -> dict[str, Any]:
+    error = {"description": "error", "content": {JSON: {"schema": {"type": "object", "properties": {
+        "error": {"type": "string"}}, "required": ["error"]}}}}
+    model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    version = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
+    health = {"200": {"description": "true (empty body)"}, "400": {"description": "false (empty body)"}}
+    json_ok = {"description": "ok", "content": {JSON: {"schema": {"type": "object"}}}}
+    paths: dict[str, Any] = {
+        "/v2": {"get": {"summary": "KServe v2 server metadata (name, version, extensions)",
+                        "responses": {"200": json_ok}}},
+        "/v2/health/live": {"get": {"summary": "KServe v2 server live", "responses": health}},
+        "/v2/health/ready": {"get": {"summary": "KServe v2 server ready: every model has a version available",
+                                     "responses": health}},
+    }
+    for suffix, params in (("", [model]), ("/versions/{version}", [model, version])):
+        base = "/v2/models/{model}" + suffix
+        paths[base] = {"get": {"summary": "KServe v2 model metadata (inputs/outputs with datatype and shape)",
+                               "parameters": params, "responses": {"200": json_ok, "400": error, "404": error}}}
+        paths[base + "/ready"] = {"get": {"summary": "KServe v2 model ready", "parameters": params,
+                                          "responses": {**health, "404": error}}}
+        paths[base + "/infer"] = {"post": {
+            "summary": "KServe v2 inference; Triton's binary tensor extension with Inference-Header-Content-Length",
+            "parameters": [*params, {"name": HEADER_LENGTH, "in": "header", "required": False,
+                                     "schema": {"type": "integer", "minimum": 1},
+                                     "description": "size of the JSON header when binary tensors follow it"}],
+            "requestBody": {"required": True, "content": {
+                JSON: {"schema": {"type": "object", "required": ["inputs"], "properties": {
+                    "id": {"type": "string"}, "parameters": {"type": "object"},
+                    "inputs": {"type": "array", "items": {"type": "object", "required": ["name", "shape", "datatype"]}},
+                    "outputs": {"type": "array", "items": {"type": "object", "required": ["name"]}}}}},
+                OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
+            "responses": {"200": {"description": "outputs", "content": {
+                JSON: {"schema": {"type": "object"}}, OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
+                "400": error, "404": error, "413": error, "503": error}}}
+    return paths
+
+
+OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
+
+__all__ = ["OPENAPI_PATHS", "V2API", "V2Service", "Tensor", "Requested", "InferResult",
+           "parse_infer_request", "render_infer_response"]

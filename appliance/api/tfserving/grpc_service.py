@@ -1,0 +1,368 @@
+"""TF Serving's gRPC API: ``tensorflow.serving.PredictionService`` and ``ModelService``.
+
+``add_to_server(server, core)`` registers Predict, Classify, Regress, MultiInference and
+GetModelMetadata, and GetModelStatus and HandleReloadConfigRequest, on the service's gRPC
+port (``appliance.grpc_server``). ``tensorflow-serving-api``'s ``PredictionServiceStub``
+and ``ModelServiceStub`` work unchanged. The work is the REST API's (appliance/rest.py):
+the same manager, version policy, labels and batchers, so a gRPC and a REST request in
+flight together share a batch.
+
+Tensors: inputs in either TensorProto encoding (typed ``*_val`` fields or
+``tensor_content``, decoded by appliance/protowire.py); outputs in the typed fields, as
+TF Serving answers by default (``tf.make_ndarray`` reads both). ``output_filter`` picks
+outputs. Status codes as TF Serving's: INVALID_ARGUMENT (bad input, unknown signature,
+label or alias), NOT_FOUND (model or version), UNAVAILABLE (still loading),
+RESOURCE_EXHAUSTED (the batch queue is full), UNIMPLEMENTED. Messages come from
+appliance/tfs_protos (a private descriptor pool): no TensorFlow at run time.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+
+from runtimes import DEFAULT_SIGNATURE, SignatureInfo
+
+from appliance.api.tfserving import protowire as pw
+from appliance.core.config import ModelConfig
+from appliance.core.config import validate as validate_config
+from appliance.core.errors import ConfigError, InvalidArgument, NotFound, QueueFull, Unimplemented
+from appliance.api.grpc_errors import guarded, guarded_async, observed
+from appliance.core.manager import run_signature_async
+from appliance.api.tfserving.rest import (CLASSIFY_METHOD, REGRESS_METHOD, _batchable, _handle, _signature, classification_outputs,
+                   regression_values, run_examples)
+from appliance.protos.tfserving import pb
+
+TFS_CODES = {QueueFull: "RESOURCE_EXHAUSTED"}  # as the issue's TF Serving clients expect for a full queue
+
+PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
+MODEL_SERVICE = "tensorflow.serving.ModelService"
+# numpy dtype kind/size -> the TensorProto field TF Serving fills for it
+_VAL_FIELD = {np.dtype(np.float32): "float_val", np.dtype(np.float64): "double_val",
+              np.dtype(np.int32): "int_val", np.dtype(np.int16): "int_val", np.dtype(np.int8): "int_val",
+              np.dtype(np.uint8): "int_val", np.dtype(np.uint16): "int_val", np.dtype(np.int64): "int64_val",
+              np.dtype(np.bool_): "bool_val", np.dtype(np.uint32): "uint32_val", np.dtype(np.uint64): "uint64_val"}
+
+
+def add_to_server(server: grpc.Server, core: Any) -> None:
+    """Register both TF Serving services on ``server`` (before ``server.start()``)."""
+    api = TFServingGRPC(core)
+    server.add_generic_rpc_handlers(api.handlers())
+
+
+class TFServingGRPC:
+    def __init__(self, core: Any):
+        self.core = core
+
+    def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
+        """Predict is a coroutine, served on the grpc.aio server's loop (the hot path: no thread
+        per call); the other methods are plain functions the server runs on its thread pool."""
+        def table(methods: dict[str, tuple[Any, Any, Callable[[Any], Any]]]) -> dict[str, Any]:
+            return {name: grpc.unary_unary_rpc_method_handler(
+                (guarded_async if inspect.iscoroutinefunction(fn) else guarded)(fn, name, TFS_CODES),
+                request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+                for name, (req, resp, fn) in methods.items()}
+
+        prediction = table({
+            "Predict": (pb.PredictRequest, pb.PredictResponse, self.predict),
+            "Classify": (pb.ClassificationRequest, pb.ClassificationResponse, self.classify),
+            "Regress": (pb.RegressionRequest, pb.RegressionResponse, self.regress),
+            "MultiInference": (pb.MultiInferenceRequest, pb.MultiInferenceResponse, self.multi_inference),
+            "GetModelMetadata": (pb.GetModelMetadataRequest, pb.GetModelMetadataResponse, self.metadata),
+        })
+        model = table({
+            "GetModelStatus": (pb.GetModelStatusRequest, pb.GetModelStatusResponse, self.model_status),
+            "HandleReloadConfigRequest": (pb.ReloadConfigRequest, pb.ReloadConfigResponse, self.reload_config),
+        })
+        return (grpc.method_handlers_generic_handler(PREDICTION_SERVICE, prediction),
+                grpc.method_handlers_generic_handler(MODEL_SERVICE, model))
+
+    @property
+    def manager(self) -> Any:
+        return self.core.manager
+
+    # -- PredictionService ----------------------------------------------------------------
+    async def predict(self, request: Any) -> Any:
+        name, version, label = _spec(request.model_spec)
+        with observed(self.core.metrics, name, "predict"):
+            signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
+            with _handle(self.manager, name, version, label) as slot:
+                signature = _signature(slot, signature_name,
+                                       f'Serving signature name: "{signature_name}" not found in signature def')
+                inputs = _inputs(request.inputs, signature)
+                wanted = _output_filter(request.output_filter, signature)
+                outputs = await run_signature_async(slot, signature.name, inputs,
+                                                    batch=_batchable(slot, signature, inputs))
+                served = slot.version
+            response = pb.PredictResponse()
+            _echo_spec(response.model_spec, name, served, signature_name)
+            for key in wanted or outputs:
+                to_tensor(outputs[key], response.outputs[key])
+            return response
+
+    def classify(self, request: Any) -> Any:
+        response = pb.ClassificationResponse()
+        self._examples_task(request.model_spec, request.input, "classify", response.model_spec,
+                            response.result)
+        return response
+
+    def regress(self, request: Any) -> Any:
+        response = pb.RegressionResponse()
+        self._examples_task(request.model_spec, request.input, "regress", response.model_spec, response.result)
+        return response
+
+    def multi_inference(self, request: Any) -> Any:
+        if not request.tasks:
+            raise InvalidArgument("Expected at least one task")
+        names = {t.model_spec.name for t in request.tasks}
+        if len(names) > 1:
+            raise InvalidArgument("All ModelSpecs in a MultiInferenceRequest must access the same model name")
+        methods = {CLASSIFY_METHOD: "classify", REGRESS_METHOD: "regress"}
+        response = pb.MultiInferenceResponse()
+        for task in request.tasks:
+            method = methods.get(task.method_name)
+            if method is None:
+                raise Unimplemented(f"Unsupported signature method_name: {task.method_name}")
+            result = response.results.add()
+            target = result.classification_result if method == "classify" else result.regression_result
+            self._examples_task(task.model_spec, request.input, method, result.model_spec, target)
+        return response
+
+    def _examples_task(self, spec: Any, input_msg: Any, method: str, spec_out: Any, result: Any) -> None:
+        name, version, label = _spec(spec)
+        with observed(self.core.metrics, name, method):
+            signature_name = spec.signature_name or DEFAULT_SIGNATURE
+            serialized = _examples(input_msg)
+            served, signature, outputs = run_examples(self.manager, serialized, name, version, label,
+                                                      signature_name, method)
+            _echo_spec(spec_out, name, served, signature_name)
+            if method == "classify":
+                _classifications(outputs, len(serialized), signature, result)
+            else:
+                _regressions(outputs, len(serialized), signature, result)
+
+    def metadata(self, request: Any) -> Any:
+        name, version, label = _spec(request.model_spec)
+        if not request.metadata_field:
+            raise InvalidArgument("GetModelMetadataRequest must specify at least one metadata_field")
+        for field in request.metadata_field:
+            if field != "signature_def":
+                raise InvalidArgument(f"Metadata field {field} is not supported")
+        response = pb.GetModelMetadataResponse()
+        with _handle(self.manager, name, version, label) as slot:
+            sigmap = pb.SignatureDefMap()
+            for key, sig in slot.servable.signatures.items():
+                _signature_def(sig, sigmap.signature_def[key])
+            _echo_spec(response.model_spec, name, slot.version, "")
+        response.metadata["signature_def"].Pack(sigmap)
+        return response
+
+    # -- ModelService ---------------------------------------------------------------------
+    def model_status(self, request: Any) -> Any:
+        name, version, label = _spec(request.model_spec)
+        slots = self.manager.version_states(name, version, label)
+        if not slots:
+            raise NotFound(f"Could not find any versions of model {name}")
+        response = pb.GetModelStatusResponse()
+        state_enum = "tensorflow.serving.ModelVersionStatus.State"
+        for slot in slots:
+            status = response.model_version_status.add(version=slot.version)
+            status.state = pb.enum_value(state_enum, slot.state.value)
+            status.status.error_code = pb.enum_value("tensorflow.error.Code", "UNKNOWN" if slot.error else "OK")
+            status.status.error_message = slot.error or ""
+        return response
+
+    def reload_config(self, request: Any) -> Any:
+        """Replace the served models with the request's ``model_config_list``, as TF Serving
+        does: a model left out is unloaded; a refused config changes nothing."""
+        which = request.config.WhichOneof("config")
+        if which != "model_config_list":
+            raise InvalidArgument("ServerModelConfig type not supported by HandleReloadConfigRequest. "
+                                  "Only ModelConfigList is supported.")
+        models = [model_config_from_proto(c) for c in request.config.model_config_list.config]
+        new = copy.deepcopy(self.core.config)
+        new.models, new.models_dir = models, ""
+        try:
+            validate_config(new)
+        except ConfigError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        self.core.config = new
+        self.manager.reload(new)
+        self.core.db.event("reloaded", f"model config replaced by HandleReloadConfigRequest: "
+                                       f"{', '.join(m.name for m in models) or 'no models'}")
+        response = pb.ReloadConfigResponse()
+        response.status.error_code = pb.enum_value("tensorflow.error.Code", "OK")
+        return response
+
+
+# -- request side ------------------------------------------------------------------------
+def _spec(spec: Any) -> tuple[str, int | None, str | None]:
+    if not spec.name:
+        raise InvalidArgument("Missing ModelSpec")
+    choice = spec.WhichOneof("version_choice")
+    if choice == "version":
+        return spec.name, int(spec.version.value), None
+    if choice == "version_label":
+        return spec.name, None, spec.version_label
+    return spec.name, None, None
+
+
+def _inputs(tensors: Any, signature: SignatureInfo) -> dict[str, np.ndarray]:
+    expected = sorted(signature.inputs)
+    for key in tensors:
+        if key not in signature.inputs:
+            raise InvalidArgument(f"input tensor alias not found in signature: {key}. "
+                                  f"Inputs expected to be in the set {{{','.join(expected)}}}.")
+    missing = [k for k in expected if k not in tensors]
+    if missing:
+        raise InvalidArgument(f"Request inputs do not match required inputs for model: missing {missing}; "
+                              f"expected {expected}")
+    out = {}
+    for key, tensor in tensors.items():
+        try:
+            array = from_tensor(tensor)
+        except (ValueError, KeyError, IndexError) as exc:
+            raise InvalidArgument(f"input {key!r}: not a valid TensorProto ({exc})") from exc
+        want = signature.inputs[key].dtype
+        if want is not None and array.dtype != want and not (want.kind == "O" and array.dtype.kind == "O"):
+            raise InvalidArgument(f"input {key!r}: expects {_dtype_name(want)} but {_dtype_name(array.dtype)} "
+                                  "is provided")
+        out[key] = array
+    return out
+
+
+_FIELD_OF_ENUM = {1: "float_val", 2: "double_val", 3: "int_val", 9: "int64_val", 10: "bool_val"}
+
+
+def from_tensor(tensor: Any) -> np.ndarray:
+    """A TensorProto as numpy: the common cases straight from the message's fields (the
+    hot path), the rest through appliance/protowire.py's decoder."""
+    dtype = pw.DTYPES.get(tensor.dtype)
+    shape = tuple(d.size for d in tensor.tensor_shape.dim)
+    if dtype is not None and dtype.kind != "O" and any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in shape {list(shape)}")
+    if dtype is not None and dtype.kind != "O" and tensor.tensor_content:
+        return np.frombuffer(tensor.tensor_content, dtype=dtype).reshape(shape).copy()
+    field = _FIELD_OF_ENUM.get(tensor.dtype)
+    if field is not None and not tensor.tensor_content:
+        repeated = getattr(tensor, field)
+        values = np.fromiter(repeated, dtype=dtype, count=len(repeated))  # half np.array's time on a repeated field
+        count = math.prod(shape)
+        if values.size == 1 and count > 1:  # one value fills the tensor, as TensorFlow reads it
+            values = np.full(count, values[0], dtype=dtype)
+        return values.reshape(shape)
+    return pw.decode_tensor(tensor.SerializeToString())
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return pw.DTYPE_NAMES.get(pw.ENUM_OF.get(dtype, 0), str(dtype))
+
+
+def _output_filter(names: Any, signature: SignatureInfo) -> list[str]:
+    wanted = list(names)
+    for name in wanted:
+        if name not in signature.outputs:
+            raise InvalidArgument(f"output tensor alias not found in signature: {name} Outputs expected to be "
+                                  f"in the set {{{','.join(sorted(signature.outputs))}}}.")
+    if len(set(wanted)) != len(wanted):
+        raise InvalidArgument("duplicate output tensor alias in output_filter")
+    return wanted
+
+
+def _examples(input_msg: Any) -> np.ndarray:
+    kind = input_msg.WhichOneof("kind")
+    if kind == "example_list":
+        serialized = [e.SerializeToString() for e in input_msg.example_list.examples]
+    elif kind == "example_list_with_context":
+        listed = input_msg.example_list_with_context
+        context = listed.context.SerializeToString()
+        serialized = [pw.merge_examples(context, e.SerializeToString()) for e in listed.examples]
+    else:
+        raise InvalidArgument("Input is empty")
+    if not serialized:
+        raise InvalidArgument("Input is empty")
+    return np.array(serialized, dtype=object)
+
+
+def model_config_from_proto(config: Any) -> ModelConfig:
+    """A ``tensorflow.serving.ModelConfig`` as this service's ModelConfig (also used for
+    ``--model_config_file``)."""
+    if not config.name or not config.base_path:
+        raise InvalidArgument("a ModelConfig needs name and base_path")
+    if config.model_platform not in ("", "tensorflow", "tflite"):
+        raise InvalidArgument(f"model {config.name}: model_platform {config.model_platform!r} is not served here "
+                              "(tensorflow or tflite)")
+    model = ModelConfig(name=config.name, base_path=config.base_path, labels=dict(config.version_labels))
+    policy = config.model_version_policy.WhichOneof("policy_choice")
+    if policy == "all":
+        model.version_policy = "all"
+    elif policy == "specific":
+        model.version_policy = "specific"
+        model.versions = sorted(int(v) for v in config.model_version_policy.specific.versions)
+    elif policy == "latest":
+        model.latest = int(config.model_version_policy.latest.num_versions) or 1
+    return model
+
+
+# -- response side -----------------------------------------------------------------------
+def _echo_spec(spec: Any, name: str, version: int, signature_name: str) -> None:
+    spec.name = name
+    spec.version.value = version
+    spec.signature_name = signature_name
+
+
+def to_tensor(array: np.ndarray, tensor: Any) -> None:
+    """Fill a TensorProto from ``array`` in the typed fields, as TF Serving answers."""
+    array = np.asarray(array)
+    for size in array.shape:
+        tensor.tensor_shape.dim.add(size=int(size))
+    if array.dtype.kind in "OSU":
+        tensor.dtype = 7  # DT_STRING
+        tensor.string_val.extend(v if isinstance(v, bytes) else str(v).encode() for v in array.reshape(-1))
+        return
+    if array.dtype == np.float16:
+        tensor.dtype = 19
+        tensor.half_val.extend(array.reshape(-1).view(np.uint16).tolist())
+        return
+    field = _VAL_FIELD.get(array.dtype)
+    if field is None:
+        raise InvalidArgument(f"output dtype {array.dtype} has no TensorProto encoding here")
+    tensor.dtype = pw.ENUM_OF[array.dtype]
+    getattr(tensor, field).extend(array.reshape(-1).tolist())
+
+
+def _signature_def(sig: SignatureInfo, out: Any) -> None:
+    out.method_name = sig.method_name
+    for side, specs in (("inputs", sig.inputs), ("outputs", sig.outputs)):
+        for key, spec in specs.items():
+            info = getattr(out, side)[key]
+            info.name = spec.tensor_name or spec.name
+            info.dtype = pw.ENUM_OF.get(spec.dtype, 0)
+            if spec.shape is None:
+                info.tensor_shape.unknown_rank = True
+            else:
+                for size in spec.shape:
+                    info.tensor_shape.dim.add(size=-1 if size is None else int(size))
+
+
+def _classifications(outputs: dict[str, np.ndarray], n: int, signature: SignatureInfo, result: Any) -> None:
+    classes, scores, ref = classification_outputs(outputs, n)
+    for i in range(n):
+        row = result.classifications.add()
+        for j in range(ref.shape[1]):
+            item = row.classes.add()
+            if classes is not None:
+                text = classes[i, j]
+                item.label = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+            if scores is not None:
+                item.score = float(scores[i, j])
+
+
+def _regressions(outputs: dict[str, np.ndarray], n: int, signature: SignatureInfo, result: Any) -> None:
+    for value in regression_values(signature, outputs, n).tolist():
+        result.regressions.add(value=value)

@@ -1,0 +1,434 @@
+"""TF Serving's REST JSON <-> numpy, kept off per-element Python work where possible.
+
+Requests: row format (``instances``) and columnar format (``inputs``), ``{"b64": ...}`` for
+binary strings. Responses: ``predictions`` / ``outputs`` as TF Serving shapes them (a bare
+value for a single output, objects for several), outputs whose name ends in ``_bytes``
+as ``{"b64": ...}``. Numeric tensors go from orjson's parse straight into one
+``np.asarray`` call, and back out through orjson's native numpy serialisation.
+
+Hostile bodies (``[limits]``), each refused with a 400 that names the limit: a body long
+enough to hold more than ``max_tensor_elements`` values has them counted on its bytes before
+it is parsed (``count_values``); orjson stops at 1024 levels, so 500,000 brackets cost
+nothing; the parsed document must nest no deeper than ``max_json_depth`` (``nesting``).
+
+As TF Serving (rapidjson with kParseNanAndInfFlag): ``NaN``, ``Infinity`` and ``Inf``
+(signed) are accepted and non-finite outputs are written as ``NaN`` / ``Infinity`` /
+``-Infinity``; a number past the double range is refused; a double past the float32 range
+becomes an infinity in a float input; integers must fit the input's type; ``b64`` is the
+standard alphabet, padding optional (absl::Base64Unescape), URL-safe refused with a hint.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextvars
+import json
+import re
+from typing import Any, Mapping
+
+import numpy as np
+import orjson
+
+from runtimes import SignatureInfo, TensorSpec
+
+from appliance.api.tfserving import protowire as pw
+from appliance.core.config import LimitsConfig
+from appliance.core.errors import InvalidArgument
+
+DUMP = orjson.OPT_SERIALIZE_NUMPY
+DEFAULT_LIMITS = LimitsConfig()
+_TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("numbers_only", default=False)
+_NATIVE = frozenset("biuf")  # dtype kinds orjson serialises itself
+MAX_DIMS = 64  # numpy's limit on an array's dimensions
+ENVELOPE_VALUES = 16  # values a request carries besides its tensors (signature_name, ...)
+
+
+def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
+    """A request body, parsed and checked against ``limits`` (see the module docstring)."""
+    if not body or not body.strip():
+        raise InvalidArgument("JSON Parse error: The document is empty")
+    if (len(body) + 1) // 2 > limits.max_tensor_elements + ENVELOPE_VALUES:  # else too short to be over
+        values = count_values(body)
+        if values > limits.max_tensor_elements + ENVELOPE_VALUES:
+            raise InvalidArgument(f"the request holds {values} JSON values, over the limit of "
+                                  f"{limits.max_tensor_elements} tensor elements (limits.max_tensor_elements)")
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc):  # orjson's own cap (1024 levels) keeps 500,000 brackets harmless
+            raise _too_deep(limits) from None
+        if _NONFINITE.search(body) is None:
+            raise InvalidArgument(f"JSON Parse error: {exc}") from exc
+        doc = _loads_nonfinite(body, exc, limits)
+    if nesting(doc, limits.max_json_depth) > limits.max_json_depth:
+        raise _too_deep(limits)
+    return doc
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=DUMP)
+
+
+def _too_deep(limits: Any) -> InvalidArgument:
+    return InvalidArgument(f"JSON nested deeper than the limit of {limits.max_json_depth} levels "
+                           "(limits.max_json_depth)")
+
+
+def nesting(doc: Any, limit: int) -> int:
+    """How deeply ``doc`` nests, along every object member and the first element of every
+    list (stopping once past ``limit``). O(depth + members), not O(values): a tensor is
+    regular, so its first elements show its depth, and one nested deeper elsewhere is
+    ragged, which the conversion refuses."""
+    deepest, stack = 0, [(doc, 0)]
+    while stack and deepest <= limit:
+        value, level = stack.pop()
+        if isinstance(value, list):
+            level += 1
+            if value:
+                stack.append((value[0], level))
+        elif isinstance(value, dict):
+            level += 1
+            stack.extend((v, level) for v in value.values())
+        deepest = max(deepest, level)
+    return deepest
+
+
+# --- counting values of a big body before parsing it -----------------------------------------
+_SKELETON = b'[]{}",\\'
+# Every other byte of a value becomes "v" (so "[1]" is not mistaken for an empty "[]");
+# whitespace and ":" go.
+_TO_SKELETON = bytes(c if c in _SKELETON else ord("v") for c in range(256))
+_NOT_SKELETON = b" \t\r\n:"
+_PLAIN_STRING = re.compile(rb'"[^"]*"')  # a JSON string when the body has no backslash
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def count_values(body: bytes) -> int:
+    """The number of non-container values in ``body`` (exact for valid JSON), from one
+    C-speed pass over its bytes: each comma outside strings separates two values, and an
+    empty container holds none."""
+    if b"\\" in body:  # escaped quotes: drop whole strings from the text first
+        skeleton = _STRING.sub(b"v", body).translate(_TO_SKELETON, _NOT_SKELETON)
+    else:  # strings cannot hide a quote: drop them from the skeleton
+        skeleton = _PLAIN_STRING.sub(b"v", body.translate(_TO_SKELETON, _NOT_SKELETON))
+    return skeleton.count(b",") + 1 - skeleton.count(b"[]") - skeleton.count(b"{}")
+
+
+# --- NaN and Infinity (orjson refuses them; TF Serving accepts them) ---------------------
+_NONFINITE = re.compile(rb'"(?:[^"\\]|\\.)*"|(-?)(NaN|Infinity|Inf)(?![A-Za-z0-9_])', re.DOTALL)
+_INT64 = range(-(1 << 63), 1 << 64)
+
+
+def _loads_nonfinite(body: bytes, first: orjson.JSONDecodeError, limits: Any) -> Any:
+    """Parse a body with NaN/Infinity tokens as rapidjson would, numbers as orjson would."""
+    found = False
+
+    def spell(match: re.Match[bytes]) -> bytes:  # Python's json spells them NaN, Infinity, -Infinity
+        nonlocal found
+        if match.group(2) is None:
+            return match.group(0)  # a string, kept as it is
+        found = True
+        return b"NaN" if match.group(2) == b"NaN" else match.group(1) + b"Infinity"
+
+    text = _NONFINITE.sub(spell, body)
+    if not found:
+        raise InvalidArgument(f"JSON Parse error: {first}") from first
+    try:
+        return json.loads(text, parse_float=_finite, parse_int=_integer)
+    except RecursionError:
+        raise _too_deep(limits) from None
+    except ValueError as exc:
+        raise InvalidArgument(f"JSON Parse error: {exc}") from exc
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is infinity when parsed as double")
+    return value
+
+
+def _integer(text: str) -> int | float:
+    """Like orjson: 64-bit integers as int, longer ones as float (so a huge one is refused)."""
+    if len(text) <= 21:
+        value = int(text)
+        if value in _INT64:
+            return value
+    return _finite(text)
+
+
+# --- decoding ---------------------------------------------------------------------------
+_URL_SAFE = re.compile(r"[-_]")
+
+
+def _b64(obj: Any, where: str) -> bytes:
+    """``{"b64": ...}`` decoded as absl::Base64Unescape does: the standard alphabet,
+    padding optional but correct when present."""
+    text = obj["b64"]
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{where}: 'b64' value must be a string, got {type(text).__name__}")
+    try:
+        if "=" in text and len(text) % 4:
+            raise ValueError("with padding, the length must be a multiple of 4")
+        padded = text + "=" * (-len(text) % 4)
+        return binascii.a2b_base64(padded.encode("ascii"), strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        hint = (" (URL-safe base64 with '-' or '_' is not accepted: use the standard alphabet with '+' and '/',"
+                " as TF Serving does)" if _URL_SAFE.search(text) else "")
+        raise InvalidArgument(f"{where}: 'b64' value is not valid base64{hint}: {exc}") from exc
+
+
+def _is_b64(obj: Any) -> bool:
+    return isinstance(obj, dict) and len(obj) == 1 and "b64" in obj
+
+
+def _strings(value: Any, where: str, depth: int = 0) -> Any:
+    """Nested lists of str / {"b64"} -> nested lists of bytes."""
+    if depth > MAX_DIMS:
+        raise InvalidArgument(f"{where}: a tensor has at most {MAX_DIMS} dimensions")
+    if isinstance(value, list):
+        return [_strings(v, where, depth + 1) for v in value]
+    if isinstance(value, str):
+        return value.encode()
+    if _is_b64(value):
+        return _b64(value, where)
+    raise InvalidArgument(f"{where}: expected a string or {{\"b64\": ...}}, got {type(value).__name__}")
+
+
+def _contains_b64(value: Any) -> bool:
+    while isinstance(value, list) and value:
+        value = value[0]
+    return _is_b64(value)
+
+
+def to_array(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
+    """One input's JSON value as an array of the signature's dtype and rank."""
+    try:
+        if spec.is_string:
+            arr = np.array(_strings(value, where), dtype=object)
+            # every element, not just the first: ["", [""]] is ragged too (numpy makes it an
+            # object array holding a list, which no backend takes)
+            if arr.dtype != object or (arr.ndim and not all(isinstance(v, bytes) for v in arr.flat)):
+                raise ValueError("inhomogeneous string tensor")
+        else:
+            if _contains_b64(value):
+                raise InvalidArgument(f"{where}: {{\"b64\": ...}} given for a {spec.dtype.name} input; "
+                                      "b64 is for string (DT_STRING) inputs")
+            arr = _numeric(value, spec, where)
+    except InvalidArgument:
+        raise
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidArgument(f"{where}: cannot be converted to a {spec.dtype.name} tensor "
+                              f"(is it ragged, or of the wrong type?): {_first_line(exc)}") from exc
+    return arr
+
+
+_KIND_NAMES = {"U": "String", "S": "String", "O": "Null or Object", "b": "Bool", "f": "Decimal", "i": "Integer",
+               "u": "Integer"}
+
+
+def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
+    """Like TF Serving: numbers for numeric inputs (no numeric strings, booleans or nulls),
+    integers for integer inputs, booleans for bool inputs."""
+    if _TRUSTED.get() and spec.dtype.kind == "f":  # only numbers in the body: convert in one step
+        with np.errstate(over="ignore"):  # a double past float32's range is an infinity, as in TF Serving
+            return np.asarray(value, dtype=spec.dtype)
+    arr = np.asarray(value)
+    have, want = arr.dtype.kind, spec.dtype.kind
+    fits = (have in "iu" and want in "iuf") or (have == want == "f") or (have == want == "b")
+    if not fits:
+        tf_name = pw.DTYPE_NAMES.get(pw.ENUM_OF.get(spec.dtype, 0), spec.dtype.name).removeprefix("DT_").lower()
+        raise InvalidArgument(f"{where}: JSON Value of type {_KIND_NAMES.get(have, have)} "
+                              f"is not of expected type: {tf_name}")
+    if arr.dtype == spec.dtype:
+        return arr
+    if have in "iu" and want in "iu" and arr.size and not _fits(arr, spec.dtype):
+        raise InvalidArgument(f"{where}: a value is out of the range of {spec.dtype.name}")
+    with np.errstate(over="ignore"):
+        return arr.astype(spec.dtype)
+
+
+def _fits(arr: np.ndarray, dtype: np.dtype) -> bool:
+    info = np.iinfo(dtype)
+    return bool(info.min <= arr.min() and arr.max() <= info.max)
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def shape_error(arr: np.ndarray, spec: TensorSpec, where: str) -> str | None:
+    """Why ``arr`` does not fit the signature's declared shape, or None when it fits."""
+    if spec.shape is None:
+        return None
+    want = spec.shape
+    if arr.ndim == len(want) and all(w in (-1, None) or w == g for w, g in zip(want, arr.shape)):
+        return None
+    pretty = "[" + ",".join(str(d) for d in want) + "]"
+    return f"{where}: expected shape {pretty} ({spec.dtype.name}), got [{','.join(str(d) for d in arr.shape)}]"
+
+
+def _named(signature: SignatureInfo, values: Mapping[str, Any], where: str,
+           ignore_extra: bool = False) -> dict[str, np.ndarray]:
+    """Named inputs. Columnar requests ignore keys the signature lacks, as TF Serving does."""
+    if ignore_extra:
+        values = {k: v for k, v in values.items() if k in signature.inputs}
+    unknown = [k for k in values if k not in signature.inputs]
+    if unknown:
+        raise InvalidArgument(f"{where}: unknown input {unknown[0]!r}; signature {signature.name!r} takes "
+                              f"{', '.join(sorted(signature.inputs))}")
+    missing = [k for k in signature.inputs if k not in values]
+    if missing:
+        raise InvalidArgument(f"{where}: missing input {missing[0]!r} of signature {signature.name!r}")
+    return {k: to_array(v, signature.inputs[k], f"input {k!r}") for k, v in values.items()}
+
+
+_NUMERIC_BYTES = b"0123456789.eE+-,[]{}: \t\r\n"
+_QUOTED = re.compile(rb'"[^"]*"')
+
+
+def numbers_only(raw: bytes, body: Mapping[str, Any]) -> bool:
+    """True when every JSON string in ``raw`` is a key or a top-level string value, so
+    the tensors hold nothing but numbers and can go to numpy without a per-element check.
+    One C-speed pass over the bytes instead of a second pass over the parsed values."""
+    if b"\\" in raw:
+        return False
+    expected = len(body) + sum(isinstance(v, str) for v in body.values())
+    if isinstance(body.get("inputs"), dict):
+        expected += len(body["inputs"])
+    if raw.count(b'"') != 2 * expected:
+        return False
+    return not _QUOTED.sub(b"", raw.translate(None, _NUMERIC_BYTES))
+
+
+def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes | None = None,
+                   limits: Any = DEFAULT_LIMITS) -> tuple[dict[str, np.ndarray], bool]:
+    """(inputs, row_format) of a :predict request body (``raw``: its bytes, for the fast check)."""
+    token = _TRUSTED.set(raw is not None and numbers_only(raw, body))
+    try:
+        inputs, row_format = _decode_predict(body, signature, limits)
+    finally:
+        _TRUSTED.reset(token)
+    check_elements(inputs, limits)
+    return inputs, row_format
+
+
+def check_elements(inputs: Mapping[str, np.ndarray], limits: Any = DEFAULT_LIMITS) -> None:
+    total = sum(arr.size for arr in inputs.values())
+    if total > limits.max_tensor_elements:
+        raise InvalidArgument(f"the request's tensors hold {total} elements, over the limit of "
+                              f"{limits.max_tensor_elements} (limits.max_tensor_elements)")
+
+
+def check_rows(count: int, what: str, limits: Any = DEFAULT_LIMITS) -> None:
+    if count > limits.max_instances:
+        raise InvalidArgument(f"'{what}' has {count} entries, over the limit of {limits.max_instances} "
+                              "per request (limits.max_instances); split the request")
+
+
+def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
+                    limits: Any) -> tuple[dict[str, np.ndarray], bool]:
+    has_rows, has_cols = "instances" in body, "inputs" in body
+    if has_rows and has_cols:
+        raise InvalidArgument("JSON Value: both 'instances' and 'inputs' given; use one of them")
+    if not has_rows and not has_cols:
+        raise InvalidArgument("Missing 'inputs' or 'instances' key")
+    if has_cols:
+        value = body["inputs"]
+        if isinstance(value, dict) and not _is_b64(value):
+            return _named(signature, value, "inputs", ignore_extra=True), False
+        return _single(signature, value, "inputs"), False
+    instances = body["instances"]
+    if not isinstance(instances, list):
+        raise InvalidArgument("'instances' must be a list, one entry per instance")
+    check_rows(len(instances), "instances", limits)
+    if instances and isinstance(instances[0], dict) and not _is_b64(instances[0]):
+        return _rows_named(signature, instances), True
+    return _single(signature, instances, "instances"), True
+
+
+def _single(signature: SignatureInfo, value: Any, where: str) -> dict[str, np.ndarray]:
+    if len(signature.inputs) != 1:
+        raise InvalidArgument(f"{where}: signature {signature.name!r} has {len(signature.inputs)} inputs "
+                              f"({', '.join(sorted(signature.inputs))}); name each of them")
+    (name, spec), = signature.inputs.items()
+    return {name: to_array(value, spec, where)}
+
+
+def _rows_named(signature: SignatureInfo, instances: list[Any]) -> dict[str, np.ndarray]:
+    columns: dict[str, list[Any]] = {}
+    for i, row in enumerate(instances):
+        if not isinstance(row, dict):
+            raise InvalidArgument(f"instances[{i}]: every instance must be an object like the first one")
+        if i and row.keys() != columns.keys():
+            raise InvalidArgument(f"instances[{i}]: has inputs {sorted(row)}, expected {sorted(columns)}")
+        for k, v in row.items():
+            columns.setdefault(k, []).append(v)
+    return _named(signature, columns, "instances")
+
+
+# --- encoding ---------------------------------------------------------------------------
+_NONFINITE_TOKENS = {"nan": b"NaN", "inf": b"Infinity", "-inf": b"-Infinity"}
+
+
+def _jsonable(name: str, arr: np.ndarray) -> Any:
+    """An output array in a form orjson serialises as TF Serving would print it."""
+    if arr.dtype.kind in _NATIVE:
+        if arr.dtype == np.float16:
+            arr = arr.astype(np.float32)
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():  # orjson would write null
+            return orjson.Fragment(_nonfinite_json(arr))
+        if arr.ndim == 0:  # orjson serialises arrays, not 0-d ones: a numpy scalar keeps float32's digits
+            return arr[()]
+        return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+    encode_b64 = name.endswith("_bytes")
+    flat = [_text(v, encode_b64) for v in arr.reshape(-1)]
+    return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
+
+
+def _nonfinite_json(arr: np.ndarray) -> bytes:
+    """A float array with NaN or infinities as TF Serving writes it: orjson's text, whose
+    ``null`` stand exactly for the non-finite values, with their spellings put back."""
+    text = orjson.dumps(np.ascontiguousarray(arr) if arr.ndim else arr.item(), option=DUMP)
+    tokens = [_NONFINITE_TOKENS[str(v)] for v in arr[~np.isfinite(arr)].tolist()]
+    pieces = text.split(b"null")
+    out = [pieces[0]]
+    for token, piece in zip(tokens, pieces[1:]):
+        out += [token, piece]
+    return b"".join(out)
+
+
+def _text(value: Any, encode_b64: bool) -> Any:
+    if isinstance(value, bytes):
+        if encode_b64:
+            return {"b64": base64.b64encode(value).decode()}
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return {"b64": base64.b64encode(value).decode()}
+    return value.item() if hasattr(value, "item") else value
+
+
+def encode_predict(outputs: Mapping[str, np.ndarray], row_format: bool) -> bytes:
+    if not row_format:
+        if len(outputs) == 1:
+            (name, arr), = outputs.items()
+            return dumps({"outputs": _jsonable(name, arr)})
+        return dumps({"outputs": {k: _jsonable(k, v) for k, v in outputs.items()}})
+    if len(outputs) == 1:
+        (name, arr), = outputs.items()
+        return dumps({"predictions": _jsonable(name, arr)})
+    sizes = {v.shape[0] if v.ndim else -1 for v in outputs.values()}
+    if len(sizes) != 1 or -1 in sizes:
+        raise InvalidArgument("outputs have different batch sizes; use the columnar 'inputs' format")
+    n = sizes.pop()
+    return dumps({"predictions": [{k: _row(k, v, i) for k, v in outputs.items()} for i in range(n)]})
+
+
+def _row(name: str, arr: np.ndarray, i: int) -> Any:
+    """Row ``i`` of one output, for a row-format response with several outputs."""
+    row = arr[i]
+    if isinstance(row, np.ndarray) or arr.dtype.kind in _NATIVE:
+        return _jsonable(name, np.asarray(row))
+    return _text(row, name.endswith("_bytes"))

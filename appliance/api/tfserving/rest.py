@@ -1,0 +1,325 @@
+"""TF Serving's REST API (``/v1/models/...``), as tensorflow_serving's HTTP handler answers it.
+
+URL grammar, error texts and status codes follow TF Serving's ``http_rest_api_handler.cc``:
+a path under ``/v1/`` that matches neither grammar is ``400 Malformed request: <METHOD> <path>``;
+an unknown model or version is ``404 Servable not found for request: ...``; an unknown
+signature or label is 400 (INVALID_ARGUMENT in TF Serving). Every error body is
+``{"error": "..."}``. The hot path is JSON decode -> numpy -> batcher -> numpy -> JSON.
+Bodies may be gzip (appliance/body_limits.py); ``[limits]`` bound their nesting, values and
+rows (appliance/tfs_json.py), each refusal a 400 that names the limit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import time
+from http import HTTPStatus
+from typing import Any, Callable
+from urllib.parse import unquote
+
+import numpy as np
+from flask import Response
+
+from runtimes import DEFAULT_SIGNATURE, SignatureInfo
+
+from appliance.api.tfserving import protowire as pw
+from appliance.api.tfserving import json_format as tfs_json
+from appliance.api.body import read_body
+from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unimplemented
+from appliance.core.manager import VersionSlot, run_signature
+
+POST_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
+GET_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
+CLASSIFY_METHOD = "tensorflow/serving/classify"
+REGRESS_METHOD = "tensorflow/serving/regress"
+JSON = "application/json"
+log = logging.getLogger("appliance.rest")
+
+class V1API:
+    """WSGI middleware that answers ``/v1/...`` itself and hands every other path to Flask.
+
+    The inference path is the hot path: skipping Flask's request context, routing and
+    response objects halves the Python work per request. ``dispatch`` is the whole API:
+    (method, raw path, body reader) -> (status, JSON bytes, extra headers).
+    """
+
+    def __init__(self, fallback: Callable[..., Any], core: Any):
+        self.fallback = fallback
+        self.core = core
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        path = environ.get("PATH_INFO", "")
+        if not (path.startswith("/v1/") or path == "/v1"):
+            return self.fallback(environ, start_response)
+        status, body, headers = self.dispatch(environ)
+        start_response(_STATUS_LINES.get(status) or f"{status} {HTTPStatus(status).phrase}",
+                       [("Content-Type", JSON), ("Content-Length", str(len(body))), *headers])
+        return [body]
+
+    def dispatch(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
+        method = environ.get("REQUEST_METHOD", "GET")
+        path = _raw_path(environ)
+        verb, name, started = "", "", time.perf_counter()
+        try:
+            if method == "POST":
+                match = POST_RE.fullmatch(path)
+                if match is None or match.group(4) not in VERBS:
+                    raise InvalidArgument(f"Malformed request: {method} {path}")
+                verb, name = match.group(4), match.group(1)
+                model, version, label = _parse(match)
+                name = model
+                raw = read_body(environ, self.core.config.server.max_body_bytes)
+                limits = self.core.config.limits
+                body = VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label, raw, limits)
+                self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
+                return 200, body, []
+            match = GET_RE.fullmatch(path) if method == "GET" else None
+            if match is None:
+                raise InvalidArgument(f"Malformed request: {method} {path}")
+            model, version, label = _parse(match)
+            if match.group(4) == "metadata":
+                return 200, _metadata(self.core.manager, model, version, label), []
+            return 200, _status(self.core.manager, model, version, label), []
+        except Exception as exc:  # every failure becomes {"error": ...}; never a stack trace
+            error = exc if isinstance(exc, ApplianceError) else _unexpected(exc)
+            if verb:
+                self.core.metrics.observe_request(name, verb, error.http_status, time.perf_counter() - started)
+            headers = [("Retry-After", str(int(error.retry_after)))] if error.retry_after else []
+            return error.http_status, tfs_json.dumps({"error": error.message}), headers
+
+
+def _unexpected(exc: Exception) -> ApplianceError:
+    log.exception("unhandled error in the REST API")
+    return ApplianceError(f"internal error: {type(exc).__name__}")
+
+
+_STATUS_LINES = {code: f"{code} {HTTPStatus(code).phrase}" for code in (200, 400, 404, 405, 413, 429, 500, 501, 503)}
+
+
+def error_response(exc: ApplianceError) -> Response:
+    """A Flask response for the routes outside /v1 (health, status, unknown paths)."""
+    headers = {"Retry-After": str(int(exc.retry_after))} if exc.retry_after else None
+    return Response(tfs_json.dumps({"error": exc.message}), status=exc.http_status, mimetype=JSON, headers=headers)
+
+
+def _parse(match: re.Match[str]) -> tuple[str, int | None, str | None]:
+    name, version, label = match.group(1), match.group(2), match.group(3)
+    if not name:
+        raise InvalidArgument("Missing model name in request.")
+    parsed_version = None
+    if version is not None:
+        parsed_version = int(version)
+        if parsed_version >= 1 << 63:
+            raise InvalidArgument(f"Failed to convert version: {version} to numeric.")
+    return unquote(name), parsed_version, unquote(label) if label is not None else None
+
+
+def _raw_path(environ: dict[str, Any]) -> str:
+    """The path as TF Serving matches it: undecoded when the server gives it, with the query."""
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if raw:
+        return raw
+    query = environ.get("QUERY_STRING", "")
+    return environ.get("PATH_INFO", "") + (f"?{query}" if query else "")
+
+
+# --- GET ----------------------------------------------------------------------------------
+def _status(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
+    slots = manager.version_states(name, version, label)
+    if not slots:
+        raise NotFound(f"Could not find any versions of model {name}")
+    statuses = [{
+        "version": str(s.version),
+        "state": s.state.value,
+        "status": {"error_code": "UNKNOWN" if s.error else "OK", "error_message": s.error},
+    } for s in slots]
+    return tfs_json.dumps({"model_version_status": statuses})
+
+
+def _tensor_info(spec: Any) -> dict[str, Any]:
+    enum = pw.ENUM_OF.get(spec.dtype, 0)
+    shape = ({"dim": [], "unknown_rank": True} if spec.shape is None else
+             {"dim": [{"size": str(d), "name": ""} for d in spec.shape], "unknown_rank": False})
+    return {"dtype": pw.DTYPE_NAMES.get(enum, "DT_INVALID"), "tensor_shape": shape, "name": spec.tensor_name or spec.name}
+
+
+def signature_def_json(sig: SignatureInfo) -> dict[str, Any]:
+    return {
+        "inputs": {k: _tensor_info(v) for k, v in sig.inputs.items()},
+        "outputs": {k: _tensor_info(v) for k, v in sig.outputs.items()},
+        "method_name": sig.method_name,
+        "defaults": {},
+    }
+
+
+def _metadata(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
+    with _handle(manager, name, version, label) as slot:
+        sigs = {k: signature_def_json(v) for k, v in slot.servable.signatures.items()}
+        body = {
+            "model_spec": {"name": name, "signature_name": "", "version": str(slot.version)},
+            "metadata": {"signature_def": {"signature_def": sigs}},
+        }
+    return tfs_json.dumps(body)
+
+
+def _handle(manager: Any, name: str, version: int | None, label: str | None) -> Any:
+    return manager.handle(name, version, label)
+
+
+# --- POST ---------------------------------------------------------------------------------
+def _parse_object(data: bytes, limits: Any) -> dict[str, Any]:
+    body = tfs_json.loads(data, limits)
+    if not isinstance(body, dict):
+        raise InvalidArgument("JSON Value: the request body Is not object")
+    return body
+
+
+def _signature_name(body: dict[str, Any]) -> str:
+    name = body.get("signature_name", "")
+    if not isinstance(name, str):
+        raise InvalidArgument("JSON Value: not formatted correctly. 'signature_name' key must be a string value.")
+    return name or DEFAULT_SIGNATURE
+
+
+def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
+             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS) -> bytes:
+    signature_name = _signature_name(body)
+    if "instances" in body and not body["instances"] and isinstance(body["instances"], list):
+        raise InvalidArgument("JSON Value: No values in 'instances' array")
+    with _handle(manager, name, version, label) as slot:
+        signature = _signature(slot, signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
+        inputs, row_format = tfs_json.decode_predict(body, signature, raw, limits)
+        outputs = _run(slot, signature, inputs)
+    return tfs_json.encode_predict(outputs, row_format)
+
+
+def _signature(slot: VersionSlot, name: str, missing: str) -> SignatureInfo:
+    sig = slot.servable.signatures.get(name) if slot.servable is not None else None
+    if sig is None:
+        raise InvalidArgument(missing)
+    return sig
+
+
+def _run(slot: VersionSlot, signature: SignatureInfo, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return run_signature(slot, signature.name, inputs, batch=_batchable(slot, signature, inputs))
+
+
+def _batchable(slot: VersionSlot, signature: SignatureInfo, inputs: dict[str, np.ndarray]) -> bool:
+    """Inputs that fit the declared shapes join a batch. Others run alone: TensorFlow, like
+    TF Serving, is the judge there (an Identity such as half_plus_two's ``x`` takes any
+    shape); LiteRT's shapes are real, so a mismatch is refused here with the reason."""
+    problems = [p for k, arr in inputs.items() if (p := tfs_json.shape_error(arr, signature.inputs[k], f"input {k!r}"))]
+    if problems and getattr(slot.servable, "backend", "") == "tflite":
+        raise InvalidArgument(problems[0])
+    return not problems
+
+
+def _examples(body: dict[str, Any], method: str, limits: Any) -> np.ndarray:
+    examples = body.get("examples")
+    if examples is None:
+        raise InvalidArgument(f"JSON Value: When method is {method}, key 'examples' is expected and was not found")
+    if not isinstance(examples, list):
+        raise InvalidArgument("JSON Value: Expecting 'examples' value to be an list/array")
+    if not examples:
+        raise InvalidArgument("JSON Value: 'examples' value is an empty array")
+    tfs_json.check_rows(len(examples), "examples", limits)
+    context = body.get("context")
+    for item in [context] * (context is not None) + examples:
+        if not isinstance(item, dict):
+            raise InvalidArgument(f"Example must be JSON object but got JSON {type(item).__name__}")
+    try:
+        ctx = pw.encode_example(_decode_features(context)) if context is not None else b""
+        serialized = [ctx + pw.encode_example(_decode_features(e)) for e in examples]
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+    return np.array(serialized, dtype=object)
+
+
+def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in example.items():
+        values = value if isinstance(value, list) else [value]
+        decoded = []
+        for v in values:
+            if isinstance(v, dict) and set(v) == {"b64"}:
+                v = tfs_json._b64(v, f"feature {key}")
+            elif v is None or isinstance(v, (dict, list)):
+                raise ValueError(f"Feature: {key} has element with unexpected JSON type: {type(v).__name__}")
+            decoded.append(v)
+        out[key] = decoded
+    return out
+
+
+def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
+                      method: str, limits: Any) -> bytes:
+    signature_name = _signature_name(body)
+    serialized = _examples(body, method, limits)
+    _, signature, outputs = run_examples(manager, serialized, name, version, label, signature_name, method)
+    return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
+
+
+def run_examples(manager: Any, serialized: np.ndarray, name: str, version: int | None, label: str | None,
+                 signature_name: str, method: str) -> tuple[int, SignatureInfo, dict[str, np.ndarray]]:
+    """Run serialized tf.Examples through a classify or regress signature (REST and gRPC):
+    (the version that answered, its signature, the outputs)."""
+    with _handle(manager, name, version, label) as slot:
+        signature = _signature(slot, signature_name, f"No signature was found with the name: {signature_name}")
+        if "inputs" not in signature.inputs or len(signature.inputs) != 1:
+            kind = "classification" if method == "classify" else "regression"
+            raise InvalidArgument(f"No {kind} inputs found in SignatureDef: {signature.name}")
+        if slot.servable is not None and getattr(slot.servable, "backend", "") == "tflite":
+            hint = ("pin runtime.backend = \"tf-cpu\" for this model" if importlib.util.find_spec("tensorflow")
+                    else "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
+            raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend, "
+                                f"but {name} version {slot.version} is served by tflite; {hint}")
+        outputs = _run(slot, signature, {"inputs": serialized})
+        return slot.version, signature, outputs
+
+
+def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> Any:
+    if method == "regress":
+        return regression_values(signature, outputs, n)
+    classes, scores, ref = classification_outputs(outputs, n)
+    results = []
+    for i in range(n):
+        row = []
+        for j in range(ref.shape[1]):
+            text = classes[i, j] if classes is not None else b""
+            label = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+            row.append([label, float(scores[i, j]) if scores is not None else 0.0])
+        results.append(row)
+    return results
+
+
+def regression_values(signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """A regress signature's ``outputs`` as one float32 value per example (REST and gRPC)."""
+    if "outputs" not in outputs:
+        raise InvalidArgument(f"No regression outputs found in SignatureDef: {signature.name}")
+    values = outputs["outputs"]
+    if values.ndim == 2 and values.shape[1] == 1:
+        values = values[:, 0]
+    if values.ndim != 1 or values.shape[0] != n:
+        raise InvalidArgument("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
+                              f"but got {list(outputs['outputs'].shape)}")
+    return values.astype(np.float32)
+
+
+def classification_outputs(outputs: dict[str, np.ndarray], n: int) -> tuple[Any, Any, np.ndarray]:
+    """(classes or None, scores or None, the one of them that gives the shape [n, k])."""
+    classes, scores = outputs.get("classes"), outputs.get("scores")
+    if classes is None and scores is None:
+        raise InvalidArgument('Expected classification signature outputs to contain at least one of "classes" or "scores".')
+    ref = scores if scores is not None else classes
+    assert ref is not None  # one of them, checked above
+    if ref.ndim != 2 or ref.shape[0] != n:
+        raise InvalidArgument(f"Expected Tensor shape: [batch_size num_classes] but got {list(ref.shape)}")
+    return classes, scores, ref
+
+
+VERBS: dict[str, Callable[..., bytes]] = {
+    "predict": _predict,
+    "classify": lambda m, body, n, v, l, raw, limits: _classify_regress(m, body, n, v, l, "classify", limits),
+    "regress": lambda m, body, n, v, l, raw, limits: _classify_regress(m, body, n, v, l, "regress", limits),
+}

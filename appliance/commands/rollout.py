@@ -1,0 +1,144 @@
+"""``appliance rollout promote|abort|halt|resume|fleet`` and ``appliance fleet --model M``.
+
+promote / abort talk to the running service's admin endpoints (the admin token comes from
+--token-file or the config's [security]). halt / resume write the channel pointer in the
+bucket. fleet summarises the device reports under ``_devices/`` for one model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def cmd_decide(args: argparse.Namespace) -> int:
+    from appliance.commands.fleet import _admin_token
+
+    headers = {"Content-Type": "application/json"}
+    token = _admin_token(args)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    url = f"{args.url.rstrip('/')}/api/models/{args.model}/rollout/{args.rollout_command}"
+    request = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            print(json.dumps(json.loads(response.read()), indent=2))
+    except urllib.error.HTTPError as exc:  # 403 without the token, 409 without a candidate: say why
+        print(f"the service refused: {exc.code} {exc.read().decode(errors='replace')}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"cannot reach the service at {args.url}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_halt(args: argparse.Namespace) -> int:
+    from appliance.commands.fleet import _key, _source
+    from sync.publisher import halt_channel
+
+    halt = args.rollout_command == "halt"
+    doc = halt_channel(_source(args), args.model, args.channel, _key(args.sign_key), halt=halt)
+    print(f"{args.model} channel {args.channel} (version {doc['version']}): "
+          f"{'halted, no device moves' if halt else 'resumed'}")
+    return 0
+
+
+def summarise(reports: list[dict[str, Any]], model: str, pointer: dict[str, Any] | None) -> dict[str, Any]:
+    """Devices per serving version and wave, promotions, aborts with their figures."""
+    from sync.waves import admission
+
+    versions: collections.Counter[str] = collections.Counter()
+    waves: collections.Counter[str] = collections.Counter()
+    promotions: list[dict[str, Any]] = []
+    aborts: list[dict[str, Any]] = []
+    unreadable: list[str] = []
+    for report in reports:
+        device = str(report.get("device_id", "?"))
+        if "error" in report:
+            unreadable.append(device)
+            continue
+        state = (report.get("models") or {}).get(model)
+        if state is None:
+            continue
+        versions[str(state.get("serving_version"))] += 1
+        if pointer is not None and pointer.get("waves"):
+            waves[str(admission(device, pointer).wave + 1)] += 1
+        for decision in ((report.get("rollouts") or {}).get(model) or {}).get("decisions", []):
+            row = {"device_id": device, **decision}
+            (promotions if decision.get("action") == "promote" else aborts).append(row)
+    return {"model": model, "channel_version": (pointer or {}).get("version"), "halted": bool((pointer or {}).get("halt")),
+            "devices_per_version": dict(versions), "devices_per_wave": dict(waves),
+            "promotions": promotions, "aborts": aborts, "unreadable_reports": unreadable}
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from appliance.commands.fleet import _source
+    from sync.publisher import fleet
+    from sync.source import MISSING
+
+    source = _source(args)
+    fetched = source.read(f"{args.model}/channels/{args.channel}.json")
+    pointer = json.loads(fetched.data) if fetched.status != MISSING else None
+    summary = summarise(fleet(source), args.model, pointer)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{args.model}: channel {args.channel} -> version {summary['channel_version']}"
+          f"{' (HALTED)' if summary['halted'] else ''}")
+    for version, count in sorted(summary["devices_per_version"].items()):
+        print(f"  serving version {version}: {count} devices")
+    for wave, count in sorted(summary["devices_per_wave"].items()):
+        print(f"  wave {wave}: {count} devices")
+    print(f"  promotions: {len(summary['promotions'])}")
+    for row in summary["aborts"]:
+        print(f"  ABORTED on {row['device_id']}: version {row.get('candidate_version')}: {row.get('reason')}")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    bucket_help = "bucket URL: s3://bucket/prefix, file:///path or https://host/prefix"
+    rollout = sub.add_parser("rollout", help="judge, promote, abort or halt model rollouts")
+    commands = rollout.add_subparsers(dest="rollout_command", required=True)
+    for action in ("promote", "abort"):
+        p = commands.add_parser(action, help=f"{action} the candidate version on the running service")
+        p.add_argument("--model", required=True)
+        p.add_argument("--url", default="http://127.0.0.1:8501", help="the service on this device")
+        p.add_argument("--config", help="TOML config file whose [security] gives the admin token")
+        p.add_argument("--token-file", help="a file holding the admin token")
+        p.add_argument("--timeout", type=float, default=30)
+        p.set_defaults(func=cmd_decide)
+    for action, text in (("halt", "stop every further device move on a channel"), ("resume", "clear a halt")):
+        p = commands.add_parser(action, help=text)
+        p.add_argument("--bucket", required=True, help=bucket_help)
+        p.add_argument("--model", required=True)
+        p.add_argument("--channel", default="stable")
+        p.add_argument("--sign-key", help="Ed25519 private key; needed when devices have sync.public_key")
+        p.add_argument("--s3-endpoint-url")
+        p.set_defaults(func=_guarded(cmd_halt), command=f"rollout {action}")
+    f = commands.add_parser("fleet", help="summarise one model's rollout from the device reports")
+    f.add_argument("--bucket", required=True, help=bucket_help)
+    f.add_argument("--model", required=True)
+    f.add_argument("--channel", default="stable")
+    f.add_argument("--json", action="store_true")
+    f.add_argument("--s3-endpoint-url")
+    f.set_defaults(func=_guarded(cmd_fleet), command="rollout fleet")
+    existing = getattr(sub, "_name_parser_map", {}).get("fleet")  # appliance.commands.fleet's device list: add --model to it
+    if existing is not None:
+        device_list = existing.get_default("func")
+        existing.add_argument("--model", help="summarise this model's rollout (versions, waves, aborts)")
+        existing.add_argument("--channel", default="stable", help="with --model: the channel to read")
+        summary = _guarded(cmd_fleet)
+        existing.set_defaults(func=lambda args: summary(args) if args.model else device_list(args), command="fleet")
+
+
+
+def _guarded(fn: Any) -> Any:
+    """Bucket commands: a refusal or an unreachable bucket is one line and exit status 1."""
+    from appliance.commands.fleet import _run
+
+    return _run(fn)

@@ -1,0 +1,158 @@
+"""The service core: config, device profile, state database, model manager, metrics.
+
+Constructors do no I/O and start no threads; ``start()`` opens the state database,
+profiles the device and starts the model manager; ``close()`` drains and stops. Both are
+idempotent. Parts (sync loop, discovery, notify, gRPC) contribute to ``/api/status``
+through ``add_status(name, provider)`` and report trouble with ``report_problem``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import runtimes
+
+from appliance import __version__
+from appliance.core import device as device_mod
+from appliance.core.config import Config
+from appliance.core.manager import Manager
+from appliance.core.metrics import Metrics
+from appliance.core.state import StateDB
+
+# /api/status and the page never show a secret: a string under a key naming one is "***"
+# (a *_file key is a path and stays visible, its content never is), and any URL in any
+# string loses its password and the values of signing/credential query parameters.
+PUBLIC_STATUS_KEYS = ("token", "password", "passwd", "secret", "credential", "credentials", "private_key",
+                      "api_key", "access_key", "secret_key", "authorization")  # key name endings
+_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|"
+                           r"token|access_token|password|secret|key|api_key)=)[^&#\s\"']*")
+# Heavy libraries a technician (and the small-device tests) want to know are loaded or not.
+HEAVY_MODULES = ("tensorflow", "ai_edge_litert", "tflite_runtime", "boto3", "zeroconf", "cryptography")
+
+
+class Appliance:
+    """The service core: config, device profile, state db, model manager, metrics.
+
+    Thread-safety: ``add_status``/``report_problem`` and ``status`` may be called from any
+    thread; ``start``/``close`` from the service's main thread."""
+
+    def __init__(self, config: Config, backends: dict[str, runtimes.Backend] | None = None):
+        self.config = config
+        self.backends = backends
+        self.metrics = Metrics()
+        self.db = StateDB(os.path.join(config.state_dir, "state.db"))
+        self.device: dict[str, Any] = {}
+        self.device_id = ""
+        self.manager: Manager | None = None
+        self.started_at = time.time()
+        self._lock = threading.Lock()
+        # /api/status sections of the parts (sync, discovery, grpc, http, rollouts, ...):
+        # name -> a function returning the section, called at each status request.
+        self._status: dict[str, Callable[[], Any]] = {}
+        self._problems: dict[str, str] = {}  # part -> why it is down (readiness, page, notify)
+        self._critical: set[str] = set()  # the parts among them without which the device is not ready
+        self.db.subscribe(self.metrics.on_event)  # edge_appliance_events_total{kind}
+
+    def start(self) -> "Appliance":
+        with self._lock:
+            if self.manager is not None:
+                return self
+            self.db.open()
+            self.device = device_mod.profile(vars(self.config.runtime.tflite))
+            self.device_id = device_mod.device_id(self.config.state_dir)
+            self.manager = Manager(self.config, self.db, self.device, self.backends, metrics=self.metrics)
+            self.metrics.bind(lambda: self.manager.snapshot() if self.manager else {}, self.config.state_dir)
+            self.db.event("service_start", f"edge-appliance {__version__} starting on {self.device['hostname']}",
+                          device_id=self.device_id)
+            self.manager.start()
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.close(self.config.server.drain_timeout_s)
+            self.db.event("service_stop", "edge-appliance stopped")
+        self.db.close()
+
+    def add_status(self, name: str, provider: Callable[[], Any]) -> None:
+        """Show ``provider()`` as ``/api/status[name]`` (called per status request, any thread)."""
+        self._status[name] = provider
+
+    def report_problem(self, part: str, reason: str | None, critical: bool = True) -> None:
+        """Mark ``part`` as down with ``reason`` (``None``: it works again). Every part that is
+        down shows on the page and in the systemd status; a ``critical`` one (an API that is
+        not listening) also makes the device not ready."""
+        if reason:
+            self._problems[part] = reason
+            if critical:
+                self._critical.add(part)
+        else:
+            self._problems.pop(part, None)
+            self._critical.discard(part)
+
+    def ready(self) -> bool:
+        """Every configured model has an AVAILABLE version and no critical part is down."""
+        return self.manager is not None and self.manager.ready() and not self._critical
+
+    def status_of(self, name: str) -> Any:
+        """One part's status section, or None."""
+        provider = self._status.get(name)
+        return provider() if provider else None
+
+    def problems(self) -> list[str]:
+        """What is wrong but not fatal: a damaged or read-only state database, a part that
+        failed to start. Shown by /readyz, /api/status and the page."""
+        return [*self.db.problems, *(f"{part}: {why}" for part, why in self._problems.items())]
+
+    def parts_down(self) -> dict[str, str]:
+        return dict(self._problems)
+
+    def status(self) -> dict[str, Any]:
+        """The snapshot behind /api/status and the status page (no secrets)."""
+        assert self.manager is not None
+        models = self.manager.snapshot()
+        for name, model in models.items():
+            model["requests"] = self.metrics.window.summary(name)
+        return redact({
+            "service": {"name": "edge-appliance", "version": __version__, "device_id": self.device_id,
+                        "uptime_s": round(time.time() - self.started_at, 1), "ready": self.ready(),
+                        "last_poll": self.manager.last_poll,
+                        "imported": [m for m in HEAVY_MODULES if m in sys.modules]},
+            "device": {**self.device, **device_mod.live_figures(self.config.state_dir)},
+            "config": _public_config(self.config),
+            "models": models,
+            "events": self.db.recent(50),
+            **{name: provider() for name, provider in list(self._status.items())},
+            "parts_down": self.parts_down(),
+            "problems": self.problems(),
+        })
+
+
+def _public_config(config: Config) -> dict[str, Any]:
+    return redact(dataclasses.asdict(config))
+
+
+def _secret_key(key: str) -> bool:
+    return key.lower().endswith(PUBLIC_STATUS_KEYS)  # admin_token, not max_new_tokens or tls_key_file
+
+
+def redact(value: Any) -> Any:
+    """``value`` (status, config) with secrets masked: see PUBLIC_STATUS_KEYS."""
+    if isinstance(value, dict):
+        return {k: ("***" if isinstance(k, str) and _secret_key(k) and isinstance(v, str) and v else redact(v))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    if isinstance(value, str) and ("=" in value or "@" in value):
+        return _SECRET_QUERY.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", value))
+    return value
+
+

@@ -1,0 +1,461 @@
+"""Configuration: one TOML file, every key with a default, CLI flags on top.
+
+Loading validates every value and does no I/O beyond reading the file: an unknown key
+or a bad value raises ``ConfigError`` naming the dotted key and the reason, so the
+service refuses to start instead of running on a typo. ``systemd/appliance.toml``
+documents every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin, get_type_hints
+
+from appliance.core.errors import ConfigError
+
+BACKEND_CHOICES = ("auto", "tf-gpu", "tf-cpu", "tflite")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8501
+    threads: int = 32  # HTTP worker threads: must cover the concurrent clients batching can merge
+    max_body_bytes: int = 64 * 1024 * 1024
+    drain_timeout_s: float = 20.0
+
+
+@dataclass
+class BatchingConfig:
+    """TF Serving's batching parameters, same names and units."""
+
+    enable_batching: bool = True
+    max_batch_size: int = 32
+    batch_timeout_micros: int = 1000
+    num_batch_threads: int = 0  # 0: the device's CPU count
+    max_enqueued_batches: int = 64
+    allowed_batch_sizes: list[int] = field(default_factory=list)
+    pad_variable_length_inputs: bool = False
+    split_large_requests: bool = True
+
+    def validate(self, key: str) -> None:
+        for name in ("max_batch_size", "max_enqueued_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}", "must be at least 1")
+        for name in ("batch_timeout_micros", "num_batch_threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name}", "must not be negative")
+        sizes = self.allowed_batch_sizes
+        if sizes:
+            if sizes != sorted(set(sizes)) or sizes[0] < 1:
+                raise ConfigError(f"{key}.allowed_batch_sizes", "must be strictly increasing positive integers")
+            if sizes[-1] != self.max_batch_size:
+                raise ConfigError(f"{key}.allowed_batch_sizes",
+                                  f"the last entry ({sizes[-1]}) must equal max_batch_size ({self.max_batch_size})")
+
+
+@dataclass
+class TFLiteConfig:
+    num_threads: int = 0  # 0: the device's CPU count
+    delegate: str = "auto"  # auto | gpu | edgetpu | none
+    gpu_delegate_path: str = ""
+    edgetpu_delegate_path: str = ""
+
+
+@dataclass
+class TFConfig:
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
+    tftrt: bool = True
+    precision: str = "FP16"
+
+
+@dataclass
+class RuntimeConfig:
+    backend: str = "auto"
+    prefer_tflite_below_mb: int = 0
+    tflite: TFLiteConfig = field(default_factory=TFLiteConfig)
+    tf: TFConfig = field(default_factory=TFConfig)
+
+
+@dataclass
+class SyncConfig:
+    """Fleet sync from a central bucket (issue: fleet sync). Empty bucket: no sync."""
+
+    bucket: str = ""  # file:///path | s3://bucket/prefix | https://host/prefix
+    channel: str = ""  # empty: the newest committed version
+    models: list[str] = field(default_factory=list)  # models to follow; empty: every model in the bucket
+    poll_interval_s: float = 30.0
+    jitter: float = 0.2  # +-20 % on each interval so a fleet does not poll in lockstep
+    max_backoff_s: float = 600.0
+    public_key: str = ""  # Ed25519 public key file; when set, unsigned or mis-signed versions are refused
+    retain: int = 2  # good versions kept on disk per model
+    report_interval_s: float = 300.0
+    s3_endpoint_url: str = ""  # else AWS_ENDPOINT_URL / the AWS config
+    s3_region: str = ""
+    max_manifest_bytes: int = 4 << 20  # cap on a manifest, channel pointer or index read (endless data)
+    stall_timeout_s: float = 30.0  # a transfer moving < 1 KiB/s (or nothing) this long is abandoned
+
+    def validate(self, key: str) -> None:
+        if self.max_manifest_bytes < 4096:
+            raise ConfigError(f"{key}.max_manifest_bytes", "must be at least 4096")
+        if not self.stall_timeout_s > 0:
+            raise ConfigError(f"{key}.stall_timeout_s", "must be positive")
+
+    def limits(self) -> Any:
+        """The sources' transfer limits (``sync.source.Limits``) from this section."""
+        from sync.source import Limits
+
+        return Limits(max_document_bytes=self.max_manifest_bytes, stall_timeout_s=self.stall_timeout_s)
+
+
+@dataclass
+class DiscoveryConfig:
+    enabled: bool = True
+    name: str = ""  # instance name; empty: the hostname
+    interfaces: list[str] = field(default_factory=list)  # empty: all
+    recheck_interval_s: float = 30.0
+
+
+# Sections for the API, security and rollout parts. Each part owns its dataclass: add
+# fields there (with defaults that protect a small device) and check them in ``validate``.
+@dataclass
+class GRPCConfig:
+    """TF Serving's gRPC API (and the KServe v2 gRPC service) on one port."""
+
+    port: int = 8500  # TF Serving's; 0: no gRPC
+    socket_path: str = ""  # as --grpc_socket_path: also listen on this Unix domain socket
+    max_message_bytes: int = 64 * 1024 * 1024  # TF Serving users hit gRPC's 4 MB default
+    # "lean": appliance/h2_grpc.py, unary calls over hand-framed HTTP/2 (a third of grpcio's
+    # CPU per call); "grpcio": grpcio's own grpc.aio server, kept as the fallback
+    transport: str = "lean"
+
+    def validate(self, key: str) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{key}.port", f"{self.port} is not a TCP port (0 turns gRPC off)")
+        if self.transport not in ("lean", "grpcio"):
+            raise ConfigError(f"{key}.transport", f"{self.transport!r} is not a gRPC server (lean or grpcio)")
+        if self.max_message_bytes < 1024:
+            raise ConfigError(f"{key}.max_message_bytes", "must be at least 1024")
+
+
+@dataclass
+class TFServingFilesConfig:
+    """tensorflow_model_server's own config files, read as it reads them."""
+
+    model_config_file: str = ""
+    model_config_file_poll_wait_seconds: float = 0.0  # 0: read once (and on reload)
+    batching_parameters_file: str = ""
+    monitoring_config_file: str = ""
+
+    def validate(self, key: str) -> None:
+        if self.model_config_file_poll_wait_seconds < 0:
+            raise ConfigError(f"{key}.model_config_file_poll_wait_seconds", "must not be negative")
+
+
+@dataclass
+class SecurityConfig:
+    """Bearer tokens per scope (admin, inference, read) and TLS for the REST port.
+
+    A ``*_token_file`` is an absolute path, or a bare name looked up in systemd's
+    ``$CREDENTIALS_DIRECTORY`` (``LoadCredential=``). With neither token nor file, the
+    credential ``admin-token`` / ``inference-token`` / ``read-token`` is used when the unit
+    provides it. No admin token at all: admin endpoints are off (403). No inference or
+    read token: that scope is open. Files are read at start-up and on reload, not here.
+    """
+
+    admin_token: str = ""
+    admin_token_file: str = ""
+    inference_token: str = ""
+    inference_token_file: str = ""
+    read_token: str = ""
+    read_token_file: str = ""
+    tls_cert_file: str = ""  # PEM certificate chain; with tls_key_file, the REST port speaks HTTPS only
+    tls_key_file: str = ""  # PEM private key (unencrypted)
+    tls_client_ca_file: str = ""  # PEM CA bundle: when set, clients must present a certificate it signed
+    tls_min_version: str = "TLSv1.2"  # TLSv1.2 | TLSv1.3
+
+    def validate(self, key: str) -> None:
+        for scope in ("admin", "inference", "read"):
+            token = getattr(self, f"{scope}_token")
+            if token and getattr(self, f"{scope}_token_file"):
+                raise ConfigError(f"{key}.{scope}_token", f"set either {scope}_token or {scope}_token_file, not both")
+            if token and (len(token) < 16 or token != token.strip()):
+                raise ConfigError(f"{key}.{scope}_token", "must be at least 16 characters with no surrounding spaces "
+                                  "(generate one: openssl rand -hex 32)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError(f"{key}.tls_key_file" if self.tls_cert_file else f"{key}.tls_cert_file",
+                              "TLS needs both tls_cert_file and tls_key_file")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError(f"{key}.tls_client_ca_file", "client certificates need TLS on (tls_cert_file, tls_key_file)")
+        if self.tls_min_version not in ("TLSv1.2", "TLSv1.3"):
+            raise ConfigError(f"{key}.tls_min_version", "must be TLSv1.2 or TLSv1.3")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+
+@dataclass
+class LimitsConfig:
+    """Request limits that protect a small device from one hostile or careless client."""
+
+    # Connections (appliance/http_server.py). A connection that sends nothing is closed after
+    # idle_timeout_s; once a request's first byte arrives its headers must be complete within
+    # header_timeout_s and the whole request (headers and body) within request_timeout_s,
+    # however slowly the bytes trickle in (a timer reset by every byte stops no slowloris).
+    max_connections: int = 200  # open HTTP connections; more wait in the kernel's queue
+    idle_timeout_s: float = 30.0  # a keep-alive (or fresh) connection with no request in progress
+    header_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0
+    # Overload: a complete request that waited longer than this for a worker thread gets 503
+    # + Retry-After at once instead of running late; accepted requests keep a bounded latency.
+    max_queue_wait_s: float = 2.0  # 0: never shed
+    # JSON request bodies (appliance/tfs_json.py), checked before and right after parsing: a
+    # hostile body gets a 400 naming the limit, never a deep recursion or an allocation past its size.
+    max_json_depth: int = 100  # nesting of [ and { (TF Serving's and Triton's tests use 100)
+    max_tensor_elements: int = 4 * 1024 * 1024  # values in a request's tensors, all inputs together
+    max_instances: int = 4096  # rows of "instances" (and "examples") in one request
+
+    def validate(self, key: str) -> None:
+        self._validate_connections(key)
+        self._validate_json(key)
+
+    def _validate_json(self, key: str) -> None:
+        if not 2 <= self.max_json_depth <= 1000:  # the JSON parser itself stops at 1024
+            raise ConfigError(f"{key}.max_json_depth", "must be between 2 and 1000")
+        for name in ("max_tensor_elements", "max_instances"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}", "must be at least 1")
+
+    def _validate_connections(self, key: str) -> None:
+        if not 1 <= self.max_connections <= 900:  # waitress runs on select(): fds below 1024
+            raise ConfigError(f"{key}.max_connections", "must be between 1 and 900")
+        for name in ("idle_timeout_s", "header_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{key}.{name}", "must be positive")
+        if self.request_timeout_s < self.header_timeout_s:
+            raise ConfigError(f"{key}.request_timeout_s", "must be at least header_timeout_s")
+        if self.max_queue_wait_s < 0:
+            raise ConfigError(f"{key}.max_queue_wait_s", "must not be negative (0: never shed)")
+
+
+@dataclass
+class GenerationConfig:
+    """Token streaming from generative models (``:generate``, appliance/generation.py)."""
+
+    max_streams: int = 24  # streams at once, all models (each holds an HTTP thread); more: 503 + Retry-After
+    max_streams_per_step: int = 0  # streams per decode call; 0: the model's batching.max_batch_size
+    step_batching: bool = True  # false: one decode call per stream per step (the bench's baseline)
+    default_max_new_tokens: int = 64  # when a request names none
+    max_new_tokens_limit: int = 1024  # the most a request may ask for
+
+    def validate(self, key: str) -> None:
+        for name in ("max_streams", "default_max_new_tokens", "max_new_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}", "must be at least 1")
+        if self.max_streams_per_step < 0:
+            raise ConfigError(f"{key}.max_streams_per_step", "must not be negative (0: batching.max_batch_size)")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ConfigError(f"{key}.default_max_new_tokens",
+                              f"must not exceed max_new_tokens_limit ({self.max_new_tokens_limit})")
+
+
+@dataclass
+class RolloutConfig:
+    """A candidate version next to the serving one, and how it is judged (docs/rollouts.md).
+
+    ``mode`` off: a newer version replaces the serving one as soon as it is loaded (TF
+    Serving's behaviour). shadow / canary: it is loaded next to the serving one as the
+    candidate and promoted or aborted on the gates below.
+    """
+
+    mode: str = "off"  # off | shadow | canary
+    shadow_percent: float = 100.0  # share of requests copied to the candidate in shadow mode
+    canary_percent: float = 10.0  # share of requests the candidate answers in canary mode
+    sticky_header: str = "X-Client-Key"  # canary: the same key always gets the same version
+    min_requests: int = 100  # candidate requests observed before a promotion
+    max_duration_s: float = 3600.0  # undecided after this long (too little traffic): abort
+    max_error_rate: float = 0.01  # candidate failures where the serving version succeeded
+    max_p99_latency_ratio: float = 1.5  # candidate p99 / serving p99
+    max_output_drift: float = 0.05  # mean |difference| of numeric outputs, or top-1 disagreement rate
+    shadow_queue: int = 64  # shadow copies waiting; beyond this they are dropped (never the answer)
+    shadow_busy_share: float = 0.05  # the shadow thread runs at most this share of the time; the rest is shed
+
+    def validate(self, key: str) -> None:
+        if self.mode not in ("off", "shadow", "canary"):
+            raise ConfigError(f"{key}.mode", f"must be off, shadow or canary, got {self.mode!r}")
+        for name in ("shadow_percent", "canary_percent"):
+            if not 0 <= getattr(self, name) <= 100:
+                raise ConfigError(f"{key}.{name}", "must be between 0 and 100")
+        if self.min_requests < 1:
+            raise ConfigError(f"{key}.min_requests", "must be at least 1")
+        if self.shadow_queue < 1:
+            raise ConfigError(f"{key}.shadow_queue", "must be at least 1")
+        if not 0 < self.shadow_busy_share <= 1:
+            raise ConfigError(f"{key}.shadow_busy_share", "must be in (0, 1]")
+        for name in ("max_duration_s", "max_p99_latency_ratio"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{key}.{name}", "must be positive")
+        for name in ("max_error_rate", "max_output_drift"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name}", "must not be negative")
+
+
+@dataclass
+class ModelConfig:
+    """One served model. ``version_policy``: latest | all | specific (with ``versions``)."""
+
+    name: str = ""
+    base_path: str = ""
+    version_policy: str = "latest"
+    latest: int = 1
+    versions: list[int] = field(default_factory=list)
+    labels: dict[str, int] = field(default_factory=dict)
+    backend: str = ""  # empty: runtime.backend
+    batching: dict[str, Any] = field(default_factory=dict)  # overrides of [batching]
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class Config:
+    state_dir: str = ""
+    models_dir: str = ""  # a TF Serving model base directory (DIR/<model>/<version>)
+    model_name: str = "default"  # for a single-model base path DIR/<version>
+    poll_interval_s: float = 2.0
+    log_level: str = "info"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    grpc: GRPCConfig = field(default_factory=GRPCConfig)
+    tfs: TFServingFilesConfig = field(default_factory=TFServingFilesConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    models: list[ModelConfig] = field(default_factory=list)
+
+    def batching_for(self, model: ModelConfig) -> BatchingConfig:
+        merged = dataclasses.replace(self.batching)
+        for key, value in model.batching.items():
+            _set_field(merged, key, value, f"models.{model.name}.batching")
+        merged.validate(f"models.{model.name}.batching")
+        return merged
+
+
+def default_state_dir() -> str:
+    """systemd's StateDirectory when set, else ~/.local/state/edge-appliance."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "edge-appliance")
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a table, got {type(value).__name__}")
+        return _build(hint, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"must be a list, got {type(value).__name__}")
+        (item,) = get_args(hint)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a table, got {type(value).__name__}")
+        _, item = get_args(hint)
+        return {k: _coerce(v, item, f"{key}.{k}") for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise ConfigError(key, f"must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def _set_field(obj: Any, name: str, value: Any, prefix: str) -> None:
+    hints = get_type_hints(type(obj))
+    key = f"{prefix}.{name}" if prefix else name
+    if name not in hints:
+        raise ConfigError(key, "unknown key")
+    setattr(obj, name, _coerce(value, hints[name], key))
+
+
+def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
+    obj = cls()
+    for name, value in data.items():
+        _set_field(obj, name, value, prefix)
+    return obj
+
+
+def validate(config: Config) -> Config:
+    if not 0 < config.server.port < 65536:
+        raise ConfigError("server.port", f"{config.server.port} is not a TCP port")
+    if config.runtime.backend not in BACKEND_CHOICES:
+        raise ConfigError("runtime.backend", f"must be one of {', '.join(BACKEND_CHOICES)}")
+    if config.poll_interval_s < 0:
+        raise ConfigError("poll_interval_s", "must not be negative")
+    if config.runtime.tflite.delegate not in ("auto", "gpu", "edgetpu", "none"):
+        raise ConfigError("runtime.tflite.delegate", "must be auto, gpu, edgetpu or none")
+    if config.runtime.tf.precision.upper() not in ("FP32", "FP16"):
+        raise ConfigError("runtime.tf.precision", "must be FP32 or FP16")
+    config.batching.validate("batching")
+    if config.discovery.recheck_interval_s <= 0:
+        raise ConfigError("discovery.recheck_interval_s", "must be positive")
+    if len(config.discovery.name.encode()) > 63:
+        raise ConfigError("discovery.name", "must be at most 63 bytes (a DNS label)")
+    for section in ("sync", "grpc", "tfs", "security", "limits", "generation"):
+        getattr(config, section).validate(section)
+    names = set()
+    for i, model in enumerate(config.models):
+        key = f"models[{i}]"
+        if not model.name:
+            raise ConfigError(f"{key}.name", "is required")
+        if model.name in names:
+            raise ConfigError(f"{key}.name", f"model {model.name!r} is configured twice")
+        names.add(model.name)
+        if model.version_policy not in ("latest", "all", "specific"):
+            raise ConfigError(f"{key}.version_policy", "must be latest, all or specific")
+        if model.version_policy == "specific" and not model.versions:
+            raise ConfigError(f"{key}.versions", "version_policy specific needs a list of versions")
+        if model.backend and model.backend not in BACKEND_CHOICES:
+            raise ConfigError(f"{key}.backend", f"must be one of {', '.join(BACKEND_CHOICES)}")
+        config.batching_for(model)
+        model.rollout.validate(f"{key}.rollout")
+    if not config.state_dir:
+        config.state_dir = default_state_dir()
+    return config
+
+
+def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read ``path`` (None: defaults only), apply dotted-key ``overrides``, validate."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc
+    config = _build(Config, data, "")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        target = config
+        for part in parents:
+            target = getattr(target, part)
+        _set_field(target, leaf, value, ".".join(parents))
+    if config.tfs.model_config_file or config.tfs.batching_parameters_file or config.tfs.monitoring_config_file:
+        from appliance.api.tfserving.config_files import apply  # TF Serving's own files; protobuf only when used
+
+        apply(config)
+    return validate(config)

@@ -1,0 +1,324 @@
+"""The device-side sync loop: follow the bucket, hand new versions to the model manager.
+
+``attach(service)`` (called by the service after start-up) registers the admin endpoints
+(``POST /api/reload`` always; the sync ones need ``sync.bucket``). Without a bucket that is
+all it does. Otherwise it points the manager at ``<state>/models``, empties
+``<state>/staging``, starts one daemon thread that polls the bucket every
+``sync.poll_interval_s`` (+- ``sync.jitter``; doubling up to ``sync.max_backoff_s`` while the
+bucket errors), registers ``POST /api/sync`` and writes ``_devices/<device-id>.json``
+after each change and every ``sync.report_interval_s``. It stops on the "stopping" hook.
+
+Nothing here can stop serving: every failure is caught, recorded as an event and shown
+in ``/api/status`` under ``sync``.
+
+Admin endpoints (a POST under ``/api/``: appliance/auth.py lets them through only with the
+admin token, and answers 403 while none is configured):
+
+* ``POST /api/sync``: poll the bucket now and wait for that poll; the sync status.
+* ``POST /api/models/<m>/rollback``: pin ``m`` to a version kept on disk, as ``appliance
+  rollback`` does (body ``{"version": N}``, default the one below the newest; ``{"clear":
+  true}`` removes the pin), then poll; the pin and the sync status.
+* ``POST /api/reload``: what SIGHUP does (re-read the config file and apply it), waiting for
+  the result: 200 when applied, 409 with the reason when the file was refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Any
+from urllib.parse import urlparse, urlunparse
+
+from flask import Blueprint, Response, jsonify, request
+
+from appliance.commands.fleet import _previous as previous_version  # the rollback target, as ``appliance rollback`` picks it
+
+from sync import faults
+from sync.errors import ReadOnlySource, SourceError
+from sync.follower import Follower, LocalModel, Options
+from sync.manifest import dumps, load_public_key
+from sync.source import open_source
+from sync.store import Store, set_pin
+
+from appliance import __version__
+
+log = logging.getLogger("appliance.sync")
+RELOAD_WAIT_S = 120.0
+
+
+def attach(service: Any) -> "SyncLoop | None":
+    reloads = Reloads(service)
+    service.hooks.append(reloads.on_hook)
+    if not service.config.sync.bucket:
+        _register_routes(service, None, reloads)
+        return None
+    loop = SyncLoop(service)
+    loop.start()
+    service.hooks.append(loop.on_hook)
+    _register_routes(service, loop, reloads)
+    return loop
+
+
+class Reloads:
+    """``POST /api/reload``: ask the service's main loop for a SIGHUP reload and wait for it."""
+
+    def __init__(self, service: Any):
+        self.service = service
+        self._done = threading.Condition()
+        self._count = 0
+        self._last: tuple[bool, str] = (True, "")
+
+    def on_hook(self, what: str, service: Any) -> None:
+        if what in ("reloaded", "reload_failed"):
+            with self._done:
+                self._count += 1
+                self._last = (what == "reloaded", str(getattr(service, "reload_error", "")))
+                self._done.notify_all()
+
+    def reload(self, timeout: float = RELOAD_WAIT_S) -> tuple[bool, str] | None:
+        """(applied, reason) of the reload this call asked for; None if it did not finish in time."""
+        with self._done:
+            wanted = self._count + 1
+        self.service.request_reload()
+        with self._done:
+            if not self._done.wait_for(lambda: self._count >= wanted, timeout):
+                return None
+            return self._last
+
+
+def public_bucket_url(url: str) -> str:
+    """The bucket URL without any user:password part (status pages and reports)."""
+    parsed = urlparse(url)
+    if parsed.username or parsed.password:
+        parsed = parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else ""))
+    return urlunparse(parsed)
+
+
+def device_tags(device: dict[str, Any]) -> frozenset[str]:
+    """Compatibility tags this device satisfies (a manifest's ``compat`` must be a subset)."""
+    tags = {"any", str(device.get("machine", ""))}
+    if device.get("litert"):
+        tags.add("tflite")
+    if device.get("tensorflow_version"):
+        tags.add("tf")
+        if device.get("tensorflow_build") == "cuda" and device.get("nvidia_gpu"):
+            tags.add("cuda")
+    if device.get("tensorrt"):
+        tags.add("tensorrt")
+    tags.update(name for name, present in (device.get("delegates") or {}).items() if present)
+    return frozenset(t for t in tags if t)
+
+
+class SyncLoop:
+    def __init__(self, service: Any):
+        self.service = service
+        self.core = service.core
+        cfg = service.config.sync
+        self.cfg = cfg
+        self.store = Store(service.config.state_dir)
+        self.source = open_source(cfg.bucket, cfg.s3_endpoint_url, cfg.s3_region, cfg.limits())
+        options = Options(models=list(cfg.models), channel=cfg.channel, device_id=self.core.device_id,
+                          public_key=load_public_key(cfg.public_key) if cfg.public_key else None,
+                          device_tags=device_tags(self.core.device), retain=max(1, cfg.retain))
+        self.follower = Follower(self.source, self.store, options, self._event, self._local)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._polled = threading.Condition()
+        self._started = self._finished = 0
+        self._failures = 0
+        self._last_report = 0.0
+        self._report_error = ""
+        self._thread: threading.Thread | None = None
+        self.status: dict[str, Any] = {"bucket": public_bucket_url(cfg.bucket), "channel": cfg.channel,
+                                       "last_poll": None, "last_change": None, "next_poll": None,
+                                       "last_error": "", "failures": 0, "targets": {}}
+        self.core.add_status("sync", lambda: self.status)
+
+    def start(self) -> None:
+        self.store.open()
+        faults.configure(self.store.state_dir)
+        config = self.service.config
+        if config.models_dir != self.store.models_dir:
+            config.models_dir = self.store.models_dir  # the manager serves what sync commits
+            self._event("sync_config", f"serving the synced store {self.store.models_dir}")
+        self._thread = threading.Thread(target=self._run, name="sync-loop", daemon=True)
+        self._thread.start()
+
+    def on_hook(self, what: str, service: Any) -> None:
+        if what == "stopping":
+            self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.source.close()
+
+    def sync_now(self, timeout: float = 120) -> dict[str, Any]:
+        """Run a poll now and wait for it (one that started after this call)."""
+        with self._polled:
+            wanted = self._started + 1
+        self._wake.set()
+        with self._polled:
+            self._polled.wait_for(lambda: self._finished >= wanted or self._stop.is_set(), timeout)
+        return dict(self.status)
+
+    # -- the loop ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._polled:
+                self._started += 1
+            delay = self._poll()
+            with self._polled:
+                self._finished += 1
+                self._polled.notify_all()
+            self.status["next_poll"] = time.time() + delay
+            self._wake.wait(delay)
+            self._wake.clear()
+
+    def _poll(self) -> float:
+        self.status["last_poll"] = time.time()
+        changed = False
+        try:
+            result = self.follower.sync_once()
+        except Exception as exc:  # the bucket (SourceError) or a local fault: never fatal
+            if not isinstance(exc, SourceError):
+                log.exception("sync poll failed")
+            self._failed(f"{type(exc).__name__}: {exc}" if not isinstance(exc, SourceError) else str(exc))
+        else:
+            changed = bool(result.changed)
+            self._succeeded(result.refused)
+            if changed:
+                self.status["last_change"] = time.time()
+                if self.core.manager is not None:
+                    self.core.manager.poll_now()
+        self.status["targets"] = dict(self.follower.targets)
+        self.status["problems"] = list(self.store.problems)
+        self._maybe_report(changed)
+        return self._next_delay()
+
+    def _failed(self, message: str) -> None:
+        self._failures += 1
+        if message != self.status["last_error"]:
+            self._event("sync_error", f"bucket poll failed (attempt {self._failures}, backing off): {message}")
+        self.status.update(last_error=message, failures=self._failures)
+
+    def _succeeded(self, refused: list[str]) -> None:
+        if self._failures:
+            self._event("sync_recovered", f"bucket reachable again after {self._failures} failed polls")
+        self._failures = 0
+        self.status.update(last_error="; ".join(refused), failures=0)
+
+    def _next_delay(self) -> float:
+        base = max(0.05, self.cfg.poll_interval_s)
+        if self._failures:
+            base = min(self.cfg.max_backoff_s, base * 2 ** min(self._failures, 30))
+        jitter = max(0.0, min(self.cfg.jitter, 0.9))
+        return base * random.uniform(1 - jitter, 1 + jitter)
+
+    # -- what the manager says -----------------------------------------------------------
+    def _local(self) -> dict[str, LocalModel]:
+        manager = self.core.manager
+        if manager is None:
+            return {}
+        return {name: LocalModel(m.get("serving_version"), frozenset(int(v) for v in m.get("quarantined", {})))
+                for name, m in manager.snapshot().items()}
+
+    def _event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
+        try:
+            self.core.db.event(kind, message, model=model, version=version, **detail)
+        except Exception:  # the database closing under us at shutdown
+            log.warning("%s: %s", kind, message)
+
+    # -- device reports ------------------------------------------------------------------
+    def _maybe_report(self, changed: bool) -> None:
+        due = time.time() - self._last_report >= self.cfg.report_interval_s
+        if not (changed or due or self._failures == 1) or not self.source.writable:
+            return
+        self._last_report = time.time()
+        try:
+            self.source.put(f"_devices/{self.core.device_id}.json", dumps(self.report()))
+            self._report_error = ""
+        except ReadOnlySource:
+            pass
+        except Exception as exc:  # a report never matters more than serving
+            if str(exc) != self._report_error:
+                self._event("report_failed", f"could not write the device report: {exc}")
+            self._report_error = str(exc)
+
+    def report(self) -> dict[str, Any]:
+        manager = self.core.manager
+        snapshot = manager.snapshot() if manager is not None else {}
+        models = {name: {"serving_version": m["serving_version"], "quarantined": m["quarantined"],
+                         "versions": [{k: v.get(k) for k in ("version", "state", "error", "backend")}
+                                      for v in m["versions"]]} for name, m in snapshot.items()}
+        decisions = {name: next((v.get("decision") for v in m["versions"] if v.get("decision")), None)
+                     for name, m in snapshot.items()}
+        return {"device_id": self.core.device_id, "hostname": self.core.device.get("hostname"),
+                "software_version": __version__, "updated": time.time(),
+                "healthy": bool(manager and manager.ready()), "channel": self.cfg.channel,
+                "last_sync": self.status["last_poll"], "last_change": self.status["last_change"],
+                "last_error": self.status["last_error"], "models": models, "backend_decisions": decisions,
+                "rollouts": self.core.status_of("rollouts") or {}}
+
+
+def _error(status: int, message: str) -> Response:
+    response = jsonify({"error": message})
+    response.status_code = status
+    return response
+
+
+def _register_routes(service: Any, loop: SyncLoop | None, reloads: Reloads) -> None:
+    """Admin endpoints; the token check is appliance/auth.py's (every POST under /api/)."""
+    bp = Blueprint("admin", __name__)
+    no_sync = "fleet sync is off on this device (sync.bucket is empty)"
+
+    @bp.post("/api/reload")
+    def reload() -> Response:
+        result = reloads.reload()
+        if result is None:
+            return _error(504, f"the reload did not finish within {RELOAD_WAIT_S:g} s")
+        applied, reason = result
+        if not applied:
+            return _error(409, f"config reload refused, the running config is kept: {reason}")
+        return jsonify({"reloaded": True})
+
+    @bp.post("/api/sync")
+    def sync_now() -> Response:
+        if loop is None:
+            return _error(409, f"nothing to sync: {no_sync}")
+        return jsonify(loop.sync_now())
+
+    @bp.post("/api/models/<model>/rollback")
+    def rollback(model: str) -> Response:
+        if loop is None:
+            return _error(409, f"rollback pins a synced version: {no_sync}")
+        body = request.get_json(force=True, silent=True) if request.content_length else {}  # any Content-Type
+        if not isinstance(body, dict):
+            return _error(400, 'the body must be a JSON object: {"version": N} or {"clear": true} (or empty)')
+        return rollback_to(loop, model, body)
+
+    service.app.register_blueprint(bp)  # attach() runs before the HTTP server serves
+
+
+def rollback_to(loop: SyncLoop, model: str, body: dict[str, Any]) -> Response:
+    """Pin (or unpin) ``model`` as ``appliance rollback`` does, then poll so it takes effect now."""
+    state_dir = loop.store.state_dir
+    version = body.get("version")
+    if body.get("clear") is True:
+        set_pin(state_dir, model, None)
+        return jsonify({"model": model, "pinned": None, "sync": loop.sync_now()})
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        return _error(400, f'"version" must be an integer, got {version!r}')
+    on_disk = sorted(set(loop.store.versions(model)) | set(loop.store.parked(model)))
+    if version is None:
+        version = previous_version(loop.store, model)
+    if version not in on_disk:
+        return _error(409, f"{model} version {version} is not on disk (have: {on_disk or 'none'})")
+    set_pin(state_dir, model, version)
+    loop._event("rollback", f"{model} pinned to version {version} (POST /api/models/{model}/rollback)",
+                model=model, version=version)
+    return jsonify({"model": model, "pinned": version, "sync": loop.sync_now()})
