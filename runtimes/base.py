@@ -93,6 +93,10 @@ class Servable(Protocol):
 
     backend: str
     signatures: Mapping[str, SignatureInfo]
+    # Capabilities the API layer asks for instead of checking backend names:
+    platform: str  # the model format, as KServe v2 metadata names it ("tflite", "tensorflow_savedmodel")
+    strict_shapes: bool  # inputs must fit the declared shapes (True) or the backend judges them (False)
+    reads_examples: bool  # parses serialized tf.Example inputs (TF Serving's classify and regress)
 
     def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 

@@ -82,6 +82,9 @@ class SessionServable:
     def __init__(self, export_dir: str, options: Mapping[str, Any], backend: str, use_gpu: bool):
         tf = tensorflow()
         self.backend = backend
+        self.platform = "tensorflow_savedmodel"
+        self.strict_shapes = False  # TensorFlow judges shapes itself, as TF Serving lets it
+        self.reads_examples = True
         self._tf = tf
         self._graph = tf.Graph()
         self._session = tf.compat.v1.Session(graph=self._graph, config=session_config(tf, options, use_gpu))

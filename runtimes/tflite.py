@@ -133,6 +133,9 @@ class TFLiteServable:
     """A LiteRT model with a pool of interpreters (see module docstring)."""
 
     backend = NAME
+    platform = "tflite"
+    strict_shapes = True  # the interpreter's tensors have real shapes: a mismatch is refused up front
+    reads_examples = False  # no ParseExample op in LiteRT
 
     def __init__(self, path: str, options: dict[str, Any]):
         self.path = path

@@ -1,4 +1,4 @@
-"""Regenerate appliance/tfs_protos/tensorflow_serving.desc: TF Serving's gRPC messages and
+"""Regenerate appliance/protos/tfserving/tensorflow_serving.desc: TF Serving's gRPC messages and
 services as one serialized FileDescriptorSet.
 
     .venv/bin/pip install --no-deps tensorflow-serving-api   # next to tensorflow
@@ -8,7 +8,7 @@ Why a descriptor set and not generated *_pb2 modules: TF Serving's .proto files 
 good part of TensorFlow's (tensor, types, meta_graph and all it pulls in), and the
 ``tensorflow-serving-api`` package's modules import TensorFlow itself. The set is taken
 from those very modules (so every field number is TF Serving's own), and
-appliance/tfs_protos/__init__.py loads it into a private descriptor pool with nothing but
+appliance/protos/tfserving/__init__.py loads it into a private descriptor pool with nothing but
 protobuf: a LiteRT-only device serves TF Serving's gRPC API without TensorFlow, and a test
 process holding the real client stubs (and TensorFlow's own copies of the messages) has
 no duplicate-symbol clash.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate appliance/v2_protos/grpc_predict_v2_pb2.py (and its .pyi for mypy) from grpc_predict_v2.proto.
+# Regenerate appliance/protos/kserve/grpc_predict_v2_pb2.py (and its .pyi for mypy) from grpc_predict_v2.proto.
 #
 #   scripts/gen_v2_protos.sh            # uses grpcio-tools from .venv, or installs it into a temp dir
 #
@@ -9,7 +9,7 @@
 #    a test that runs client and server together) would otherwise be a duplicate-symbol error.
 # 2. protoc's runtime-version check is dropped: it ties the module to protoc's own protobuf
 #    major, while the builder calls the module makes work on every protobuf from 4.21 on.
-# The gRPC service itself needs no generated stub: appliance/v2_grpc.py registers it with
+# The gRPC service itself needs no generated stub: appliance/api/kserve/grpc_service.py registers it with
 # grpc.method_handlers_generic_handler.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -40,6 +40,9 @@ class Options:
     device_tags: frozenset[str] = frozenset()
     retain: int = 2
     device_id: str = ""  # decides wave membership (sync/waves.py)
+    # Called with (model, {"candidate": N | None, "policy": {...} | None} | None) whenever the
+    # channel's rollout entry changes: the source pushes it to the model manager.
+    on_rollout: Callable[[str, dict[str, Any] | None], None] | None = None
 
 
 @dataclass
@@ -188,7 +191,9 @@ class Follower:
         if policy is not None:
             policy = check_rollout_policy(policy, f"{model} channel {self.options.channel}")
         doc = {"candidate": candidate, "policy": policy} if candidate is not None or policy is not None else None
-        if set_rollout_policy(self.store.state_dir, model, doc):
+        if set_rollout_policy(self.store.state_dir, model, doc):  # kept for the next start
+            if self.options.on_rollout is not None:
+                self.options.on_rollout(model, doc)
             self.event("sync_rollout_policy", f"{model}: rollout from the channel: candidate {candidate}, "
                        f"policy {policy or 'the device own'}", model=model, candidate=candidate, policy=policy)
 

@@ -92,6 +92,16 @@ def check_version_tree(root: str) -> None:
         raise Refused(f"{root} holds {shown}; a model version may hold only folders and regular files")
 
 
+def check_version(root: str) -> None:
+    """Every load-time check of a version directory (the model manager runs it right before
+    loading): ``Refused`` for links, devices or FIFOs, and for bytes changed since the
+    fetcher verified them against ``MANIFEST.json``."""
+    check_version_tree(root)
+    changed = verify_version(root)
+    if changed:
+        raise Refused(f"{root} no longer matches its verified manifest: " + "; ".join(changed[:3]))
+
+
 def verify_version(root: str) -> list[str]:
     """Differences between a version directory and its ``MANIFEST.json`` (empty: intact).
     Re-hashes every file: what a load-time check calls to catch bytes changed after the
@@ -204,6 +214,11 @@ class Store:
 
     def versions(self, model: str) -> dict[int, str]:
         return self._versions(os.path.join(self.models_dir, model))
+
+    def previous_version(self, model: str) -> int | None:
+        """The version before the newest one on disk: what a rollback goes back to."""
+        served = sorted(self.versions(model))
+        return served[-2] if len(served) >= 2 else None
 
     def parked(self, model: str) -> dict[int, str]:
         return self._versions(os.path.join(self.parked_dir, model))

@@ -1,4 +1,4 @@
-"""Bearer tokens (appliance/auth.py) on the real service, and the gRPC interceptor on a real
+"""Bearer tokens (appliance/api/auth.py) on the real service, and the gRPC interceptor on a real
 gRPC server: admin endpoints need the admin token and are off without one (403 that says
 how to turn them on); inference and read scopes are open or protected by their own token;
 health probes stay open; tokens come from the config, a file, or a systemd credential;
@@ -178,7 +178,10 @@ def test_scope_for(method: str, path: str, scope: str | None) -> None:
 
 
 def fake_core(**security: Any) -> Any:
-    return SimpleNamespace(config=SimpleNamespace(security=SecurityConfig(**security)), extras={})
+    """A core with the config and the status registry auth.py uses."""
+    sections: dict[str, Any] = {}
+    return SimpleNamespace(config=SimpleNamespace(security=SecurityConfig(**security)), sections=sections,
+                           add_status=sections.__setitem__)
 
 
 def test_a_token_file_that_cannot_be_read_closes_its_scope(tmp_path: Path) -> None:
@@ -189,7 +192,7 @@ def test_a_token_file_that_cannot_be_read_closes_its_scope(tmp_path: Path) -> No
     admin = auth.authorize(core, "admin", None)
     assert admin.status == 403 and "holds no token" in admin.message
     assert auth.authorize(core, "read", None).allowed  # no read token: open
-    assert "error" in core.extras["security"]["scopes"]["inference"]
+    assert "error" in core.sections["security"]()["scopes"]["inference"]
 
 
 def test_credential_name_without_credentials_directory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -229,7 +232,8 @@ def test_bad_security_config_names_the_key(tmp_path: Path, toml: str, key: str) 
 def test_grpc_interceptor_applies_the_tokens(kind: str) -> None:
     import grpc
 
-    from appliance.transport.grpc.server import AioServer, LeanServer
+    from appliance.transport.grpc.aio_server import AioServer
+    from appliance.transport.grpc.h2_server import LeanServer
 
     core = fake_core(inference_token=INFER)
     echo = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok:" + req)

@@ -321,7 +321,7 @@ def test_real_litert_servable_under_concurrency(models_dir: Path, batcher_factor
 
 # -- submit_async: callers on an event loop (the gRPC server) ---------------------------------
 class LoopThread:
-    """An event loop in its own thread, as appliance/grpc_server.py runs one."""
+    """An event loop in its own thread, as appliance/service/grpc_port.py runs one."""
 
     def __init__(self) -> None:
         import asyncio

@@ -1,4 +1,4 @@
-"""The lean gRPC server (appliance/h2_grpc.py) against grpcio's real client, and against raw
+"""The lean gRPC server (appliance/transport/grpc/h2_server.py) against grpcio's real client, and against raw
 HTTP/2 frames for what a well-behaved client never sends.
 
 The service's own RPCs run on it in tests/test_grpc_tfs.py and tests/test_v2_grpc.py

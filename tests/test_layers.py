@@ -7,9 +7,9 @@ also those inside functions. The layers, lowest first:
     runtimes, sync, appliance.protos   libraries of their own (numpy, boto3, protobuf ...)
     appliance.transport                the standard library and protocol libraries only
     appliance.core                     runtimes, protos
-    appliance.api                      core, protos
+    appliance.api                      core, protos, ui (the page's blueprint)
     appliance.parts                    core, api, sync
-    appliance.service                  parts, api, transport, core
+    appliance.service                  parts, api, transport, core, sync (its load-time checks)
     appliance.commands, appliance.cli  everything
 """
 
@@ -31,13 +31,13 @@ ALLOWED: dict[str, set[str]] = {
     "appliance.protos": set(),
     "appliance.transport": set(),
     "appliance.core": {"runtimes", "appliance.protos"},
-    "appliance.api": {"appliance.core", "appliance.protos", "runtimes"},
+    "appliance.api": {"appliance.core", "appliance.protos", "runtimes", "ui"},
     "appliance.parts": {"appliance.core", "appliance.api", "appliance.protos", "sync", "runtimes"},
     "appliance.service": {"appliance.parts", "appliance.api", "appliance.transport", "appliance.core",
-                          "appliance.protos", "runtimes", "ui"},
+                          "appliance.protos", "runtimes", "ui", "sync"},
     "appliance.commands": {"*"},
     "appliance.cli": {"*"},
-    "appliance": set(),  # the package face: __version__, lazy re-exports
+    "appliance": {"*"},  # the package face: __version__, and lazy re-exports inside __getattr__
 }
 # ``from appliance import __version__`` is the one name every layer may take from the face.
 FACE_NAMES = {"__version__"}

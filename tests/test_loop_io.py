@@ -1,4 +1,4 @@
-"""appliance/loop_io.py: the HTTP loop's socket calls that keep the GIL, on real sockets.
+"""appliance/transport/http/loop_io.py: the HTTP loop's socket calls that keep the GIL, on real sockets.
 
 They must behave exactly like the socket module's calls they replace (data, end of stream,
 "nothing there", a full send buffer, a vanished peer), the loop pass must hand each ready

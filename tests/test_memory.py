@@ -1,4 +1,4 @@
-"""appliance/memory.py: rare garbage collections, and an unload that still collects cycles."""
+"""appliance/core/memory.py: rare garbage collections, and an unload that still collects cycles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""appliance/queue_delay.py: a burst keeps the whole queue-wait limit, a standing queue
+"""appliance/transport/http/queue_delay.py: a burst keeps the whole queue-wait limit, a standing queue
 gets the short one, and an emptied queue gets the whole limit back. Times are given, not
 slept: the decisions depend on the waits observed, never on this machine's speed."""
 

@@ -437,7 +437,7 @@ def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: P
     the status' last error, and the loop waits longer after each failure."""
     from appliance.core.config import Config
     from appliance.core.state import StateDB
-    from appliance.parts.sync_loop import SyncLoop
+    from appliance.parts.sync_loop import SyncLoop, source_limits
 
     publish(open_source(f"file://{bucket}"), "m", str(make_version(tmp_path, "v", {"model.tflite": b"s" * 5000})), 1)
     mirror.stall.add("m/1/model.tflite")
@@ -446,9 +446,9 @@ def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: P
     config.sync.bucket, config.sync.poll_interval_s, config.sync.max_backoff_s = mirror.url, 0.05, 0.8
     config.sync.jitter, config.sync.stall_timeout_s = 0.0, 0.3
     db = StateDB(":memory:").open()
-    core = types.SimpleNamespace(device={}, db=db, extras={}, manager=None, device_id="test")
+    core = types.SimpleNamespace(device={}, db=db, manager=None, device_id="test", add_status=lambda *a: None)
     loop = SyncLoop(types.SimpleNamespace(config=config, core=core))
-    loop.source = loop.follower.source = HTTPSource(mirror.url, config.sync.limits())  # as sync_loop builds it
+    loop.source = loop.follower.source = HTTPSource(mirror.url, source_limits(config.sync))  # as sync_loop builds it
     loop.start()
     try:
         deadline = time.monotonic() + 30

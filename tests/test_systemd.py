@@ -270,6 +270,7 @@ def test_watchdog_interval_honours_watchdog_pid() -> None:
 
 def test_liveness_fails_while_every_http_worker_is_stuck() -> None:
     """The watchdog's HTTP half: a real server whose only worker thread hangs is not alive."""
+    from appliance.core.config import LimitsConfig
     from appliance.transport.http.server import HTTPServer
 
     release = threading.Event()
@@ -280,7 +281,7 @@ def test_liveness_fails_while_every_http_worker_is_stuck() -> None:
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"ok"]
 
-    server = HTTPServer(app, "127.0.0.1", 0, threads=1, max_body_bytes=1024)
+    server = HTTPServer(app, "127.0.0.1", 0, threads=1, max_body_bytes=1024, limits=LimitsConfig())
     loop = threading.Thread(target=server.serve_forever, name="http-under-test")
     loop.start()
     liveness = Liveness(SimpleNamespace(core=SimpleNamespace(manager=None), server=server),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.api.tfserving import config_files as tfs_config
+from appliance.core import tfs_files as tfs_config
 from appliance.commands import tfs as tfs_flags
 from appliance.core.config import load as load_config
 from appliance.core.errors import ConfigError

@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from appliance.core.config import ConfigError, LimitsConfig, SecurityConfig
-from appliance.transport.http.server import HTTPServer, tls_context
+from appliance.service.tls import tls_context
+from appliance.transport.http.server import HTTPServer
 from tests.conftest import ROOT, free_port
 
 BODY = json.dumps({"instances": [[0.1] * 64]})

@@ -21,7 +21,7 @@ from sync.waves import admission, parse_waves, share
 
 ROOT = Path(__file__).resolve().parent.parent
 WAVES = [{"percent": 5, "hold_minutes": 30}, {"percent": 25, "hold_minutes": 60}, {"percent": 100}]
-# Ids as appliance/device.py makes them (12 random hex digits), from a fixed seed. Note: with
+# Ids as appliance/core/device.py makes them (12 random hex digits), from a fixed seed. Note: with
 # one independent draw per device, the share of 200 devices in a 25% wave has a standard
 # deviation of 3.1 points, so +-3 points holds for about 3 sets of 200 in 4 (measured: 74%
 # of seeds); the 20 000-device check below is the property the hash guarantees.

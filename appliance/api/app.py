@@ -22,11 +22,12 @@ from appliance.core.config import Config
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound, PayloadTooLarge
 
 # Optional WSGI layers over the app, innermost first ("module:Class", each built as
-# ``Class(inner_wsgi_app, core)``): the KServe v2 API, token generation, rollout routing
-# and, outermost so it guards every path, authentication. A layer whose module this
+# ``Class(inner_wsgi_app, core)``): the KServe v2 API, token generation, gzip bodies
+# and, outermost so it guards every path, authentication. Rollouts are the core's: every
+# API's handle is routed and judged there (appliance/core/rollout.py). A layer whose module this
 # install lacks is skipped.
 API_LAYERS = ("appliance.api.kserve.rest:V2API", "appliance.api.generate:GenerateAPI",
-              "appliance.api.rollout:RolloutLayer", "appliance.api.body:GzipBodies", "appliance.api.auth:AuthLayer")
+              "appliance.api.body:GzipBodies", "appliance.api.auth:AuthLayer")
 def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
     """The WSGI app: TF Serving REST API, health, status, metrics and the status page."""
     app = Flask("edge-appliance")
@@ -81,6 +82,12 @@ def _register_service_routes(app: Flask, core: Appliance) -> None:
     @app.get("/monitoring/prometheus/metrics")
     def metrics() -> Response:
         return Response(core.metrics.render(), mimetype="text/plain; version=0.0.4")
+
+    @app.post("/api/models/<model>/rollout/<action>")
+    def rollout_decision(model: str, action: str) -> Response:
+        if action not in ("promote", "abort") or core.rollouts is None:
+            raise NotFound(f"no such resource: POST /api/models/{model}/rollout/{action}")
+        return _json(core.rollouts.operator(model, action))
 
     @app.get("/openapi.json")
     def openapi() -> Response:

@@ -25,7 +25,7 @@ is accepted too, so a browser can open a protected status page. Tokens are compa
 SHA-256 digests with ``hmac.compare_digest``: constant time, and the length leaks nothing.
 
 ``authorize(core, scope, header)`` is the one decision; ``AuthLayer`` (the outermost WSGI
-layer, appliance/app.py ``API_LAYERS``) applies it to HTTP and ``grpc_interceptor(core)``
+layer, appliance/api/app.py ``API_LAYERS``) applies it to HTTP and ``grpc_interceptor(core)``
 to gRPC (``authorization`` metadata).
 """
 

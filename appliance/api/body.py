@@ -107,3 +107,17 @@ class GzipBodies:
 
 
 _PHRASES = {400: "Bad Request", 413: "Payload Too Large"}
+
+
+def raw_path(environ: dict[str, Any]) -> str:
+    """The path as TF Serving matches it: undecoded when the server gives it, with the query."""
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if raw:
+        return str(raw)
+    query = environ.get("QUERY_STRING", "")
+    return str(environ.get("PATH_INFO", "")) + (f"?{query}" if query else "")
+
+
+def route_key(environ: dict[str, Any]) -> Callable[[str], str | None]:
+    """The request's header values by name, for the core's sticky canary routing."""
+    return lambda header: environ.get("HTTP_" + header.upper().replace("-", "_"))

@@ -30,8 +30,8 @@ import orjson
 
 from appliance.core.errors import ApplianceError, InvalidArgument
 from appliance.core.generation import Generation, Params, Stream, Vocabulary
+from appliance.api.body import raw_path, route_key
 from appliance.api.body import read_raw as _read_body
-from appliance.api.tfserving.rest import _raw_path
 from appliance.api.kserve.rest import json_object
 
 log = logging.getLogger("appliance.generate")
@@ -61,7 +61,7 @@ class GenerateAPI:
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         path = environ.get("PATH_INFO", "")
-        match = PATH_RE.fullmatch(_raw_path(environ).partition("?")[0]) if path.endswith(":generate") else None
+        match = PATH_RE.fullmatch(raw_path(environ).partition("?")[0]) if path.endswith(":generate") else None
         if match is None or environ.get("REQUEST_METHOD") != "POST":
             return self.inner(environ, start_response)
         started = time.perf_counter()
@@ -86,9 +86,10 @@ class GenerateAPI:
             raise ApplianceError("the service is not started")
         name, version, label = unquote(match.group(1)), match.group(2), match.group(3)
         body = _parse(_read_body(environ, self.core.config.server.max_body_bytes))
-        handle = self.core.manager.handle(name, int(version) if version else None, unquote(label) if label else None)
+        handle = self.core.manager.handle(name, int(version) if version else None, unquote(label) if label else None,
+                                          route_key(environ))
         try:
-            driver, vocab = self.generation.prepare(handle.slot)
+            driver, vocab = self.generation.prepare(handle)
             prompt = _prompt(body, vocab, driver.vocab_size)
             params = _params(body, self.core.config.generation)
             context = driver.context_length
@@ -97,7 +98,7 @@ class GenerateAPI:
                                       f"holds {context}, so a prompt may have at most {context - 1}")
             stream = self.generation.start(prompt, params, handle, name)
         except BaseException:
-            handle.__exit__(None, None, None)
+            handle.release()
             raise
         return stream, vocab, bool(body.get("stream", False))
 

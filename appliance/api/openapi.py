@@ -2,7 +2,7 @@
 
 Every path the service answers is here, each with every status it can answer and the
 body that comes with it; tests/test_openapi_contract.py runs schemathesis against a live
-server to keep it so. API layers (appliance/app.py ``API_LAYERS``) describe their own
+server to keep it so. API layers (appliance/api/app.py ``API_LAYERS``) describe their own
 paths: a layer module that exports ``OPENAPI_PATHS`` has them merged in, with the
 statuses every layer's requests can get from outside it (authentication, overload).
 """
@@ -27,8 +27,8 @@ def _ok(schema: dict[str, Any], description: str = "ok", media: str = JSON) -> d
     return {"description": description, "content": {media: {"schema": schema}}}
 
 
-# What a request can get before its handler runs: appliance/auth.py (401 no or wrong token,
-# 403 admin endpoints off, 503 a token file that cannot be read) and appliance/http_server.py
+# What a request can get before its handler runs: appliance/api/auth.py (401 no or wrong token,
+# 403 admin endpoints off, 503 a token file that cannot be read) and appliance/transport/http/server.py
 # (503 shed under overload, 408 a request slower than its deadline, 413 a body over the limit).
 GUARDS = {
     "401": _error("a token is required for this scope and none or a wrong one was given"),

@@ -23,6 +23,7 @@ from appliance.core import device as device_mod
 from appliance.core.config import Config
 from appliance.core.manager import Manager
 from appliance.core.metrics import Metrics
+from appliance.core.rollout import Rollouts
 from appliance.core.state import StateDB
 
 # /api/status and the page never show a secret: a string under a key naming one is "***"
@@ -43,14 +44,20 @@ class Appliance:
     Thread-safety: ``add_status``/``report_problem`` and ``status`` may be called from any
     thread; ``start``/``close`` from the service's main thread."""
 
-    def __init__(self, config: Config, backends: dict[str, runtimes.Backend] | None = None):
+    def __init__(self, config: Config, backends: dict[str, runtimes.Backend] | None = None,
+                 version_check: Callable[[str], None] | None = None):
+        """``version_check``: the model sources' load-time artifact check (the service passes
+        sync/store.py's ``check_version``; see ``Manager``)."""
         self.config = config
+        self.version_check = version_check
+        self.config_applier: Callable[[Config, str], None] | None = None  # the service's apply_config
         self.backends = backends
         self.metrics = Metrics()
         self.db = StateDB(os.path.join(config.state_dir, "state.db"))
         self.device: dict[str, Any] = {}
         self.device_id = ""
         self.manager: Manager | None = None
+        self.rollouts: Rollouts | None = None
         self.started_at = time.time()
         self._lock = threading.Lock()
         # /api/status sections of the parts (sync, discovery, grpc, http, rollouts, ...):
@@ -67,7 +74,10 @@ class Appliance:
             self.db.open()
             self.device = device_mod.profile(vars(self.config.runtime.tflite))
             self.device_id = device_mod.device_id(self.config.state_dir)
-            self.manager = Manager(self.config, self.db, self.device, self.backends, metrics=self.metrics)
+            self.manager = Manager(self.config, self.db, self.device, self.backends, metrics=self.metrics,
+                                   version_check=self.version_check)
+            self.rollouts = self.manager.rollouts = Rollouts(self.manager, self.db, self.metrics.registry)
+            self.add_status("rollouts", self.rollouts.status)
             self.metrics.bind(lambda: self.manager.snapshot() if self.manager else {}, self.config.state_dir)
             self.db.event("service_start", f"edge-appliance {__version__} starting on {self.device['hostname']}",
                           device_id=self.device_id)
@@ -77,10 +87,25 @@ class Appliance:
     def close(self) -> None:
         with self._lock:
             manager, self.manager = self.manager, None
+        if self.rollouts is not None:
+            self.rollouts.close()
         if manager is not None:
             manager.close(self.config.server.drain_timeout_s)
             self.db.event("service_stop", "edge-appliance stopped")
         self.db.close()
+
+    def request_config(self, config: Config, why: str) -> None:
+        """Ask for ``config`` to take effect (gRPC's HandleReloadConfigRequest): through the
+        service's one reload path when a service runs this core, else applied here."""
+        applier = self.config_applier or self.apply_config
+        applier(config, why)
+
+    def apply_config(self, config: Config, why: str) -> None:
+        """Adopt ``config``: the manager loads, unloads and re-tunes models to match."""
+        self.config = config
+        if self.manager is not None:
+            self.manager.reload(config)
+        self.db.event("reloaded", why)
 
     def add_status(self, name: str, provider: Callable[[], Any]) -> None:
         """Show ``provider()`` as ``/api/status[name]`` (called per status request, any thread)."""

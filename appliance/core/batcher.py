@@ -23,7 +23,7 @@ free (no hand-off to another thread, so a lone request pays no wake-up latency).
 it sleeps; a leader whose own request is answered hands its slot to the thread of the
 oldest queued request, which then runs everything queued as the next batch.
 
-Callers on an event loop (the gRPC server, appliance/grpc_server.py) have no thread to
+Callers on an event loop (the gRPC server, appliance/service/grpc_port.py) have no thread to
 lend: ``submit_async`` queues the request the same way and awaits it. When such a request
 is due to lead, a runner thread of this batcher (at most ``num_batch_threads``, started on
 demand) runs batches until the queue is empty, and each finished batch wakes its awaiting
@@ -53,7 +53,7 @@ from appliance.core.errors import ApplianceError, InvalidArgument, QueueFull, Un
 RunFn = Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 INLINE_RUN_S = 0.0005  # a model whose batches average under this may run a lone call on its loop
 # Set (per call, in the call's task) by an event-loop server that knows its load
-# (appliance/h2_grpc.py): True while the call is the only one in flight on its loop.
+# (appliance/transport/grpc/h2_server.py): True while the call is the only one in flight on its loop.
 LONE_CALL: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("lone_call", default=None)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 

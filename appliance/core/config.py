@@ -105,12 +105,6 @@ class SyncConfig:
         if not self.stall_timeout_s > 0:
             raise ConfigError(f"{key}.stall_timeout_s", "must be positive")
 
-    def limits(self) -> Any:
-        """The sources' transfer limits (``sync.source.Limits``) from this section."""
-        from sync.source import Limits
-
-        return Limits(max_document_bytes=self.max_manifest_bytes, stall_timeout_s=self.stall_timeout_s)
-
 
 @dataclass
 class DiscoveryConfig:
@@ -129,7 +123,7 @@ class GRPCConfig:
     port: int = 8500  # TF Serving's; 0: no gRPC
     socket_path: str = ""  # as --grpc_socket_path: also listen on this Unix domain socket
     max_message_bytes: int = 64 * 1024 * 1024  # TF Serving users hit gRPC's 4 MB default
-    # "lean": appliance/h2_grpc.py, unary calls over hand-framed HTTP/2 (a third of grpcio's
+    # "lean": appliance/transport/grpc/h2_server.py, unary calls over hand-framed HTTP/2 (a third of grpcio's
     # CPU per call); "grpcio": grpcio's own grpc.aio server, kept as the fallback
     transport: str = "lean"
 
@@ -203,7 +197,7 @@ class SecurityConfig:
 class LimitsConfig:
     """Request limits that protect a small device from one hostile or careless client."""
 
-    # Connections (appliance/http_server.py). A connection that sends nothing is closed after
+    # Connections (appliance/transport/http/server.py). A connection that sends nothing is closed after
     # idle_timeout_s; once a request's first byte arrives its headers must be complete within
     # header_timeout_s and the whole request (headers and body) within request_timeout_s,
     # however slowly the bytes trickle in (a timer reset by every byte stops no slowloris).
@@ -214,7 +208,7 @@ class LimitsConfig:
     # Overload: a complete request that waited longer than this for a worker thread gets 503
     # + Retry-After at once instead of running late; accepted requests keep a bounded latency.
     max_queue_wait_s: float = 2.0  # 0: never shed
-    # JSON request bodies (appliance/tfs_json.py), checked before and right after parsing: a
+    # JSON request bodies (appliance/api/tfserving/json_format.py), checked before and right after parsing: a
     # hostile body gets a 400 naming the limit, never a deep recursion or an allocation past its size.
     max_json_depth: int = 100  # nesting of [ and { (TF Serving's and Triton's tests use 100)
     max_tensor_elements: int = 4 * 1024 * 1024  # values in a request's tensors, all inputs together
@@ -245,7 +239,7 @@ class LimitsConfig:
 
 @dataclass
 class GenerationConfig:
-    """Token streaming from generative models (``:generate``, appliance/generation.py)."""
+    """Token streaming from generative models (``:generate``, appliance/core/generation.py)."""
 
     max_streams: int = 24  # streams at once, all models (each holds an HTTP thread); more: 503 + Retry-After
     max_streams_per_step: int = 0  # streams per decode call; 0: the model's batching.max_batch_size
@@ -455,7 +449,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
             target = getattr(target, part)
         _set_field(target, leaf, value, ".".join(parents))
     if config.tfs.model_config_file or config.tfs.batching_parameters_file or config.tfs.monitoring_config_file:
-        from appliance.api.tfserving.config_files import apply  # TF Serving's own files; protobuf only when used
+        from appliance.core.tfs_files import apply  # TF Serving's own files; protobuf only when used
 
         apply(config)
     return validate(config)

@@ -316,8 +316,9 @@ class Generation:
     def config(self) -> GenerationConfig:
         return self.core.config.generation  # type: ignore[no-any-return]
 
-    def prepare(self, slot: Any) -> tuple[generative.Driver, Vocabulary | None]:
-        """The driver and vocabulary of a version (cached while it is loaded)."""
+    def prepare(self, handle: Any) -> tuple[generative.Driver, Vocabulary | None]:
+        """The driver and vocabulary of the handle's version (cached while it is loaded)."""
+        slot = handle.slot
         with self.lock:
             for key in [k for k, (s, _, _) in self._drivers.items() if s.servable is None]:
                 del self._drivers[key]  # unloaded versions
@@ -338,7 +339,7 @@ class Generation:
     def start(self, prompt: list[int], params: Params, handle: Any, model: str) -> Stream:
         """Queue a stream on the handle's version; the loop owns (and releases) the handle."""
         slot = handle.slot
-        driver, _ = self.prepare(slot)
+        driver, _ = self.prepare(handle)
         stream = Stream(prompt, params, handle, model)
         with self.lock:
             if self.admitted >= self.config.max_streams:

@@ -14,7 +14,6 @@ Thread-safety: every public method may be called from any thread.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import logging
@@ -22,18 +21,18 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 import runtimes
 from runtimes import Decision, RuntimeFailure, Servable, generative
-from sync.store import check_version_tree, rollout_policies, verify_version
 
 from appliance.core import device as device_mod
 from appliance.core.batcher import Batcher
 from appliance.core.config import Config, ModelConfig, RolloutConfig
-from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable, from_runtime
+from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable
+from appliance.core.handle import Handle
 from appliance.core.memory import release_freed_memory
 from appliance.core.policy import State, aspired_versions, plan
 from appliance.core.state import StateDB
@@ -89,7 +88,7 @@ class ModelEntry:
     versions: dict[int, VersionSlot] = field(default_factory=dict)
     quarantined: dict[int, tuple[float, str]] = field(default_factory=dict)  # version -> (dir mtime, why)
     # Rollouts (config rollout.mode shadow|canary): the version answering unversioned
-    # requests, and a newer one loaded next to it until appliance/rollout.py judges it.
+    # requests, and a newer one loaded next to it until appliance/core/rollout.py judges it.
     serving: int | None = None
     candidate: int | None = None
     # The channel's rollout policy when a synced channel carries one (it replaces the
@@ -126,25 +125,16 @@ def discover_models(models_dir: str, single_name: str) -> list[ModelConfig]:
     return found
 
 
-class Handle:
-    """A reference to one AVAILABLE version; release it promptly (``with`` block)."""
-
-    __slots__ = ("_manager", "slot")
-
-    def __init__(self, manager: "Manager", slot: VersionSlot):
-        self._manager, self.slot = manager, slot
-
-    def __enter__(self) -> VersionSlot:
-        return self.slot
-
-    def __exit__(self, *exc: Any) -> None:
-        self._manager._release(self.slot)
-
-
 class Manager:
     def __init__(self, config: Config, db: StateDB, device: Mapping[str, Any],
-                 backends: Mapping[str, runtimes.Backend] | None = None, metrics: "Metrics | None" = None):
+                 backends: Mapping[str, runtimes.Backend] | None = None, metrics: "Metrics | None" = None,
+                 version_check: Callable[[str], None] | None = None):
+        """``version_check(path)``: raises when a version directory must not load (links,
+        bytes changed since the bucket's manifest was verified: sync/store.py check_version);
+        run right before each load."""
         self.config = config
+        self.version_check = version_check
+        self._channel: dict[str, dict[str, Any]] = {}  # model -> the channel's rollout record (pushed by sync)
         self.metrics = metrics
         self.db = db
         self.device = dict(device)
@@ -161,6 +151,7 @@ class Manager:
         self._decisions = db.kv()
         self._fingerprint = device_mod.fingerprint(self.device)
         self.last_poll = 0.0
+        self.rollouts: Any = None  # appliance/core/rollout.py Rollouts, set by the core before start()
         self._set_models(self._configured_models())
 
     # -- configuration -----------------------------------------------------------------
@@ -245,12 +236,10 @@ class Manager:
             self._reconcile_model(name, entry)
 
     def _apply_channel_policies(self, entries: list[tuple[str, ModelEntry]]) -> None:
-        """A synced channel's rollout policy (sync/follower.py records it) replaces the
+        """A synced channel's rollout policy (pushed by sync: ``set_channel_rollout``) replaces the
         model's own [models.rollout]: the central team sets it for the whole fleet. A policy
         this device cannot take is refused once, with the reason, and the own one stays."""
-        if not self.config.sync.bucket:  # only the sync loop writes it: no file I/O on every poll otherwise
-            return
-        policies = rollout_policies(self.config.state_dir)
+        policies = self._channel
         for name, entry in entries:
             record = policies.get(name) or {}
             candidate, policy = record.get("candidate"), record.get("policy")
@@ -271,6 +260,15 @@ class Manager:
             with self._lock:
                 entry.own_rollout = own
                 entry.config = dataclasses.replace(entry.config, rollout=rollout)
+
+    def set_channel_rollout(self, name: str, record: dict[str, Any] | None) -> None:
+        """(sync) The channel of ``name`` names a candidate and/or a rollout policy
+        (``{"candidate": N | None, "policy": {...} | None}``; None: neither). Applied at once."""
+        if record:
+            self._channel[name] = dict(record)
+        else:
+            self._channel.pop(name, None)
+        self.poll_now()
 
     def rollout_policy(self, name: str) -> RolloutConfig | None:
         """The rollout policy in force for ``name`` (lock-free: the request path reads it)."""
@@ -372,6 +370,8 @@ class Manager:
             slot.state = state
             self._picks = {}
         self.db.event(kind, message, model=slot.model, version=slot.version, state=state.value, **detail)
+        if state == State.AVAILABLE and self.rollouts is not None:
+            self.rollouts.candidate_ready(slot.model)  # a candidate beside the serving version starts its rollout
 
     # -- loading -----------------------------------------------------------------------
     def _backend_options(self, name: str, version: int) -> dict[str, dict[str, Any]]:
@@ -407,11 +407,8 @@ class Manager:
         self._transition(slot, State.LOADING, f"loading {name} version {version} from {path}", "load_start")
         started = time.perf_counter()
         try:
-            check_version_tree(path)  # links, devices, FIFOs: refused, never followed (Refused)
-            changed = verify_version(path)  # bytes changed since sync verified them (no manifest: none)
-            if changed:
-                raise RuntimeFailure(f"{name} version {version} no longer matches its verified manifest: "
-                                     + "; ".join(changed[:3]))
+            if self.version_check is not None:  # the source's artifact checks, at load time (no TOCTOU)
+                self.version_check(path)
             decision, servable = self._select(name, entry.config, version, path)
             slot.decision = decision.to_dict()
             if servable is None:
@@ -509,21 +506,40 @@ class Manager:
         self._transition(slot, State.END, f"{slot.model} version {slot.version} unloaded{note}", "unloaded")
 
     # -- request side ------------------------------------------------------------------
-    def handle(self, name: str, version: int | None = None, label: str | None = None) -> Handle:
-        """A handle on the requested version (latest AVAILABLE when none is named).
+    def handle(self, name: str, version: int | None = None, label: str | None = None,
+               route_key: Callable[[str], str | None] | None = None, judged: bool = True) -> Handle:
+        """A handle on the requested version (latest AVAILABLE when none is named), whose
+        ``run`` batches and, for an unversioned request of a model in rollout, routes and
+        tallies it (appliance/core/handle.py). ``route_key(header)``: the request's header
+        or metadata value, for sticky canary routing; ``judged=False``: a request of the
+        rollout machinery itself.
 
         The request path takes no lock while nothing changed since the same request was
         last answered: dozens of HTTP workers taking one lock twice per request queued on
         it under the GIL (a convoy: most of their time under overload). A request counts
         itself in first and checks the state after, so an unload that starts meanwhile
         (state first, then waiting for the count to reach zero) always waits for it."""
+        route = self.rollouts.route(name, route_key) if judged and version is None and label is None \
+            and self.rollouts is not None else None
+        if route is not None:
+            return self._routed(route)
         slot = self._picks.get((name, version, label))
         if slot is not None:
             slot.inflight.append(None)
             if slot.state == State.AVAILABLE:
                 return Handle(self, slot)
-            self._release(slot)
+            self._release_slot(slot)
         return self._handle_locked(name, version, label)
+
+    def _routed(self, route: Any) -> Handle:
+        """The handle of a request the rollout routed: on the version of its role, or on
+        whatever serves unversioned requests once the rollout has just been decided."""
+        rollout = route.rollout
+        wanted = rollout.candidate if route.role == "candidate" else rollout.serving
+        try:  # the inner handle's hold on the slot becomes the routed handle's (released once)
+            return Handle(self, self.handle(rollout.model, wanted, judged=False).slot, route)
+        except ApplianceError:  # swapped away under us: the model's current version, not judged
+            return self.handle(rollout.model, judged=False)
 
     def _handle_locked(self, name: str, version: int | None, label: str | None) -> Handle:
         with self._lock:
@@ -555,7 +571,7 @@ class Manager:
             self._picks[(name, version, label)] = slot
         return Handle(self, slot)
 
-    def _release(self, slot: VersionSlot) -> None:
+    def _release_slot(self, slot: VersionSlot) -> None:
         slot.inflight.pop()
         if not slot.inflight and slot.state == State.UNLOADING:
             with self._lock:
@@ -648,28 +664,3 @@ def _request_text(name: str, version: int | None, label: str | None) -> str:
     if label is not None:
         return f"Label({name}, {label})"
     return f"Latest({name})"
-
-
-def run_signature(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray],
-                  batch: bool = True) -> dict[str, np.ndarray]:
-    """Through the batcher when batching is on (and ``batch``), else straight to the servable."""
-    if batch and slot.batcher is not None:
-        return slot.batcher.submit(signature, inputs)
-    return _run_alone(slot, signature, inputs)
-
-
-async def run_signature_async(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray],
-                              batch: bool = True) -> dict[str, np.ndarray]:
-    """``run_signature`` for a caller on an event loop: the batch is awaited; a request that
-    runs alone runs on the loop's executor, never on the loop."""
-    if batch and slot.batcher is not None:
-        return await slot.batcher.submit_async(signature, inputs)
-    return await asyncio.get_running_loop().run_in_executor(None, _run_alone, slot, signature, inputs)
-
-
-def _run_alone(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    assert slot.servable is not None
-    try:
-        return slot.servable.run(signature, inputs)
-    except RuntimeFailure as exc:
-        raise from_runtime(exc) from exc

@@ -11,7 +11,7 @@ after each change and every ``sync.report_interval_s``. It stops on the "stoppin
 Nothing here can stop serving: every failure is caught, recorded as an event and shown
 in ``/api/status`` under ``sync``.
 
-Admin endpoints (a POST under ``/api/``: appliance/auth.py lets them through only with the
+Admin endpoints (a POST under ``/api/``: appliance/api/auth.py lets them through only with the
 admin token, and answers 403 while none is configured):
 
 * ``POST /api/sync``: poll the bucket now and wait for that poll; the sync status.
@@ -33,14 +33,13 @@ from urllib.parse import urlparse, urlunparse
 
 from flask import Blueprint, Response, jsonify, request
 
-from appliance.commands.fleet import _previous as previous_version  # the rollback target, as ``appliance rollback`` picks it
 
 from sync import faults
 from sync.errors import ReadOnlySource, SourceError
 from sync.follower import Follower, LocalModel, Options
 from sync.manifest import dumps, load_public_key
-from sync.source import open_source
-from sync.store import Store, set_pin
+from sync.source import Limits, open_source
+from sync.store import Store, rollout_policies, set_pin
 
 from appliance import __version__
 
@@ -88,6 +87,11 @@ class Reloads:
             return self._last
 
 
+def source_limits(cfg: Any) -> Limits:
+    """The sources' transfer limits from ``[sync]``."""
+    return Limits(max_document_bytes=cfg.max_manifest_bytes, stall_timeout_s=cfg.stall_timeout_s)
+
+
 def public_bucket_url(url: str) -> str:
     """The bucket URL without any user:password part (status pages and reports)."""
     parsed = urlparse(url)
@@ -118,10 +122,11 @@ class SyncLoop:
         cfg = service.config.sync
         self.cfg = cfg
         self.store = Store(service.config.state_dir)
-        self.source = open_source(cfg.bucket, cfg.s3_endpoint_url, cfg.s3_region, cfg.limits())
+        self.source = open_source(cfg.bucket, cfg.s3_endpoint_url, cfg.s3_region, source_limits(cfg))
         options = Options(models=list(cfg.models), channel=cfg.channel, device_id=self.core.device_id,
                           public_key=load_public_key(cfg.public_key) if cfg.public_key else None,
-                          device_tags=device_tags(self.core.device), retain=max(1, cfg.retain))
+                          device_tags=device_tags(self.core.device), retain=max(1, cfg.retain),
+                          on_rollout=self._push_rollout)
         self.follower = Follower(self.source, self.store, options, self._event, self._local)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -136,9 +141,16 @@ class SyncLoop:
                                        "last_error": "", "failures": 0, "targets": {}}
         self.core.add_status("sync", lambda: self.status)
 
+    def _push_rollout(self, model: str, record: dict[str, Any] | None) -> None:
+        """The channel's candidate and rollout policy, pushed to the model manager."""
+        if self.core.manager is not None:
+            self.core.manager.set_channel_rollout(model, record)
+
     def start(self) -> None:
         self.store.open()
         faults.configure(self.store.state_dir)
+        for model, record in rollout_policies(self.store.state_dir).items():  # what the last run was told
+            self._push_rollout(model, record)
         config = self.service.config
         if config.models_dir != self.store.models_dir:
             config.models_dir = self.store.models_dir  # the manager serves what sync commits
@@ -272,7 +284,7 @@ def _error(status: int, message: str) -> Response:
 
 
 def _register_routes(service: Any, loop: SyncLoop | None, reloads: Reloads) -> None:
-    """Admin endpoints; the token check is appliance/auth.py's (every POST under /api/)."""
+    """Admin endpoints; the token check is appliance/api/auth.py's (every POST under /api/)."""
     bp = Blueprint("admin", __name__)
     no_sync = "fleet sync is off on this device (sync.bucket is empty)"
 
@@ -315,7 +327,7 @@ def rollback_to(loop: SyncLoop, model: str, body: dict[str, Any]) -> Response:
         return _error(400, f'"version" must be an integer, got {version!r}')
     on_disk = sorted(set(loop.store.versions(model)) | set(loop.store.parked(model)))
     if version is None:
-        version = previous_version(loop.store, model)
+        version = loop.store.previous_version(model)
     if version not in on_disk:
         return _error(409, f"{model} version {version} is not on disk (have: {on_disk or 'none'})")
     set_pin(state_dir, model, version)

@@ -1,6 +1,6 @@
 """An asyncio event loop on a thread of its own, with a thread pool as its default executor,
-driven from plain threads: what both gRPC servers run on (appliance/h2_grpc.py's lean one,
-grpcio's grpc.aio in appliance/grpc_server.py). Methods written as plain functions run on
+driven from plain threads: what both gRPC servers run on (appliance/transport/grpc/h2_server.py's lean one,
+grpcio's grpc.aio in appliance/service/grpc_port.py). Methods written as plain functions run on
 the pool; coroutines, Predict among them, run on the loop."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ before any array exists:
   size) and gRPC's ``raw_input_contents``. Little-endian, row-major, no padding; BYTES
   elements are a 4-byte little-endian length and then the bytes. Fixed-size tensors are
   ``np.frombuffer`` views on the request body: no copy, no parsing.
-* gRPC typed ``contents`` (``fp32_contents`` ...): see ``appliance.v2_grpc``.
+* gRPC typed ``contents`` (``fp32_contents`` ...): see ``appliance.api.kserve.grpc_service``.
 
 Size rules, the reason this module exists: a declared size is compared with what the
 shape and datatype need *before* anything is read, every slice is bounds-checked against

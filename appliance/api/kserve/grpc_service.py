@@ -2,7 +2,7 @@
 
 ``add_to_server(server, core)`` registers ServerLive, ServerReady, ModelReady,
 ServerMetadata, ModelMetadata and ModelInfer on a ``grpc.server`` (the TF Serving gRPC
-port: ``appliance.grpc_server`` calls it). The work is ``v2_rest.V2Service``'s, so gRPC,
+port: ``appliance.service.grpc_port`` calls it). The work is ``v2_rest.V2Service``'s, so gRPC,
 REST v2 and TF Serving requests share the manager, the version policy and the batches.
 
 Tensors: inputs come as ``raw_input_contents`` (one entry per input, what tritonclient
@@ -28,7 +28,7 @@ from appliance.api.kserve import codec
 from appliance.core.errors import InvalidArgument, NotFound
 from appliance.api.grpc_errors import guarded, observed
 from appliance.protos.kserve import pb
-from appliance.api.kserve.rest import Requested, Tensor, V2Service, _version
+from appliance.api.kserve.rest import Requested, Tensor, V2Service, parse_version
 
 
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -108,7 +108,7 @@ class V2GRPC:
 
 
 def _grpc_version(text: str) -> int | None:
-    return _version(text) if text else None
+    return parse_version(text) if text else None
 
 
 def _parameters(params: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The Open Inference Protocol (KServe v2) over HTTP, with Triton's binary tensor extension.
 
 ``V2Service`` is the protocol-neutral half (health, metadata, infer on numpy arrays), shared
-with the gRPC face in ``appliance.v2_grpc``; ``V2API`` is the WSGI layer answering
+with the gRPC face in ``appliance.api.kserve.grpc_service``; ``V2API`` is the WSGI layer answering
 ``/v2...`` and handing every other path to the app inside it.
 
 Requests go through the same model manager, version policy, batcher, metrics and body-size
@@ -34,17 +34,15 @@ from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 from appliance import __version__
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
-from appliance.core.manager import VersionSlot, run_signature
+from appliance.core.handle import Handle, shape_error
 from appliance.core.policy import State
+from appliance.api.body import raw_path, route_key
 from appliance.api.body import read_raw as _read_body
-from appliance.api.tfserving.rest import _raw_path
-from appliance.api.tfserving.json_format import shape_error
 
 log = logging.getLogger("appliance.v2")
 
 SERVER_NAME = "edge-appliance"
 EXTENSIONS = ("binary_tensor_data",)
-PLATFORMS = {"tflite": "tflite", "tf-cpu": "tensorflow_savedmodel", "tf-gpu": "tensorflow_savedmodel"}
 JSON = "application/json"
 OCTETS = "application/octet-stream"
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -108,12 +106,12 @@ class V2Service:
     def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
         versions = [str(s.version) for s in sorted(self.manager.version_states(name), key=lambda s: s.version)
                     if s.state == State.AVAILABLE]
-        with self.manager.handle(name, version) as slot:
-            signatures = _signatures(slot)
-            signature = _default_signature(slot)
-            backend = getattr(slot.servable, "backend", "")
+        with self.manager.handle(name, version) as held:
+            signatures = dict(held.signatures)
+            signature = _default_signature(held)
+            platform = held.platform
         body: dict[str, Any] = {
-            "name": name, "versions": versions, "platform": PLATFORMS.get(backend, backend),
+            "name": name, "versions": versions, "platform": platform,
             "inputs": [_tensor_metadata(k, v) for k, v in signature.inputs.items()],
             "outputs": [_tensor_metadata(k, v) for k, v in signature.outputs.items()],
         }
@@ -123,19 +121,20 @@ class V2Service:
 
     # -- inference ------------------------------------------------------------------------
     def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
-              parameters: dict[str, Any], binary_default: bool = False) -> InferResult:
+              parameters: dict[str, Any], binary_default: bool = False,
+              route_key: Callable[[str], str | None] | None = None) -> InferResult:
         """Check the decoded inputs against the signature, run them through the batcher and
         pick the requested outputs (all of them, in signature order, when none is named)."""
         signature_name = parameters.get("signature_name")
         if signature_name is not None and not isinstance(signature_name, str):
             raise InvalidArgument("parameter 'signature_name' must be a string")
-        with self.manager.handle(name, version) as slot:
-            signature = (_named_signature(slot, name, signature_name) if signature_name
-                         else _default_signature(slot))
+        with self.manager.handle(name, version, None, route_key) as held:
+            signature = (_named_signature(held, name, signature_name) if signature_name
+                         else _default_signature(held))
             feeds = _feeds(signature, inputs, name)
             wanted = _wanted(signature, requested, name)
-            outputs = run_signature(slot, signature.name, feeds)
-            served = slot.version
+            outputs = held.run(signature.name, feeds)
+            served = held.version
         result = []
         for want in wanted:
             arr = outputs[want.name]
@@ -144,23 +143,19 @@ class V2Service:
         return InferResult(name, served, result)
 
 
-def _signatures(slot: VersionSlot) -> dict[str, SignatureInfo]:
-    return dict(slot.servable.signatures) if slot.servable is not None else {}
-
-
-def _default_signature(slot: VersionSlot) -> SignatureInfo:
+def _default_signature(held: Handle) -> SignatureInfo:
     """serving_default, else the first signature by name: what model metadata describes, so
     a client that builds its request from the metadata is always answered."""
-    signatures = _signatures(slot)
+    signatures = held.signatures
     if DEFAULT_SIGNATURE in signatures:
         return signatures[DEFAULT_SIGNATURE]
     if not signatures:
-        raise InvalidArgument(f"{slot.model} version {slot.version} has no signatures")
+        raise InvalidArgument(f"{held.model} version {held.version} has no signatures")
     return signatures[sorted(signatures)[0]]
 
 
-def _named_signature(slot: VersionSlot, model: str, name: str) -> SignatureInfo:
-    signatures = _signatures(slot)
+def _named_signature(held: Handle, model: str, name: str) -> SignatureInfo:
+    signatures = held.signatures
     if name not in signatures:
         raise InvalidArgument(f"model '{model}' has no signature '{name}'; it has {', '.join(sorted(signatures))}")
     return signatures[name]
@@ -240,7 +235,7 @@ class V2API:
 
     def dispatch(self, environ: dict[str, Any]) -> Response:
         method = environ.get("REQUEST_METHOD", "GET")
-        path = _raw_path(environ).partition("?")[0]
+        path = raw_path(environ).partition("?")[0]
         try:
             route, model, version = _route(path)
             if route == "infer":
@@ -271,7 +266,7 @@ class V2API:
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
                                           environ.get("HTTP_CONTENT_ENCODING"))
             result = self.service.infer(model, version, request.inputs, request.outputs, request.parameters,
-                                        request.binary_default)
+                                        request.binary_default, route_key(environ))
             return render_infer_response(result, request.id)
         except Exception as exc:
             status = exc.http_status if isinstance(exc, ApplianceError) else 500
@@ -299,7 +294,7 @@ def _route(path: str) -> tuple[str, str, int | None]:
         model, rest = unquote(parts[1]), parts[2:]
         version = None
         if rest[:1] == ["versions"] and len(rest) >= 2:
-            version, rest = _version(rest[1]), rest[2:]
+            version, rest = parse_version(rest[1]), rest[2:]
         if rest == []:
             return "model", model, version
         if rest in (["ready"], ["infer"]):
@@ -307,7 +302,7 @@ def _route(path: str) -> tuple[str, str, int | None]:
     raise NotFound(f"no such endpoint in the v2 protocol: {path}")
 
 
-def _version(text: str) -> int:
+def parse_version(text: str) -> int:
     if not text.isdigit() or int(text) >= 1 << 63:
         raise InvalidArgument(f"model version must be a non-negative integer, got {unquote(text)!r}")
     return int(text)

@@ -2,18 +2,18 @@
 
 ``add_to_server(server, core)`` registers Predict, Classify, Regress, MultiInference and
 GetModelMetadata, and GetModelStatus and HandleReloadConfigRequest, on the service's gRPC
-port (``appliance.grpc_server``). ``tensorflow-serving-api``'s ``PredictionServiceStub``
-and ``ModelServiceStub`` work unchanged. The work is the REST API's (appliance/rest.py):
+port (``appliance.service.grpc_port``). ``tensorflow-serving-api``'s ``PredictionServiceStub``
+and ``ModelServiceStub`` work unchanged. The work is the REST API's (appliance/api/tfserving/rest.py):
 the same manager, version policy, labels and batchers, so a gRPC and a REST request in
 flight together share a batch.
 
 Tensors: inputs in either TensorProto encoding (typed ``*_val`` fields or
-``tensor_content``, decoded by appliance/protowire.py); outputs in the typed fields, as
+``tensor_content``, decoded by appliance/api/tfserving/protowire.py); outputs in the typed fields, as
 TF Serving answers by default (``tf.make_ndarray`` reads both). ``output_filter`` picks
 outputs. Status codes as TF Serving's: INVALID_ARGUMENT (bad input, unknown signature,
 label or alias), NOT_FOUND (model or version), UNAVAILABLE (still loading),
 RESOURCE_EXHAUSTED (the batch queue is full), UNIMPLEMENTED. Messages come from
-appliance/tfs_protos (a private descriptor pool): no TensorFlow at run time.
+appliance/protos/tfserving (a private descriptor pool): no TensorFlow at run time.
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ import numpy as np
 
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 
-from appliance.api.tfserving import protowire as pw
-from appliance.core.config import ModelConfig
+from appliance.protos.tfserving import wire as pw
+from appliance.core.tfs_files import model_config_from_proto
 from appliance.core.config import validate as validate_config
 from appliance.core.errors import ConfigError, InvalidArgument, NotFound, QueueFull, Unimplemented
 from appliance.api.grpc_errors import guarded, guarded_async, observed
-from appliance.core.manager import run_signature_async
-from appliance.api.tfserving.rest import (CLASSIFY_METHOD, REGRESS_METHOD, _batchable, _handle, _signature, classification_outputs,
-                   regression_values, run_examples)
+from appliance.api.tfserving.service import (CLASSIFY_METHOD, REGRESS_METHOD, classification_outputs, handle,
+                                             regression_values, run_examples)
 from appliance.protos.tfserving import pb
 
 TFS_CODES = {QueueFull: "RESOURCE_EXHAUSTED"}  # as the issue's TF Serving clients expect for a full queue
@@ -91,14 +90,13 @@ class TFServingGRPC:
         name, version, label = _spec(request.model_spec)
         with observed(self.core.metrics, name, "predict"):
             signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
-            with _handle(self.manager, name, version, label) as slot:
-                signature = _signature(slot, signature_name,
-                                       f'Serving signature name: "{signature_name}" not found in signature def')
+            with handle(self.manager, name, version, label) as held:
+                signature = held.signature(signature_name,
+                                           f'Serving signature name: "{signature_name}" not found in signature def')
                 inputs = _inputs(request.inputs, signature)
                 wanted = _output_filter(request.output_filter, signature)
-                outputs = await run_signature_async(slot, signature.name, inputs,
-                                                    batch=_batchable(slot, signature, inputs))
-                served = slot.version
+                outputs = await held.run_async(signature.name, inputs)
+                served = held.version
             response = pb.PredictResponse()
             _echo_spec(response.model_spec, name, served, signature_name)
             for key in wanted or outputs:
@@ -154,11 +152,11 @@ class TFServingGRPC:
             if field != "signature_def":
                 raise InvalidArgument(f"Metadata field {field} is not supported")
         response = pb.GetModelMetadataResponse()
-        with _handle(self.manager, name, version, label) as slot:
+        with handle(self.manager, name, version, label) as held:
             sigmap = pb.SignatureDefMap()
-            for key, sig in slot.servable.signatures.items():
+            for key, sig in held.signatures.items():
                 _signature_def(sig, sigmap.signature_def[key])
-            _echo_spec(response.model_spec, name, slot.version, "")
+            _echo_spec(response.model_spec, name, held.version, "")
         response.metadata["signature_def"].Pack(sigmap)
         return response
 
@@ -191,10 +189,8 @@ class TFServingGRPC:
             validate_config(new)
         except ConfigError as exc:
             raise InvalidArgument(str(exc)) from exc
-        self.core.config = new
-        self.manager.reload(new)
-        self.core.db.event("reloaded", f"model config replaced by HandleReloadConfigRequest: "
-                                       f"{', '.join(m.name for m in models) or 'no models'}")
+        self.core.request_config(new, "model config replaced by HandleReloadConfigRequest: "
+                                      f"{', '.join(m.name for m in models) or 'no models'}")
         response = pb.ReloadConfigResponse()
         response.status.error_code = pb.enum_value("tensorflow.error.Code", "OK")
         return response
@@ -241,7 +237,7 @@ _FIELD_OF_ENUM = {1: "float_val", 2: "double_val", 3: "int_val", 9: "int64_val",
 
 def from_tensor(tensor: Any) -> np.ndarray:
     """A TensorProto as numpy: the common cases straight from the message's fields (the
-    hot path), the rest through appliance/protowire.py's decoder."""
+    hot path), the rest through appliance/api/tfserving/protowire.py's decoder."""
     dtype = pw.DTYPES.get(tensor.dtype)
     shape = tuple(d.size for d in tensor.tensor_shape.dim)
     if dtype is not None and dtype.kind != "O" and any(d < 0 for d in shape):
@@ -287,26 +283,6 @@ def _examples(input_msg: Any) -> np.ndarray:
     if not serialized:
         raise InvalidArgument("Input is empty")
     return np.array(serialized, dtype=object)
-
-
-def model_config_from_proto(config: Any) -> ModelConfig:
-    """A ``tensorflow.serving.ModelConfig`` as this service's ModelConfig (also used for
-    ``--model_config_file``)."""
-    if not config.name or not config.base_path:
-        raise InvalidArgument("a ModelConfig needs name and base_path")
-    if config.model_platform not in ("", "tensorflow", "tflite"):
-        raise InvalidArgument(f"model {config.name}: model_platform {config.model_platform!r} is not served here "
-                              "(tensorflow or tflite)")
-    model = ModelConfig(name=config.name, base_path=config.base_path, labels=dict(config.version_labels))
-    policy = config.model_version_policy.WhichOneof("policy_choice")
-    if policy == "all":
-        model.version_policy = "all"
-    elif policy == "specific":
-        model.version_policy = "specific"
-        model.versions = sorted(int(v) for v in config.model_version_policy.specific.versions)
-    elif policy == "latest":
-        model.latest = int(config.model_version_policy.latest.num_versions) or 1
-    return model
 
 
 # -- response side -----------------------------------------------------------------------

@@ -32,7 +32,7 @@ import orjson
 
 from runtimes import SignatureInfo, TensorSpec
 
-from appliance.api.tfserving import protowire as pw
+from appliance.protos.tfserving import wire as pw
 from appliance.core.config import LimitsConfig
 from appliance.core.errors import InvalidArgument
 

@@ -5,13 +5,12 @@ a path under ``/v1/`` that matches neither grammar is ``400 Malformed request: <
 an unknown model or version is ``404 Servable not found for request: ...``; an unknown
 signature or label is 400 (INVALID_ARGUMENT in TF Serving). Every error body is
 ``{"error": "..."}``. The hot path is JSON decode -> numpy -> batcher -> numpy -> JSON.
-Bodies may be gzip (appliance/body_limits.py); ``[limits]`` bound their nesting, values and
-rows (appliance/tfs_json.py), each refusal a 400 that names the limit.
+Bodies may be gzip (appliance/api/body.py); ``[limits]`` bound their nesting, values and
+rows (appliance/api/tfserving/json_format.py), each refusal a 400 that names the limit.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 import time
@@ -24,16 +23,15 @@ from flask import Response
 
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 
-from appliance.api.tfserving import protowire as pw
+from appliance.api.body import raw_path, read_body, route_key
 from appliance.api.tfserving import json_format as tfs_json
-from appliance.api.body import read_body
-from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unimplemented
-from appliance.core.manager import VersionSlot, run_signature
+from appliance.protos.tfserving import wire as pw
+from appliance.api.tfserving import service
+from appliance.api.tfserving.service import classification_outputs, regression_values
+from appliance.core.errors import ApplianceError, InvalidArgument, NotFound
 
 POST_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
 GET_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
-CLASSIFY_METHOD = "tensorflow/serving/classify"
-REGRESS_METHOD = "tensorflow/serving/regress"
 JSON = "application/json"
 log = logging.getLogger("appliance.rest")
 
@@ -60,7 +58,7 @@ class V1API:
 
     def dispatch(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
         method = environ.get("REQUEST_METHOD", "GET")
-        path = _raw_path(environ)
+        path = raw_path(environ)
         verb, name, started = "", "", time.perf_counter()
         try:
             if method == "POST":
@@ -72,7 +70,8 @@ class V1API:
                 name = model
                 raw = read_body(environ, self.core.config.server.max_body_bytes)
                 limits = self.core.config.limits
-                body = VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label, raw, limits)
+                body = VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label, raw, limits,
+                                   route_key(environ))
                 self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
                 return 200, body, []
             match = GET_RE.fullmatch(path) if method == "GET" else None
@@ -116,15 +115,6 @@ def _parse(match: re.Match[str]) -> tuple[str, int | None, str | None]:
     return unquote(name), parsed_version, unquote(label) if label is not None else None
 
 
-def _raw_path(environ: dict[str, Any]) -> str:
-    """The path as TF Serving matches it: undecoded when the server gives it, with the query."""
-    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
-    if raw:
-        return raw
-    query = environ.get("QUERY_STRING", "")
-    return environ.get("PATH_INFO", "") + (f"?{query}" if query else "")
-
-
 # --- GET ----------------------------------------------------------------------------------
 def _status(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
     slots = manager.version_states(name, version, label)
@@ -155,17 +145,13 @@ def signature_def_json(sig: SignatureInfo) -> dict[str, Any]:
 
 
 def _metadata(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
-    with _handle(manager, name, version, label) as slot:
-        sigs = {k: signature_def_json(v) for k, v in slot.servable.signatures.items()}
+    with service.handle(manager, name, version, label) as handle:
+        sigs = {k: signature_def_json(v) for k, v in handle.signatures.items()}
         body = {
-            "model_spec": {"name": name, "signature_name": "", "version": str(slot.version)},
+            "model_spec": {"name": name, "signature_name": "", "version": str(handle.version)},
             "metadata": {"signature_def": {"signature_def": sigs}},
         }
     return tfs_json.dumps(body)
-
-
-def _handle(manager: Any, name: str, version: int | None, label: str | None) -> Any:
-    return manager.handle(name, version, label)
 
 
 # --- POST ---------------------------------------------------------------------------------
@@ -184,36 +170,15 @@ def _signature_name(body: dict[str, Any]) -> str:
 
 
 def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS) -> bytes:
+             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS, route_key: Any = None) -> bytes:
     signature_name = _signature_name(body)
     if "instances" in body and not body["instances"] and isinstance(body["instances"], list):
         raise InvalidArgument("JSON Value: No values in 'instances' array")
-    with _handle(manager, name, version, label) as slot:
-        signature = _signature(slot, signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
+    with service.handle(manager, name, version, label, route_key) as handle:
+        signature = handle.signature(signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
         inputs, row_format = tfs_json.decode_predict(body, signature, raw, limits)
-        outputs = _run(slot, signature, inputs)
+        outputs = handle.run(signature.name, inputs)
     return tfs_json.encode_predict(outputs, row_format)
-
-
-def _signature(slot: VersionSlot, name: str, missing: str) -> SignatureInfo:
-    sig = slot.servable.signatures.get(name) if slot.servable is not None else None
-    if sig is None:
-        raise InvalidArgument(missing)
-    return sig
-
-
-def _run(slot: VersionSlot, signature: SignatureInfo, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return run_signature(slot, signature.name, inputs, batch=_batchable(slot, signature, inputs))
-
-
-def _batchable(slot: VersionSlot, signature: SignatureInfo, inputs: dict[str, np.ndarray]) -> bool:
-    """Inputs that fit the declared shapes join a batch. Others run alone: TensorFlow, like
-    TF Serving, is the judge there (an Identity such as half_plus_two's ``x`` takes any
-    shape); LiteRT's shapes are real, so a mismatch is refused here with the reason."""
-    problems = [p for k, arr in inputs.items() if (p := tfs_json.shape_error(arr, signature.inputs[k], f"input {k!r}"))]
-    if problems and getattr(slot.servable, "backend", "") == "tflite":
-        raise InvalidArgument(problems[0])
-    return not problems
 
 
 def _examples(body: dict[str, Any], method: str, limits: Any) -> np.ndarray:
@@ -253,29 +218,12 @@ def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
 
 
 def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-                      method: str, limits: Any) -> bytes:
+                      method: str, limits: Any, route_key: Any) -> bytes:
     signature_name = _signature_name(body)
     serialized = _examples(body, method, limits)
-    _, signature, outputs = run_examples(manager, serialized, name, version, label, signature_name, method)
+    _, signature, outputs = service.run_examples(manager, serialized, name, version, label, signature_name, method,
+                                                 route_key)
     return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
-
-
-def run_examples(manager: Any, serialized: np.ndarray, name: str, version: int | None, label: str | None,
-                 signature_name: str, method: str) -> tuple[int, SignatureInfo, dict[str, np.ndarray]]:
-    """Run serialized tf.Examples through a classify or regress signature (REST and gRPC):
-    (the version that answered, its signature, the outputs)."""
-    with _handle(manager, name, version, label) as slot:
-        signature = _signature(slot, signature_name, f"No signature was found with the name: {signature_name}")
-        if "inputs" not in signature.inputs or len(signature.inputs) != 1:
-            kind = "classification" if method == "classify" else "regression"
-            raise InvalidArgument(f"No {kind} inputs found in SignatureDef: {signature.name}")
-        if slot.servable is not None and getattr(slot.servable, "backend", "") == "tflite":
-            hint = ("pin runtime.backend = \"tf-cpu\" for this model" if importlib.util.find_spec("tensorflow")
-                    else "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
-            raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend, "
-                                f"but {name} version {slot.version} is served by tflite; {hint}")
-        outputs = _run(slot, signature, {"inputs": serialized})
-        return slot.version, signature, outputs
 
 
 def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> Any:
@@ -293,33 +241,8 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
     return results
 
 
-def regression_values(signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> np.ndarray:
-    """A regress signature's ``outputs`` as one float32 value per example (REST and gRPC)."""
-    if "outputs" not in outputs:
-        raise InvalidArgument(f"No regression outputs found in SignatureDef: {signature.name}")
-    values = outputs["outputs"]
-    if values.ndim == 2 and values.shape[1] == 1:
-        values = values[:, 0]
-    if values.ndim != 1 or values.shape[0] != n:
-        raise InvalidArgument("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
-                              f"but got {list(outputs['outputs'].shape)}")
-    return values.astype(np.float32)
-
-
-def classification_outputs(outputs: dict[str, np.ndarray], n: int) -> tuple[Any, Any, np.ndarray]:
-    """(classes or None, scores or None, the one of them that gives the shape [n, k])."""
-    classes, scores = outputs.get("classes"), outputs.get("scores")
-    if classes is None and scores is None:
-        raise InvalidArgument('Expected classification signature outputs to contain at least one of "classes" or "scores".')
-    ref = scores if scores is not None else classes
-    assert ref is not None  # one of them, checked above
-    if ref.ndim != 2 or ref.shape[0] != n:
-        raise InvalidArgument(f"Expected Tensor shape: [batch_size num_classes] but got {list(ref.shape)}")
-    return classes, scores, ref
-
-
 VERBS: dict[str, Callable[..., bytes]] = {
     "predict": _predict,
-    "classify": lambda m, body, n, v, l, raw, limits: _classify_regress(m, body, n, v, l, "classify", limits),
-    "regress": lambda m, body, n, v, l, raw, limits: _classify_regress(m, body, n, v, l, "regress", limits),
+    "classify": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "classify", limits, key),
+    "regress": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "regress", limits, key),
 }

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import re
 import logging
 import os
@@ -36,7 +37,6 @@ from typing import Any, Sequence
 import grpc
 import hpack
 
-from appliance.core.batcher import LONE_CALL
 from appliance.transport.loop_thread import LoopThread
 
 log = logging.getLogger("appliance.grpc")
@@ -570,7 +570,8 @@ class Connection(asyncio.Protocol):
                 self.server.loop.time() + max(0.0, deadline - time.monotonic()), self.expire, stream)
 
     async def call(self, stream: _Stream, method: str, message: bytes, context: Context) -> None:
-        LONE_CALL.set(self.server.alone)  # this task's own context: the batcher may run a lone call here
+        if self.server.alone_var is not None:  # this task's own context: the batcher may run a lone call here
+            self.server.alone_var.set(self.server.alone)
         try:
             handler = await self.server.lookup(CallDetails(method, context.invocation_metadata()))
             if handler is None or handler.unary_unary is None:
@@ -721,8 +722,12 @@ class LeanServer(LoopThread):
     its event loop on a thread of its own; methods written as plain functions run on a pool
     of ``threads``."""
 
-    def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()):
+    def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = (),
+                 alone_var: "contextvars.ContextVar[Any] | None" = None):
         super().__init__(threads)
+        # Set to ``self.alone`` in each call's context, so what the call runs (the batcher)
+        # can ask whether it is the only call in flight; the server knows nothing of batching.
+        self.alone_var = alone_var
         opts = dict(options)
         self.max_receive = int(opts.get("grpc.max_receive_message_length", 4 * 1024 * 1024))
         self.max_send = int(opts.get("grpc.max_send_message_length", 2**31 - 1))

@@ -11,7 +11,7 @@ While the queue stands, the wait allowed drops from the configured limit
 their service time, the others get 503 + Retry-After early instead of after the whole
 limit, and throughput stays at capacity because a queue of ``short`` seconds still never
 runs dry. A burst that meets an empty queue gets the whole limit. The HTTP server
-(appliance/http_server.py) feeds it from its worker threads and asks it at the door.
+(appliance/transport/http/server.py) feeds it from its worker threads and asks it at the door.
 
 Thread-safety: ``observe`` runs on any worker thread and ``allowed`` on the loop thread,
 without a lock: every field is one reference, replaced whole, and a lost update at worst

@@ -58,7 +58,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import waitress
 from waitress import wasyncore
@@ -67,18 +67,27 @@ from waitress.parser import HTTPRequestParser
 from waitress.server import BaseWSGIServer
 from waitress.task import ErrorTask, WSGITask
 
-from appliance.core.config import LimitsConfig, SecurityConfig
 from appliance.transport.http import loop_io
-from appliance.core.errors import ConfigError
 from appliance.transport.http.queue_delay import SHORT_FRACTION, QueueDelay
 
 log = logging.getLogger("appliance.http")
+
+
+class Limits(Protocol):
+    """What this server enforces per connection and request; the service passes its
+    ``[limits]`` section (appliance/core/config.py ``LimitsConfig``), which has these."""
+
+    max_connections: int
+    header_timeout_s: float
+    request_timeout_s: float
+    idle_timeout_s: float
+    max_queue_wait_s: float
 
 IDLE_GRACE_S = 1.0  # during a drain, how long an idle keep-alive connection may stay open
 RECV_BYTES = 256 * 1024
 # A new request joins the back of the queue and will wait about as long as its head has:
 # once that is past this fraction of the wait allowed (limits.max_queue_wait_s, or a tenth
-# of it while the queue stands: appliance/queue_delay.py), new requests are refused at
+# of it while the queue stands: appliance/transport/http/queue_delay.py), new requests are refused at
 # the door (fast, no worker), so the ones admitted stay within the limit; a request that
 # still waits past the whole limit is shed by the worker that picks it up.
 DOOR_FRACTION = 0.5
@@ -203,7 +212,7 @@ class _DrainingChannel(HTTPChannel):
     parser_class = _StampedParser
     request_started: float | None = None
 
-    # -- socket calls that keep the GIL (appliance/loop_io.py): plain TCP only ---------------
+    # -- socket calls that keep the GIL (appliance/transport/http/loop_io.py): plain TCP only ---------------
     def recv(self, buffer_size: int) -> bytes:
         if not loop_io.AVAILABLE or self._fileno is None:
             return bytes(super().recv(buffer_size))
@@ -396,7 +405,7 @@ class _Guard:
     """The deadlines of the module docstring, run by the server's maintenance each second
     (loop thread), and the figures shown in /api/status under ``http``."""
 
-    def __init__(self, server: Any, limits: LimitsConfig, tls: bool):
+    def __init__(self, server: Any, limits: Limits, tls: bool):
         self.server = server
         self.limits = limits
         self.stats: dict[str, Any] = {"tls": tls, "max_connections": limits.max_connections,
@@ -515,39 +524,6 @@ class _Guard:
             channel.total_outbufs_len += len(response)
 
 
-def credential_path(name: str) -> str:
-    """An absolute path as is; a bare name in systemd's $CREDENTIALS_DIRECTORY (LoadCredential=),
-    so a key only root may read reaches the service user without loosening its mode."""
-    directory = os.environ.get("CREDENTIALS_DIRECTORY", "")
-    if os.path.isabs(name) or not directory or os.sep in name:
-        return name
-    return os.path.join(directory, name)
-
-
-def tls_context(security: SecurityConfig) -> ssl.SSLContext:
-    """The server's TLS context from ``[security]``; ConfigError naming the key on a bad file."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3 if security.tls_min_version == "TLSv1.3" else ssl.TLSVersion.TLSv1_2
-    ctx.set_alpn_protocols(["http/1.1"])
-    cert, key = credential_path(security.tls_cert_file), credential_path(security.tls_key_file)
-    try:
-        ctx.load_cert_chain(cert, key)
-    except FileNotFoundError as exc:
-        name = "security.tls_cert_file" if exc.filename in (None, cert) else "security.tls_key_file"
-        raise ConfigError(name, f"cannot read {exc.filename or cert}: {exc.strerror}") from exc
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError("security.tls_cert_file", f"{cert} and {key} are not a PEM certificate chain and "
-                          f"its unencrypted private key: {exc}") from exc
-    if security.tls_client_ca_file:
-        ca = credential_path(security.tls_client_ca_file)
-        try:
-            ctx.load_verify_locations(cafile=ca)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError("security.tls_client_ca_file", f"cannot load {ca}: {exc}") from exc
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
 def _idle(channel: Any) -> bool:
     """No request read, queued, running or partly received, and no output left to send."""
     return not (channel.requests or channel.request is not None or channel.total_outbufs_len
@@ -570,16 +546,13 @@ def refuse_new_handshakes(sock: socket.socket) -> bool:
 
 
 class HTTPServer:
-    """``limits``/``security``: the config sections; None takes them from the Flask app's
-    ``Appliance`` (``app.extensions["appliance"].config``) when there is one, else defaults."""
+    """A WSGI app served on ``host:port`` with ``threads`` workers, ``limits`` enforced, and
+    TLS when ``ssl_context`` is given (made by the caller, before binding, so a bad
+    certificate fails start-up with its config key: appliance/service/tls.py)."""
 
     def __init__(self, app: Callable[..., Any], host: str, port: int, threads: int,
-                 max_body_bytes: int, limits: LimitsConfig | None = None, security: SecurityConfig | None = None):
-        core = getattr(app, "extensions", {}).get("appliance")
-        config = getattr(core, "config", None)
-        limits = limits or getattr(config, "limits", None) or LimitsConfig()
-        security = security or getattr(config, "security", None) or SecurityConfig()
-        context = tls_context(security) if security.tls_cert_file else None  # before binding: fail early
+                 max_body_bytes: int, limits: Limits, ssl_context: ssl.SSLContext | None = None):
+        context = ssl_context
         self.tracker = InFlight(app)
         self._server: BaseWSGIServer = waitress.create_server(
             self.tracker, host=host, port=port, threads=threads, ident="edge-appliance",
@@ -610,7 +583,7 @@ class HTTPServer:
     def serve_forever(self) -> None:
         server = self._server
         try:
-            # waitress's run(), with the loop of appliance/loop_io.py (no GIL convoy)
+            # waitress's run(), with the loop of appliance/transport/http/loop_io.py (no GIL convoy)
             loop_io.loop(server.adj.asyncore_loop_timeout, server._map)
         except (SystemExit, KeyboardInterrupt):
             server.task_dispatcher.shutdown()

@@ -35,6 +35,8 @@ from appliance.api.app import Appliance, create_app
 from appliance.core.config import Config
 from appliance.core.config import load as load_config
 from appliance.core.errors import ConfigError
+from appliance.service.tls import tls_context
+from sync.store import check_version
 from appliance.transport.http.server import HTTPServer
 
 log = logging.getLogger("appliance.service")
@@ -52,7 +54,8 @@ class Service:
         self.config = config
         self.config_path = config_path
         self.overrides = overrides or {}
-        self.core = Appliance(config, backends)
+        self.core = Appliance(config, backends, version_check=check_version)
+        self.core.config_applier = self.apply_config  # gRPC's reload goes the same way as SIGHUP
         self.app = create_app(config, self.core)
         self.server: HTTPServer | None = None
         self._stop = threading.Event()
@@ -65,8 +68,11 @@ class Service:
     def start(self) -> None:
         """Start the core and bind the port; requests are served from ``serve_http()`` on."""
         self.core.start()
-        c = self.config.server
-        self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes)
+        c, security = self.config.server, self.config.security
+        context = tls_context(security) if security.tls_cert_file else None  # before binding: fail early
+        self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context)
+        guard = self.server.guard
+        self.core.add_status("http", lambda: guard.stats)  # live connection and shedding figures
 
     def serve_http(self) -> None:
         assert self.server is not None
@@ -121,14 +127,18 @@ class Service:
             self.core.db.event("reload_failed", f"config reload refused, keeping the running config: {exc}")
             self._emit("reload_failed")
             return
-        self._emit("reloading")
         if not config.models and not config.models_dir:  # start-up served the embedded default: keep it
             config.models_dir = self.config.models_dir
+        self.apply_config(config, "configuration reloaded")
+
+    def apply_config(self, config: Config, why: str) -> None:
+        """The one way a new configuration takes effect: SIGHUP and ``POST /api/reload``
+        (through ``reload``) and gRPC's HandleReloadConfigRequest (through the core). The
+        parts hear "reloading" (systemd's RELOADING=1) and "reloaded" (re-announce)."""
+        self._emit("reloading")
         self._warn_restart_only(config)
-        self.config, self.core.config, self.reload_error = config, config, ""
-        if self.core.manager is not None:
-            self.core.manager.reload(config)
-        self.core.db.event("reloaded", "configuration reloaded")
+        self.config, self.reload_error = config, ""
+        self.core.apply_config(config, why)
         self._emit("reloaded")
 
     def _warn_restart_only(self, new: Config) -> None:
@@ -165,8 +175,8 @@ def url_for(config: Config, port: int) -> str:
 
 def main(config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None) -> int:
     logs.setup(config.log_level)
-    memory.limit_arenas()  # before any thread: see appliance/memory.py
-    memory.tune_gc()  # after the imports of start-up: see appliance/memory.py
+    memory.limit_arenas()  # before any thread: see appliance/core/memory.py
+    memory.tune_gc()  # after the imports of start-up: see appliance/core/memory.py
     service = Service(config, config_path, overrides)
     service.install_signals()
     try:
@@ -177,7 +187,7 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
         service.core.close()
         return 1
     # sync adds routes and gRPC binds its port: both before the first request
-    _add_optional_parts(service, ("appliance.parts.sync_loop", "appliance.transport.grpc.server", "appliance.api.tfserving.config_files"))
+    _add_optional_parts(service, ("appliance.parts.sync_loop", "appliance.service.grpc_port", "appliance.parts.config_poller"))
     service.serve_http()
     _add_optional_parts(service, ("appliance.parts.notify", "appliance.parts.discovery"))
     assert service.server is not None

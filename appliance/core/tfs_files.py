@@ -15,8 +15,11 @@
   enable: true path: "..." }``; metrics are always served at
   ``/monitoring/prometheus/metrics``, so another path is refused with the reason.
 
+The file poller that follows ``model_config_file`` while serving is a part:
+appliance/parts/config_poller.py.
+
 An unknown or invalid field is a ConfigError naming the file, the line and the field.
-The messages are parsed with the private descriptor pool of appliance/tfs_protos (no
+The messages are parsed with the private descriptor pool of appliance/protos/tfserving (no
 TensorFlow needed).
 """
 
@@ -25,10 +28,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 from typing import Any
 
-from appliance.core.config import Config
+from appliance.core.config import Config, ModelConfig
 from appliance.core.errors import ConfigError, InvalidArgument
 
 log = logging.getLogger("appliance.tfs")
@@ -68,7 +70,6 @@ def _read(path: str, key: str) -> str:
 def read_model_config_file(path: str) -> list[Any]:
     from google.protobuf import text_format
 
-    from appliance.api.tfserving.grpc_service import model_config_from_proto
     from appliance.protos.tfserving import pb
 
     text = _read(path, "tfs.model_config_file")
@@ -147,39 +148,21 @@ def read_monitoring_config(path: str) -> None:
                                                         f"{match.group(1)}")
 
 
-def attach(service: Any) -> "ConfigFilePoller | None":
-    """Reload the service when the model config file changes (poll_wait_seconds > 0)."""
-    files = service.config.tfs
-    if not files.model_config_file or files.model_config_file_poll_wait_seconds <= 0:
-        return None
-    poller = ConfigFilePoller(service, files.model_config_file, files.model_config_file_poll_wait_seconds)
-    service.hooks.append(poller.on_hook)
-    poller.start()
-    return poller
-
-
-class ConfigFilePoller(threading.Thread):
-    def __init__(self, service: Any, path: str, every: float):
-        super().__init__(name="tfs-config-poll", daemon=True)
-        self.service, self.path, self.every = service, path, every
-        self._stop = threading.Event()
-        self._seen = self._stamp()
-
-    def _stamp(self) -> tuple[float, int] | None:
-        try:
-            st = os.stat(self.path)
-            return (st.st_mtime, st.st_size)
-        except OSError:
-            return None
-
-    def run(self) -> None:
-        while not self._stop.wait(self.every):
-            stamp = self._stamp()
-            if stamp != self._seen:
-                self._seen = stamp
-                log.info("%s changed: reloading", self.path)
-                self.service.request_reload()
-
-    def on_hook(self, what: str, service: Any) -> None:
-        if what == "stopping":
-            self._stop.set()
+def model_config_from_proto(config: Any) -> ModelConfig:
+    """A ``tensorflow.serving.ModelConfig`` as this service's ModelConfig (also used for
+    ``--model_config_file``)."""
+    if not config.name or not config.base_path:
+        raise InvalidArgument("a ModelConfig needs name and base_path")
+    if config.model_platform not in ("", "tensorflow", "tflite"):
+        raise InvalidArgument(f"model {config.name}: model_platform {config.model_platform!r} is not served here "
+                              "(tensorflow or tflite)")
+    model = ModelConfig(name=config.name, base_path=config.base_path, labels=dict(config.version_labels))
+    policy = config.model_version_policy.WhichOneof("policy_choice")
+    if policy == "all":
+        model.version_policy = "all"
+    elif policy == "specific":
+        model.version_policy = "specific"
+        model.versions = sorted(int(v) for v in config.model_version_policy.specific.versions)
+    elif policy == "latest":
+        model.latest = int(config.model_version_policy.latest.num_versions) or 1
+    return model

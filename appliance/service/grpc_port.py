@@ -1,21 +1,21 @@
 """The service's gRPC port: TF Serving's PredictionService and ModelService
-(appliance/tfs_grpc.py) and the KServe v2 GRPCInferenceService (appliance/v2_grpc.py).
+(appliance/api/tfserving/grpc_service.py) and the KServe v2 GRPCInferenceService (appliance/api/kserve/grpc_service.py).
 
 ``attach(service)`` (before the HTTP server serves) starts one server on ``[grpc] port``
 (TF Serving's 8500; 0: none) and/or the Unix socket ``[grpc] socket_path`` (as
 ``--grpc_socket_path``), with ``max_message_bytes`` both ways (gRPC's 4 MB default is what
-TF Serving users hit first). The token check of appliance/auth.py runs as an interceptor.
+TF Serving users hit first). The token check of appliance/api/auth.py runs as an interceptor.
 The server stops, after in-flight calls finish (bounded by ``server.drain_timeout_s``), on
 the service's "stopping" hook. Same process, same manager, same batchers as REST.
 
-Which server: ``[grpc] transport``. "lean" (the default) is appliance/h2_grpc.py, unary
+Which server: ``[grpc] transport``. "lean" (the default) is appliance/transport/grpc/h2_server.py, unary
 gRPC over HTTP/2 framed here, on one event loop; "grpcio" is grpcio's ``grpc.aio`` server
-(``AioServer`` below), kept as the fallback. Both take the same generic handlers and
+(appliance/transport/grpc/aio_server.py), kept as the fallback. Both take the same generic handlers and
 interceptor, so the services do not know which one runs them. Why not grpcio by default:
 its per-call machinery cost more server CPU than the whole REST path on a small device
 (bench/RESULTS.md). Why an event loop and not ``grpc.server``'s threads: each hand-off
 between threads is a GIL switch; on the loop a call's Python work (decode, queue, encode)
-runs in one place, Predict awaits its batch (appliance/batcher.py ``submit_async``), and one
+runs in one place, Predict awaits its batch (appliance/core/batcher.py ``submit_async``), and one
 wake-up answers the whole batch. Methods written as plain functions (metadata, status,
 reload, Classify/Regress) run on a thread pool of ``server.threads``.
 """
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any
 
-import grpc
-
-from appliance.api.tfserving import grpc_service as tfs_grpc
+from appliance.api.auth import grpc_interceptor
 from appliance.api.kserve import grpc_service as v2_grpc
+from appliance.api.tfserving import grpc_service as tfs_grpc
+from appliance.core.batcher import LONE_CALL
+from appliance.transport.grpc.aio_server import AioServer
 from appliance.transport.grpc.h2_server import LeanServer
-from appliance.transport.loop_thread import LoopThread
 
 log = logging.getLogger("appliance.grpc")
 
@@ -46,40 +46,6 @@ def attach(service: Any) -> "GRPCServer | None":
     return server
 
 
-class AioServer(LoopThread):
-    """A ``grpc.aio`` server on an event loop of its own thread, driven from plain threads
-    with the calls of ``grpc.Server`` (add handlers and ports, start, stop)."""
-
-    def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()):
-        super().__init__(threads)
-
-        async def make() -> Any:  # the server binds to the loop it is created on
-            return grpc.aio.server(migration_thread_pool=self.pool, options=list(options),
-                                   interceptors=list(interceptors))
-        self.server = self.run(make())
-
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self.server.add_generic_rpc_handlers(handlers)
-
-    def add_insecure_port(self, address: str) -> int:
-        async def add() -> int:
-            return self.server.add_insecure_port(address)
-        return self.run(add())
-
-    def start(self) -> None:
-        self.run(self.server.start())
-
-    def stop(self, grace: float | None) -> None:
-        """Stop taking calls, let in-flight ones finish for up to ``grace`` seconds, then
-        close the loop and its threads."""
-        if self.loop.is_closed():
-            return
-        try:
-            self.run(self.server.stop(grace), (grace or 0) + 5)
-        finally:
-            self.close_loop()
-
-
 class GRPCServer:
     def __init__(self, service: Any):
         self.service = service
@@ -88,16 +54,12 @@ class GRPCServer:
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # a second server on the same port fails instead of sharing it
-        interceptors = []
-        try:
-            from appliance.api.auth import grpc_interceptor
-        except ImportError:
-            pass
-        else:
-            interceptors.append(grpc_interceptor(self.core))
+        interceptors = [grpc_interceptor(self.core)]
         # As many pool threads as HTTP workers: a method run there waits on a batch like an HTTP worker.
-        kind = LeanServer if cfg.transport == "lean" else AioServer
-        self.server = kind(service.config.server.threads, options, interceptors)
+        threads = service.config.server.threads
+        # the lean server tells the batcher which calls are alone (core/batcher.py LONE_CALL)
+        self.server = (LeanServer(threads, options, interceptors, alone_var=LONE_CALL) if cfg.transport == "lean"
+                       else AioServer(threads, options, interceptors))
         tfs_grpc.add_to_server(self.server, self.core)
         v2_grpc.add_to_server(self.server, self.core)
         self.addresses: list[str] = []

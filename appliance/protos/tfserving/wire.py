@@ -33,6 +33,8 @@ _VAL_FIELDS = {5: "f", 6: "d", 7: "varint", 10: "varint", 11: "varint", 13: "var
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
+        if pos >= len(buf):
+            raise ValueError("truncated protobuf message: a varint runs past the end")
         b = buf[pos]
         pos += 1
         result |= (b & 0x7F) << shift
@@ -58,6 +60,8 @@ def fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
             value, pos = buf[pos:pos + 4], pos + 4
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
+        if pos > end:  # a length or fixed field running past the buffer: truncated, never cut short silently
+            raise ValueError(f"truncated protobuf message: field {number} ends at byte {pos} of {end}")
         yield number, wire, value
 
 

@@ -1,0 +1,203 @@
+"""The handle: what a request gets from the core, and the one verb that runs it.
+
+``with manager.handle(model, version, label, route_key) as h: outputs = h.run(sig, inputs)``
+(``await h.run_async(...)`` on an event loop). Protocol code sees the version's number,
+path and signatures, and capabilities of the servable; never the batcher, the version
+slot or the backend's name. Inside ``run``:
+
+- **batching**: inputs that fit the signature's declared shapes join the version's batch
+  queue; others run alone (TensorFlow, like TF Serving, is the judge of a shape an
+  Identity such as half_plus_two's ``x`` accepts), unless the servable has
+  ``strict_shapes`` (LiteRT: its shapes are real), where a mismatch is refused with the
+  reason;
+- **rollouts**: when the manager routed the request (an unversioned request of a model
+  with a candidate, appliance/core/rollout.py), the answer's outcome and latency are
+  tallied for the judge; a canary candidate's failure is answered again by the serving
+  version; a shadow request's decoded inputs and answer are queued for the candidate.
+
+Release the handle promptly (the ``with`` block): a version unloads only after every
+handle on it is released. One handle serves one request; it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from runtimes import RuntimeFailure, SignatureInfo, TensorSpec
+
+from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
+
+if TYPE_CHECKING:
+    from appliance.core.manager import Manager, VersionSlot
+    from appliance.core.rollout import Route
+
+
+def shape_error(arr: np.ndarray, spec: TensorSpec, where: str) -> str | None:
+    """Why ``arr`` does not fit the signature's declared shape, or None when it fits."""
+    if spec.shape is None:
+        return None
+    want = spec.shape
+    if arr.ndim == len(want) and all(w in (-1, None) or w == g for w, g in zip(want, arr.shape)):
+        return None
+    pretty = "[" + ",".join(str(d) for d in want) + "]"
+    return f"{where}: expected shape {pretty} ({spec.dtype.name}), got [{','.join(str(d) for d in arr.shape)}]"
+
+
+class Handle:
+    """A request's hold on one AVAILABLE version (module docstring)."""
+
+    __slots__ = ("_manager", "slot", "_route")
+
+    def __init__(self, manager: "Manager", slot: "VersionSlot", route: "Route | None" = None):
+        self._manager, self.slot, self._route = manager, slot, route
+
+    # -- what protocol code may read -------------------------------------------------------
+    @property
+    def model(self) -> str:
+        return self.slot.model
+
+    @property
+    def version(self) -> int:
+        return self.slot.version
+
+    @property
+    def path(self) -> str:
+        return self.slot.path
+
+    @property
+    def signatures(self) -> Mapping[str, SignatureInfo]:
+        servable = self.slot.servable
+        return servable.signatures if servable is not None else {}
+
+    @property
+    def platform(self) -> str:
+        """What the version is, as model metadata names it (KServe v2 ``platform``)."""
+        servable = self.slot.servable
+        return str(getattr(servable, "platform", "") or getattr(servable, "backend", ""))
+
+    @property
+    def reads_examples(self) -> bool:
+        """Whether the servable parses serialized ``tf.Example``s (classify, regress)."""
+        return bool(self.slot.servable is not None and self.slot.servable.reads_examples)
+
+    def signature(self, name: str, missing: str) -> SignatureInfo:
+        """The signature ``name``; InvalidArgument(``missing``) when the version lacks it."""
+        sig = self.signatures.get(name)
+        if sig is None:
+            raise InvalidArgument(missing)
+        return sig
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The outputs of ``signature`` on ``inputs`` (batched, routed, tallied)."""
+        route = self._route
+        if route is None:
+            return _execute(self.slot, signature, inputs)
+        started = time.perf_counter()
+        try:
+            out = _execute(self.slot, signature, inputs)
+        except ApplianceError as exc:
+            if route.role != "candidate":
+                self._observe(route.role, exc, started)
+                raise
+            return self._fallback(signature, inputs, exc, started)
+        return self._answered(signature, inputs, out, started)
+
+    async def run_async(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``run`` for a caller on an event loop: the batch is awaited; a request that runs
+        alone runs on the loop's executor, never on the loop."""
+        route = self._route
+        if route is None:
+            return await _execute_async(self.slot, signature, inputs)
+        started = time.perf_counter()
+        try:
+            out = await _execute_async(self.slot, signature, inputs)
+        except ApplianceError as exc:
+            if route.role != "candidate":
+                self._observe(route.role, exc, started)
+                raise
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self._fallback, signature, inputs, exc, started)
+        return self._answered(signature, inputs, out, started)
+
+    def _answered(self, signature: str, inputs: Mapping[str, np.ndarray], out: dict[str, np.ndarray],
+                  started: float) -> dict[str, np.ndarray]:
+        route = self._route
+        assert route is not None
+        self._observe(route.role, None, started)
+        if route.shadow:
+            self._manager.rollouts.shadow(route.rollout, signature, inputs, out)
+        return out
+
+    def _fallback(self, signature: str, inputs: Mapping[str, np.ndarray], failure: ApplianceError,
+                  started: float) -> dict[str, np.ndarray]:
+        """The canary candidate failed: the serving version answers. The candidate's failure
+        counts only when the serving version does answer (a bad request fails on both)."""
+        route = self._route
+        assert route is not None
+        rollouts, rollout = self._manager.rollouts, route.rollout
+        again = time.perf_counter()
+        try:
+            with self._manager.handle(self.model, rollout.serving, judged=False) as serving:
+                out = serving.run(signature, inputs)
+        except ApplianceError as exc:
+            rollouts.observe(rollout, "serving", False, exc.http_status >= 500, time.perf_counter() - again)
+            raise
+        rollouts.observe(rollout, "candidate", False, failure.http_status >= 500, again - started)
+        rollouts.observe(rollout, "serving", True, False, time.perf_counter() - again)
+        return out
+
+    def _observe(self, role: str, failure: ApplianceError | None, started: float) -> None:
+        route = self._route
+        assert route is not None
+        self._manager.rollouts.observe(route.rollout, role, failure is None,
+                                       failure is not None and failure.http_status >= 500,
+                                       time.perf_counter() - started)
+
+    # -- holding -------------------------------------------------------------------------------
+    def release(self) -> None:
+        self._manager._release_slot(self.slot)
+
+    def __enter__(self) -> "Handle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _batchable(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndarray]) -> bool:
+    servable = slot.servable
+    assert servable is not None
+    sig = servable.signatures.get(signature)
+    if sig is None:
+        return True  # the servable names the missing signature itself
+    problems = [p for k, arr in inputs.items() if k in sig.inputs
+                and (p := shape_error(arr, sig.inputs[k], f"input {k!r}"))]
+    if problems and servable.strict_shapes:
+        raise InvalidArgument(problems[0])
+    return not problems
+
+
+def _execute(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Through the batcher when batching is on and the inputs fit, else straight to the servable."""
+    if _batchable(slot, signature, inputs) and slot.batcher is not None:
+        return slot.batcher.submit(signature, inputs)
+    return _run_alone(slot, signature, inputs)
+
+
+async def _execute_async(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if _batchable(slot, signature, inputs) and slot.batcher is not None:
+        return await slot.batcher.submit_async(signature, inputs)
+    return await asyncio.get_running_loop().run_in_executor(None, _run_alone, slot, signature, inputs)
+
+
+def _run_alone(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    assert slot.servable is not None
+    try:
+        return slot.servable.run(signature, inputs)
+    except RuntimeFailure as exc:
+        raise from_runtime(exc) from exc
