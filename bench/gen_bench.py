@@ -4,10 +4,12 @@ streams, with step batching on and off (``[generation] step_batching``).
 Off, every stream gets its own decode call per step (what serving the streams one step
 call each costs); on, the streams of a version share one call per step (up to the decode
 batch: 4 rows for the LiteRT export, ``max_batch_size`` for the dynamic ``generate_step``).
-The models are ``tests/genmodel.py``'s (a 2-layer character transformer, d=32); the server
-is the real ``appliance serve`` on a loopback port, the clients are threads reading SSE.
+The models are ``tests/genmodel.py``'s (a 2-layer character transformer, d=32) or, by name,
+models litert-torch really converted (``tests/litert_llm.py``: ``lt_b4`` has a decode batch
+of 4 sharing one position, ``lt_plain`` litert-torch's default batch 1); the server is the
+real ``appliance serve`` on a loopback port, the clients are threads reading SSE.
 
-    .venv/bin/python -m bench.gen_bench [--seconds 4] [--models gen_savedmodel,gen_tflite]
+    .venv/bin/python -m bench.gen_bench [--seconds 4] [--models gen_savedmodel,gen_tflite,lt_b4]
 
 Target (issue 10): at 16 streams, step batching >= 3x the total tokens/s of batching off.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -26,18 +29,27 @@ from typing import Any
 
 import requests
 
-from tests import genmodel
+from tests import genmodel, litert_llm
 from tests.conftest import launch, model_copy
 
 LEVELS = (1, 4, 16)
 NEW_TOKENS = 48
 
 
-def one_stream(url: str, prompt: str) -> tuple[int, float]:
+def prompt_body(model: str, i: int) -> dict[str, Any]:
+    """The i-th client's prompt: genmodel's texts, or token ids for a converted model (which
+    ships no vocabulary); converted prompts have one length, so a shared-position decode
+    batch can run the streams that started together in one call."""
+    if model in litert_llm.SPECS:
+        return {"input_ids": litert_llm.prompt(12, seed=i % 4)}
+    return {"text": genmodel.PROMPTS[i % len(genmodel.PROMPTS)]}
+
+
+def one_stream(url: str, prompt: dict[str, Any]) -> tuple[int, float]:
     """(tokens received, seconds to the first token) of one streamed request."""
     started = time.perf_counter()
     first, count = 0.0, 0
-    body = json.dumps({"text": prompt, "max_new_tokens": NEW_TOKENS, "stream": True})
+    body = json.dumps({**prompt, "max_new_tokens": NEW_TOKENS, "stream": True})
     with requests.post(url, data=body, stream=True, timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -48,14 +60,14 @@ def one_stream(url: str, prompt: str) -> tuple[int, float]:
     return count, first
 
 
-def level(url: str, streams: int, seconds: float) -> dict[str, float]:
+def level(url: str, model: str, streams: int, seconds: float) -> dict[str, float]:
     """``streams`` clients, each starting a new stream as soon as its last one ends."""
     tokens, ttfts, lock = [0], [], threading.Lock()
     deadline = time.perf_counter() + seconds
 
     def client(i: int) -> None:
         while time.perf_counter() < deadline:
-            n, ttft = one_stream(url, genmodel.PROMPTS[i % len(genmodel.PROMPTS)])
+            n, ttft = one_stream(url, prompt_body(model, i))
             with lock:
                 tokens[0] += n
                 ttfts.append(ttft)
@@ -74,7 +86,13 @@ def level(url: str, streams: int, seconds: float) -> dict[str, float]:
 
 def run(models: list[str], seconds: float, work: Path) -> list[dict[str, Any]]:
     built = work / "models"
-    genmodel.build(built)
+    converted = [m for m in models if m in litert_llm.SPECS]
+    if len(converted) < len(models):
+        genmodel.build(built)
+    if converted:  # built once, cached under /tmp like the test suite's
+        cache = litert_llm.models(work / "litert-llm-build")
+        for name in converted:
+            shutil.copytree(cache / name, built / name)
     rows = []
     for batching in (True, False):
         config = work / f"gen-{batching}.toml"
@@ -84,10 +102,10 @@ def run(models: list[str], seconds: float, work: Path) -> list[dict[str, Any]]:
         try:
             for model in models:
                 url = f"{server.url}/v1/models/{model}:generate"
-                one_stream(url, genmodel.PROMPTS[0])  # first call: graph/allocation warm-up
+                one_stream(url, prompt_body(model, 0))  # first call: graph/allocation warm-up
                 for streams in LEVELS:
                     row = {"model": model, "step_batching": batching, "streams": streams,
-                           **level(url, streams, seconds)}
+                           **level(url, model, streams, seconds)}
                     rows.append(row)
                     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}),
                           flush=True)

@@ -93,7 +93,10 @@ class Driver:
 
     def describe(self) -> dict[str, Any]:
         return {"convention": self.kind, "decode_batch": self.batch_size or "dynamic",
-                "context_length": self.context_length, "vocab_size": self.vocab_size}
+                "context_length": self.context_length, "vocab_size": self.vocab_size, **self._details()}
+
+    def _details(self) -> dict[str, Any]:
+        return {}
 
 
 def _batch(shape: tuple[int, ...] | None) -> int | None:
@@ -130,17 +133,18 @@ class LiteRTLLM(Driver):
             raise LoadFailure(f"the decode signature does not follow the LiteRT LLM convention: it lacks "
                               f"{', '.join(missing)}")
         self.batch_size = _batch(shapes["tokens"])
-        pos_rows = _batch(shapes["input_pos"])
-        self.shared_position = bool(self.batch_size and self.batch_size > 1 and pos_rows == 1)
+        self.pos_rows = _batch(shapes["input_pos"])
+        self.shared_position = bool(self.batch_size and self.batch_size > 1 and self.pos_rows == 1)
         self.has_mask = "mask" in dec.inputs
-        kv_shape = shapes[self.kv_names[0]] or ()
-        if self.has_mask:  # [B, 1, 1, L]
-            self.context_length = (shapes["mask"] or (0,))[-1]
-        else:  # [B, L, heads, dim] (ai-edge-torch's default layout)
-            self.context_length = kv_shape[1] if len(kv_shape) > 1 else None
+        mask_length = _dim(shapes["mask"], 3) if self.has_mask else None  # [B, 1, 1, L]
+        self.kv_layout, self.context_length = cache_layout(shapes, self.kv_names, mask_length)
         self.vocab_size = int((dec.outputs["logits"].shape or (0,))[-1])
         self.row_shapes = {n: tuple(shapes[n] or ())[1:] for n in self.kv_names}
         self.dtypes = {n: dec.inputs[n].dtype for n in self.kv_names}
+
+    def _details(self) -> dict[str, Any]:
+        return {"prefill_windows": [n or "dynamic" for n, _ in self.prefills], "kv_layout": self.kv_layout,
+                "mask_input": self.has_mask, "shared_position": self.shared_position}
 
     def new_slots(self, capacity: int) -> Slots:
         rows = self.batch_size or capacity
@@ -152,26 +156,62 @@ class LiteRTLLM(Driver):
         allowed = keys[None, None, None, :] <= queries.reshape(rows, 1, -1, 1)
         return np.where(allowed, 0.0, MASKED).astype(np.float32)
 
+    def window(self, start: int, remaining: int) -> tuple[str, int, int] | None:
+        """(signature, window length, tokens it takes) of the prefill call at ``start``: chunks
+        of the longest window, the last one in the smallest window that holds it. A window is
+        used only where it fits inside the cache (start + N <= L): LiteRT writes the window's
+        cache slice with DYNAMIC_UPDATE_SLICE, which clamps a slice that would run past the
+        end backwards, over earlier context. None: no window fits, decode the rest."""
+        first_length, first_name = self.prefills[0]
+        if first_length == 0:  # a dynamic prefill length takes the chunk as it is
+            return first_name, remaining, remaining
+        limit = self.context_length or 0
+        fits = [(n, name) for n, name in self.prefills if start + n <= limit]
+        if not fits:
+            return None
+        take = min(remaining, fits[-1][0])
+        length, name = next((n, name) for n, name in fits if n >= take)
+        return name, length, take
+
     def prefill(self, slots: Slots, row: int, prompt: Sequence[int]) -> None:
         tokens = list(prompt[:-1])
-        longest = self.prefills[-1][0] or len(tokens)
         start = 0
         while start < len(tokens):
-            chunk = tokens[start:start + longest]
-            length, name = next(((n, s) for n, s in self.prefills if n >= len(chunk)), self.prefills[-1])
-            length = length or len(chunk)  # a dynamic prefill length takes the chunk as it is
-            # Padding goes to later positions (clamped inside the cache): later steps overwrite
-            # them before any query may see them.
-            pos = np.minimum(np.arange(start, start + length), (self.context_length or start + length) - 1)
-            feeds = {"tokens": np.array([chunk + [0] * (length - len(chunk))], np.int32),
-                     "input_pos": pos.astype(np.int32),
+            step = self.window(start, len(tokens) - start)
+            if step is None:  # near the cache end: the rest of the prompt one token per call
+                for pos in range(start, len(tokens)):
+                    self._decode_alone(slots, row, tokens[pos], pos)
+                return
+            name, length, take = step
+            chunk = tokens[start:start + take]
+            # Padding goes to later positions, inside the cache (the window fits): later steps
+            # overwrite them before any query may see them.
+            feeds = {"tokens": np.array([chunk + [0] * (length - take)], np.int32),
+                     "input_pos": np.arange(start, start + length, dtype=np.int32),
                      **{n: slots.arrays[n][row:row + 1] for n in self.kv_names}}
             if self.has_mask:
                 feeds["mask"] = self._mask(1, np.arange(start, start + length))
             out = self._run(name, feeds)
             for n in self.kv_names:
                 slots.arrays[n][row] = out[n][0]
-            start += len(chunk)
+            start += take
+
+    def _decode_alone(self, slots: Slots, row: int, token: int, pos: int) -> None:
+        """One prompt token of one row through ``decode``, in a scratch batch: the other rows
+        of ``slots`` (other streams, at other positions) must not take this call's writes."""
+        n = self._rows(1)
+        scratch = {k: np.zeros((n, *self.row_shapes[k]), self.dtypes[k]) for k in self.kv_names}
+        for k in self.kv_names:
+            scratch[k][0] = slots.arrays[k][row]
+        tokens = np.zeros((n, 1), np.int32)
+        tokens[0, 0] = token
+        positions = np.full(n, pos, np.int32)
+        feeds = {"tokens": tokens, "input_pos": positions[:self.pos_rows or n], **scratch}
+        if self.has_mask:
+            feeds["mask"] = self._mask(n, positions)
+        out = self._run("decode", feeds)
+        for k in self.kv_names:
+            slots.arrays[k][row] = out[k][0]
 
     def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         logits = np.empty((len(rows), self.vocab_size), np.float32)
@@ -209,6 +249,49 @@ class LiteRTLLM(Driver):
 
 def _dim(shape: tuple[int, ...] | None, i: int) -> int | None:
     return shape[i] if shape and len(shape) > i and shape[i] > 0 else None
+
+
+# litert-torch's two KV cache layouts (litert_torch.generative.layers.kv_cache): the
+# default BTNH for K and V, and KV_LAYOUT_TRANSPOSED: K BNTH, V BNHT. The context length L
+# sits at a different place in each.
+DEFAULT_LAYOUT, TRANSPOSED_LAYOUT = "BTNH/BTNH", "BNTH/BNHT"
+
+
+def cache_layout(shapes: Mapping[str, tuple[int, ...] | None], kv_names: Sequence[str],
+                 mask_length: int | None) -> tuple[str, int]:
+    """(layout, context length) from the declared shapes of every K and V pair (and the
+    mask's L when there is one). Refuses (``LoadFailure``) what no layout fits, and shapes
+    that two layouts fit with different lengths: served with the wrong one, a model would
+    load and then refuse or garble every prompt."""
+    found: set[tuple[str, int]] = set()
+    for k in (n for n in kv_names if n.startswith(KV_PREFIX + "k_")):
+        v = KV_PREFIX + "v_" + k[len(KV_PREFIX + "k_"):]
+        if v not in kv_names:
+            raise LoadFailure(f"the decode signature has {k} but no {v}")
+        kshape, vshape = tuple(shapes[k] or ()), tuple(shapes[v] or ())
+        fits = {}
+        if len(kshape) == 4 and kshape == vshape:
+            fits[DEFAULT_LAYOUT] = kshape[1]  # [B, L, heads, dim] both
+        if len(kshape) == 4 and len(vshape) == 4 and vshape == (*kshape[:2], kshape[3], kshape[2]):
+            fits[TRANSPOSED_LAYOUT] = kshape[2]  # K [B, heads, L, dim], V [B, heads, dim, L]
+        if mask_length:
+            fits = {layout: length for layout, length in fits.items() if length == mask_length}
+        where = f"{k} {list(kshape)} and {v} {list(vshape)}" + \
+            (f" with a mask of length {mask_length}" if mask_length else "")
+        if not fits:
+            raise LoadFailure(f"the KV cache layout cannot be decided: {where} match neither litert-torch layout "
+                              f"(K and V [B, L, heads, dim], or K [B, heads, L, dim] with V [B, heads, dim, L])")
+        if len(set(fits.values())) > 1:
+            raise LoadFailure(f"the KV cache layout cannot be decided: {where} fit both the default layout "
+                              f"(context {fits[DEFAULT_LAYOUT]}) and the transposed one (context "
+                              f"{fits[TRANSPOSED_LAYOUT]}); a 'mask' input [B, 1, 1, L] would tell them apart")
+        # both fitting with one length (L = heads = dim): the layout does not matter to us
+        layout = next(iter(fits)) if len(fits) == 1 else f"{DEFAULT_LAYOUT} or {TRANSPOSED_LAYOUT}"
+        found.add((layout, next(iter(fits.values()))))
+    lengths = {length for _, length in found}
+    if len(lengths) != 1 or next(iter(lengths)) <= 0:
+        raise LoadFailure(f"the KV caches of the decode signature disagree on the context length: {sorted(found)}")
+    return sorted(found)[0][0], lengths.pop()
 
 
 class GenerateStep(Driver):
@@ -292,21 +375,9 @@ class GenerateStep(Driver):
 
 
 def declared_shapes(servable: Servable) -> dict[str, dict[str, tuple[int, ...] | None]]:
-    """Input shapes as the model declares them. LiteRT servables report a resizable batch
-    dimension (-1) for every input, so for them the model file's own ``shape_signature`` is
-    read with a metadata-only interpreter (no tensors allocated, the file is mmapped)."""
-    shapes = {name: {n: s.shape for n, s in sig.inputs.items()} for name, sig in servable.signatures.items()}
-    path = getattr(servable, "path", None)
-    if getattr(servable, "backend", "") != "tflite" or not path:
-        return shapes
-    from .tflite import interpreter_module
-
-    interp = interpreter_module().Interpreter(model_path=path)
-    for key in interp.get_signature_list():
-        runner = interp.get_signature_runner(key)
-        shapes[key] = {n: tuple(int(d) for d in det.get("shape_signature", det["shape"]))
-                       for n, det in runner.get_input_details().items()}
-    return shapes
+    """Input shapes as the model declares them (the LiteRT backend keeps generation
+    signatures' own shapes: see ``runtimes.tflite``)."""
+    return {name: {n: s.shape for n, s in sig.inputs.items()} for name, sig in servable.signatures.items()}
 
 
 def convention(signatures: Mapping[str, SignatureInfo]) -> str | None:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 import numpy as np
 
+from . import generative
 from .base import DEFAULT_SIGNATURE, Backend, LoadFailure, RuntimeFailure, Servable, SignatureInfo
 
 TIMING_BATCH = 8
@@ -42,6 +43,9 @@ class Decision:
     how: str  # pinned | only | measured | cached | policy | none
     reason: str
     considered: list[Considered] = field(default_factory=list)
+    # What the loaded version generates with, when it has generation signatures (convention,
+    # decode batch, context length, vocabulary size...: ``runtimes.generative``); else None.
+    generation: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +109,21 @@ def select(
     ``load(name)`` loads the version with the named backend (the caller supplies options);
     ``policy``: ``backend`` (auto or a name), ``prefer_tflite_below_mb`` (int).
     """
+    decision, servable = _select(backends, device, version_dir, load, policy, cache, cache_key)
+    if servable is None:
+        return decision, None
+    try:  # a generative version says what it is, or is refused here with the reason
+        driver = generative.detect(servable)
+    except LoadFailure as exc:
+        servable.close()
+        return Decision(None, decision.how, f"{decision.chosen} loaded the model, but {exc}", decision.considered), None
+    decision.generation = driver.describe() if driver is not None else None
+    return decision, servable
+
+
+def _select(backends: Mapping[str, Backend], device: Mapping[str, Any], version_dir: str, load: Loader,
+            policy: Mapping[str, Any], cache: MutableMapping[str, Any] | None,
+            cache_key: str) -> tuple[Decision, Servable | None]:
     considered = _consider(backends, device, version_dir)
     possible = [c for c in considered if c.available]
     pinned = policy.get("backend", "auto")

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from . import generative
 from .base import (
     DEFAULT_SIGNATURE,
     Availability,
@@ -192,14 +193,18 @@ class TFLiteServable:
         programs: dict[str, Any] = {}
         info: dict[str, SignatureInfo] = {}
         if sig_list:
+            # Generation signatures (prefill/decode, generate_step) keep the model's own shapes:
+            # their fixed lengths (input_pos [N], a decode batch of B) are what a client and the
+            # generation driver must see; every other signature's batch dimension is resizable.
+            resizable = generative.convention(sig_list) is None
             for key in sig_list:
                 runner = interp.get_signature_runner(key)
                 ins, outs = runner.get_input_details(), runner.get_output_details()
                 sg = runner._subgraph_index
                 programs[key] = _Program(wrapper, sg, {n: d["index"] for n, d in ins.items()},
                                          {n: d["index"] for n, d in outs.items()})
-                info[key] = SignatureInfo(key, {n: _spec(n, d, True) for n, d in ins.items()},
-                                          {n: _spec(n, d, True) for n, d in outs.items()})
+                info[key] = SignatureInfo(key, {n: _spec(n, d, resizable) for n, d in ins.items()},
+                                          {n: _spec(n, d, resizable) for n, d in outs.items()})
         else:
             ins = {_clean_name(d["name"]): d for d in interp.get_input_details()}
             outs = {_clean_name(d["name"]): d for d in interp.get_output_details()}

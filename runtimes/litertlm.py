@@ -1,0 +1,158 @@
+"""LiteRT-LM backend: ``.litertlm`` bundles (model + tokenizer + metadata) run by Google's
+LiteRT-LM engine (``pip install litert-lm-api``), imported only when such a version loads.
+
+A bundle is text in, text out: LiteRT-LM owns the tokenizer, the KV cache, prefill and
+decode, so this servable has no tensor signatures; it offers ``generate`` (a stream of
+text pieces) instead of ``run``. One engine per loaded version; one LiteRT-LM session per
+request (a session holds one conversation's cache).
+
+What LiteRT-LM expects of the model inside (found by running it, issue 25): litert-torch's
+*transposed* KV cache (K [B, heads, L, dim], V [B, heads, dim, L]); a bundle of a model
+converted with the default layout loads, then refuses every prompt ("Input token ids are
+too long ... 4 >= 2"): it reads the context from the dimension that holds the head count.
+``load`` checks the layout first and refuses such a bundle with the reason.
+
+Not wired into ``runtimes.default_backends`` or the ``:generate`` API yet: the appliance
+layers are being restructured; this module is the backend they will register.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from .base import Availability, InputFailure, LoadFailure, MissingDependency, SignatureInfo
+
+NAME = "litertlm"
+SUFFIX = ".litertlm"
+
+
+def _module() -> Any:
+    try:
+        import litert_lm  # heavy (a native engine): only when a bundle loads
+    except ImportError as exc:
+        raise MissingDependency(f"LiteRT-LM is not installed (pip install litert-lm-api): {exc}") from exc
+    return litert_lm
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one generation asks for; top_k 1 is greedy."""
+
+    text: str
+    max_new_tokens: int
+    top_k: int = 1
+    top_p: float = 1.0
+    temperature: float = 1.0
+    seed: int | None = None
+
+
+class LiteRTLMServable:
+    """One loaded bundle (module docstring). Not a tensor servable: ``run`` refuses."""
+
+    backend = NAME
+    signatures: Mapping[str, SignatureInfo] = {}
+
+    def __init__(self, path: str, engine: Any, module: Any, context_length: int):
+        self.path, self._engine, self._lm, self.context_length = path, engine, module, context_length
+
+    def describe(self) -> dict[str, Any]:
+        return {"convention": NAME, "decode_batch": 1, "context_length": self.context_length,
+                "vocab_size": None}  # the tokenizer is LiteRT-LM's own; it does not say its size
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._engine.tokenize(text))
+
+    def generate(self, request: Request) -> Iterator[str]:
+        """Text pieces as LiteRT-LM decodes them; the prompt is used as is (no template)."""
+        sampler = self._lm.SamplerConfig(top_k=request.top_k, top_p=request.top_p,
+                                         temperature=request.temperature, seed=request.seed)
+        session = self._engine.create_session(apply_prompt_template=False, sampler_config=sampler,
+                                              max_output_tokens=request.max_new_tokens)
+        try:
+            session.run_prefill([request.text])
+            for response in session.run_decode_async():
+                yield from response.texts
+        finally:
+            session.close()
+
+    def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise InputFailure("a LiteRT-LM bundle takes text (generate), not tensors")
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+
+class LiteRTLMBackend:
+    name = NAME
+
+    def probe(self, device: Mapping[str, Any]) -> Availability:
+        try:
+            _module()
+        except MissingDependency as exc:
+            return Availability(False, str(exc))
+        return Availability(True, "LiteRT-LM engine on CPU")
+
+    def can_serve(self, version_dir: str) -> str | None:
+        bundles = sorted(f for f in os.listdir(version_dir) if f.endswith(SUFFIX)) if os.path.isdir(version_dir) else []
+        return bundles[0] if bundles else None
+
+    def load(self, version_dir: str, options: Mapping[str, Any]) -> LiteRTLMServable:
+        bundle = self.can_serve(version_dir)
+        if bundle is None:
+            raise LoadFailure(f"no {SUFFIX} bundle in {version_dir}")
+        path = os.path.join(version_dir, bundle)
+        context = _check_layout(path)
+        lm = _module()
+        try:
+            engine = lm.Engine(path, backend=lm.Backend.CPU(), max_num_tokens=options.get("max_num_tokens"),
+                               cache_dir=options.get("cache_dir"))
+        except Exception as exc:  # the engine's own words (a bad bundle, an unsupported model)
+            raise LoadFailure(f"LiteRT-LM refused {bundle}: {exc}") from exc
+        return LiteRTLMServable(path, engine, lm, context)
+
+
+def _check_layout(path: str) -> int:
+    """The context length of the bundle's prefill/decode model, which must use the transposed
+    KV cache layout (module docstring). The bundle's header is read with LiteRT-LM's own
+    builder package (litert-lm-builder) when it is installed; without it the bundle is
+    trusted and LiteRT-LM's engine has the last word."""
+    try:
+        from litert_lm_builder import litertlm_peek
+        from litert_lm_builder import litertlm_header_schema_py_generated as schema
+    except ImportError:
+        return 0
+    import io
+
+    from . import generative
+    from .tflite import interpreter_module
+
+    sections = litertlm_peek.read_litertlm_header(path, io.StringIO()).SectionMetadata()
+    for i in range(sections.ObjectsLength() if sections else 0):
+        section = sections.Objects(i)
+        if section.DataType() != schema.AnySectionDataType.TFLiteModel:
+            continue
+        with open(path, "rb") as f:
+            f.seek(section.BeginOffset())
+            model = f.read(section.EndOffset() - section.BeginOffset())
+        signatures = interpreter_module().Interpreter(model_content=model).get_signature_list()
+        if "decode" not in signatures:
+            continue
+        decode = interpreter_module().Interpreter(model_content=model).get_signature_runner("decode")
+        shapes = {n: tuple(int(x) for x in d["shape_signature"]) for n, d in decode.get_input_details().items()}
+        kv = sorted(n for n in shapes if n.startswith(generative.KV_PREFIX))
+        layout, context = generative.cache_layout(shapes, kv, shapes["mask"][-1] if "mask" in shapes else None)
+        if layout != generative.TRANSPOSED_LAYOUT:
+            raise LoadFailure(f"the bundle's model uses the {layout} KV cache layout; LiteRT-LM reads the context "
+                              f"from the transposed one ({generative.TRANSPOSED_LAYOUT}) and would refuse every "
+                              "prompt: convert with ExportConfig.kvcache_layout = KV_LAYOUT_TRANSPOSED")
+        return context
+    return 0
+
+
+__all__ = ["LiteRTLMBackend", "LiteRTLMServable", "Request"]
