@@ -425,10 +425,15 @@ class Manager:
             return
         slot.batcher = self._make_batcher(name, entry.config, version, servable)
         slot.available_since = time.time()
+        generation = (slot.decision or {}).get("generation")  # what a generative version is (runtimes/select.py)
+        said = (f"; generates ({generation.get('convention')}, decode batch {generation.get('decode_batch')}, "
+                f"context {generation.get('context_length')}, vocabulary {generation.get('vocab_size')})"
+                if isinstance(generation, dict) else "")
         self._transition(slot, State.AVAILABLE,
                          f"{name} version {version} available on {servable.backend} "
-                         f"(load {slot.load_ms:.0f} ms, warm-up {slot.warmup_ms:.0f} ms)", "loaded",
-                         backend=servable.backend, load_ms=round(slot.load_ms, 1))
+                         f"(load {slot.load_ms:.0f} ms, warm-up {slot.warmup_ms:.0f} ms){said}", "loaded",
+                         backend=servable.backend, load_ms=round(slot.load_ms, 1),
+                         **({"generation": generation} if generation else {}))
 
     def _select(self, name: str, cfg: ModelConfig, version: int, path: str) -> tuple[Decision, Servable | None]:
         options = self._backend_options(name, version)
