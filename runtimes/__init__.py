@@ -23,15 +23,20 @@ from .tf_cpu import TFCPUBackend
 from .tf_gpu import TFGPUBackend
 from .tflite import TFLiteBackend
 
-BACKEND_NAMES = ("tf-gpu", "tf-cpu", "tflite")
+# The one registry of backends, in the order shown to users (appliance/core/config.py's
+# BACKEND_CHOICES repeats the names so that reading the config needs no numpy; a test
+# holds the two together).
+BACKENDS: dict[str, type] = {"tf-gpu": TFGPUBackend, "tf-cpu": TFCPUBackend, "tflite": TFLiteBackend}
+BACKEND_NAMES = tuple(BACKENDS)
 
 
 def default_backends() -> dict[str, Backend]:
-    """A fresh instance of every backend, in the order shown to users."""
-    return {"tf-gpu": TFGPUBackend(), "tf-cpu": TFCPUBackend(), "tflite": TFLiteBackend()}
+    """A fresh instance of every backend."""
+    return {name: cls() for name, cls in BACKENDS.items()}
 
 
 __all__ = [
+    "BACKENDS",
     "BACKEND_NAMES",
     "DEFAULT_SIGNATURE",
     "Availability",

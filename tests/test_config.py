@@ -213,3 +213,12 @@ def test_serve_refuses_a_missing_config_file(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "missing.toml" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_config_names_exactly_the_registered_backends() -> None:
+    """config.py repeats the backend names so that reading a config imports no numpy;
+    runtimes.BACKENDS is the registry: the two may never drift apart."""
+    import runtimes
+    from appliance.core.config import BACKEND_CHOICES
+
+    assert BACKEND_CHOICES == ("auto", *runtimes.BACKEND_NAMES)

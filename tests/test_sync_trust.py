@@ -446,7 +446,11 @@ def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: P
     config.sync.bucket, config.sync.poll_interval_s, config.sync.max_backoff_s = mirror.url, 0.05, 0.8
     config.sync.jitter, config.sync.stall_timeout_s = 0.0, 0.3
     db = StateDB(":memory:").open()
-    core = types.SimpleNamespace(device={}, db=db, manager=None, device_id="test", add_status=lambda *a: None)
+    from appliance.core.metrics import Metrics
+
+    core = types.SimpleNamespace(device={}, db=db, manager=None, device_id="test", add_status=lambda *a: None,
+                                 metrics=Metrics(),
+                                 add_source=lambda *a: types.SimpleNamespace(scan=lambda: None))
     loop = SyncLoop(types.SimpleNamespace(config=config, core=core))
     loop.source = loop.follower.source = HTTPSource(mirror.url, source_limits(config.sync))  # as sync_loop builds it
     loop.start()

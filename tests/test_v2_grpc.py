@@ -2,10 +2,10 @@
 
 The service core runs in this process with the real models, and ``v2_grpc.add_to_server``
 registers the service on a real ``grpc.server`` bound to a loopback port (what
-``appliance.grpc_server`` does on the service's gRPC port); ``tritonclient.grpc`` talks to
+``appliance.service.grpc_port`` does on the service's gRPC port); ``tritonclient.grpc`` talks to
 it over the socket. Answers are compared with the model called in-process. Typed
 ``contents`` (instead of ``raw_input_contents``) are sent with tritonclient's generated
-stub. When ``appliance.grpc_server`` exists, one more test runs against ``appliance serve``.
+stub. When ``appliance.service.grpc_port`` exists, one more test runs against ``appliance serve``.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_unknown_model_is_not_found_and_metrics_count_v2(stub: Any, core: Applia
     assert b'API="v2_infer",entrypoint="GRPC",model_name="keras_mlp_tflite",status="OK"' in text
 
 
-@pytest.mark.skipif(importlib.util.find_spec("appliance.transport.grpc.server") is None,
+@pytest.mark.skipif(importlib.util.find_spec("appliance.service.grpc_port") is None,
                     reason="appliance.transport.grpc.server (the service's gRPC port) is not in this checkout yet")
 def test_served_on_the_service_grpc_port(start_server: Any, models: Path) -> None:
     grpc_port = free_port()

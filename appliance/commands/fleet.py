@@ -110,7 +110,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         print(f"{args.model}: pin removed; the bucket's channel decides again")
     else:
         on_disk = sorted(set(store.versions(args.model)) | set(store.parked(args.model)))
-        version = args.to if args.to is not None else _previous(store, args.model)
+        version = args.to if args.to is not None else store.previous_version(args.model)
         if version not in on_disk:
             print(f"{args.model} version {version} is not on disk (have: {on_disk or 'none'})", file=sys.stderr)
             return 1
@@ -118,12 +118,6 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         print(f"{args.model} pinned to version {version}")
     args.timeout = 120
     return cmd_sync(args) if not args.no_sync else 0
-
-
-def _previous(store: Any, model: str) -> int | None:
-    """The rollback target: the version below the newest one served from ``store``."""
-    served = sorted(store.versions(model))
-    return served[-2] if len(served) >= 2 else None
 
 
 def add_commands(sub: Any) -> None:

@@ -48,7 +48,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def probe_models(config: Config, info: dict[str, Any]) -> dict[str, Any]:
     """Run the real selection (load and time each candidate) for each model's newest version."""
-    from appliance.core.manager import Manager, discover_models, versions_on_disk
+    from appliance.core.manager import Manager
+    from appliance.core.sources import discover_models, versions_on_disk
     from appliance.core.state import StateDB
 
     db = StateDB(":memory:").open()
@@ -59,7 +60,7 @@ def probe_models(config: Config, info: dict[str, Any]) -> dict[str, Any]:
         if not versions:
             continue
         version = max(versions)
-        decision, servable = manager._select(model.name, model, version, versions[version])
+        decision, servable = manager.select_backend(model.name, model, version, versions[version])
         if servable is not None:
             servable.close()
         out[model.name] = decision.to_dict()

@@ -20,10 +20,11 @@ import runtimes
 
 from appliance import __version__
 from appliance.core import device as device_mod
-from appliance.core.config import Config
+from appliance.core.config import Config, ModelConfig
 from appliance.core.manager import Manager
 from appliance.core.metrics import Metrics
 from appliance.core.rollout import Rollouts
+from appliance.core.sources import DirectorySource, scan_interval
 from appliance.core.state import StateDB
 
 # /api/status and the page never show a secret: a string under a key naming one is "***"
@@ -58,6 +59,8 @@ class Appliance:
         self.device_id = ""
         self.manager: Manager | None = None
         self.rollouts: Rollouts | None = None
+        self._config_source: DirectorySource | None = None  # [[models]] and models_dir
+        self._sources: list[DirectorySource] = []  # the parts' (the synced store)
         self.started_at = time.time()
         self._lock = threading.Lock()
         # /api/status sections of the parts (sync, discovery, grpc, http, rollouts, ...):
@@ -82,11 +85,37 @@ class Appliance:
             self.db.event("service_start", f"edge-appliance {__version__} starting on {self.device['hostname']}",
                           device_id=self.device_id)
             self.manager.start()
+            self._config_source = self._directory_source(self.config).start(scan_interval(self.config.poll_interval_s))
         return self
+
+    def _directory_source(self, config: Config) -> DirectorySource:
+        """The configuration's own models: ``[[models]]`` (TF Serving's ``models.config``) and
+        the models found under ``models_dir``."""
+        configured = {m.name: m for m in config.models}
+        assert self.manager is not None
+        models_dir = config.models_dir
+        if config.sync.bucket and _same_dir(models_dir, os.path.join(config.state_dir, "models")):
+            models_dir = ""  # the bucket's store <state>/models is the sync part's source (add_source)
+        return DirectorySource("config", self.manager, [m for m in config.models if m.base_path],
+                               models_dir, config.model_name, settings=configured.get)
+
+    def add_source(self, name: str, models_dir: str) -> DirectorySource:
+        """Another folder of model versions (the bucket follower's store): its models get the
+        configuration's ``[[models]]`` settings by name; the caller rescans it (``scan()``)."""
+        assert self.manager is not None
+        configured = {m.name: m for m in self.config.models}
+        source = DirectorySource(name, self.manager, [], models_dir, self.config.model_name,
+                                 settings=lambda model: _based(configured.get(model), models_dir))
+        self._sources.append(source)
+        source.scan()
+        return source
 
     def close(self) -> None:
         with self._lock:
             manager, self.manager = self.manager, None
+        for source in [self._config_source, *self._sources]:
+            if source is not None:
+                source.close()
         if self.rollouts is not None:
             self.rollouts.close()
         if manager is not None:
@@ -105,6 +134,12 @@ class Appliance:
         self.config = config
         if self.manager is not None:
             self.manager.reload(config)
+            old, self._config_source = self._config_source, self._directory_source(config)
+            if old is not None:
+                old.close()
+            self._config_source.start(scan_interval(config.poll_interval_s))
+            for source in self._sources:
+                source.scan()
         self.db.event("reloaded", why)
 
     def add_status(self, name: str, provider: Callable[[], Any]) -> None:
@@ -181,3 +216,10 @@ def redact(value: Any) -> Any:
     return value
 
 
+def _based(cfg: ModelConfig | None, models_dir: str) -> ModelConfig | None:
+    """A ``[[models]]`` entry's settings for the copy of that model under ``models_dir``."""
+    return dataclasses.replace(cfg, base_path=os.path.join(models_dir, cfg.name)) if cfg is not None else None
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return bool(a) and os.path.realpath(a) == os.path.realpath(b)

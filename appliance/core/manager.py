@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from appliance.core.batcher import Batcher
 from appliance.core.config import Config, ModelConfig, RolloutConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable
 from appliance.core.handle import Handle
+from appliance.core.sources import Aspired
 from appliance.core.memory import release_freed_memory
 from appliance.core.policy import State, aspired_versions, plan
 from appliance.core.state import StateDB
@@ -96,33 +97,8 @@ class ModelEntry:
     own_rollout: RolloutConfig | None = None
     channel_policy: dict[str, Any] | None = None
     channel_candidate: int | None = None  # judged only: never served as the newest version
-
-
-def _is_version(name: str) -> bool:
-    return name.isdigit() and not name.startswith(".")
-
-
-def versions_on_disk(base: str) -> dict[int, str]:
-    """Integer-named version directories of one model base path."""
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return {}
-    return {int(n): os.path.join(base, n) for n in names if _is_version(n) and os.path.isdir(os.path.join(base, n))}
-
-
-def discover_models(models_dir: str, single_name: str) -> list[ModelConfig]:
-    """Models of a TF Serving base directory: DIR/<model>/<version>/, or DIR/<version>/ alone."""
-    if not os.path.isdir(models_dir):
-        return []
-    if versions_on_disk(models_dir):
-        return [ModelConfig(name=single_name, base_path=models_dir)]
-    found = []
-    for name in sorted(os.listdir(models_dir)):
-        path = os.path.join(models_dir, name)
-        if os.path.isdir(path) and not name.startswith((".", "_")):
-            found.append(ModelConfig(name=name, base_path=path))
-    return found
+    source: str = ""  # the version source that named this model (appliance/core/sources.py)
+    on_disk: dict[int, str] = field(default_factory=dict)  # {version: directory}, as its source pushed
 
 
 class Manager:
@@ -135,6 +111,7 @@ class Manager:
         self.config = config
         self.version_check = version_check
         self._channel: dict[str, dict[str, Any]] = {}  # model -> the channel's rollout record (pushed by sync)
+        self._refused_sources: set[tuple[str, str]] = set()  # (model, source) told it is another's
         self.metrics = metrics
         self.db = db
         self.device = dict(device)
@@ -152,39 +129,42 @@ class Manager:
         self._fingerprint = device_mod.fingerprint(self.device)
         self.last_poll = 0.0
         self.rollouts: Any = None  # appliance/core/rollout.py Rollouts, set by the core before start()
-        self._set_models(self._configured_models())
 
-    # -- configuration -----------------------------------------------------------------
-    def _configured_models(self) -> list[ModelConfig]:
-        models = list(self.config.models)
-        if self.config.models_dir:
-            names = {m.name for m in models}
-            models += [m for m in discover_models(self.config.models_dir, self.config.model_name) if m.name not in names]
-        return models
-
-    def _set_models(self, models: Iterable[ModelConfig]) -> list[str]:
-        """Adopt a new list of models; returns the names removed (to be unloaded)."""
-        wanted = {m.name: m for m in models}
+    # -- what the sources push ---------------------------------------------------------
+    def set_aspired(self, source: str, models: Aspired) -> None:
+        """(a version source) Every model ``source`` has, with its settings and versions on
+        disk: the whole set each time. The contract is appliance/core/sources.py's."""
+        refused: list[str] = []
         with self._lock:
-            removed = [n for n in self._models if n not in wanted]
-            for name, cfg in wanted.items():
-                if name in self._models:
-                    entry = self._models[name]
+            for name, (cfg, versions) in models.items():
+                entry = self._models.get(name)
+                if entry is None:
+                    entry = self._models[name] = ModelEntry(cfg, own_rollout=cfg.rollout, source=source)
+                elif entry.source != source:
+                    if (name, source) not in self._refused_sources:  # said once, not at every scan
+                        self._refused_sources.add((name, source))
+                        refused.append(name)
+                    continue
+                elif entry.config.base_path != cfg.base_path or entry.own_rollout != cfg.rollout \
+                        or _without_rollout(entry.config) != _without_rollout(cfg):
                     entry.own_rollout, entry.channel_policy = cfg.rollout, None  # re-applied at the next pass
                     entry.config = cfg
-                else:
-                    self._models[name] = ModelEntry(cfg)
-            gone = {n: self._models.pop(n) for n in removed}
+                entry.on_disk = dict(versions)
+            gone = {n: self._models.pop(n) for n, e in list(self._models.items())
+                    if e.source == source and n not in models}
             self._picks = {}
+        for name in refused:
+            self.db.event("model_refused", f"{name} is already served from another source; {source}'s copy is "
+                          "ignored", model=name)
         for name, entry in gone.items():
             for slot in list(entry.versions.values()):
-                self._begin_unload(slot, f"model {name} removed from the configuration")
-        return removed
+                self._begin_unload(slot, f"model {name} is no longer in {source}")
+        self._wake.set()
 
     def reload(self, config: Config) -> None:
-        """Apply a changed configuration (SIGHUP): models added, removed or re-tuned."""
+        """Apply a changed configuration (SIGHUP): batching and the other settings read
+        from ``config``; the sources push the models it names (appliance/core/appliance.py)."""
         self.config = config
-        self._set_models(self._configured_models())
         self.poll_now()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -213,20 +193,13 @@ class Manager:
                 self.reconcile()
             except Exception:  # the loop must outlive any one bad model or disk error
                 log.exception("reconcile failed")
-            self._wake.wait(self.config.poll_interval_s or 3600)
+            self._wake.wait()  # a source pushed, a decision was made, or close()
             self._wake.clear()
 
     # -- reconciliation ------------------------------------------------------------------
     def reconcile(self) -> None:
-        """One pass: rescan sources, load what is aspired, unload what is superseded."""
+        """One pass over what the sources pushed: load what is aspired, unload what is superseded."""
         self.last_poll = time.time()
-        if self.config.models_dir:
-            with self._lock:
-                known = set(self._models)
-            for cfg in discover_models(self.config.models_dir, self.config.model_name):
-                if cfg.name not in known:
-                    with self._lock:
-                        self._models.setdefault(cfg.name, ModelEntry(cfg))
         with self._lock:
             entries = list(self._models.items())
         self._apply_channel_policies(entries)
@@ -277,7 +250,7 @@ class Manager:
 
     def _reconcile_model(self, name: str, entry: ModelEntry) -> None:
         cfg = entry.config
-        on_disk = versions_on_disk(cfg.base_path)
+        on_disk = dict(entry.on_disk)
         self._forget_changed_quarantine(entry, on_disk)
         servable = on_disk
         if entry.channel_candidate is not None and cfg.rollout.mode == "off" and len(on_disk) > 1:
@@ -409,7 +382,7 @@ class Manager:
         try:
             if self.version_check is not None:  # the source's artifact checks, at load time (no TOCTOU)
                 self.version_check(path)
-            decision, servable = self._select(name, entry.config, version, path)
+            decision, servable = self.select_backend(name, entry.config, version, path)
             slot.decision = decision.to_dict()
             if servable is None:
                 raise RuntimeFailure(decision.reason)
@@ -435,7 +408,10 @@ class Manager:
                          backend=servable.backend, load_ms=round(slot.load_ms, 1),
                          **({"generation": generation} if generation else {}))
 
-    def _select(self, name: str, cfg: ModelConfig, version: int, path: str) -> tuple[Decision, Servable | None]:
+    def select_backend(self, name: str, cfg: ModelConfig, version: int,
+                       path: str) -> tuple[Decision, Servable | None]:
+        """Choose (measure, or take the cached choice) and load the backend for one version
+        directory: what loading does, and what `appliance probe` shows without serving."""
         options = self._backend_options(name, version)
         backends = self.backends
         policy = {"backend": cfg.backend or self.config.runtime.backend,
@@ -484,7 +460,10 @@ class Manager:
                          "load_failed", error=reason)
 
     # -- unloading ---------------------------------------------------------------------
-    def _begin_unload(self, slot: VersionSlot, why: str, background: bool = True, timeout: float = 300.0) -> None:
+    def _begin_unload(self, slot: VersionSlot, why: str, background: bool = True, timeout: float | None = None) -> None:
+        """Stop new requests getting ``slot``; close it once its requests are done, or after
+        ``timeout`` (``server.drain_timeout_s``, the bound a shutdown drain has too)."""
+        timeout = self.config.server.drain_timeout_s if timeout is None else timeout
         with self._lock:
             if slot.state in (State.UNLOADING, State.END):
                 return
@@ -669,3 +648,8 @@ def _request_text(name: str, version: int | None, label: str | None) -> str:
     if label is not None:
         return f"Label({name}, {label})"
     return f"Latest({name})"
+
+
+def _without_rollout(cfg: ModelConfig) -> ModelConfig:
+    """A model's settings apart from its rollout (which a channel may replace)."""
+    return dataclasses.replace(cfg, rollout=RolloutConfig())

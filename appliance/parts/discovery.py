@@ -16,7 +16,8 @@ the API: a failure (no multicast route, no address on the chosen interfaces) is 
 shown under ``discovery`` in ``/api/status``, and retried on the recheck interval.
 
 Browsing: :func:`browse` (blocking) and :func:`async_browse` return one dict per
-appliance found; ``appliance discover [--timeout S] [--json]`` prints them.
+appliance found; ``appliance discover [--timeout S] [--json]`` (appliance/commands/discover.py)
+prints them.
 
 Threading: all zeroconf work runs on one asyncio loop in the "discovery" thread; the
 callbacks that other threads call (``_Advertiser.notify``, hooks) only set flags and
@@ -26,10 +27,8 @@ small devices and the service must run without it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import re
 import socket
@@ -452,29 +451,3 @@ def parse_models(value: str) -> tuple[list[str], dict[str, int | None]]:
         else:
             versions[entry] = None
     return list(versions), versions
-
-
-# -- the command -------------------------------------------------------------------------------
-def add_commands(subparsers: Any) -> None:
-    discover = subparsers.add_parser("discover", help="find appliances on the LAN (mDNS/DNS-SD)")
-    discover.add_argument("--timeout", type=float, default=3.0, help="seconds to listen (default 3)")
-    discover.add_argument("--json", action="store_true", help="machine-readable output")
-    discover.add_argument("--interface", action="append", default=[], metavar="NAME_OR_ADDR",
-                          help="browse on this interface only (repeatable; default all)")
-    discover.set_defaults(func=cmd_discover)
-
-
-def cmd_discover(args: argparse.Namespace) -> int:
-    found = browse(args.timeout, args.interface or None)
-    if args.json:
-        print(json.dumps(found, indent=2))
-        return 0
-    if not found:
-        print(f"no appliance answered within {args.timeout:g} s")
-        return 0
-    for item in found:
-        print(f"{item['name']}  {item['url']}  id {item['id']}  v{item['version']}  "
-              f"backend {item['backend'] or '-'}")
-        print(f"  addresses: {', '.join(item['addresses'])}  port {item['port']}")
-        print(f"  models: {', '.join(f'{m}@{v}' if v is not None else m for m, v in item['versions'].items()) or '-'}")
-    return 0

@@ -136,6 +136,7 @@ class SyncLoop:
         self._last_report = 0.0
         self._report_error = ""
         self._thread: threading.Thread | None = None
+        self.versions: Any = None  # the store's DirectorySource, from start()
         self.status: dict[str, Any] = {"bucket": public_bucket_url(cfg.bucket), "channel": cfg.channel,
                                        "last_poll": None, "last_change": None, "next_poll": None,
                                        "last_error": "", "failures": 0, "targets": {}}
@@ -147,14 +148,14 @@ class SyncLoop:
             self.core.manager.set_channel_rollout(model, record)
 
     def start(self) -> None:
+        # the store is this part's version source: it pushes what sync commits to the manager.
+        # First, so what is on disk serves even when the store cannot be written (read-only state).
+        self.versions = self.core.add_source("bucket", self.store.models_dir)
         self.store.open()
         faults.configure(self.store.state_dir)
         for model, record in rollout_policies(self.store.state_dir).items():  # what the last run was told
             self._push_rollout(model, record)
-        config = self.service.config
-        if config.models_dir != self.store.models_dir:
-            config.models_dir = self.store.models_dir  # the manager serves what sync commits
-            self._event("sync_config", f"serving the synced store {self.store.models_dir}")
+        self._event("sync_config", f"serving the synced store {self.store.models_dir}")
         self._thread = threading.Thread(target=self._run, name="sync-loop", daemon=True)
         self._thread.start()
 
@@ -193,6 +194,7 @@ class SyncLoop:
 
     def _poll(self) -> float:
         self.status["last_poll"] = time.time()
+        started, outcome = time.monotonic(), "error"
         changed = False
         try:
             result = self.follower.sync_once()
@@ -202,11 +204,12 @@ class SyncLoop:
             self._failed(f"{type(exc).__name__}: {exc}" if not isinstance(exc, SourceError) else str(exc))
         else:
             changed = bool(result.changed)
+            outcome = "updated" if changed else ("refused" if result.refused else "unchanged")
             self._succeeded(result.refused)
             if changed:
                 self.status["last_change"] = time.time()
-                if self.core.manager is not None:
-                    self.core.manager.poll_now()
+                self.versions.scan()  # push the store's new set of versions
+        self.core.metrics.observe_sync(outcome, time.monotonic() - started)
         self.status["targets"] = dict(self.follower.targets)
         self.status["problems"] = list(self.store.problems)
         self._maybe_report(changed)

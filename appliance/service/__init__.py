@@ -127,8 +127,8 @@ class Service:
             self.core.db.event("reload_failed", f"config reload refused, keeping the running config: {exc}")
             self._emit("reload_failed")
             return
-        if not config.models and not config.models_dir:  # start-up served the embedded default: keep it
-            config.models_dir = self.config.models_dir
+        if not config.models and not config.models_dir and not config.sync.bucket:
+            config.sync = self.config.sync  # start-up served the embedded default's bucket: keep it
         self.apply_config(config, "configuration reloaded")
 
     def apply_config(self, config: Config, why: str) -> None:
@@ -197,18 +197,24 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
     return service.run()
 
 
+# Parts whose failure leaves a configured API not listening: the device is not ready then.
+API_PARTS = ("appliance.service.grpc_port",)
+
+
 def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
-    """Parts that may be missing on a device or fail without harming serving."""
+    """Parts that may be missing on a device or fail without harming serving. A failure is
+    shown (/api/status, the page, systemd's status line); an API part's also makes the
+    device not ready."""
     for module in modules:
         try:
             part = importlib.import_module(module)
         except ModuleNotFoundError as exc:
             if exc.name != module:  # the part exists but something it needs is missing: say so
                 log.warning("%s is not available: %s", module, exc)
-                service.core.report_problem(module.rsplit(".", 1)[-1], f"not available: {exc}")
+                service.core.report_problem(module, str(exc), critical=module in API_PARTS)
             continue
         try:
             part.attach(service)
         except Exception as exc:  # logged and shown in status; the API keeps running
             log.exception("%s failed to start", module)
-            service.core.report_problem(module.rsplit(".", 1)[-1], f"failed to start: {exc}")
+            service.core.report_problem(module, str(exc), critical=module in API_PARTS)
