@@ -9,6 +9,7 @@ that happens once per size). Models without signature defs (input ``x``, shape
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import queue
@@ -86,6 +87,14 @@ def _load_delegate(module: Any, kind: str, options: Mapping[str, Any]) -> tuple[
     names = (configured,) if configured else (GPU_DELEGATE_LIBS if kind == "gpu" else EDGETPU_DELEGATE_LIBS)
     errors = []
     for lib in names:
+        # Open the library ourselves first: when dlopen fails inside LiteRT's Delegate
+        # constructor, the half-built object's __del__ raises AttributeError ("Exception
+        # ignored in Delegate.__del__") on every start with a missing delegate.
+        try:
+            ctypes.CDLL(lib)
+        except OSError as exc:  # dlopen's message names the library already
+            errors.append(str(exc) if lib in str(exc) else f"{lib}: {exc}")
+            continue
         try:
             return module.load_delegate(lib), f"{kind} delegate {lib} loaded"
         except (ValueError, OSError, RuntimeError) as exc:

@@ -31,16 +31,36 @@ ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
 
 
-def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", context: Any = lambda: "") -> Any:
-    """The first truthy value of ``predicate()``, polled every 0.2 s; fails after ``timeout``
-    with ``context()`` (log tails, say) in the message."""
+# What a predicate may raise while the thing it looks at is still coming up: a status key a
+# part has not written yet, a list still empty, a server not listening yet or restarting.
+NOT_YET = (KeyError, IndexError, requests.ConnectionError, requests.Timeout, ConnectionError)
+
+
+def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", context: Any = lambda: "",
+               alive: Any = lambda: None) -> Any:
+    """The first truthy value of ``predicate()``, polled every 0.2 s.
+
+    A predicate that raises one of ``NOT_YET`` counts as "not yet" and is polled again; any
+    other exception fails at once. ``alive()`` returns a message when waiting is pointless
+    (the server exited). On timeout the message names ``what``, the last value or "not yet"
+    exception, and ``context()`` (log tails, say)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
+    last: Any = "never polled"
+    while True:
+        try:
+            value = predicate()
+        except NOT_YET as exc:
+            value, last = None, f"{type(exc).__name__}: {exc}"
+        else:
+            if value:
+                return value
+            last = f"value {value!r}"[:500]
+        dead = alive()
+        if dead:
+            raise AssertionError(f"gave up waiting for {what}: {dead}\nlast: {last}\n{context()}")
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\nlast: {last}\n{context()}")
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{context()}")
 
 
 def free_port() -> int:
@@ -102,15 +122,9 @@ class Server:
         return self.get("/api/status").json()
 
     def wait_for(self, predicate: Any, timeout: float = 60, what: str = "condition") -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}:\n{self.log_text()[-3000:]}")
+        """``poll_until`` against this server: gives up at once if the process exits."""
+        return poll_until(predicate, timeout, what, lambda: "--- server log (tail)\n" + self.log_text()[-3000:],
+                          lambda: f"server exited with {self.proc.returncode}" if self.proc.poll() is not None else None)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

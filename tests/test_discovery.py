@@ -308,14 +308,16 @@ def test_discovery_failure_is_shown_and_the_api_keeps_serving(models: Path, tmp_
     config = tmp_path / "broken.toml"
     config.write_text('[discovery]\ninterfaces = ["no-such-if0"]\nrecheck_interval_s = 60.0\n')
     server = start_server("--config", str(config), "--models", str(models), "--backend", "tflite", discovery=True)
-    status = server.wait_for(lambda: (s := server.status())["discovery"].get("error") and s, 30,
+    # Discovery attaches after the HTTP server is ready: /api/status may lack the key at first.
+    status = server.wait_for(lambda: (s := server.status())["discovery"]["error"] and s, 30,
                              "the discovery error in /api/status")
     assert "no-such-if0" in status["discovery"]["error"] and status["discovery"]["announcing"] is False
     assert server.get("/readyz").status_code == 200
 
     config.write_text("[discovery]\nenabled = false\n")
     off = start_server("--config", str(config), "--models", str(models), "--backend", "tflite")
-    assert off.status()["discovery"] == {"enabled": False, "error": None, "name": None}
+    assert off.wait_for(lambda: off.status()["discovery"], 30, "the discovery section in /api/status") == {
+        "enabled": False, "error": None, "name": None}
 
 
 def test_txt_record_is_small_and_ordered() -> None:

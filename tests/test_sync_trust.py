@@ -29,7 +29,7 @@ from sync.publisher import publish, set_channel
 from sync.source import Limits, open_source
 from sync.source_https import HTTPSource
 from sync.store import Store, check_version_tree, verify_version
-from tests.conftest import free_port
+from tests.conftest import free_port, poll_until
 from tests.sync_scenario import hpt  # noqa: F401 (fixture)
 from tests.sync_support import events, predict, serving_version, store_is_complete, version_of
 
@@ -455,9 +455,8 @@ def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: P
     loop.source = loop.follower.source = HTTPSource(mirror.url, source_limits(config.sync))  # as sync_loop builds it
     loop.start()
     try:
-        deadline = time.monotonic() + 30
-        while loop.status["failures"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        poll_until(lambda: loop.status["failures"] >= 4, 30, "four failed polls of the stalling mirror",
+                   lambda: f"sync status: {loop.status}")
         status = dict(loop.status)
         errors = [e for e in db.recent(100) if e["kind"] == "sync_error"]
     finally:

@@ -29,7 +29,7 @@ import requests
 
 from appliance.core import config as config_mod
 from appliance.parts.notify import Liveness, watchdog_interval
-from tests.conftest import ROOT
+from tests.conftest import ROOT, poll_until
 
 SYSTEMD = ROOT / "systemd"
 UNIT = SYSTEMD / "edge-appliance.service"
@@ -290,9 +290,7 @@ def test_liveness_fails_while_every_http_worker_is_stuck() -> None:
         assert liveness.problem() is None
         hung = threading.Thread(target=lambda: requests.get(f"http://127.0.0.1:{server.port}/hang", timeout=30))
         hung.start()
-        deadline = time.monotonic() + 10
-        while server.tracker.count == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        poll_until(lambda: server.tracker.count > 0, 10, "the /hang request to occupy the only worker")
         problem = liveness.problem()
         assert problem is not None and "/healthz" in problem
         release.set()

@@ -1,9 +1,17 @@
 """The status page in a real browser (Debian's chromium driven by Playwright) on the real server.
 
-One server and one browser serve the module. Models: ``multisig_tflite`` (LiteRT: starts
-in seconds) and two copies of it whose directory names are HTML, which must show as text.
-A test adds version 2 while the page is open and waits for it to appear without reload.
-The phone-width screenshot lands in ``test-artifacts/status-phone.png``.
+Two servers and one browser serve the module.
+
+* healthy: ``multisig_tflite`` (LiteRT: starts in seconds), two copies of it whose directory
+  names are HTML (they must show as text) and ``multisig_broken``, whose version 2 is not a
+  model (it is quarantined while version 1 serves). A test adds version 2 of
+  ``multisig_tflite`` while the page is open and waits for it to appear without reload.
+* degraded: the same model from a signed folder bucket, with its gRPC port taken by
+  another socket and discovery told to use an interface that does not exist: two configured
+  parts down while the REST API serves. A test publishes an unsigned version, which the
+  device refuses.
+
+Screenshots of both at 1280, 390 and 360 px land in ``test-artifacts/status-*.png``.
 """
 
 from __future__ import annotations
@@ -11,17 +19,21 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import requests
 
-from tests.conftest import ARTIFACTS, Server, model_copy
+from tests.conftest import ARTIFACTS, Server, free_port, model_copy
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 MODEL = "multisig_tflite"
+BROKEN = "multisig_broken"  # version 1 serves, version 2 is not a model: quarantined
+ADD = {"signature_name": "add", "inputs": {"a": [[1, 1, 1, 1]], "b": [[2, 2, 2, 2]]}}
 HTML_NAMES = ("<script>", "<img src=x onerror=window.__xss=1>")
 WAIT_MS = 30_000  # the page polls every 2 s; loads take well under a second
 
@@ -44,12 +56,61 @@ def models(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = model_copy(models_dir, tmp_path_factory.mktemp("ui-models"), MODEL)
     for name in HTML_NAMES:
         shutil.copytree(base / MODEL, base / name)  # raises if the filesystem refused the name
+    shutil.copytree(base / MODEL / "1", base / BROKEN / "1")
+    (base / BROKEN / "2").mkdir()
+    (base / BROKEN / "2" / "model.tflite").write_bytes(b"not a flatbuffer " * 8)
     return base
 
 
 @pytest.fixture(scope="module")
 def server(module_server: Any, models: Path) -> Server:
     return module_server("--models", str(models), "--backend", "tflite", "--poll-interval", "0.5")
+
+
+class Degraded:
+    """A device with two configured parts down, following a signed folder bucket."""
+
+    def __init__(self, server: Server, bucket: Path, version_dir: Path):
+        self.server, self.bucket, self.version_dir = server, bucket, version_dir
+
+    def publish_unsigned(self, version: int) -> None:
+        from sync.publisher import publish
+        from sync.source import open_source
+
+        publish(open_source(f"file://{self.bucket}"), MODEL, str(self.version_dir), version)
+
+
+@pytest.fixture(scope="module")
+def taken_port() -> Iterator[int]:
+    """A port another socket listens on (no SO_REUSEPORT): gRPC cannot bind it."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def degraded(module_server: Any, models_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+             taken_port: int) -> Degraded:
+    from sync import manifest as mf
+    from sync.publisher import publish
+    from sync.source import open_source
+
+    tmp = tmp_path_factory.mktemp("degraded")
+    mf.keygen(str(tmp / "k.key"), str(tmp / "k.pub"))
+    bucket = tmp / "bucket"
+    publish(open_source(f"file://{bucket}"), MODEL, str(models_dir / MODEL / "1"), 1,
+            sign_key=mf.load_private_key(str(tmp / "k.key")))
+    port = free_port()
+    config = tmp / "degraded.toml"
+    config.write_text("\n".join([
+        "poll_interval_s = 0.5", "[discovery]", 'interfaces = ["no-such-if0"]', "recheck_interval_s = 60.0",
+        "[sync]", f'bucket = "file://{bucket}"', f'public_key = "{tmp / "k.pub"}"', "poll_interval_s = 0.3",
+        "jitter = 0.1"]) + "\n")
+    server = module_server("--config", str(config), "--backend", "tflite", "--grpc-port", str(taken_port),
+                           port=port, discovery=True)
+    server.wait_for(lambda: server.status()["models"][MODEL]["serving_version"] == 1, 60, "v1 synced and serving")
+    return Degraded(server, bucket, models_dir / MODEL / "1")
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +126,12 @@ def browser(module_server: Any) -> Iterator[Any]:
 class Page:
     """A page on the status page that records errors and every URL it asked for."""
 
-    def __init__(self, browser: Any, server: Server, width: int = 1024, height: int = 800):
+    def __init__(self, browser: Any, server: Server, width: int = 1024, height: int = 800, init_script: str = ""):
         self.server = server
         self.context = browser.new_context(viewport={"width": width, "height": height})
         self.page = self.context.new_page()
+        if init_script:
+            self.page.add_init_script(init_script)
         self.page.set_default_timeout(WAIT_MS)
         self.errors: list[str] = []
         self.urls: list[str] = []
@@ -83,6 +146,15 @@ class Page:
         title = self.page.locator("h3.model-name", has_text=re.compile("^" + re.escape(name) + "$"))
         return self.page.locator("article.model").filter(has=title)
 
+    def row(self, within: Any, label: str) -> Any:
+        """The <dd> of the key/value row labelled exactly ``label``."""
+        return within.locator("dl.kv > dt", has_text=re.compile("^" + re.escape(label) + "$")).locator("xpath=following-sibling::dd[1]")
+
+    def next_update(self) -> None:
+        """Until the page has drawn a newer /api/status than the one on screen now."""
+        seen = self.page.get_attribute("body", "data-updated")
+        self.page.wait_for_function("seen => document.body.dataset.updated !== seen", arg=seen)
+
     def close(self) -> None:
         self.context.close()
 
@@ -95,7 +167,29 @@ def page(browser: Any, server: Server) -> Iterator[Page]:
     assert not p.errors, f"the page logged {len(p.errors)} errors, first: {p.errors[:3]}"
 
 
+@pytest.fixture
+def degraded_page(browser: Any, degraded: Degraded) -> Iterator[Page]:
+    p = Page(browser, degraded.server, width=1280, init_script=BADGE_RECORDER)
+    yield p
+    p.close()
+    assert not p.errors, f"the page logged {len(p.errors)} errors, first: {p.errors[:3]}"
+
+
+# Records every class the header badge ever had, from the first paint on.
+BADGE_RECORDER = """
+window.__badgeClasses = [];
+document.addEventListener("DOMContentLoaded", () => {
+  const badge = document.getElementById("ready");
+  const note = () => window.__badgeClasses.push(badge.className);
+  note();
+  new MutationObserver(note).observe(badge, { attributes: true, attributeFilter: ["class"] });
+});
+"""
+
+
 def test_shows_model_backend_state_and_events(page: Page) -> None:
+    page.page.locator("#ready.ok", has_text=re.compile("^ready$")).wait_for()
+    assert page.page.locator("#health").is_hidden() and page.page.locator("#health article").count() == 0
     card = page.card(MODEL)
     card.locator(".badge", has_text="serving v1 on tflite").wait_for()
     assert card.locator("tr[data-version='1'] .badge").inner_text() == "AVAILABLE"
@@ -114,7 +208,7 @@ def test_shows_model_backend_state_and_events(page: Page) -> None:
 
 def test_page_is_self_contained_and_read_only(page: Page) -> None:
     """Works offline (every request goes to the device) and offers no admin action yet."""
-    page.page.wait_for_timeout(2500)  # let at least one poll happen
+    page.next_update()  # at least one poll after the first
     foreign = [u for u in page.urls if not u.startswith(page.server.url) and not u.startswith("data:")]
     assert not foreign, f"the page fetched from elsewhere: {foreign}"
     assert any(u.endswith("/api/status") for u in page.urls)
@@ -146,14 +240,118 @@ def test_new_version_appears_without_reload(page: Page, models: Path) -> None:
     page.page.locator("#events li.event", has_text=f"{MODEL} version 2 available").first.wait_for()
 
 
-def test_phone_width_screenshot(browser: Any, server: Server) -> None:
-    phone = Page(browser, server, width=360, height=800)
-    try:
-        phone.card(MODEL).locator(".badge", has_text="serving v").wait_for()
-        assert phone.page.evaluate("document.documentElement.scrollWidth") <= 360  # nothing wider than the phone
-        ARTIFACTS.mkdir(exist_ok=True)
-        phone.page.screenshot(path=str(ARTIFACTS / "status-phone.png"), full_page=True)
-        assert (ARTIFACTS / "status-phone.png").stat().st_size > 10_000
-    finally:
-        phone.close()
-    assert not phone.errors, f"the page logged {len(phone.errors)} errors, first: {phone.errors[:3]}"
+def texts(locator: Any) -> list[str]:
+    """textContent of every match (SVG elements have no innerText)."""
+    return locator.evaluate_all("els => els.map(e => e.textContent)")
+
+
+def test_device_card_says_what_the_data_says(page: Page) -> None:
+    device = page.server.status()["device"]
+    card = page.page.locator("#device")
+    runtimes = page.row(card, "Runtimes").inner_text()
+    if device["tensorflow_version"] and device["tensorflow_build"] == "cuda" and not device["nvidia_gpu"]:
+        assert "built with CUDA, no GPU found" in runtimes, runtimes
+    assert "(cuda)" not in runtimes.lower()
+    if not device["nvidia_gpu"] and not device["gpu_name"]:
+        assert page.row(card, "GPU").inner_text().startswith("none found")
+    assert re.fullmatch(r"(\d+(\.\d)? %|—)( \(all cores, since the last update\))?", page.row(card, "CPU use").inner_text())
+    assert re.fullmatch(r"[\d.]+ \(1 min\) · [\d.]+ \(5 min\)", page.row(card, "Load average").inner_text())
+    assert page.row(card, "CPU").inner_text() == f"{device['cpu_count']} cores"
+
+
+def test_quarantined_version_says_so(page: Page) -> None:
+    card = page.card(BROKEN)
+    card.locator(".badge", has_text="serving v1 on tflite").wait_for()
+    card.locator(".model-head .badge.bad", has_text="v2 quarantined").wait_for()
+    assert card.locator("tr[data-version='2'] .badge").inner_text() == "quarantined"
+    assert card.locator("tr[data-version='1'] .badge").inner_text() == "AVAILABLE"
+    reason = page.row(card, "Quarantined").inner_text()
+    assert reason.startswith("v2: ") and "tflite failed to load" in reason, reason
+
+
+def test_latency_and_batch_charts_have_axes_and_units(page: Page) -> None:
+    session = requests.Session()
+    for _ in range(30):
+        assert session.post(f"{page.server.url}/v1/models/{MODEL}:predict", json=ADD, timeout=30).status_code == 200
+    card = page.card(MODEL)
+    latency = card.locator("[data-chart=latency]")
+    latency.locator("circle.pt.p50").first.wait_for()
+    # Each figure in its own element, with its name and unit: no "0.05 p50 ms 1.50 p99 ms".
+    stats = latency.locator("figcaption .stat").all_inner_texts()
+    assert [re.sub(r"\s+", " ", t).strip().split(" ")[0] for t in stats] == ["p50", "p99"], stats
+    assert all(re.fullmatch(r"p(50|99) \d+(\.\d+)? ms", re.sub(r"\s+", " ", t).strip()) for t in stats), stats
+    y_ticks = texts(latency.locator(".axis-y text"))
+    assert len(y_ticks) == 3 and all(t.endswith(" ms") for t in y_ticks) and y_ticks[0] == "0 ms", y_ticks
+    assert texts(latency.locator(".axis-x text")) == ["−60 s", "−30 s", "now"]
+    for series in ("p50", "p99"):  # every value a visible mark, not a 1-px dash
+        box = latency.locator(f"circle.pt.{series}").first.bounding_box()
+        assert box and box["width"] >= 3 and box["height"] >= 3, (series, box)
+    rate_ticks = texts(card.locator("[data-chart=rate] .axis-y text"))
+    assert all(t.endswith(" /s") for t in rate_ticks), rate_ticks
+
+    idle = page.card(BROKEN).locator("[data-chart=latency]")  # no traffic: the same axes, and says so
+    assert texts(idle.locator(".axis-x text")) == ["−60 s", "−30 s", "now"]
+    assert texts(idle.locator("text.empty")) == ["no requests in the last minute"]
+
+    hist = card.locator("[data-chart=batch-sizes]")
+    hist.locator("rect.bar").first.wait_for()
+    labels = texts(hist.locator("svg text"))
+    assert "rows per batch" in labels and "batches" in labels, labels
+    sizes = hist.locator("rect.bar").evaluate_all("bars => bars.map(b => b.dataset.size)")
+    assert sizes and all(hist.locator("text.bar-label", has_text=re.compile(f"^{s}$")).count() == 1 for s in sizes[:12])
+    assert texts(hist.locator(".axis-y text"))[0] == "0"
+
+
+def test_a_part_that_is_down_makes_the_device_amber_and_is_named(degraded_page: Page) -> None:
+    page = degraded_page
+    ready = page.page.locator("#ready")
+    page.page.locator("#ready[data-state=degraded]").wait_for()
+    page.page.locator("#health article[data-part=discovery]").wait_for()  # discovery attaches last
+    page.next_update()
+    page.next_update()
+    assert ready.get_attribute("class") == "badge warn"
+    assert re.fullmatch(r"degraded · (gRPC, Discovery|Discovery, gRPC) down", ready.inner_text()), ready.inner_text()
+    grpc = page.page.locator("#health article.part-down[data-part=grpc]")
+    assert "gRPC" in grpc.locator("h2").inner_text() and "cannot listen for gRPC" in grpc.inner_text()
+    discovery = page.page.locator("#health article.part-down[data-part=discovery]")
+    assert "Discovery" in discovery.locator("h2").inner_text() and "no-such-if0" in discovery.inner_text()
+    assert page.page.locator("#discovery .part-state .badge.warn").inner_text().startswith("down")
+    classes = page.page.evaluate("window.__badgeClasses")
+    assert "badge warn" in classes and not [c for c in classes if "ok" in c.split()], classes  # never green
+    assert page.server.get("/readyz").status_code == 200  # the REST API serves all along
+    assert page.page.title().startswith("(!) ")
+
+
+def test_sync_card_shows_a_refused_version_and_no_empty_rows(degraded_page: Page, degraded: Degraded) -> None:
+    page = degraded_page
+    sync = page.page.locator("#sync")
+    sync.locator(".part-state .badge", has_text="in step with the bucket").wait_for()
+    assert sync.locator("dt", has_text=re.compile("^(Refused|Store problems|Last error)$")).count() == 0
+    assert "problems" not in sync.inner_text().lower()
+
+    degraded.publish_unsigned(2)
+    sync.locator(".part-state .badge.warn", has_text="refusing a published version").wait_for()
+    refused = page.row(sync, "Refused").inner_text()
+    assert f"{MODEL} v2" in refused and "not signed" in refused, refused
+    assert "problems" not in sync.inner_text().lower() and "—" not in page.row(sync, "Refused").inner_text()
+    assert page.card(MODEL).locator(".badge", has_text="serving v1").count() == 1  # the trusted version stays
+
+
+@pytest.mark.parametrize("width", [1280, 390, 360])
+def test_screenshots(browser: Any, server: Server, degraded: Degraded, width: int) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    for name, srv, state in (("healthy", server, "ready"), ("degraded", degraded.server, "degraded")):
+        shot = Page(browser, srv, width=width, height=900)
+        try:
+            shot.page.locator(f"#ready[data-state={state}]").wait_for()
+            shot.card(MODEL).locator(".badge", has_text="serving v").wait_for()
+            if name == "degraded":
+                shot.page.locator("#health article[data-part=discovery]").wait_for()
+            width_used = shot.page.evaluate("document.documentElement.scrollWidth")
+            assert width_used <= width, f"{name} page is {width_used} px wide at {width} px"  # nothing wider
+            path = ARTIFACTS / f"status-{name}-{width}.png"
+            shot.page.screenshot(path=str(path), full_page=True)
+            assert path.stat().st_size > 10_000
+        finally:
+            shot.close()
+        assert not shot.errors, f"the page logged {len(shot.errors)} errors, first: {shot.errors[:3]}"

@@ -16,6 +16,7 @@ import platform
 import shutil
 import socket
 import subprocess
+import threading
 from typing import Any
 
 import psutil
@@ -118,6 +119,32 @@ def fingerprint(info: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+_cpu_lock = threading.Lock()
+_cpu_last: list[Any] = []  # the system CPU times at the previous live_figures call
+
+
+def _cpu_percent() -> float | None:
+    """System CPU use (%) since the previous call from any thread; None on the first.
+
+    Not ``psutil.cpu_percent(None)``: psutil keeps its previous sample per thread, so a
+    status request served on a worker thread that had not asked before always read 0.0."""
+    now = psutil.cpu_times()
+    with _cpu_lock:
+        last = _cpu_last[0] if _cpu_last else None
+        _cpu_last[:] = [now]
+    if last is None:
+        return None
+
+    def busy_total(t: Any) -> tuple[float, float]:
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # Linux counts guest in user
+        return total - t.idle - getattr(t, "iowait", 0.0), total
+
+    (busy1, total1), (busy0, total0) = busy_total(now), busy_total(last)
+    if total1 <= total0:
+        return None
+    return round(min(100.0, max(0.0, 100 * (busy1 - busy0) / (total1 - total0))), 1)
+
+
 def live_figures(state_dir: str) -> dict[str, Any]:
     """Figures that change: load, memory, disk on the state directory, temperatures."""
     memory = psutil.virtual_memory()
@@ -134,7 +161,7 @@ def live_figures(state_dir: str) -> dict[str, Any]:
     except (AttributeError, OSError):
         pass
     load1, load5, _ = os.getloadavg()
-    return {"load_1m": round(load1, 2), "load_5m": round(load5, 2), "cpu_percent": psutil.cpu_percent(None),
+    return {"load_1m": round(load1, 2), "load_5m": round(load5, 2), "cpu_percent": _cpu_percent(),
             "memory_used_mb": (memory.total - memory.available) // (1 << 20), "memory_available_mb":
             memory.available // (1 << 20), "process_rss_mb": psutil.Process().memory_info().rss // (1 << 20),
             "boot_time": psutil.boot_time(), "temperatures_c": temps, **disk_free}

@@ -99,61 +99,155 @@
     return "muted";
   }
 
-  // ---- small charts (inline SVG) ---------------------------------------------------
-  function sparkline(values, label, current, any) {
-    const w = 120, ht = 30, pad = 2;
-    const nums = (values || []).filter((v) => typeof v === "number");
-    const max = Math.max(1e-9, ...nums);
-    const step = values && values.length > 1 ? (w - 2 * pad) / (values.length - 1) : 0;
-    // Stretched to the column width (preserveAspectRatio none): only strokes, no text or dots.
-    const svg = s("svg", { class: "spark", viewBox: `0 0 ${w} ${ht}`, preserveAspectRatio: "none", role: "img" },
-      s("title", null, label + " over the last minute"));
-    let seg = [];
-    const flush = () => {
-      if (seg.length === 1) seg.push([seg[0][0] + 1.5, seg[0][1]]), seg[0] = [seg[0][0] - 1.5, seg[0][1]];
-      if (seg.length) svg.append(s("polyline", { points: seg.map((p) => p.map((x) => num(x, 1)).join(",")).join(" ") }));
-      seg = [];
-    };
-    (values || []).forEach((v, i) => {
-      if (typeof v !== "number") return flush();
-      seg.push([pad + i * step, ht - pad - (v / max) * (ht - 2 * pad)]);
-    });
-    flush();
-    const plot = any ? svg : h("div", { class: "spark-empty" }, "no requests");
-    return h("figure", { class: "chart" }, h("figcaption", null, label, h("b", null, current)), plot);
+  // ---- charts (inline SVG, drawn in a fixed viewBox that scales with the column) ----------
+  // The viewBox scales with the column; its width is picked so that a 10-unit label stays
+  // about 11-12 px on screen: a phone shows one chart per row, a desktop three.
+  let CW = 300;
+  const CH = 124;
+  const PLOT = { left: 42, right: 8, top: 8, bottom: 22 };
+  const chartWidth = () => (window.innerWidth < 600 ? 300 : 220);
+
+  // Round an axis maximum up to 1, 2, 2.5 or 5 times a power of ten.
+  function niceMax(v) {
+    if (!(v > 0) || !isFinite(v)) return 1;
+    const e = Math.pow(10, Math.floor(Math.log10(v)));
+    for (const m of [1, 2, 2.5, 5, 10]) if (v <= m * e * 1.0000001) return m * e;
+    return 10 * e;
+  }
+
+  const tickText = (v) => (v === 0 ? "0" : String(+v.toPrecision(3)));
+
+  // Axes, grid lines and tick labels of one plot; returns the scale functions.
+  function axes(svg, { yMax, unit, xTicks, xMax, yTitle }) {
+    const x0 = PLOT.left, x1 = CW - PLOT.right, y0 = CH - PLOT.bottom, y1 = PLOT.top;
+    const sx = (x) => x0 + (x / xMax) * (x1 - x0);
+    const sy = (y) => y0 - (y / yMax) * (y0 - y1);
+    const yAxis = s("g", { class: "axis axis-y" });
+    for (const t of [0, yMax / 2, yMax]) {
+      yAxis.append(s("line", { class: t ? "grid" : "base", x1: x0, x2: x1, y1: num(sy(t), 1), y2: num(sy(t), 1) }),
+        s("text", { x: x0 - 4, y: num(sy(t) + 3.5, 1), "text-anchor": "end" }, tickText(t) + (unit ? " " + unit : "")));
+    }
+    if (yTitle) {
+      const ty = num((y0 + y1) / 2, 1);
+      yAxis.append(s("text", { class: "axis-title", x: 7, y: ty, "text-anchor": "middle", transform: `rotate(-90 7 ${ty})` }, yTitle));
+    }
+    const xAxis = s("g", { class: "axis axis-x" }, s("line", { class: "base", x1: x0, x2: x0, y1: y0, y2: y1 }));
+    for (const [x, label] of xTicks) {
+      xAxis.append(s("text", { x: num(sx(x), 1), y: CH - 8, "text-anchor": x === 0 ? "start" : x === xMax ? "end" : "middle" }, label));
+    }
+    svg.append(yAxis, xAxis);
+    return { sx, sy };
+  }
+
+  // A time chart of the last minute: one line per series, a dot on every value (a lone
+  // value between empty buckets is a dot, not a dash), gaps where a bucket had no request.
+  function timeChart({ id, title, unit, series, stats, any, scale = 1 }) {
+    CW = chartWidth();
+    const n = Math.max(...series.map((x) => (x.values || []).length)) || 12; // no data: the server's 12 × 5 s
+    const all = series.flatMap((x) => (x.values || []).filter((v) => typeof v === "number").map((v) => v * scale));
+    const yMax = niceMax(Math.max(0, ...all));
+    const span = n * 5; // seconds: the server's buckets are 5 s, oldest first
+    const svg = s("svg", { class: "chart-svg", viewBox: `0 0 ${CW} ${CH}`, role: "img" },
+      s("title", null, title + " over the last minute"));
+    const { sx, sy } = axes(svg, { yMax, unit, xMax: span, xTicks: [[0, "−" + span + " s"], [span / 2, "−" + span / 2 + " s"], [span, "now"]] });
+    if (!any) {
+      svg.append(s("text", { class: "empty", x: num((PLOT.left + CW - PLOT.right) / 2, 1), y: num(CH / 2, 1), "text-anchor": "middle" },
+        "no requests in the last minute"));
+    } else {
+      for (const line of series) {
+        const g = s("g", { class: "series " + line.cls });
+        let seg = [];
+        const flush = () => {
+          if (seg.length > 1) g.append(s("polyline", { points: seg.join(" ") }));
+          seg = [];
+        };
+        (line.values || []).forEach((v, i) => {
+          if (typeof v !== "number") return flush();
+          const px = num(sx(i * 5 + 2.5), 1), py = num(sy(v * scale), 1);
+          seg.push(px + "," + py);
+          g.append(s("circle", { class: "pt " + line.cls, cx: px, cy: py, r: 2.2 }));
+        });
+        flush();
+        svg.append(g);
+      }
+    }
+    return h("figure", { class: "chart", "data-chart": id },
+      h("figcaption", null, h("span", { class: "chart-title" }, title),
+        h("span", { class: "stats" }, stats.map(([cls, label, value]) =>
+          h("span", { class: "stat" }, cls ? h("i", { class: "swatch " + cls, "aria-hidden": "true" }) : null,
+            h("span", { class: "stat-label" }, label), " ", h("b", null, value))))),
+      svg);
   }
 
   function histogram(counts) {
     const keys = Object.keys(counts || {}).sort((a, b) => Number(a) - Number(b));
     if (!keys.length) return h("p", { class: "muted" }, "no batches yet");
-    const w = Math.max(120, keys.length * 26), ht = 44, bar = w / keys.length;
-    const max = Math.max(...keys.map((k) => counts[k]));
-    const svg = s("svg", { class: "hist", viewBox: `0 0 ${w} ${ht}`, width: w, height: ht, role: "img" },
-      s("title", null, "executed batches by size (rows)"));
+    CW = 300; // its column is wider than a time chart's (and as wide on a phone)
+    const yMax = niceMax(Math.max(...keys.map((k) => counts[k])));
+    const svg = s("svg", { class: "chart-svg hist", viewBox: `0 0 ${CW} ${CH}`, role: "img" },
+      s("title", null, "executed batches by size (rows per batch)"));
+    const { sx, sy } = axes(svg, { yMax, unit: "", xMax: keys.length, xTicks: [], yTitle: "batches" });
+    const every = Math.ceil(keys.length / 12); // at most 12 size labels
+    const slot = sx(1) - sx(0), bar = Math.min(28, slot * 0.75);
     keys.forEach((k, i) => {
-      const bh = Math.max(1, (counts[k] / max) * (ht - 14));
-      svg.append(s("rect", { x: num(i * bar + 2, 1), y: num(ht - 12 - bh, 1), width: num(bar - 4, 1), height: num(bh, 1) },
-        s("title", null, counts[k] + " batches of " + k)));
-      svg.append(s("text", { x: num(i * bar + bar / 2, 1), y: ht - 2, "text-anchor": "middle" }, k));
+      const cx = sx(i + 0.5), top = sy(counts[k]);
+      svg.append(s("rect", { class: "bar", "data-size": k, x: num(cx - bar / 2, 1), y: num(top, 1), width: num(bar, 1),
+        height: num(Math.max(1.5, sy(0) - top), 1) }, s("title", null, counts[k] + " batches of " + k + " rows")));
+      if (i % every === 0) svg.append(s("text", { class: "bar-label", x: num(cx, 1), y: CH - 10, "text-anchor": "middle" }, k));
     });
+    svg.append(s("text", { class: "axis-title", x: CW - PLOT.right, y: CH - 1, "text-anchor": "end" }, "rows per batch"));
     return svg;
   }
 
   // ---- sections ------------------------------------------------------------------------
+  // Which part a /api/status "problems" string is about: the service records a part that
+  // failed to start as "<module>: <error>" (appliance.grpc_server or appliance.transport.grpc.server).
+  const PART_NAMES = [[/grpc/, "gRPC"], [/sync/, "Sync"], [/discovery/, "Discovery"], [/notify/, "systemd notify"],
+    [/tfs_config|config_files/, "Model config file"], [/generat/, "Generation"], [/auth|security/, "Security"]];
+
+  function problemPart(text) {
+    const m = /^(appliance(?:\.\w+)+):\s*([\s\S]*)$/.exec(String(text));
+    if (m) {
+      const named = PART_NAMES.find(([re]) => re.test(m[1]));
+      return [named ? named[1] : m[1].split(".").pop(), m[2]];
+    }
+    if (/^state database/.test(text)) return ["State database", String(text)];
+    return ["Service", String(text)];
+  }
+
+  // Every configured part that is down, with what it said: {part: [messages]} in order.
+  function partsDown(st) {
+    const down = new Map();
+    const add = (part, message) => { if (!down.has(part)) down.set(part, []); down.get(part).push(message); };
+    for (const p of st.problems || []) add(...problemPart(p));
+    const disc = st.discovery;
+    if (disc && disc.enabled && disc.error) add("Discovery", "not announcing on the LAN: " + disc.error);
+    const sync = st.sync;
+    if (sync && sync.failures > 0) add("Sync", `bucket unreachable (${sync.failures} failed polls): ${sync.last_error || "?"}`);
+    if (sync && (sync.problems || []).length) for (const p of sync.problems) add("Sync", "model store: " + p);
+    return down;
+  }
+
+  const slug = (text) => String(text).toLowerCase().replace(/[^a-z0-9]+/g, "-").replace(/^-|-$/g, "");
+
   function renderHeader(st) {
     const dev = st.device || {}, svc = st.service || {};
+    const down = partsDown(st);
     document.getElementById("host").textContent = (dev.hostname || "") + (svc.device_id ? " · " + svc.device_id : "");
     const ready = document.getElementById("ready");
-    ready.textContent = svc.ready ? "ready" : "not ready";
-    ready.className = "badge " + (svc.ready ? "ok" : "bad");
-    document.title = (svc.ready ? "" : "(!) ") + (dev.hostname || "edge-appliance") + " · status";
-    let banner = document.getElementById("problems");
-    if (!banner) {
-      banner = h("ul", { id: "problems", class: "problems bad" });
-      ready.closest("header") ? ready.closest("header").after(banner) : document.body.prepend(banner);
-    }
-    banner.replaceChildren(...(st.problems || []).map((p) => h("li", null, p)));
-    banner.hidden = !(st.problems || []).length;
+    const names = [...down.keys()];
+    // Never green while a configured part is down: amber and named, red when not ready at all.
+    const [text, cls] = !svc.ready ? ["not ready" + (names.length ? " · " + names.join(", ") + " down" : ""), "bad"]
+      : names.length ? ["degraded · " + names.join(", ") + " down", "warn"] : ["ready", "ok"];
+    ready.textContent = text;
+    ready.className = "badge " + cls;
+    ready.dataset.state = !svc.ready ? "not-ready" : names.length ? "degraded" : "ready";
+    document.title = (cls === "ok" ? "" : "(!) ") + (dev.hostname || "edge-appliance") + " · status";
+    const health = document.getElementById("health");
+    health.replaceChildren(...names.map((part) => h("article", { class: "card part-down", "data-part": slug(part) },
+      h("h2", null, h("span", { class: "badge warn" }, "down"), " ", part),
+      h("ul", { class: "part-msgs" }, down.get(part).map((m) => h("li", null, noCredentials(m)))))));
+    health.hidden = !names.length;
   }
 
   function renderDevice(st) {
@@ -169,16 +263,26 @@
       ["Software", "edge-appliance " + (svc.version || "?")],
       ["Service uptime", duration(svc.uptime_s)],
       ["System uptime", d.boot_time ? duration(Date.now() / 1000 - d.boot_time) : null],
-      ["CPU", `${d.cpu_count || "?"} cores · load ${num(d.load_1m, 2)} / ${num(d.load_5m, 2)} · ${num(d.cpu_percent)}%`],
+      ["CPU", `${d.cpu_count || "?"} cores`],
+      ["CPU use", typeof d.cpu_percent === "number" ? num(d.cpu_percent) + " % (all cores, since the last update)" : null],
+      ["Load average", `${num(d.load_1m, 2)} (1 min) · ${num(d.load_5m, 2)} (5 min)`],
       ["Memory", [meter(memUsed, memTotal), `${mb(memUsed)} used of ${mb(memTotal)} · process ${mb(d.process_rss_mb)}`]],
       ["Disk free", [meter(diskUsed, d.disk_total_mb), `${mb(d.disk_free_mb)} free of ${mb(d.disk_total_mb)} (state dir)`]],
       ["Temperatures", temps.length ? temps.map(([k, v]) => h("span", { class: "chip" }, `${k} ${num(v)}°C`)) : "not reported"],
-      ["GPU", gpu + (d.tensorrt ? " · TensorRT" : "")],
+      ["GPU", (d.gpu_name || d.nvidia_gpu ? gpu : "none found") + (d.tensorrt ? " · TensorRT" : "")],
       ["Delegates", delegates.length ? delegates.join(", ") : "none (CPU)"],
-      ["Runtimes", `TensorFlow ${d.tensorflow_version || "absent"}${d.tensorflow_build ? " (" + d.tensorflow_build + ")" : ""} · LiteRT ${d.litert || "absent"}`],
+      ["Runtimes", `TensorFlow ${d.tensorflow_version ? d.tensorflow_version + tfBuild(d) : "absent"} · LiteRT ${d.litert || "absent"}`],
       ["System", `${d.system || "?"} ${d.machine || ""} · Python ${d.python || "?"}`],
       ["Last model scan", when(svc.last_poll)],
     ]));
+  }
+
+  // The build is what the wheel was compiled for, not what this box can use: the plain
+  // "tensorflow" wheel on Linux is a CUDA build even where no GPU exists.
+  function tfBuild(d) {
+    if (d.tensorflow_build === "cuda") return d.nvidia_gpu ? " (CUDA, on the GPU)" : " (built with CUDA, no GPU found: runs on the CPU)";
+    if (d.tensorflow_build === "cpu") return " (CPU build)";
+    return d.tensorflow_build ? " (" + d.tensorflow_build + " build)" : "";
   }
 
   function meter(value, max) {
@@ -196,6 +300,7 @@
 
   function modelCard(name, m) {
     const versions = m.versions || [];
+    const quarantined = Object.keys(m.quarantined || {}).sort((a, b) => Number(a) - Number(b));
     const serving = versions.find((v) => v.version === m.serving_version);
     const labels = Object.entries(m.labels || {});
     return h("article", { class: "card model" },
@@ -203,18 +308,20 @@
         h("h3", { class: "model-name" }, name),
         m.serving_version != null
           ? h("span", { class: "badge ok" }, "serving v" + m.serving_version + (serving && serving.backend ? " on " + serving.backend : ""))
-          : h("span", { class: "badge bad" }, "not serving")),
+          : h("span", { class: "badge bad" }, "not serving"),
+        quarantined.map((v) => h("span", { class: "badge bad quarantine" }, "v" + v + " quarantined"))),
       kv([
         ["Base path", m.base_path, "path"],
         ["Version policy", m.version_policy],
         ["Labels", labels.length ? labels.map(([l, v]) => h("span", { class: "chip" }, l + " → v" + v)) : "none"],
         ["Serving since", serving && serving.available_since ? when(serving.available_since) : null],
         ["Load time", serving ? `${num(serving.load_ms, 0)} ms (warm-up ${num(serving.warmup_ms, 0)} ms)` : null],
-        ["Last error", lastError(m), lastError(m) ? "err" : null],
+        ["Quarantined", quarantined.length ? quarantined.map((v) => h("div", null, "v" + v + ": " + m.quarantined[v])) : undefined, "err"],
+        ["Last error", quarantined.length ? undefined : lastError(m), lastError(m) ? "err" : null],
       ]),
       requestCharts(m.requests || {}),
       serving ? batching(serving) : null,
-      versionTable(versions),
+      versionTable(versions, m.quarantined || {}),
       versions.map((v) => decision(name, v, v.version === m.serving_version)));
   }
 
@@ -227,11 +334,15 @@
 
   function requestCharts(r) {
     const any = (r.series || []).some((v) => v > 0); // any request in the window
+    const ms = (v) => (typeof v === "number" ? num(v, 2) + " ms" : "—");
     return h("div", { class: "charts" },
-      sparkline(r.series, "requests/s", num(r.requests_per_s, 2), any),
-      sparkline(r.p50_series, "p50 ms", num(r.p50_ms, 2), any),
-      sparkline(r.p99_series, "p99 ms", num(r.p99_ms, 2), any),
-      sparkline(r.error_series, "error rate", typeof r.error_rate === "number" ? num(r.error_rate * 100, 1) + "%" : "—", any));
+      timeChart({ id: "rate", title: "Requests", unit: "/s", any, series: [{ cls: "rate", values: r.series }],
+        stats: [[null, "now", num(r.requests_per_s, 2) + " /s"]] }),
+      timeChart({ id: "latency", title: "Latency", unit: "ms", any,
+        series: [{ cls: "p50", values: r.p50_series }, { cls: "p99", values: r.p99_series }],
+        stats: [["p50", "p50", ms(r.p50_ms)], ["p99", "p99", ms(r.p99_ms)]] }),
+      timeChart({ id: "errors", title: "Errors", unit: "%", any, scale: 100, series: [{ cls: "err-rate", values: r.error_series }],
+        stats: [[null, "rate", typeof r.error_rate === "number" ? num(r.error_rate * 100, 1) + " %" : "—"]] }));
   }
 
   function batching(v) {
@@ -240,7 +351,11 @@
     return h("div", { class: "batching" },
       h("h4", null, "Batching ", h("small", null, "v" + v.version)),
       h("div", { class: "batch-grid" },
-        h("div", null, h("div", { class: "caption" }, "batch sizes"), histogram(b.batch_size_histogram)),
+        h("figure", { class: "chart", "data-chart": "batch-sizes" },
+          h("figcaption", null, h("span", { class: "chart-title" }, "Batch sizes"),
+            h("span", { class: "stats" }, h("span", { class: "stat" }, h("span", { class: "stat-label" }, "mean"), " ",
+              h("b", null, num(b.mean_batch_size, 2) + (b.mean_batch_size === 1 ? " row" : " rows"))))),
+          histogram(b.batch_size_histogram)),
         kv([
           ["Queue depth", String(b.queue_depth_rows ?? "—") + " rows"],
           ["Batches", `${b.batches} (mean ${num(b.mean_batch_size, 2)} rows)`],
@@ -249,13 +364,15 @@
         ])));
   }
 
-  function versionTable(versions) {
+  function versionTable(versions, quarantined) {
     if (!versions.length) return h("p", { class: "muted" }, "no version directories yet");
     return h("div", { class: "scroll" }, h("table", { class: "versions" },
       h("thead", null, h("tr", null, ["version", "state", "backend", "load", "in flight"].map((t) => h("th", null, t)))),
       h("tbody", null, versions.map((v) => h("tr", { "data-version": v.version },
         h("td", null, "v" + v.version),
-        h("td", null, stateBadge(v.state, v.error)),
+        h("td", null, String(v.version) in quarantined
+          ? [h("span", { class: "badge bad", title: quarantined[String(v.version)] }, "quarantined"), " ", h("small", { class: "muted" }, v.state)]
+          : stateBadge(v.state, v.error)),
         h("td", null, v.backend || "—"),
         h("td", null, v.load_ms ? num(v.load_ms, 0) + " ms" : "—"),
         h("td", null, String(v.in_flight ?? 0)))))));
@@ -294,15 +411,66 @@
     const sync = st.sync;
     const syncBody = section("sync");
     if (sync && typeof sync === "object") {
-      syncBody.replaceChildren(genericKV(sync, ["bucket", "channel", "last_poll", "last_change", "next_poll", "last_error"]));
+      syncBody.replaceChildren(...syncView(sync, st.events || []));
     } else {
       const bucket = st.config && st.config.sync && st.config.sync.bucket;
       syncBody.replaceChildren(h("p", { class: "muted" }, "sync not configured" +
         (bucket ? " (a bucket is set in the config, but the sync part is not running)" : "")));
     }
     const disc = st.discovery;
-    document.getElementById("discovery").hidden = !(disc && typeof disc === "object");
-    if (disc && typeof disc === "object") section("discovery").replaceChildren(genericKV(disc, ["enabled", "name", "type", "port", "addresses"]));
+    const discSection = document.getElementById("discovery");
+    discSection.hidden = !(disc && typeof disc === "object");
+    if (disc && typeof disc === "object") {
+      const down = disc.enabled && disc.error;
+      discSection.classList.toggle("is-down", Boolean(down));
+      section("discovery").replaceChildren(
+        partState(down ? ["warn", "down: not announcing"] : !disc.enabled ? ["muted", "off"]
+          : disc.announcing ? ["ok", "announcing"] : ["info", "starting"]),
+        genericKV(disc, ["enabled", "announcing", "error", "name", "type", "port", "addresses"]));
+    }
+  }
+
+  function partState([cls, text]) {
+    return h("p", { class: "part-state" }, h("span", { class: "badge " + cls }, text));
+  }
+
+  // The sync card: state first; a refusal (the bucket offers a version this device will not
+  // take) is said in words with the reason from its event; empty lists are left out.
+  function syncView(sync, events) {
+    const failing = sync.failures > 0;
+    const refusing = !failing && sync.last_error ? String(sync.last_error) : "";
+    const refusals = [];
+    const seenRefusal = new Set();
+    for (const e of [...events].sort((a, b) => (b.id || 0) - (a.id || 0))) {
+      if (e.kind !== "sync_refused") continue;
+      const key = e.model + "\u0000" + e.version;
+      if (seenRefusal.has(key) || !refusing.includes(e.model)) continue;
+      seenRefusal.add(key);
+      refusals.push(h("div", { class: "refusal" }, h("b", null, `${e.model} v${e.version}`), ": ",
+        (e.detail && e.detail.reason) || e.message, " ", h("small", { class: "muted" }, "(" + when(e.ts) + ")")));
+    }
+    if (refusing && !refusals.length) refusals.push(h("div", { class: "refusal" }, noCredentials(refusing)));
+    const targets = Object.entries(sync.targets || {});
+    const handled = ["bucket", "channel", "last_poll", "last_change", "next_poll", "last_error", "failures", "targets", "problems"];
+    const rest = Object.fromEntries(Object.entries(sync).filter(([k]) => !handled.includes(k)));
+    const problems = sync.problems || [];
+    return [
+      partState(failing ? ["warn", "down: bucket unreachable"] : refusing ? ["warn", "refusing a published version"]
+        : sync.last_poll ? ["ok", "in step with the bucket"] : ["info", "first poll pending"]),
+      kv([
+        ["Bucket", value("bucket", sync.bucket), "path"],
+        ["Channel", sync.channel || "newest version"],
+        ["Last poll", when(sync.last_poll)],
+        ["Last change", when(sync.last_change)],
+        ["Next poll", sync.next_poll ? when(sync.next_poll) : null],
+        ["Target", targets.length ? targets.map(([m, v]) => h("span", { class: "chip" }, m + " → v" + v)) : "none yet"],
+        ["Refused", refusals.length ? [...refusals, h("div", { class: "muted" }, "not taken into the store; what was serving keeps serving")] : undefined, "warn-text"],
+        ["Last error", failing ? noCredentials(sync.last_error) : undefined, "err"],
+        ["Failed polls", failing ? String(sync.failures) : undefined, "err"],
+        ["Store problems", problems.length ? problems.map((p) => h("div", null, noCredentials(p))) : undefined, "err"],
+      ]),
+      Object.keys(rest).length ? genericKV(rest, []) : null,
+    ].filter(Boolean);
   }
 
   function genericKV(obj, first) {
@@ -319,6 +487,7 @@
     if (typeof v === "boolean") return v ? "yes" : "no";
     const scalar = (x) => x === null || typeof x !== "object";
     if (Array.isArray(v) && v.every(scalar)) return v.length ? v.map((x) => h("span", { class: "chip" }, noCredentials(x))) : null;
+    if (typeof v === "object" && !Object.keys(v).length) return null;
     if (typeof v === "object" && Object.values(v).every(scalar)) {
       return Object.entries(v).map(([k, x]) => h("span", { class: "chip" }, k + " = " + noCredentials(x)));
     }
