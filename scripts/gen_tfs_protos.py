@@ -1,5 +1,6 @@
 """Regenerate appliance/protos/tfserving/tensorflow_serving.desc: TF Serving's gRPC messages and
-services as one serialized FileDescriptorSet.
+services, and ``PredictionLog`` (the records of ``assets.extra/tf_serving_warmup_requests``), as
+one serialized FileDescriptorSet.
 
     .venv/bin/pip install --no-deps tensorflow-serving-api   # next to tensorflow
     .venv/bin/python scripts/gen_tfs_protos.py
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from google.protobuf import descriptor_pb2
 
-OUT = Path(__file__).resolve().parent.parent / "appliance" / "tfs_protos" / "tensorflow_serving.desc"
+OUT = Path(__file__).resolve().parent.parent / "appliance" / "protos" / "tfserving" / "tensorflow_serving.desc"
 ROOTS = ("prediction_service_pb2", "model_service_pb2", "prediction_log_pb2")
 
 

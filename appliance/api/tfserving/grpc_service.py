@@ -8,7 +8,7 @@ the same manager, version policy, labels and batchers, so a gRPC and a REST requ
 flight together share a batch.
 
 Tensors: inputs in either TensorProto encoding (typed ``*_val`` fields or
-``tensor_content``, decoded by appliance/api/tfserving/protowire.py); outputs in the typed fields, as
+``tensor_content``, read by appliance/protos/tfserving/wire.py); outputs in the typed fields, as
 TF Serving answers by default (``tf.make_ndarray`` reads both). ``output_filter`` picks
 outputs. Status codes as TF Serving's: INVALID_ARGUMENT (bad input, unknown signature,
 label or alias), NOT_FOUND (model or version), UNAVAILABLE (still loading),
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from typing import Any, Callable
 
 import grpc
@@ -41,11 +40,8 @@ TFS_CODES = {QueueFull: "RESOURCE_EXHAUSTED"}  # as the issue's TF Serving clien
 
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
 MODEL_SERVICE = "tensorflow.serving.ModelService"
-# numpy dtype kind/size -> the TensorProto field TF Serving fills for it
-_VAL_FIELD = {np.dtype(np.float32): "float_val", np.dtype(np.float64): "double_val",
-              np.dtype(np.int32): "int_val", np.dtype(np.int16): "int_val", np.dtype(np.int8): "int_val",
-              np.dtype(np.uint8): "int_val", np.dtype(np.uint16): "int_val", np.dtype(np.int64): "int64_val",
-              np.dtype(np.bool_): "bool_val", np.dtype(np.uint32): "uint32_val", np.dtype(np.uint64): "uint64_val"}
+# numpy dtype -> the TensorProto field TF Serving fills for it (strings and halves: to_tensor)
+_VAL_FIELD = {pw.DTYPES[enum]: field for enum, field in pw.VALUE_FIELD.items() if enum not in (7, 19)}
 
 
 def add_to_server(server: grpc.Server, core: Any) -> None:
@@ -232,27 +228,10 @@ def _inputs(tensors: Any, signature: SignatureInfo) -> dict[str, np.ndarray]:
     return out
 
 
-_FIELD_OF_ENUM = {1: "float_val", 2: "double_val", 3: "int_val", 9: "int64_val", 10: "bool_val"}
-
-
 def from_tensor(tensor: Any) -> np.ndarray:
-    """A TensorProto as numpy: the common cases straight from the message's fields (the
-    hot path), the rest through appliance/api/tfserving/protowire.py's decoder."""
-    dtype = pw.DTYPES.get(tensor.dtype)
-    shape = tuple(d.size for d in tensor.tensor_shape.dim)
-    if dtype is not None and dtype.kind != "O" and any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in shape {list(shape)}")
-    if dtype is not None and dtype.kind != "O" and tensor.tensor_content:
-        return np.frombuffer(tensor.tensor_content, dtype=dtype).reshape(shape).copy()
-    field = _FIELD_OF_ENUM.get(tensor.dtype)
-    if field is not None and not tensor.tensor_content:
-        repeated = getattr(tensor, field)
-        values = np.fromiter(repeated, dtype=dtype, count=len(repeated))  # half np.array's time on a repeated field
-        count = math.prod(shape)
-        if values.size == 1 and count > 1:  # one value fills the tensor, as TensorFlow reads it
-            values = np.full(count, values[0], dtype=dtype)
-        return values.reshape(shape)
-    return pw.decode_tensor(tensor.SerializeToString())
+    """A request's TensorProto as numpy: appliance/protos/tfserving/wire.py reads the message
+    (``tensor_content`` straight into numpy, typed fields with one ``fromiter``)."""
+    return pw.tensor_to_array(tensor)
 
 
 def _dtype_name(dtype: np.dtype) -> str:

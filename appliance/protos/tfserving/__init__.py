@@ -7,8 +7,9 @@ so every field number is TF Serving's. It is loaded here into a private descript
 (never protobuf's default one, where TensorFlow's copies of the same messages may live in
 the same process) and the classes are built from it: only protobuf is needed at run time.
 
-``pb.PredictRequest``, ``pb.TensorProto``, ... : the classes by short name (the last part
-of the full name; the names used are unique across these files).
+``pb.PredictRequest``, ``pb.TensorProto``, ``pb.PredictionLog``, ... : the classes by short
+name (the last part of the full name; the names used are unique across these files).
+``wire`` maps ``TensorProto`` and ``tf.Example`` to and from numpy.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class _Messages:
             "SignatureDef": "tensorflow.SignatureDef",
             "TensorInfo": "tensorflow.TensorInfo",
             "Example": "tensorflow.Example",
+            "PredictionLog": "tensorflow.serving.PredictionLog",
         }
         self._classes: dict[str, Any] = {}
 
