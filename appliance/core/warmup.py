@@ -1,23 +1,33 @@
 """Warm-up requests: TF Serving's ``assets.extra/tf_serving_warmup_requests``, or synthetic.
 
-The file is a TFRecord of ``PredictionLog`` protos; predict, classify and regress logs are
-replayed through the servable before its version becomes AVAILABLE, so the first real
-request does not pay for graph optimisation or tensor allocation. Without the file, one
-synthetic request per signature (zeros of the right dtype and shape) is run instead.
+The file is a TFRecord of ``PredictionLog`` protos (parsed by protobuf, on the message
+classes of appliance/protos/tfserving); predict, classify, regress and multi-inference logs
+are replayed through the servable before its version becomes AVAILABLE, so the first real
+request does not pay for graph optimisation or tensor allocation. What is accepted and
+refused, and the texts, are TF Serving's (servables/tensorflow/saved_model_warmup{,_util}.cc,
+TensorFlow's RecordReader). Without the file, one synthetic request per signature (zeros of
+the right dtype and shape) is run instead.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
+from runtimes import DEFAULT_SIGNATURE
+
+from appliance.core.errors import InvalidArgument, Unimplemented
+from appliance.protos.tfserving import pb
 from appliance.protos.tfserving import wire as pw
 
 WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
 MAX_RECORDS = 1000  # TF Serving's cap on warm-up records
+_EXAMPLE_LOGS = {"classify_log": "classify", "regress_log": "regress"}
+_METHODS = {"tensorflow/serving/classify": "classify", "tensorflow/serving/regress": "regress"}
 
 
 def _crc32c_python(data: bytes) -> int:
@@ -51,61 +61,132 @@ def masked_crc(data: bytes) -> int:
     return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
+def _data_loss(message: str) -> ValueError:
+    """TF Serving's DATA_LOSS text for a bad TFRecord (saved_model_warmup_util.cc)."""
+    return ValueError(f"{message}. Please verify your warmup data is in TFRecord format.")
+
+
+def _at(offset: int) -> str:
+    """TF's RecordReader names the offset, and at 0 asks whether this is a TFRecord at all."""
+    return f"{offset} (Is this even a TFRecord file?)" if offset == 0 else str(offset)
+
+
 def records(path: str) -> Iterator[bytes]:
-    """The payloads of a TFRecord file; a bad length, CRC or truncation fails as TF Serving's does."""
-    bad = f"{path}: corrupt TFRecord. Please verify your warmup data is in TFRecord format."
+    """The payloads of a TFRecord file, read as TensorFlow's RecordReader reads them: a short
+    header is the end of the file; a bad CRC, an impossible length or a record cut short fails
+    with its DATA_LOSS text (``corrupted record at N``, ``truncated record at N' ...``)."""
     with open(path, "rb") as f:
-        while True:
-            header = f.read(12)
-            if not header:
-                return
-            if len(header) < 12 or masked_crc(header[:8]) != struct.unpack("<I", header[8:])[0]:
-                raise ValueError(bad)
+        size, offset = os.fstat(f.fileno()).st_size, 0
+        while len(header := f.read(12)) == 12:
+            if masked_crc(header[:8]) != struct.unpack("<I", header[8:])[0]:
+                raise _data_loss(f"corrupted record at {_at(offset)}")
             (length,) = struct.unpack("<Q", header[:8])
-            data = f.read(length)
-            footer = f.read(4)
-            if len(data) < length or len(footer) < 4 or masked_crc(data) != struct.unpack("<I", footer)[0]:
-                raise ValueError(bad)
+            if length >= (1 << 64) - 5:  # n + sizeof(uint32) would overflow size_t
+                raise _data_loss("record size too large")
+            if offset + 12 + length + 4 > size:  # checked before reading: never allocate a bogus length
+                raise _data_loss(f"truncated record at {offset}' failed with Read less bytes than requested")
+            data, footer = f.read(length), f.read(4)
+            if masked_crc(data) != struct.unpack("<I", footer)[0]:
+                raise _data_loss(f"corrupted record at {offset + 12}")
             yield data
+            offset += 12 + length + 4
 
 
-def _examples(input_msg: bytes) -> np.ndarray:
-    """Serialized tf.Examples of a serving ``Input`` (example_list or ..._with_context)."""
-    out = []
-    for n, _, v in pw.fields(input_msg):
-        if n == 1:
-            out += [bytes(e) for m, _, e in pw.fields(v) if m == 1]
-        elif n == 2:
-            context = bytes(pw.first(v, 2, b""))
-            out += [pw.merge_examples(context, bytes(e)) for m, _, e in pw.fields(v) if m == 1]
+Request = tuple[str, str, dict[str, np.ndarray] | np.ndarray]
+
+
+def _shown(record: bytes) -> str:
+    """The record in a parse error, as TF Serving prints it (its bytes), cut at 256 bytes."""
+    text = record[:256].decode("utf-8", "backslashreplace")
+    return text + (f"... ({len(record)} bytes)" if len(record) > 256 else "")
+
+
+def _signature(spec: Any) -> str:
+    return spec.signature_name or DEFAULT_SIGNATURE
+
+
+def _examples(input_msg: Any) -> np.ndarray:
+    """Serialized tf.Examples of a serving ``Input``, each with its list's context in front,
+    as TF Serving's InputToSerializedExampleTensor builds them; none is TF's 'Input is empty.'"""
+    kind = input_msg.WhichOneof("kind")
+    if kind == "example_list":
+        out = [e.SerializeToString() for e in input_msg.example_list.examples]
+    elif kind == "example_list_with_context":
+        listed = input_msg.example_list_with_context
+        context = listed.context.SerializeToString()
+        out = [pw.merge_examples(context, e.SerializeToString()) for e in listed.examples]
+    else:
+        out = []
+    if not out:
+        raise InvalidArgument("Input is empty.")
     return np.array(out, dtype=object)
 
 
-def parse_log(log: bytes) -> tuple[str, str, dict[str, np.ndarray] | np.ndarray]:
-    """(kind, signature name, inputs) of one PredictionLog; kind is predict|classify|regress."""
-    for n, _, v in pw.fields(log):
-        if n in (2, 3, 6):
-            request = pw.first(v, 1, b"")
-            spec = pw.first(request, 1, b"")
-            signature = bytes(pw.first(spec, 3, b"")).decode() or "serving_default"
-            if n == 6:
-                inputs = {}
-                for m, _, entry in pw.fields(request):
-                    if m == 2:
-                        key = bytes(pw.first(entry, 1, b"")).decode()
-                        inputs[key] = pw.decode_tensor(bytes(pw.first(entry, 2, b"")))
-                return "predict", signature, inputs
-            return ("classify" if n == 2 else "regress"), signature, _examples(bytes(pw.first(request, 2, b"")))
-    raise ValueError("warm-up record holds no predict, classify or regress log")
+def _predict(request: Any) -> list[Request]:
+    inputs = {}
+    for alias, tensor in request.inputs.items():
+        try:
+            inputs[alias] = pw.tensor_to_array(tensor)
+        except ValueError as exc:
+            raise InvalidArgument(f"tensor parsing error: {alias} ({exc})") from exc
+    return [("predict", _signature(request.model_spec), inputs)]
 
 
-def warmup_requests(version_dir: str) -> list[tuple[str, str, dict[str, np.ndarray] | np.ndarray]]:
+def _multi_inference(request: Any) -> list[Request]:
+    """One classify or regress run per task, with TF Serving's checks on the tasks
+    (servables/tensorflow/multi_inference.cc), in its order."""
+    model, seen, out = "", set(), []
+    for task in request.tasks:
+        if not task.model_spec.name:
+            raise InvalidArgument("Found ModelSpec with an empty model name.")
+        if model and task.model_spec.name != model:
+            raise InvalidArgument("All ModelSpecs in a MultiInferenceRequest must access the same model name.")
+        model, signature = task.model_spec.name, _signature(task.model_spec)
+        if signature in seen:
+            raise InvalidArgument(f"Duplicate evaluation of signature: {signature}")
+        seen.add(signature)
+        kind = _METHODS.get(task.method_name)
+        if kind is None:
+            raise Unimplemented(f"Unsupported signature method_name: {task.method_name}")
+        out.append((kind, signature))
+    if not out:
+        return []
+    examples = _examples(request.input)
+    return [(kind, signature, examples) for kind, signature in out]
+
+
+def parse_log(record: bytes, path: str = "") -> list[Request]:
+    """The runs one warm-up record asks for: (kind, signature name, inputs), kind being
+    predict|classify|regress. As TF Serving's SavedModel warm-up (saved_model_warmup.cc):
+    predict, classify, regress and multi-inference logs run; a session-run log is
+    UNIMPLEMENTED; a record with no log, or a log kind it does not know, runs nothing."""
+    try:
+        log = pb.PredictionLog.FromString(record)
+    except DecodeError:
+        raise InvalidArgument(f"Failed to parse warmup record: {_shown(record)} from {path}") from None
+    kind = log.WhichOneof("log_type")
+    if kind == "predict_log":
+        return _predict(log.predict_log.request)
+    if kind in _EXAMPLE_LOGS:
+        request = getattr(log, kind).request
+        return [(_EXAMPLE_LOGS[kind], _signature(request.model_spec), _examples(request.input))]
+    if kind == "multi_inference_log":
+        return _multi_inference(log.multi_inference_log.request)
+    if kind == "session_run_log":
+        number = log.DESCRIPTOR.fields_by_name[kind].number  # TF prints the oneof case number
+        raise Unimplemented(f"Unsupported log_type for warmup: {number}")
+    return []
+
+
+def warmup_requests(version_dir: str) -> list[Request]:
+    """Every run the version's warm-up file asks for, in order; [] without the file. At most
+    MAX_RECORDS records, counted as TF Serving counts them (the next one is read, then refused)."""
     path = os.path.join(version_dir, WARMUP_FILE)
     if not os.path.isfile(path):
         return []
-    out = []
-    for i, data in enumerate(records(path)):
-        if i >= MAX_RECORDS:
-            raise ValueError(f"Number of warmup records exceeds the maximum ({MAX_RECORDS}) at {path}")
-        out.append(parse_log(data))
+    out: list[Request] = []
+    for count, record in enumerate(records(path), 1):
+        out += parse_log(record, path)
+        if count > MAX_RECORDS:
+            raise InvalidArgument(f"Number of warmup records exceeds the maximum ({MAX_RECORDS}) at {path}")
     return out
