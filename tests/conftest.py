@@ -168,7 +168,11 @@ def spawn(cmd: list[str], port: int, state: Path, log: Path, env: dict[str, str]
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
     server = Server(proc, port, state, log)
     if ready:
-        server.wait_for(lambda: _ready(server), timeout, "the server to be ready")
+        try:
+            server.wait_for(lambda: _ready(server), timeout, "the server to be ready")
+        except BaseException:  # a server that never got ready is stopped here: no test can leak it
+            server.stop()
+            raise
     return server
 
 

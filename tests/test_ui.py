@@ -108,7 +108,7 @@ def degraded(module_server: Any, models_dir: Path, tmp_path_factory: pytest.Temp
         "[sync]", f'bucket = "file://{bucket}"', f'public_key = "{tmp / "k.pub"}"', "poll_interval_s = 0.3",
         "jitter = 0.1"]) + "\n")
     server = module_server("--config", str(config), "--backend", "tflite", "--grpc-port", str(taken_port),
-                           port=port, discovery=True)
+                           port=port, discovery=True, ready=False)  # not ready: its gRPC API is not listening
     server.wait_for(lambda: server.status()["models"][MODEL]["serving_version"] == 1, 60, "v1 synced and serving")
     return Degraded(server, bucket, models_dir / MODEL / "1")
 
@@ -318,7 +318,10 @@ def test_a_part_that_is_down_makes_the_device_amber_and_is_named(degraded_page: 
     assert page.page.locator("#discovery .part-state .badge.warn").inner_text().startswith("down")
     classes = page.page.evaluate("window.__badgeClasses")
     assert "badge warn" in classes and not [c for c in classes if "ok" in c.split()], classes  # never green
-    assert page.server.get("/readyz").status_code == 200  # the REST API serves all along
+    # The REST API serves all along, but the device is not ready while a configured API is down.
+    assert page.server.get(f"/v1/models/{MODEL}").json()["model_version_status"][0]["state"] == "AVAILABLE"
+    readyz = page.server.get("/readyz")
+    assert readyz.status_code == 503 and any("grpc" in p for p in readyz.json()["problems"])
     assert page.page.title().startswith("(!) ")
 
 

@@ -35,10 +35,18 @@ def admin_token(args: argparse.Namespace) -> str | None:
     if getattr(args, "token_file", None):
         with open(args.token_file) as f:
             return f.read().strip() or None
+    import os
+
     from appliance.api.auth import client_admin_token
     from appliance.core.config import load as load_config
 
-    return client_admin_token(load_config(getattr(args, "config", None)).security)
+    config = load_config(getattr(args, "config", None), {"state_dir": getattr(args, "state", None)})
+    token = client_admin_token(config.security)
+    local = os.path.join(config.state_dir, "admin-token")  # the embedded default's (commands/serve.py)
+    if token is None and os.access(local, os.R_OK):
+        with open(local) as f:
+            token = f.read().strip() or None
+    return token
 
 
 def error_text(exc: Any) -> str:

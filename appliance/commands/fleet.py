@@ -164,6 +164,7 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--timeout", type=float, default=120)
     s.add_argument("--config", help="TOML config file whose [security] gives the admin token")
     s.add_argument("--token-file", help="a file holding the admin token")
+    s.add_argument("--state", help="the service's state directory, whose admin-token the embedded default made")
     s.set_defaults(func=guarded(cmd_sync))
 
     r = sub.add_parser("rollback", help="pin a model to an older version kept on disk")

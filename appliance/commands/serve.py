@@ -92,7 +92,42 @@ def embedded_default(config: Config) -> bool:
             if source.read(f"{name}/{version}/MANIFEST.json").status == 404:
                 publish(source, name, os.path.join(SAMPLE_DIR, name, version), int(version), expires_days=0)
     config.sync.bucket = f"file://{bucket}"
+    _local_admin_token(config)
     return True
+
+
+def _local_admin_token(config: Config) -> None:
+    """The embedded default's admin token: made once into ``<state>/admin-token`` (mode
+    0600), so the operator on this machine can run ``appliance sync`` and ``rollback``
+    (they read it, commands/common.py) while remote callers still need the token."""
+    if config.security.admin_token or config.security.admin_token_file:
+        return
+    import secrets
+
+    path = os.path.join(config.state_dir, "admin-token")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    except OSError:  # a read-only state folder: admin endpoints stay off, as without a token
+        return
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    config.security.admin_token_file = path
+
+
+def quick_start_lines(config: Config, url: str, status: dict[str, Any]) -> list[str]:
+    """What the embedded default prints once it is ready: what serves, a request to try,
+    where the bucket is and how to publish to it."""
+    served = ", ".join(f"{name} v{m['serving_version']}" for name, m in sorted(status.get("models", {}).items())
+                       if m.get("serving_version") is not None) or "nothing yet"
+    bucket = config.sync.bucket
+    every = f"{config.sync.poll_interval_s:g} s"
+    return [f"serving {served} from the local bucket {bucket} (polled every {every}); status page: {url}/",
+            f"try:     {SAMPLE_CURL.format(url=url)}",
+            f"publish: {_command()} publish --bucket {bucket} "
+            "--model half_plus_two path/to/version/  (a version folder: saved_model.pb and/or model.tflite)"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -101,9 +136,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = serve_overrides(args)
     config = load_config(args.config, overrides)
-    if embedded_default(config):
-        shown = "localhost" if config.server.host in ("0.0.0.0", "::", "") else config.server.host
-        url = f"http://{shown}:{config.server.port}"
-        print(f"serving the bundled sample model; status page: {url}/\ntry: {SAMPLE_CURL.format(url=url)}",
-              file=sys.stderr, flush=True)
-    return main(config, args.config, overrides)
+    banner = (lambda url, status: quick_start_lines(config, url, status)) if embedded_default(config) else None
+    return main(config, args.config, overrides, banner)
+
+
+def _command() -> str:
+    """How to run ``appliance`` here: the venv's own script when there is one (a quick start
+    has not put it on PATH), else the bare name."""
+    script = os.path.join(os.path.dirname(sys.executable), "appliance")
+    return script if os.path.exists(script) else "appliance"

@@ -363,7 +363,7 @@ class _Advertiser:
         """What ``/api/status`` shows under ``discovery``."""
         ok = error is None and not stopped
         # announcing is a convenience: its failure shows (page, notify) but never makes the device unready
-        self.service.core.report_problem("discovery", error, critical=False)
+        self.service.core.report_problem("appliance.parts.discovery", error, critical=False)
         self.status = {
             "enabled": True, "announcing": ok, "error": error,
             "name": self._name if ok else None, "types": [SERVICE_TYPE, HTTP_TYPE],

@@ -35,6 +35,7 @@ from appliance.api.app import Appliance, create_app
 from appliance.core.config import Config
 from appliance.core.config import load as load_config
 from appliance.core.errors import ConfigError
+from appliance.service.state_lock import StateDirBusy, lock_state_dir
 from appliance.service.tls import tls_context
 from sync.store import check_version
 from appliance.transport.http.server import HTTPServer
@@ -65,8 +66,14 @@ class Service:
         self.reload_error = ""
         self.hooks: list[Callable[[str, "Service"], None]] = []  # see the module docstring
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def start(self) -> None:
-        """Start the core and bind the port; requests are served from ``serve_http()`` on."""
+        """Start the core and bind the port; requests are served from ``serve_http()`` on.
+        StateDirBusy when another live service holds the state directory."""
+        self._state_lock = lock_state_dir(self.config.state_dir)
         self.core.start()
         c, security = self.config.server, self.config.security
         context = tls_context(security) if security.tls_cert_file else None  # before binding: fail early
@@ -173,7 +180,10 @@ def url_for(config: Config, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def main(config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None) -> int:
+def main(config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None,
+         banner: Callable[[str, dict[str, Any]], list[str]] | None = None) -> int:
+    """Run the service until SIGTERM. ``banner(url, status)``: lines printed once the API
+    listens and every model is AVAILABLE (the quick start's "try: curl ..."), never before."""
     logs.setup(config.log_level)
     memory.limit_arenas()  # before any thread: see appliance/core/memory.py
     memory.tune_gc()  # after the imports of start-up: see appliance/core/memory.py
@@ -181,6 +191,9 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
     service.install_signals()
     try:
         service.start()
+    except StateDirBusy as exc:
+        print(f"edge-appliance: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"edge-appliance: cannot listen on {config.server.host}:{config.server.port}: {exc.strerror}",
               file=sys.stderr)
@@ -192,9 +205,23 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
     _add_optional_parts(service, ("appliance.parts.notify", "appliance.parts.discovery"))
     assert service.server is not None
     url = url_for(config, service.server.port)
-    print(f"edge-appliance {__version__} serving on {url} (state: {config.state_dir}, pid {os.getpid()})",
+    print(f"edge-appliance {__version__} listening on {url} (state: {config.state_dir}, pid {os.getpid()})",
           file=sys.stderr, flush=True)
+    threading.Thread(target=_announce_when_ready, args=(service, url, banner), name="announce", daemon=True).start()
     return service.run()
+
+
+def _announce_when_ready(service: Service, url: str, banner: Callable[[str, dict[str, Any]], list[str]] | None) -> None:
+    """Say "ready" (and the banner) once every model is AVAILABLE, so a request copied from
+    the terminal the moment it appears is answered. Checked every 0.2 s, for a day at most."""
+    for _ in range(5 * 86400):
+        if service.stopping:
+            return
+        if service.core.ready():
+            lines = [f"edge-appliance ready: {url}"] + (banner(url, service.core.status()) if banner else [])
+            print("\n".join(lines), file=sys.stderr, flush=True)
+            return
+        time.sleep(0.2)
 
 
 # Parts whose failure leaves a configured API not listening: the device is not ready then.

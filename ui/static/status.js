@@ -201,7 +201,7 @@
 
   // ---- sections ------------------------------------------------------------------------
   // Which part a /api/status "problems" string is about: the service records a part that
-  // failed to start as "<module>: <error>" (appliance.grpc_server or appliance.transport.grpc.server).
+  // is down as "<module>: <error>" (appliance.service.grpc_port, appliance.parts.discovery, ...).
   const PART_NAMES = [[/grpc/, "gRPC"], [/sync/, "Sync"], [/discovery/, "Discovery"], [/notify/, "systemd notify"],
     [/tfs_config|config_files/, "Model config file"], [/generat/, "Generation"], [/auth|security/, "Security"]];
 
@@ -236,12 +236,18 @@
     document.getElementById("host").textContent = (dev.hostname || "") + (svc.device_id ? " · " + svc.device_id : "");
     const ready = document.getElementById("ready");
     const names = [...down.keys()];
-    // Never green while a configured part is down: amber and named, red when not ready at all.
-    const [text, cls] = !svc.ready ? ["not ready" + (names.length ? " · " + names.join(", ") + " down" : ""), "bad"]
-      : names.length ? ["degraded · " + names.join(", ") + " down", "warn"] : ["ready", "ok"];
+    // Never green while a configured part is down. Every model serving but a part down (an
+    // API port that could not bind makes /readyz 503 too): amber "degraded", the parts named.
+    // A model not serving: red "not ready".
+    const models = Object.values(st.models || {});
+    const serving = models.length > 0 && models.every((m) => m.serving_version !== null && m.serving_version !== undefined);
+    const state = names.length && (svc.ready || serving) ? "degraded" : !svc.ready ? "not-ready" : "ready";
+    const [text, cls] = state === "degraded" ? ["degraded · " + names.join(", ") + " down", "warn"]
+      : state === "not-ready" ? ["not ready" + (names.length ? " · " + names.join(", ") + " down" : ""), "bad"]
+      : ["ready", "ok"];
     ready.textContent = text;
     ready.className = "badge " + cls;
-    ready.dataset.state = !svc.ready ? "not-ready" : names.length ? "degraded" : "ready";
+    ready.dataset.state = state;
     document.title = (cls === "ok" ? "" : "(!) ") + (dev.hostname || "edge-appliance") + " · status";
     const health = document.getElementById("health");
     health.replaceChildren(...names.map((part) => h("article", { class: "card part-down", "data-part": slug(part) },
