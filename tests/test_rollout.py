@@ -55,13 +55,15 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def write_config(tmp_path: Path, base: Path) -> Path:
+def write_config(tmp_path: Path, base: Path, models: dict[str, tuple[str, str]] = MODELS,
+                 min_requests: int = 40, p99_ratio: float = 5.0) -> Path:
+    """A config serving ``models`` ({name: (variant, rollout mode)}) from ``base`` with the gates used here."""
     lines = ["poll_interval_s = 0.5", "[security]", f'admin_token = "{ADMIN}"']
-    for name, (_, mode) in MODELS.items():
+    for name, (_, mode) in models.items():
         lines += ["[[models]]", f'name = "{name}"', f'base_path = "{base / name}"', "[models.rollout]",
-                  f'mode = "{mode}"', "canary_percent = 50.0", "min_requests = 40", "max_duration_s = 240.0",
-                  "max_error_rate = 0.05", "max_p99_latency_ratio = 5.0", "max_output_drift = 0.01",
-                  "shadow_busy_share = 1.0"]
+                  f'mode = "{mode}"', "canary_percent = 50.0", f"min_requests = {min_requests}",
+                  "max_duration_s = 240.0", "max_error_rate = 0.05", f"max_p99_latency_ratio = {p99_ratio}",
+                  "max_output_drift = 0.01", "shadow_busy_share = 1.0"]
     path = tmp_path / "appliance.toml"
     path.write_text("\n".join(lines) + "\n")
     return path

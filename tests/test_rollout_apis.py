@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from tests.conftest import free_port
-from tests.test_rollout import build, decisions
+from tests.test_rollout import build, decisions, write_config
 
 MODELS = {  # model -> (version 2 variant, rollout mode)
     "shadow_same": ("same", "shadow"),
@@ -40,18 +40,6 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for variant in ("base", "same", "drift", "flaky"):
         build(out / variant, variant)
     return out
-
-
-def write_config(tmp_path: Path, base: Path) -> Path:
-    lines = ["poll_interval_s = 0.5"]
-    for name, (_, mode) in MODELS.items():
-        lines += ["[[models]]", f'name = "{name}"', f'base_path = "{base / name}"', "[models.rollout]",
-                  f'mode = "{mode}"', "canary_percent = 50.0", "min_requests = 30", "max_duration_s = 240.0",
-                  "max_error_rate = 0.05", "max_p99_latency_ratio = 50.0", "max_output_drift = 0.01",
-                  "shadow_busy_share = 1.0"]
-    path = tmp_path / "appliance.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def tfs_grpc_client(server: Any) -> Callable[[str, float], list[float]]:
@@ -116,7 +104,9 @@ def test_rollouts_are_decided_by_traffic_over_one_api(api: str, start_server: An
     for name in MODELS:
         shutil.copytree(variants / "base", base / name / "1")
     grpc_port = free_port()
-    server = start_server("--config", str(write_config(tmp_path, base)), "--grpc-port", str(grpc_port))
+    # a lenient latency gate: the judge here is outputs and errors, whatever the box's load
+    config = write_config(tmp_path, base, MODELS, min_requests=30, p99_ratio=50.0)
+    server = start_server("--config", str(config), "--grpc-port", str(grpc_port))
     server.grpc_port = grpc_port
     for name, (variant, _) in MODELS.items():  # version 2 appears by one rename, as sync commits it
         shutil.copytree(variants / variant, tmp_path / f"stage-{name}")

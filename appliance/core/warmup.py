@@ -108,15 +108,7 @@ def _signature(spec: Any) -> str:
 def _examples(input_msg: Any) -> np.ndarray:
     """Serialized tf.Examples of a serving ``Input``, each with its list's context in front,
     as TF Serving's InputToSerializedExampleTensor builds them; none is TF's 'Input is empty.'"""
-    kind = input_msg.WhichOneof("kind")
-    if kind == "example_list":
-        out = [e.SerializeToString() for e in input_msg.example_list.examples]
-    elif kind == "example_list_with_context":
-        listed = input_msg.example_list_with_context
-        context = listed.context.SerializeToString()
-        out = [pw.merge_examples(context, e.SerializeToString()) for e in listed.examples]
-    else:
-        out = []
+    out = pw.input_examples(input_msg)
     if not out:
         raise InvalidArgument("Input is empty.")
     return np.array(out, dtype=object)

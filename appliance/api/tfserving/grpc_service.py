@@ -250,17 +250,9 @@ def _output_filter(names: Any, signature: SignatureInfo) -> list[str]:
 
 
 def _examples(input_msg: Any) -> np.ndarray:
-    kind = input_msg.WhichOneof("kind")
-    if kind == "example_list":
-        serialized = [e.SerializeToString() for e in input_msg.example_list.examples]
-    elif kind == "example_list_with_context":
-        listed = input_msg.example_list_with_context
-        context = listed.context.SerializeToString()
-        serialized = [pw.merge_examples(context, e.SerializeToString()) for e in listed.examples]
-    else:
-        raise InvalidArgument("Input is empty")
+    serialized = pw.input_examples(input_msg)
     if not serialized:
-        raise InvalidArgument("Input is empty")
+        raise InvalidArgument("Input is empty.")  # TF Serving's text
     return np.array(serialized, dtype=object)
 
 

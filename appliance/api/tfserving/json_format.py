@@ -33,6 +33,7 @@ import orjson
 from runtimes import SignatureInfo, TensorSpec
 
 from appliance.protos.tfserving import wire as pw
+from appliance.core.handle import shape_error  # noqa: F401 (the shape rule is the handle's; named here for callers)
 from appliance.core.config import LimitsConfig
 from appliance.core.errors import InvalidArgument
 
@@ -256,17 +257,6 @@ def _fits(arr: np.ndarray, dtype: np.dtype) -> bool:
 
 def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
-def shape_error(arr: np.ndarray, spec: TensorSpec, where: str) -> str | None:
-    """Why ``arr`` does not fit the signature's declared shape, or None when it fits."""
-    if spec.shape is None:
-        return None
-    want = spec.shape
-    if arr.ndim == len(want) and all(w in (-1, None) or w == g for w, g in zip(want, arr.shape)):
-        return None
-    pretty = "[" + ",".join(str(d) for d in want) + "]"
-    return f"{where}: expected shape {pretty} ({spec.dtype.name}), got [{','.join(str(d) for d in arr.shape)}]"
 
 
 def _named(signature: SignatureInfo, values: Mapping[str, Any], where: str,

@@ -106,3 +106,17 @@ def merge_examples(context: bytes, example: bytes) -> bytes:
     ``InputToSerializedExampleTensor``): the serialized context, then the serialized example.
     Protobuf merges concatenated messages; a feature in both: the example's wins."""
     return context + example
+
+
+def input_examples(input_msg: Any) -> list[bytes]:
+    """Serialized tf.Examples of a serving ``Input`` (example_list, or example_list_with_context
+    with its context in front of each), as TF Serving's InputToSerializedExampleTensor builds
+    them; empty when the Input holds none."""
+    kind = input_msg.WhichOneof("kind")
+    if kind == "example_list":
+        return [e.SerializeToString() for e in input_msg.example_list.examples]
+    if kind == "example_list_with_context":
+        listed = input_msg.example_list_with_context
+        context = listed.context.SerializeToString()
+        return [merge_examples(context, e.SerializeToString()) for e in listed.examples]
+    return []
