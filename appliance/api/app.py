@@ -1,8 +1,11 @@
 """The REST application: ``create_app(config, core)`` builds the Flask app over the core.
 
-Both the service and the tests call ``create_app``. The TF Serving REST API, KServe v2,
-token generation, rollouts, gzip bodies and authentication sit as WSGI layers over Flask,
-which serves health, status, metrics, OpenAPI and the status page.
+Both the service and the tests call ``create_app``. One route table (appliance/api/routes.py)
+holds every path with its handler and auth scope: Flask's ``url_map`` (health, status,
+metrics, OpenAPI, the status page, the parts' admin endpoints) and the mounts of the API
+families that skip Flask on the hot path (TF Serving's ``/v1``, KServe v2, ``:generate``).
+Around it, outermost first: authentication (the matched route's scope), then gzip bodies.
+Every error answer is appliance/api/errors.py's.
 """
 
 from __future__ import annotations
@@ -14,27 +17,31 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from appliance import __version__
+from appliance.api.auth import AuthLayer
+from appliance.api.body import GzipBodies
+from appliance.api.errors import flask_response
 from appliance.api.openapi import spec as openapi_spec
+from appliance.api.routes import ADMIN, OPEN, READ, Route, RouteTable
 from appliance.api.tfserving import json_format as tfs_json
-from appliance.api.tfserving import rest
 from appliance.core.appliance import Appliance
 from appliance.core.config import Config
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound, PayloadTooLarge
 
-# Optional WSGI layers over the app, innermost first ("module:Class", each built as
-# ``Class(inner_wsgi_app, core)``): the KServe v2 API, token generation, gzip bodies
-# and, outermost so it guards every path, authentication. Rollouts are the core's: every
-# API's handle is routed and judged there (appliance/core/rollout.py). A layer whose module this
-# install lacks is skipped.
-API_LAYERS = ("appliance.api.kserve.rest:V2API", "appliance.api.generate:GenerateAPI",
-              "appliance.api.body:GzipBodies", "appliance.api.auth:AuthLayer")
+# The API families that answer their own paths ("module:function", the function returning
+# the ``Mount``s for a core): TF Serving's REST API, KServe v2, token generation. Rollouts
+# are the core's: every API's handle is routed and judged there (appliance/core/rollout.py).
+# A family whose module this install lacks is skipped.
+API_MOUNTS = ("appliance.api.tfserving.rest:mounts", "appliance.api.kserve.rest:mounts",
+              "appliance.api.generate:mounts")
+
+
 def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
-    """The WSGI app: TF Serving REST API, health, status, metrics and the status page."""
+    """The WSGI app: every REST API, health, status, metrics and the status page."""
     app = Flask("edge-appliance")
+    app.url_rule_class = Route  # every rule carries its scope: the url_map is the route table's
     app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
     core = appliance or Appliance(config)
     app.extensions["appliance"] = core
-    app.wsgi_app = rest.V1API(app.wsgi_app, core)  # type: ignore[method-assign]  # /v1 skips Flask
     _register_service_routes(app, core)
     _register_errors(app)
     try:
@@ -43,16 +50,31 @@ def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
         ui_bp = None
     if ui_bp is not None:
         app.register_blueprint(ui_bp)
-    for layer in API_LAYERS:
-        module_name, _, class_name = layer.partition(":")
+    table = RouteTable(app.url_map, app.wsgi_app)
+    for mount in _mounts(core):
+        table.mount(mount)
+    app.extensions["routes"] = table
+    app.wsgi_app = AuthLayer(GzipBodies(table, core), core, table)  # type: ignore[method-assign]
+    return app
+
+
+def routes_of(app: Flask) -> RouteTable:
+    """The app's route table (for parts registering blueprints, and for tests)."""
+    return app.extensions["routes"]  # type: ignore[no-any-return]
+
+
+def _mounts(core: Appliance) -> list[Any]:
+    out = []
+    for spec in API_MOUNTS:
+        module_name, _, function = spec.partition(":")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name != module_name:  # the layer exists but something it needs is missing: say so
+            if exc.name != module_name:  # the module exists but something it needs is missing: say so
                 raise
             continue
-        app.wsgi_app = getattr(module, class_name)(app.wsgi_app, core)  # type: ignore[method-assign]
-    return app
+        out += getattr(module, function)(core)
+    return out
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -60,11 +82,11 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def _register_service_routes(app: Flask, core: Appliance) -> None:
-    @app.get("/healthz")
+    @app.get("/healthz", scope=OPEN)
     def healthz() -> Response:
         return _json({"status": "alive", "version": __version__})
 
-    @app.get("/readyz")
+    @app.get("/readyz", scope=OPEN)
     def readyz() -> Response:
         ready = core.ready()
         body: dict[str, Any] = {"ready": ready}
@@ -75,21 +97,21 @@ def _register_service_routes(app: Flask, core: Appliance) -> None:
             body["problems"] = problems
         return _json(body, 200 if ready else 503)
 
-    @app.get("/api/status")
+    @app.get("/api/status", scope=READ)
     def api_status() -> Response:
         return _json(core.status())
 
-    @app.get("/monitoring/prometheus/metrics")
+    @app.get("/monitoring/prometheus/metrics", scope=READ)
     def metrics() -> Response:
         return Response(core.metrics.render(), mimetype="text/plain; version=0.0.4")
 
-    @app.post("/api/models/<model>/rollout/<action>")
+    @app.post("/api/models/<model>/rollout/<action>", scope=ADMIN)
     def rollout_decision(model: str, action: str) -> Response:
         if action not in ("promote", "abort") or core.rollouts is None:
             raise NotFound(f"no such resource: POST /api/models/{model}/rollout/{action}")
         return _json(core.rollouts.operator(model, action))
 
-    @app.get("/openapi.json")
+    @app.get("/openapi.json", scope=READ)
     def openapi() -> Response:
         return _json(openapi_spec(__version__))
 
@@ -97,7 +119,7 @@ def _register_service_routes(app: Flask, core: Appliance) -> None:
 def _register_errors(app: Flask) -> None:
     @app.errorhandler(ApplianceError)
     def appliance_error(exc: ApplianceError) -> Response:
-        return rest.error_response(exc)
+        return flask_response(exc)
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:
@@ -106,9 +128,8 @@ def _register_errors(app: Flask) -> None:
                    413: PayloadTooLarge(f"request body is over the limit of {app.config['MAX_CONTENT_LENGTH']} "
                                         "bytes (server.max_body_bytes)")}
         error = mapping.get(exc.code or 500) or InvalidArgument(exc.description or str(exc))
-        return rest.error_response(error)
+        return flask_response(error)
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:
-        app.logger.exception("unhandled error")
-        return rest.error_response(ApplianceError(f"internal error: {type(exc).__name__}"))
+        return flask_response(exc, "a Flask route")  # logged there with its traceback, answered 500

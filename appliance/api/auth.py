@@ -1,6 +1,7 @@
 """Bearer tokens: who may change the device, run models, or read its status.
 
-Three scopes, each a path rule (``scope_for``):
+Three scopes; each route of the REST app's one table (appliance/api/routes.py) carries
+one, and every route keeps this rule (``scope_for``, for paths no route takes):
 
 * **admin**: every request that is not a GET/HEAD outside ``/v1/`` and ``/v2/``: sync now,
   rollback, reload, rollout promote/abort, and any state-changing endpoint added later
@@ -25,8 +26,9 @@ is accepted too, so a browser can open a protected status page. Tokens are compa
 SHA-256 digests with ``hmac.compare_digest``: constant time, and the length leaks nothing.
 
 ``authorize(core, scope, header)`` is the one decision; ``AuthLayer`` (the outermost WSGI
-layer, appliance/api/app.py ``API_LAYERS``) applies it to HTTP and ``grpc_interceptor(core)``
-to gRPC (``authorization`` metadata).
+layer, appliance/api/app.py) applies it to HTTP with the matched route's scope, and
+``grpc_interceptor(core)`` to gRPC (``authorization`` metadata). Refusals are rendered by
+appliance/api/errors.py ``render``, like every other error.
 """
 
 from __future__ import annotations
@@ -35,18 +37,15 @@ import base64
 import binascii
 import hashlib
 import hmac
-import json
 import os
-import posixpath
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-ADMIN, INFERENCE, READ = "admin", "inference", "read"
-SCOPES = (ADMIN, INFERENCE, READ)
+from appliance.api.errors import render, wsgi_answer
+from appliance.api.routes import ADMIN, INFERENCE, READ, ROUTE_KEY, SAFE_METHODS, SCOPES, RouteTable, rule_scope
+
 REALM = "edge-appliance"
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-SAFE_METHODS = frozenset({"GET", "HEAD"})
 ADMIN_OFF = ("admin endpoints are off: no admin token is configured. Turn them on with "
              "security.admin_token_file (a file holding the token, or a systemd credential name) or "
              "security.admin_token in the config, or give the unit a credential named admin-token "
@@ -215,46 +214,40 @@ def authorize(core: Any, scope: str | None, authorization_header: str | None) ->
 
 
 def scope_for(method: str, path: str) -> str | None:
-    """The scope guarding ``method path`` (None: always open). Unknown writes are admin."""
-    if "/." in path or "//" in path:  # classify what a router might make of it, not the raw string
-        path = posixpath.normpath(path) + ("/" if path.endswith("/") else "")
-    if path in OPEN_PATHS or path.startswith("/v2/health/"):
-        return None
-    if path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/v2"):
-        return INFERENCE
-    if method.upper() not in SAFE_METHODS:
-        return ADMIN
-    return READ
+    """The scope rule for ``method path`` (None: always open). Unknown writes are admin.
+
+    The rule every route of the table keeps (appliance/api/routes.py ``rule_scope``); a
+    request is guarded by its matched route's scope, this rule only for paths no route takes."""
+    return rule_scope(method, path)
 
 
 class AuthLayer:
-    """The outermost WSGI layer: every request passes ``authorize`` before anything else runs."""
+    """The outermost WSGI layer: every request passes ``authorize`` before anything else runs.
 
-    def __init__(self, inner: Callable[..., Any], core: Any):
+    The scope is the matched route's (``RouteTable.resolve``); the match is left in the
+    environ (``ROUTE_KEY``) so the table dispatches without matching again."""
+
+    def __init__(self, inner: Callable[..., Any], core: Any, table: RouteTable):
         self.inner = inner
         self.core = core
+        self.table = table
         self.failures = _failure_counter(core)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        method = environ.get("REQUEST_METHOD", "GET")
-        path = environ.get("PATH_INFO", "") or "/"
-        scope = scope_for(method, path)
+        found = environ[ROUTE_KEY] = self.table.resolve(environ)
+        scope = found[1]
         decision = authorize(self.core, scope, environ.get("HTTP_AUTHORIZATION"))
         if decision.allowed:
             return self.inner(environ, start_response)
         if self.failures is not None:
             self.failures.labels(scope=scope or "", status=str(decision.status)).inc()
-        return _deny(decision, scope or "", method, path, start_response)
-
-
-_REASONS = {401: "401 Unauthorized", 403: "403 Forbidden", 503: "503 Service Unavailable"}
+        method = environ.get("REQUEST_METHOD", "GET")
+        return _deny(decision, scope or "", method, environ.get("PATH_INFO", "") or "/", start_response)
 
 
 def _deny(decision: Decision, scope: str, method: str, path: str,
           start_response: Callable[..., Any]) -> Iterable[bytes]:
-    body = json.dumps({"error": decision.message}).encode()
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-               ("Cache-Control", "no-store")]
+    headers = [("Cache-Control", "no-store")]
     if decision.status == 401:
         challenge = f'Bearer realm="{REALM}", scope="{scope}"'
         if decision.invalid_token:
@@ -262,8 +255,7 @@ def _deny(decision: Decision, scope: str, method: str, path: str,
         headers.append(("WWW-Authenticate", challenge))
         if scope == READ and method in SAFE_METHODS and not path.startswith(("/api/", "/monitoring/")):
             headers.append(("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"'))  # the page, in a browser
-    start_response(_REASONS[decision.status], headers)
-    return [body] if method != "HEAD" else []
+    return wsgi_answer(start_response, render(decision.status, decision.message, headers=headers), method)
 
 
 def _failure_counter(core: Any) -> Any:

@@ -18,8 +18,7 @@ import io
 import zlib
 from typing import Any, Callable, Iterable
 
-import orjson
-
+from appliance.api.errors import wsgi_error
 from appliance.core.errors import ApplianceError, InvalidArgument, PayloadTooLarge
 
 STEP = 256 * 1024  # inflated bytes produced per step: the most a bomb gets past the limit
@@ -96,26 +95,11 @@ class GzipBodies:
         try:
             body = read_body(environ, self.core.config.server.max_body_bytes)
         except ApplianceError as exc:
-            payload = orjson.dumps({"error": exc.message})
-            start_response(f"{exc.http_status} {_PHRASES[exc.http_status]}",
-                           [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
-            return [payload]
+            return wsgi_error(exc, start_response)
         environ.pop("HTTP_CONTENT_ENCODING", None)
         environ["CONTENT_LENGTH"] = str(len(body))
         environ["wsgi.input"] = io.BytesIO(body)
         return self.app(environ, start_response)
-
-
-_PHRASES = {400: "Bad Request", 413: "Payload Too Large"}
-
-
-def raw_path(environ: dict[str, Any]) -> str:
-    """The path as TF Serving matches it: undecoded when the server gives it, with the query."""
-    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
-    if raw:
-        return str(raw)
-    query = environ.get("QUERY_STRING", "")
-    return str(environ.get("PATH_INFO", "")) + (f"?{query}" if query else "")
 
 
 def route_key(environ: dict[str, Any]) -> Callable[[str], str | None]:

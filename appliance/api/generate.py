@@ -1,7 +1,7 @@
 """``POST /v1/models/{m}[/versions/{v}|/labels/{l}]:generate``: token generation over HTTP.
 
-A WSGI layer (``appliance.app.API_LAYERS``): it answers the ``:generate`` paths and hands
-everything else to the app inside it. The request is a JSON object::
+The WSGI handler of the ``POST /v1/...:generate`` mount of the route table
+(appliance/api/routes.py; other ``:generate`` paths are TF Serving's, which answers them 400). The request is a JSON object::
 
     {"input_ids": [ids...]} or {"text": "..."}       (text: the version ships assets/vocab.json)
     "max_new_tokens": int, "temperature": float (0 = greedy, the default), "top_k": int,
@@ -17,12 +17,10 @@ stream is cancelled at the next step. Errors before the first byte are TF Servin
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import threading
 import time
-from http import HTTPStatus
 from typing import Any, Callable, Iterator
 from urllib.parse import unquote
 
@@ -30,11 +28,12 @@ import orjson
 
 from appliance.core.errors import ApplianceError, InvalidArgument
 from appliance.core.generation import Generation, Params, Stream, Vocabulary
-from appliance.api.body import raw_path, route_key
 from appliance.api.body import read_raw as _read_body
+from appliance.api.body import route_key
+from appliance.api.errors import render, render_error, status_line
 from appliance.api.kserve.rest import json_object
+from appliance.api.routes import INFERENCE, Mount, raw_path
 
-log = logging.getLogger("appliance.generate")
 
 PATH_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:generate")
 FIELDS = ("input_ids", "text", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stream")
@@ -45,8 +44,7 @@ SSE = "text/event-stream"
 class GenerateAPI:
     """See module docstring. ``generation`` (the step scheduler) is built on first use."""
 
-    def __init__(self, inner: Callable[..., Any], core: Any):
-        self.inner = inner
+    def __init__(self, core: Any):
         self.core = core
         self._generation: Generation | None = None
         self._lock = threading.Lock()
@@ -60,26 +58,25 @@ class GenerateAPI:
             return self._generation
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        path = environ.get("PATH_INFO", "")
-        match = PATH_RE.fullmatch(raw_path(environ).partition("?")[0]) if path.endswith(":generate") else None
-        if match is None or environ.get("REQUEST_METHOD") != "POST":
-            return self.inner(environ, start_response)
+        match = PATH_RE.fullmatch(raw_path(environ).partition("?")[0])
+        assert match is not None, "the mount's pattern is PATH_RE"
         started = time.perf_counter()
         name = unquote(match.group(1))
         try:
             stream, vocab, streaming = self._start(environ, match)
         except Exception as exc:  # before the first byte: a plain {"error": ...} answer
-            error = exc if isinstance(exc, ApplianceError) else _unexpected(exc)
-            self.core.metrics.observe_request(name, "generate", error.http_status, time.perf_counter() - started)
-            headers = [("Retry-After", str(int(error.retry_after)))] if error.retry_after else []
-            return _respond(start_response, error.http_status, orjson.dumps({"error": error.message}), headers)
+            status, headers, body = render_error(exc, "the generate API")
+            self.core.metrics.observe_request(name, "generate", status, time.perf_counter() - started)
+            start_response(status_line(status), headers)
+            return [body]
         if streaming:
             start_response("200 OK", [("Content-Type", SSE), ("Cache-Control", "no-cache"),
                                       ("X-Accel-Buffering", "no")])
             return _EventStream(self, stream, vocab, started)
-        status, body = self._collect(stream, vocab)
+        status, headers, body = self._collect(stream, vocab)
         self.core.metrics.observe_request(name, "generate", status, time.perf_counter() - started)
-        return _respond(start_response, status, body, [])
+        start_response(status_line(status), headers)
+        return [body]
 
     def _start(self, environ: dict[str, Any], match: re.Match[str]) -> tuple[Stream, Vocabulary | None, bool]:
         if self.core.manager is None:
@@ -103,14 +100,15 @@ class GenerateAPI:
         return stream, vocab, bool(body.get("stream", False))
 
     @staticmethod
-    def _collect(stream: Stream, vocab: Vocabulary | None) -> tuple[int, bytes]:
+    def _collect(stream: Stream, vocab: Vocabulary | None) -> tuple[int, list[tuple[str, str]], bytes]:
         while True:
             kind, value = stream.events.get()
             if kind == "done":
-                return 200, orjson.dumps({**value, "tokens": stream.tokens,
-                                          "text": "".join(map(vocab.decode, stream.tokens)) if vocab else None})
+                body = orjson.dumps({**value, "tokens": stream.tokens,
+                                     "text": "".join(map(vocab.decode, stream.tokens)) if vocab else None})
+                return 200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
             if kind == "error":  # the model failed mid-way
-                return 500, orjson.dumps({"error": value})
+                return render(500, value)
 
 
 class _EventStream:
@@ -146,18 +144,6 @@ class _EventStream:
     def close(self) -> None:
         if not self.finished:
             self.stream.cancel()  # the loop drops it at its next step and releases the version
-
-
-def _respond(start_response: Callable[..., Any], status: int, body: bytes,
-             headers: list[tuple[str, str]]) -> list[bytes]:
-    start_response(f"{status} {HTTPStatus(status).phrase}",
-                   [("Content-Type", JSON), ("Content-Length", str(len(body))), *headers])
-    return [body]
-
-
-def _unexpected(exc: Exception) -> ApplianceError:
-    log.exception("unhandled error in the generate API")
-    return ApplianceError(f"internal error: {type(exc).__name__}")
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
@@ -246,4 +232,10 @@ def _openapi_paths() -> dict[str, Any]:
 
 OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
 
-__all__ = ["GenerateAPI", "OPENAPI_PATHS"]
+
+def mounts(core: Any) -> list[Mount]:
+    """``POST /v1/models/{m}[/versions/{v}|/labels/{l}]:generate``, ahead of TF Serving's ``/v1``."""
+    return [Mount("generate", "/v1/", INFERENCE, GenerateAPI(core), methods=frozenset({"POST"}),
+                  suffix=":generate", pattern=PATH_RE, summary="token generation")]
+
+__all__ = ["GenerateAPI", "OPENAPI_PATHS", "mounts"]

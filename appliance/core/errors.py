@@ -7,7 +7,7 @@
     ├── MethodNotAllowed  405  UNIMPLEMENTED       a known path with the wrong HTTP method
     ├── PayloadTooLarge   413  RESOURCE_EXHAUSTED  body or tensor over a limit
     ├── Unavailable       503  UNAVAILABLE         model not ready (retryable: carries
-    │   │                                          ``retry_after`` seconds)
+    │   │                                          ``retry_after`` seconds, default 1)
     │   └── QueueFull     503  UNAVAILABLE         the batch queue is full (retry later)
     ├── Unimplemented     501  UNIMPLEMENTED       a feature this install lacks (names the extra)
     └── ConfigError       500  INTERNAL            a bad config value, naming the key and the
@@ -62,13 +62,21 @@ class PayloadTooLarge(ApplianceError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
 
+RETRY_AFTER_S = 1.0  # what a retryable error tells a client to wait, unless it says otherwise
+
+
 class Unavailable(ApplianceError):
+    """Retryable: ``retry_after`` (seconds, default ``RETRY_AFTER_S``) becomes REST's
+    ``Retry-After`` and gRPC's ``retry-after`` trailer."""
+
     http_status = 503
     grpc_code = "UNAVAILABLE"
+    retry_after: float | None = RETRY_AFTER_S
 
     def __init__(self, message: str, retry_after: float | None = None):
         super().__init__(message)
-        self.retry_after = retry_after
+        if retry_after is not None:
+            self.retry_after = retry_after
 
 
 class QueueFull(Unavailable):

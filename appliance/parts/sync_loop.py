@@ -42,6 +42,8 @@ from sync.source import Limits, open_source
 from sync.store import Store, rollout_policies, set_pin
 
 from appliance import __version__
+from appliance.api.errors import flask_error
+from appliance.api.routes import ADMIN
 
 log = logging.getLogger("appliance.sync")
 RELOAD_WAIT_S = 120.0
@@ -281,17 +283,16 @@ class SyncLoop:
 
 
 def _error(status: int, message: str) -> Response:
-    response = jsonify({"error": message})
-    response.status_code = status
-    return response
+    return flask_error(status, message)  # the REST app's one error renderer
 
 
 def _register_routes(service: Any, loop: SyncLoop | None, reloads: Reloads) -> None:
-    """Admin endpoints; the token check is appliance/api/auth.py's (every POST under /api/)."""
+    """Admin endpoints, into the app's route table with the admin scope (appliance/api/routes.py;
+    the token check is appliance/api/auth.py's)."""
     bp = Blueprint("admin", __name__)
     no_sync = "fleet sync is off on this device (sync.bucket is empty)"
 
-    @bp.post("/api/reload")
+    @bp.post("/api/reload", scope=ADMIN)
     def reload() -> Response:
         result = reloads.reload()
         if result is None:
@@ -301,13 +302,13 @@ def _register_routes(service: Any, loop: SyncLoop | None, reloads: Reloads) -> N
             return _error(409, f"config reload refused, the running config is kept: {reason}")
         return jsonify({"reloaded": True})
 
-    @bp.post("/api/sync")
+    @bp.post("/api/sync", scope=ADMIN)
     def sync_now() -> Response:
         if loop is None:
             return _error(409, f"nothing to sync: {no_sync}")
         return jsonify(loop.sync_now())
 
-    @bp.post("/api/models/<model>/rollback")
+    @bp.post("/api/models/<model>/rollback", scope=ADMIN)
     def rollback(model: str) -> Response:
         if loop is None:
             return _error(409, f"rollback pins a synced version: {no_sync}")

@@ -1,8 +1,8 @@
 """The Open Inference Protocol (KServe v2) over HTTP, with Triton's binary tensor extension.
 
 ``V2Service`` is the protocol-neutral half (health, metadata, infer on numpy arrays), shared
-with the gRPC face in ``appliance.api.kserve.grpc_service``; ``V2API`` is the WSGI layer answering
-``/v2...`` and handing every other path to the app inside it.
+with the gRPC face in ``appliance.api.kserve.grpc_service``; ``V2API`` is the WSGI handler of the
+``/v2...`` mounts of the route table (appliance/api/routes.py).
 
 Requests go through the same model manager, version policy, batcher, metrics and body-size
 limit as TF Serving's ``/v1`` API: an infer call takes a handle with ``manager.handle`` and
@@ -19,10 +19,8 @@ every error body is ``{"error": "..."}``. Health endpoints answer with an empty 
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any, Callable
 from urllib.parse import unquote
 
@@ -36,10 +34,10 @@ from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.handle import Handle, shape_error
 from appliance.core.policy import State
-from appliance.api.body import raw_path, route_key
 from appliance.api.body import read_raw as _read_body
-
-log = logging.getLogger("appliance.v2")
+from appliance.api.body import route_key
+from appliance.api.errors import render_error, status_line
+from appliance.api.routes import INFERENCE, OPEN, Mount, raw_path
 
 SERVER_NAME = "edge-appliance"
 EXTENSIONS = ("binary_tensor_data",)
@@ -206,31 +204,29 @@ def _wanted(signature: SignatureInfo, requested: list[Requested] | None, model: 
 
 # --- the REST face ------------------------------------------------------------------------------
 Response = tuple[int, bytes, list[tuple[str, str]]]
-_STATUS_LINES = {code: f"{code} {HTTPStatus(code).phrase}" for code in (200, 400, 404, 405, 413, 429, 500, 501, 503)}
 _EMPTY: list[tuple[str, str]] = []
 
 
 class V2API:
-    """WSGI layer: answers ``/v2`` and ``/v2/...`` itself, hands every other path to ``inner``.
+    """The WSGI handler of the ``/v2`` mounts (appliance/api/routes.py).
 
     Like ``rest.V1API`` it bypasses Flask: ``dispatch`` maps (method, path, body) to
-    (status, body bytes, headers) with no request objects in between.
+    (status, body bytes, headers) with no request objects in between; errors are
+    appliance/api/errors.py ``render_error``'s.
     """
 
-    def __init__(self, inner: Callable[..., Any], core: Any):
-        self.inner = inner
+    def __init__(self, core: Any):
         self.core = core
         self.service = V2Service(core)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        path = environ.get("PATH_INFO", "")
-        if not (path == "/v2" or path.startswith("/v2/")):
-            return self.inner(environ, start_response)
         status, body, headers = self.dispatch(environ)
+        if status >= 400:  # the renderer's headers are complete
+            start_response(status_line(status), headers)
+            return [body]
         if not any(k == "Content-Type" for k, _ in headers):
             headers = [("Content-Type", JSON), *headers]
-        start_response(_STATUS_LINES.get(status) or f"{status} {HTTPStatus(status).phrase}",
-                       [*headers, ("Content-Length", str(len(body)))])
+        start_response(status_line(status), [*headers, ("Content-Length", str(len(body)))])
         return [body]
 
     def dispatch(self, environ: dict[str, Any]) -> Response:
@@ -244,7 +240,8 @@ class V2API:
                 raise MethodNotAllowed(f"method {method} not allowed on {path}")
             return self._get(route, model, version)
         except Exception as exc:  # every failure is {"error": ...}; never a stack trace
-            return _error(exc)
+            status, headers, body = render_error(exc, "the v2 API")
+            return status, body, headers
 
     def _get(self, route: str, model: str, version: int | None) -> Response:
         service = self.service
@@ -275,12 +272,11 @@ class V2API:
             self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
 
 
-def _error(exc: Exception) -> Response:
-    if not isinstance(exc, ApplianceError):
-        log.exception("unhandled error in the v2 API")
-        exc = ApplianceError(f"internal error: {type(exc).__name__}")
-    headers = [("Retry-After", str(int(exc.retry_after)))] if exc.retry_after else _EMPTY
-    return exc.http_status, orjson.dumps({"error": exc.message}), headers
+def mounts(core: Any) -> list[Mount]:
+    """``/v2...`` (raw path), inference; its health probes open (they carry no secrets)."""
+    api = V2API(core)
+    return [Mount("kserve", "/v2/", INFERENCE, api, summary="KServe v2 REST API"),
+            Mount("kserve-health", "/v2/health/", OPEN, api, summary="KServe v2 health probes")]
 
 
 def _route(path: str) -> tuple[str, str, int | None]:

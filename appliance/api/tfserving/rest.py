@@ -11,52 +11,47 @@ rows (appliance/api/tfserving/json_format.py), each refusal a 400 that names the
 
 from __future__ import annotations
 
-import logging
 import re
 import time
-from http import HTTPStatus
 from typing import Any, Callable
 from urllib.parse import unquote
 
 import numpy as np
-from flask import Response
 
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 
-from appliance.api.body import raw_path, read_body, route_key
+from appliance.api.body import read_body, route_key
+from appliance.api.errors import render_error, status_line
+from appliance.api.routes import INFERENCE, Mount, raw_path
 from appliance.api.tfserving import json_format as tfs_json
 from appliance.protos.tfserving import wire as pw
 from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
-from appliance.core.errors import ApplianceError, InvalidArgument, NotFound
+from appliance.core.errors import InvalidArgument, NotFound
 
 POST_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
 GET_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
 JSON = "application/json"
-log = logging.getLogger("appliance.rest")
 
 class V1API:
-    """WSGI middleware that answers ``/v1/...`` itself and hands every other path to Flask.
+    """The WSGI handler of the ``/v1`` mount (appliance/api/routes.py): TF Serving's REST API.
 
     The inference path is the hot path: skipping Flask's request context, routing and
     response objects halves the Python work per request. ``dispatch`` is the whole API:
-    (method, raw path, body reader) -> (status, JSON bytes, extra headers).
+    (method, raw path, body reader) -> (status, JSON bytes, extra headers); errors are
+    appliance/api/errors.py ``render_error``'s.
     """
 
-    def __init__(self, fallback: Callable[..., Any], core: Any):
-        self.fallback = fallback
+    def __init__(self, core: Any):
         self.core = core
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        path = environ.get("PATH_INFO", "")
-        if not (path.startswith("/v1/") or path == "/v1"):
-            return self.fallback(environ, start_response)
         status, body, headers = self.dispatch(environ)
-        start_response(_STATUS_LINES.get(status) or f"{status} {HTTPStatus(status).phrase}",
-                       [("Content-Type", JSON), ("Content-Length", str(len(body))), *headers])
+        start_response(status_line(status), headers or [("Content-Type", JSON), ("Content-Length", str(len(body)))])
         return [body]
 
     def dispatch(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
+        """(status, body, headers); headers are empty for a 200 (JSON, its length)."""
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ)
         verb, name, started = "", "", time.perf_counter()
@@ -82,25 +77,15 @@ class V1API:
                 return 200, _metadata(self.core.manager, model, version, label), []
             return 200, _status(self.core.manager, model, version, label), []
         except Exception as exc:  # every failure becomes {"error": ...}; never a stack trace
-            error = exc if isinstance(exc, ApplianceError) else _unexpected(exc)
+            status, headers, body = render_error(exc, "the TF Serving REST API")
             if verb:
-                self.core.metrics.observe_request(name, verb, error.http_status, time.perf_counter() - started)
-            headers = [("Retry-After", str(int(error.retry_after)))] if error.retry_after else []
-            return error.http_status, tfs_json.dumps({"error": error.message}), headers
+                self.core.metrics.observe_request(name, verb, status, time.perf_counter() - started)
+            return status, body, headers
 
 
-def _unexpected(exc: Exception) -> ApplianceError:
-    log.exception("unhandled error in the REST API")
-    return ApplianceError(f"internal error: {type(exc).__name__}")
-
-
-_STATUS_LINES = {code: f"{code} {HTTPStatus(code).phrase}" for code in (200, 400, 404, 405, 413, 429, 500, 501, 503)}
-
-
-def error_response(exc: ApplianceError) -> Response:
-    """A Flask response for the routes outside /v1 (health, status, unknown paths)."""
-    headers = {"Retry-After": str(int(exc.retry_after))} if exc.retry_after else None
-    return Response(tfs_json.dumps({"error": exc.message}), status=exc.http_status, mimetype=JSON, headers=headers)
+def mounts(core: Any) -> list[Mount]:
+    """TF Serving's ``/v1``, as its dispatcher takes it: every path under ``/v1/`` (raw)."""
+    return [Mount("tfserving", "/v1/", INFERENCE, V1API(core), summary="TF Serving REST API")]
 
 
 def _parse(match: re.Match[str]) -> tuple[str, int | None, str | None]:
