@@ -245,11 +245,10 @@ class Batcher:
         capacity = self.params.max_enqueued_batches * self.params.max_batch_size
         with self._cond:
             if self._closed:
-                raise Unavailable("the model version is unloading; retry", retry_after=1)
+                raise Unavailable("the model version is unloading; retry")
             if self._queued_rows + rows > capacity:
                 self.stats.rejected_full += 1
-                raise QueueFull(f"the batch queue of {self.name} is full ({self._queued_rows} rows queued); retry later",
-                                retry_after=1)
+                raise QueueFull(f"the batch queue of {self.name} is full ({self._queued_rows} rows queued); retry later")
             for task in tasks:
                 self._queues.setdefault(self._group(task), collections.deque()).append(task)
             self._queued_rows += rows
@@ -270,7 +269,7 @@ class Batcher:
             if not task.wake.wait(timeout):
                 with self._cond:
                     if self._unqueue(task):
-                        raise Unavailable("the batch did not run within the request timeout", retry_after=1)
+                        raise Unavailable("the batch did not run within the request timeout")
                 task.wake.wait()
             if task.done and not task.lead:
                 return

@@ -344,7 +344,7 @@ class Generation:
         with self.lock:
             if self.admitted >= self.config.max_streams:
                 raise Unavailable(f"{self.admitted} streams are running, the limit is generation.max_streams = "
-                                  f"{self.config.max_streams}; retry later", retry_after=1)
+                                  f"{self.config.max_streams}; retry later")
             self.admitted += 1
             self.counts["streams_started"] += 1
             loop = self.loops.get(id(slot))

@@ -60,6 +60,9 @@ class VersionSlot:
     load_ms: float = 0.0
     warmup_ms: float = 0.0
     available_since: float = 0.0
+    # Signatures whose synthetic warm-up call failed: {signature: why}. Served all the same
+    # (TF Serving does no synthetic warm-up; the failure is shown, not held against the version).
+    warnings: dict[str, str] = field(default_factory=dict)
     # Requests holding this version: one entry each. deque.append/pop are atomic under the
     # GIL, so a request counts itself in and out without the manager's lock (Manager.handle).
     inflight: collections.deque = field(default_factory=collections.deque, repr=False)
@@ -80,6 +83,7 @@ class VersionSlot:
             "in_flight": self.refs,
             "decision": self.decision,
             "batching": self.batcher.snapshot() if self.batcher else None,
+            "warmup_warnings": dict(self.warnings),
         }
 
 
@@ -389,7 +393,7 @@ class Manager:
             slot.servable = servable
             slot.load_ms = (time.perf_counter() - started) * 1000
             warm = time.perf_counter()
-            self._warm_up(servable, path)
+            self._warm_up(slot, servable, path)
             slot.warmup_ms = (time.perf_counter() - warm) * 1000
             if self.metrics is not None:
                 self.metrics.observe_warmup(path, slot.warmup_ms / 1000)
@@ -420,19 +424,41 @@ class Manager:
         return runtimes.select(backends, self.device, path, lambda b: backends[b].load(path, options[b]),
                                policy, self._decisions, key)
 
-    def _warm_up(self, servable: Servable, path: str) -> None:
+    def _warm_up(self, slot: VersionSlot, servable: Servable, path: str) -> None:
+        """TF Serving's rule: the version's own ``assets.extra/tf_serving_warmup_requests`` is
+        authoritative, and a record that fails refuses the version (raises). Without the file,
+        one synthetic call per signature; one that fails is a warning on that signature
+        (``slot.warnings``, a ``warmup_warning`` event) and the version still serves, as TF
+        Serving, which does no synthetic warm-up, would serve it."""
         requests = warmup_requests(path)
-        if not requests:
-            # Generation signatures (prefill/decode, generate_step) warm up with one real prompt
-            # and step: zeros resized to "batch 1" do not fit a fixed-length prefill's input_pos.
-            driver = generative.detect(servable)
-            if driver is not None:
-                driver.warm_up()
-                return
-            for sig in servable.signatures.values():
-                if not any(spec.is_string for spec in sig.inputs.values()):  # no valid synthetic tf.Example
-                    servable.run(sig.name, runtimes.synthetic_inputs(sig, 1))
+        if requests:
+            self._replay_warmup_file(servable, requests)
             return
+        # Generation signatures (prefill/decode, generate_step) warm up with one real prompt
+        # and step: zeros resized to "batch 1" do not fit a fixed-length prefill's input_pos.
+        driver = generative.detect(servable)
+        if driver is not None:
+            driver.warm_up()
+            return
+        for sig in servable.signatures.values():
+            if not sig.inputs or any(spec.is_string for spec in sig.inputs.values()):
+                # no valid synthetic tf.Example; and a signature without inputs is an action (TF
+                # Serving's counter model: incr_counter, reset_counter) a warm-up must not take
+                continue
+            try:
+                servable.run(sig.name, runtimes.synthetic_inputs(sig, 1))
+            except RuntimeFailure as exc:
+                self._warmup_warning(slot, sig.name, str(exc))
+
+    def _warmup_warning(self, slot: VersionSlot, signature: str, why: str) -> None:
+        slot.warnings[signature] = why
+        self.db.event("warmup_warning", f"{slot.model} version {slot.version}: the synthetic warm-up call of "
+                      f"signature {signature!r} failed ({why}); the version serves all the same, as TF Serving "
+                      "would, and a request to that signature gets the model's own answer", model=slot.model,
+                      version=slot.version, signature=signature, error=why)
+
+    @staticmethod
+    def _replay_warmup_file(servable: Servable, requests: list[Any]) -> None:
         for kind, signature, inputs in requests:
             if kind != "predict":
                 sig = servable.signatures.get(signature)
@@ -542,14 +568,14 @@ class Manager:
                         raise NotFound(f"Servable not found for request: {_request_text(name, version, label)}; "
                                        f"no version of {name} could be loaded ({self._why_not_ready(entry)})")
                     raise Unavailable(f"model {name} has no available version yet "
-                                      f"({self._why_not_ready(entry)})", retry_after=1)
+                                      f"({self._why_not_ready(entry)})")
                 pinned = entry.versions.get(entry.serving) if entry.serving is not None else None
                 slot = pinned if pinned is not None and pinned in ready else max(ready, key=lambda s: s.version)
             else:
                 slot = entry.versions.get(version)
                 if slot is None or slot.state != State.AVAILABLE:
                     if slot is not None and slot.state in (State.START, State.LOADING):
-                        raise Unavailable(f"{name} version {version} is still loading", retry_after=1)
+                        raise Unavailable(f"{name} version {version} is still loading")
                     raise NotFound(f"Servable not found for request: {_request_text(name, version, label)}")
             slot.inflight.append(None)
             self._picks[(name, version, label)] = slot
