@@ -48,12 +48,67 @@ def test_probe_json(tmp_path: Path) -> None:
 
 
 def test_probe_text(tmp_path: Path) -> None:
+    """One line per backend: its name, the word "available" or "unavailable" as --json says,
+    then the same reason."""
     done = appliance(tmp_path, "probe")
     assert done.returncode == 0, done.stderr[-3000:]
+    backends = probe_json(tmp_path)["backends"]
     for name in BACKENDS:
         line = next((l for l in done.stdout.splitlines() if l.strip().startswith(name + " ")), None)
         assert line is not None, done.stdout
-        assert "available" in line  # 'available' or 'unavailable', then the reason
+        shown, word, reason = line.split(None, 2)
+        assert shown == name
+        assert word == ("available" if backends[name]["available"] else "unavailable"), line
+        assert reason == backends[name]["reason"], line
+    assert backends["tflite"]["available"]  # so the "available" branch is seen here, not only "unavailable"
+
+
+# Modules that serve requests: building the parser for ``appliance --help`` imports none of them.
+SERVER_MODULES = ("flask", "werkzeug", "prometheus_client", "numpy", "appliance.core.manager",
+                  "appliance.service", "grpc", "zeroconf", "boto3", "runtimes")
+
+
+# Prints the modules a process has imported once ``appliance ARGV`` is done (--help exits).
+IMPORTED = """
+import json, sys
+from appliance.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["rollout", "--help"]], ids=" ".join)
+def test_help_imports_none_of_the_server(argv: list[str]) -> None:
+    """``appliance --help`` stays cheap: every subcommand's parser is built (that is --help's
+    output), but what a verb needs is imported only when it runs. Read from ``sys.modules``
+    (``-X importtime`` misses modules loaded by ``importlib.import_module``)."""
+    done = subprocess.run([sys.executable, "-c", IMPORTED, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    usage, _, listing = done.stdout.rpartition("\n[")
+    assert "usage: appliance" in usage
+    imported = set(json.loads("[" + listing))
+    assert {f"appliance.commands.{m}" for m in ("serve", "probe", "discover", "fleet", "tfs", "rollout")} <= imported
+    heavy = sorted(m for m in imported if m in SERVER_MODULES or m.startswith(tuple(p + "." for p in SERVER_MODULES)))
+    assert heavy == []
+
+
+def test_serve_backend_choices_come_from_the_config() -> None:
+    """``--backend`` checks its value against appliance.core.config.BACKEND_CHOICES, read only
+    when the value is checked."""
+    from appliance.cli import build_parser
+    from appliance.core.config import BACKEND_CHOICES
+
+    parser = build_parser()
+    for name in BACKEND_CHOICES:
+        assert parser.parse_args(["serve", "--backend", name]).backend == name
+    done = subprocess.run([sys.executable, "-m", "appliance.cli", "serve", "--backend", "cuda"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "invalid choice: 'cuda'" in done.stderr and "'tflite'" in done.stderr, done.stderr
 
 
 @pytest.fixture(scope="module")

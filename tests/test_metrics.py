@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.core.metrics import RequestWindow
+from appliance.core.metrics import SYNC_BUCKETS_S, Metrics, RequestWindow
 from tests.conftest import Server, model_copy
 
 MODEL = "multisig_tflite"
@@ -58,6 +58,58 @@ def test_request_count_grows_by_exactly_n(server: Server) -> None:
     assert after[COUNT].type == "counter"
     assert total(after, COUNT, model_name=MODEL) - total(before, COUNT, model_name=MODEL) == 7
     assert total(after, COUNT, model_name=MODEL, status="OK") - total(before, COUNT, model_name=MODEL, status="OK") == 7
+
+
+def test_rest_requests_are_counted_under_the_rest_entrypoint(server: Server) -> None:
+    before = scrape(server)
+    predict(server, GOOD, 2, 200)
+    after = scrape(server)
+    rest = {"model_name": MODEL, "API": "predict", "entrypoint": "REST", "status": "OK"}
+    assert total(after, COUNT, **rest) - total(before, COUNT, **rest) == 2
+    assert total(after, COUNT, model_name=MODEL, entrypoint="GRPC") == 0
+
+
+def families_of(metrics: Metrics) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def test_entrypoint_label_is_tf_servings_rest_or_grpc() -> None:
+    """TF Serving labels a call by how it came in: entrypoint "REST" or "GRPC" (the gRPC
+    services count through appliance/api/grpc_errors.py ``observed``)."""
+    metrics = Metrics()
+    metrics.observe_request("m", "predict", 200, 0.001)
+    metrics.observe_request("m", "predict", 404, 0.001, entrypoint="GRPC")
+    families = families_of(metrics)
+    rows = {(s.labels["entrypoint"], s.labels["status"]): s.value for s in families[COUNT].samples}
+    assert rows == {("REST", "OK"): 1.0, ("GRPC", "404"): 1.0}
+    latency = ":tensorflow:serving:request_latency"
+    counts = {s.labels["entrypoint"]: s.value for s in families[latency].samples if s.name == latency + "_count"}
+    assert counts == {"REST": 1.0, "GRPC": 1.0}
+
+
+def test_observe_sync_counts_runs_and_durations_by_result() -> None:
+    metrics = Metrics()
+    families = families_of(metrics)
+    assert families["edge_appliance_sync_runs"].samples == []  # nothing before the first poll
+    metrics.observe_sync("unchanged", 0.2)
+    metrics.observe_sync("unchanged", 0.3)
+    metrics.observe_sync("error", 4.0)
+    families = families_of(metrics)
+    runs = families["edge_appliance_sync_runs"]
+    assert runs.type == "counter"
+    assert {s.labels["result"]: s.value for s in runs.samples if s.name.endswith("_total")} == \
+        {"unchanged": 2.0, "error": 1.0}
+    name = "edge_appliance_sync_duration_seconds"
+    duration = families[name]
+    assert duration.type == "histogram"
+    by = {(s.name, s.labels["result"], s.labels.get("le")): s.value for s in duration.samples}
+    assert by[(name + "_count", "unchanged", None)] == 2 and by[(name + "_count", "error", None)] == 1
+    assert by[(name + "_sum", "unchanged", None)] == pytest.approx(0.5)
+    assert by[(name + "_sum", "error", None)] == pytest.approx(4.0)
+    assert by[(name + "_bucket", "unchanged", "0.25")] == 1 and by[(name + "_bucket", "unchanged", "0.5")] == 2
+    assert by[(name + "_bucket", "error", "2.5")] == 0 and by[(name + "_bucket", "error", "5.0")] == 1
+    edges = {le for _, result, le in by if result == "error" and le}
+    assert edges == {str(float(b)) for b in SYNC_BUCKETS_S} | {"+Inf"}
 
 
 def test_counter_keeps_tf_serving_name(server: Server) -> None:

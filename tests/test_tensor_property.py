@@ -1,10 +1,17 @@
 """Property: any JSON body either converts to the declared dtype and back identically, or is
-refused with a 400 that names the problem (tfs_json: parse, decode, shape check, encode)."""
+refused with the 400 TF Serving's rules give it (tfs_json: parse, decode, shape check, encode).
+
+The expected refusal is worked out from the body's structure alone (``expected_refusal``):
+the exact message for a structural fault (no ``instances``/``inputs``, rows that disagree, an
+unknown or missing input ...), and for a value that does not convert, the exact part of the
+request it names (``instances``, ``inputs`` or ``input 'x'``) followed by one of the reasons a
+value of that dtype can fail for. A well-formed tensor is never refused."""
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -18,8 +25,17 @@ from appliance.core.errors import InvalidArgument
 from runtimes import SignatureInfo, TensorSpec
 
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.int8, np.uint8, np.bool_, object]
-# Words an error names its subject by: the request part, the input, or the limit.
-SUBJECTS = ("instances", "inputs", "input 'x'", "JSON", "b64", "limits.")
+SIGNATURE = "serving_default"
+MAX_DEPTH = 100  # [limits] max_json_depth's default
+# Why a value fails to become a tensor, after "<where>: " (appliance/api/tfserving/json_format.py).
+NUMERIC_REASONS = (r"JSON Value of type (String|Null or Object|Bool|Decimal|Integer) is not of expected type: \w+",
+                   r"a value is out of the range of {dtype}",
+                   r"cannot be converted to a {dtype} tensor \(is it ragged, or of the wrong type\?\): .+")
+STRING_REASONS = (r"expected a string or \{{\"b64\": \.\.\.\}}, got \w+",
+                  r"'b64' value must be a string, got \w+",
+                  r"'b64' value is not valid base64( \(URL-safe base64 with '-' or '_' is not accepted: .+\))?: .+",
+                  r"a tensor has at most 64 dimensions",
+                  r"cannot be converted to a object tensor \(is it ragged, or of the wrong type\?\): .+")
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | \
     st.fixed_dictionaries({"b64": st.text(max_size=8)})
@@ -46,10 +62,80 @@ def tensors(draw: Any, dtype: Any) -> Any:
 
 
 def bodies(dtype: Any) -> Any:
-    value = tensors(dtype) | json_values
-    return st.one_of(st.builds(lambda v: {"instances": v}, value), st.builds(lambda v: {"inputs": v}, value),
-                     st.builds(lambda v: {"inputs": {"x": v}}, value),
-                     st.builds(lambda v: {"instances": [{"x": v}]}, value), json_values)
+    """(well_formed, body): a well-formed tensor in each request shape, or any JSON there."""
+    def shapes(value: Any) -> Any:
+        return st.one_of(st.builds(lambda v: {"instances": v}, value), st.builds(lambda v: {"inputs": v}, value),
+                         st.builds(lambda v: {"inputs": {"x": v}}, value),
+                         st.builds(lambda v: {"instances": [{"x": v}]}, value))
+    return st.tuples(st.just(True), shapes(tensors(dtype))) | \
+        st.tuples(st.just(False), shapes(json_values) | json_values)
+
+
+def is_b64(value: Any) -> bool:
+    return isinstance(value, dict) and list(value) == ["b64"]
+
+
+def depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(depth, value.values()), default=0)
+    return 0
+
+
+def expected_refusal(body: dict[str, Any], dtype: np.dtype) -> tuple[str, Any]:
+    """("exact", message) when the body's structure decides the refusal; ("value", (where,
+    value)) when it all depends on whether ``value`` converts to the input's dtype."""
+    if "instances" in body and "inputs" in body:
+        return "exact", "JSON Value: both 'instances' and 'inputs' given; use one of them"
+    if "inputs" in body:
+        value = body["inputs"]
+        if isinstance(value, dict) and not is_b64(value):  # named inputs; keys the signature lacks are ignored
+            if "x" not in value:
+                return "exact", f"inputs: missing input 'x' of signature {SIGNATURE!r}"
+            return converts(value["x"], "input 'x'", dtype)
+        return converts(value, "inputs", dtype)
+    if "instances" not in body:
+        return "exact", "Missing 'inputs' or 'instances' key"
+    rows = body["instances"]
+    if not isinstance(rows, list):
+        return "exact", "'instances' must be a list, one entry per instance"
+    if not rows or not isinstance(rows[0], dict) or is_b64(rows[0]):
+        return converts(rows, "instances", dtype)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            return "exact", f"instances[{i}]: every instance must be an object like the first one"
+        if row.keys() != rows[0].keys():
+            return "exact", f"instances[{i}]: has inputs {sorted(row)}, expected {sorted(rows[0])}"
+    unknown = [k for k in rows[0] if k != "x"]
+    if unknown:
+        return "exact", f"instances: unknown input {unknown[0]!r}; signature {SIGNATURE!r} takes x"
+    if "x" not in rows[0]:
+        return "exact", f"instances: missing input 'x' of signature {SIGNATURE!r}"
+    return converts([row["x"] for row in rows], "input 'x'", dtype)
+
+
+def converts(value: Any, where: str, dtype: np.dtype) -> tuple[str, Any]:
+    first = value
+    while isinstance(first, list) and first:
+        first = first[0]
+    if dtype != object and is_b64(first):  # b64 is for string inputs only
+        return "exact", (f"{where}: {{\"b64\": ...}} given for a {dtype.name} input; "
+                         "b64 is for string (DT_STRING) inputs")
+    return "value", where
+
+
+def check_refusal(message: str, body: Any, dtype: np.dtype, well_formed: bool) -> None:
+    assert not well_formed, f"a well-formed tensor was refused: {message} ({body!r})"
+    kind, want = expected_refusal(body, dtype)
+    if kind == "exact":
+        assert message == want
+        return
+    prefix = f"{want}: "
+    assert message.startswith(prefix), f"{message!r} does not name {want!r}"
+    reasons = STRING_REASONS if dtype == object else NUMERIC_REASONS
+    rest = message[len(prefix):]
+    assert any(re.fullmatch(r.format(dtype=dtype.name), rest, re.S) for r in reasons), message
 
 
 def expected(value: Any, dtype: np.dtype) -> np.ndarray:
@@ -105,17 +191,25 @@ def input_value(body: dict[str, Any]) -> Any:
 @given(data=st.data())
 def test_json_to_tensor_and_back_or_a_400_naming_the_problem(dtype: Any, shape: Any, data: Any) -> None:
     sig, want = signature(dtype, shape), np.dtype(dtype)
-    body = data.draw(bodies(dtype))
+    well_formed, body = data.draw(bodies(dtype))
     raw = json.dumps(body, allow_nan=True).encode()  # NaN and Infinity as TF Serving's clients send them
     try:
         doc = tfs_json.loads(raw)
-        if not isinstance(doc, dict):
-            raise InvalidArgument("JSON Value: the request body Is not object")
+    except InvalidArgument as exc:  # the only thing a body that json.dumps wrote can fail for
+        assert exc.message == f"JSON nested deeper than the limit of {MAX_DEPTH} levels (limits.max_json_depth)"
+        assert depth(body) > MAX_DEPTH
+        return
+    if not isinstance(doc, dict):  # appliance/api/tfserving/rest.py refuses it before decoding
+        assert not well_formed
+        return
+    expectation = expected_refusal(doc, want)
+    try:
         inputs, row_format = tfs_json.decode_predict(doc, sig, raw)
     except InvalidArgument as exc:
         assert exc.http_status == 400
-        assert any(word in exc.message for word in SUBJECTS), exc.message
+        check_refusal(exc.message, doc, want, well_formed)
         return
+    assert expectation[0] == "value", f"accepted, but {expectation[1]!r} was expected: {doc!r}"
     arr = inputs["x"]
     assert arr.dtype == want
     assert same(arr, expected(input_value(body), want)), (body, arr)

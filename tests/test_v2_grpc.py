@@ -198,9 +198,9 @@ def test_unknown_model_is_not_found_and_metrics_count_v2(stub: Any, core: Applia
     with pytest.raises(grpc.RpcError) as err:
         stub.ModelInfer(request)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in err.value.details()
-    text = core.metrics.render()  # counted like /v1: under the model the request named
-    assert b'request_count{API="v2_infer",entrypoint="REST",model_name="nope",status="404"}' in text, text[:3000]
-    assert b'API="v2_infer",entrypoint="REST",model_name="keras_mlp_tflite",status="OK"' in text
+    text = core.metrics.render()  # counted like /v1: under the model the request named, as a gRPC call
+    assert b'request_count{API="v2_infer",entrypoint="GRPC",model_name="nope",status="404"}' in text, text[:3000]
+    assert b'API="v2_infer",entrypoint="GRPC",model_name="keras_mlp_tflite",status="OK"' in text
 
 
 @pytest.mark.skipif(importlib.util.find_spec("appliance.transport.grpc.server") is None,

@@ -57,7 +57,8 @@ def _status(exc: Exception, method: str, codes: Mapping[type, str] | None, conte
 
 @contextlib.contextmanager
 def observed(metrics: Any, model: str, api: str) -> Iterator[None]:
-    """Count a call in the request metrics as REST does: the status an error maps to."""
+    """Count a gRPC call in the request metrics as REST counts a request (the HTTP status its
+    error maps to), under ``entrypoint="GRPC"`` as TF Serving labels its gRPC calls."""
     started, status = time.perf_counter(), 200
     try:
         yield
@@ -65,4 +66,4 @@ def observed(metrics: Any, model: str, api: str) -> Iterator[None]:
         status = exc.http_status if isinstance(exc, ApplianceError) else 500
         raise
     finally:
-        metrics.observe_request(model, api, status, time.perf_counter() - started)
+        metrics.observe_request(model, api, status, time.perf_counter() - started, entrypoint="GRPC")

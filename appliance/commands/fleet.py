@@ -1,7 +1,9 @@
 """Subcommands: ``publish``, ``channel set``, ``keygen``, ``fleet``, ``sync``, ``rollback``.
 
 Added to ``appliance`` by ``add_commands(subparsers)``. Each command imports what it needs
-(boto3 only through the S3 source) when it runs.
+(boto3 only through the S3 source, urllib's HTTP client only for ``sync``) when it runs;
+the helpers shared with ``appliance rollout`` are in appliance/commands/common.py.
+``appliance fleet --model M`` is the rollout summary of appliance/commands/rollout.py.
 """
 
 from __future__ import annotations
@@ -11,30 +13,17 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-from sync.errors import Refused, SyncError
-
-
-def _source(args: argparse.Namespace) -> Any:
-    from sync.source import open_source
-
-    return open_source(args.bucket, getattr(args, "s3_endpoint_url", "") or "")
-
-
-def _key(path: str | None) -> Any:
-    from sync.manifest import load_private_key
-
-    return load_private_key(path) if path else None
+from appliance.commands.common import BUCKET_HELP, admin_token, error_text, guarded, signing_key
+from appliance.commands.common import source as bucket
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
     from sync.publisher import publish
 
-    doc = publish(_source(args), args.model, args.directory, args.version, args.channel or "", _key(args.sign_key),
-                  args.publisher or "", args.expires_days, args.compat or [])
+    doc = publish(bucket(args), args.model, args.directory, args.version, args.channel or "",
+                  signing_key(args.sign_key), args.publisher or "", args.expires_days, args.compat or [])
     size = sum(f["size"] for f in doc["files"])
     print(f"published {args.model} version {doc['version']} ({len(doc['files'])} files, {size} bytes"
           f"{', signed' if 'signature' in doc else ''}){f' on channel {args.channel}' if args.channel else ''}")
@@ -44,7 +33,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_channel_set(args: argparse.Namespace) -> int:
     from sync.publisher import set_channel
 
-    doc = set_channel(_source(args), args.model, args.channel, args.version, _key(args.sign_key), args.expires_days)
+    doc = set_channel(bucket(args), args.model, args.channel, args.version, signing_key(args.sign_key),
+                      args.expires_days)
     print(f"{args.model} channel {args.channel} -> version {doc['version']}{' (signed)' if 'signature' in doc else ''}")
     return 0
 
@@ -63,9 +53,13 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
+    if getattr(args, "model", None):  # one model's rollout: versions, waves, promotions, aborts
+        from appliance.commands import rollout
+
+        return rollout.cmd_fleet(args)
     from sync.publisher import fleet
 
-    reports = fleet(_source(args))
+    reports = fleet(bucket(args))
     if args.json:
         print(json.dumps(reports, indent=2))
         return 0
@@ -82,8 +76,11 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 def cmd_sync(args: argparse.Namespace) -> int:
     """Ask the running service on this device to poll the bucket now (an admin endpoint:
     the admin token is sent as the config file or the unit's credential gives it)."""
+    import urllib.error
+    import urllib.request
+
     headers = {}
-    token = _admin_token(args)
+    token = admin_token(args)
     if token:
         headers["Authorization"] = f"Bearer {token}"
     request = urllib.request.Request(args.url.rstrip("/") + "/api/sync", data=b"", method="POST", headers=headers)
@@ -91,7 +88,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             status = json.loads(response.read())
     except urllib.error.HTTPError as exc:  # 403 without a token, 409 without a bucket: the service says why
-        print(f"the service refused: {exc.code} {_error_text(exc)}", file=sys.stderr)
+        print(f"the service refused: {exc.code} {error_text(exc)}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"cannot reach the service at {args.url}: {exc}", file=sys.stderr)
@@ -123,43 +120,14 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return cmd_sync(args) if not args.no_sync else 0
 
 
-def _admin_token(args: argparse.Namespace) -> str | None:
-    """The admin token from ``--token-file``, else as the service finds its own ([security]
-    of ``--config``, or the ``admin-token`` credential when run inside the unit)."""
-    if getattr(args, "token_file", None):
-        with open(args.token_file) as f:
-            return f.read().strip() or None
-    from appliance.api.auth import client_admin_token
-    from appliance.core.config import load as load_config
-
-    return client_admin_token(load_config(getattr(args, "config", None)).security)
-
-
-def _error_text(exc: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(exc.read()).get("error", exc.reason))
-    except (ValueError, AttributeError, OSError):
-        return str(exc.reason)
-
-
 def _previous(store: Any, model: str) -> int | None:
+    """The rollback target: the version below the newest one served from ``store``."""
     served = sorted(store.versions(model))
     return served[-2] if len(served) >= 2 else None
 
 
-def _run(fn: Any) -> Any:
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return int(fn(args))
-        except (SyncError, ValueError, OSError) as exc:
-            kind = "refused" if isinstance(exc, Refused) else "error"
-            print(f"appliance {args.command}: {kind}: {exc}", file=sys.stderr)
-            return 1
-    return wrapped
-
-
 def add_commands(sub: Any) -> None:
-    bucket_help = "bucket URL: s3://bucket/prefix, file:///path or https://host/prefix"
+    bucket_help = BUCKET_HELP
     p = sub.add_parser("publish", help="upload a model version to the bucket (MANIFEST.json last)")
     p.add_argument("directory", help="the version directory (saved_model.pb + variables/ and/or model.tflite)")
     p.add_argument("--bucket", required=True, help=bucket_help)
@@ -171,7 +139,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--expires-days", type=float, default=365, help="devices refuse it after this (0: never)")
     p.add_argument("--compat", action="append", help="a tag the device must offer (tflite, x86_64, cuda...)")
     p.add_argument("--s3-endpoint-url", help="S3 endpoint (else AWS_ENDPOINT_URL / the AWS config)")
-    p.set_defaults(func=_run(cmd_publish))
+    p.set_defaults(func=guarded(cmd_publish))
 
     channel = sub.add_parser("channel", help="channel pointers").add_subparsers(dest="channel_command", required=True)
     c = channel.add_parser("set", help="point a channel at a published version")
@@ -182,25 +150,27 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--sign-key", help="Ed25519 private key; needed when devices have sync.public_key")
     c.add_argument("--expires-days", type=float, default=365)
     c.add_argument("--s3-endpoint-url")
-    c.set_defaults(func=_run(cmd_channel_set), command="channel set")
+    c.set_defaults(func=guarded(cmd_channel_set), command="channel set")
 
     k = sub.add_parser("keygen", help="write an Ed25519 key pair (OUT.key, OUT.pub)")
     k.add_argument("--out", default="appliance-signing", help="file name prefix")
     k.add_argument("--force", action="store_true")
-    k.set_defaults(func=_run(cmd_keygen))
+    k.set_defaults(func=guarded(cmd_keygen))
 
     f = sub.add_parser("fleet", help="list the devices' reports in the bucket")
     f.add_argument("--bucket", required=True, help=bucket_help)
     f.add_argument("--json", action="store_true")
     f.add_argument("--s3-endpoint-url")
-    f.set_defaults(func=_run(cmd_fleet))
+    f.add_argument("--model", help="summarise this model's rollout (versions, waves, aborts)")
+    f.add_argument("--channel", default="stable", help="with --model: the channel to read")
+    f.set_defaults(func=guarded(cmd_fleet))
 
     s = sub.add_parser("sync", help="make the running service poll the bucket now")
     s.add_argument("--url", default="http://127.0.0.1:8501", help="the service on this device")
     s.add_argument("--timeout", type=float, default=120)
     s.add_argument("--config", help="TOML config file whose [security] gives the admin token")
     s.add_argument("--token-file", help="a file holding the admin token")
-    s.set_defaults(func=_run(cmd_sync))
+    s.set_defaults(func=guarded(cmd_sync))
 
     r = sub.add_parser("rollback", help="pin a model to an older version kept on disk")
     r.add_argument("--model", required=True)
@@ -211,4 +181,4 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--url", default="http://127.0.0.1:8501", help="the service to tell (POST /api/sync)")
     r.add_argument("--no-sync", action="store_true", help="only write the pin")
     r.add_argument("--token-file", help="a file holding the admin token (for the poll)")
-    r.set_defaults(func=_run(cmd_rollback))
+    r.set_defaults(func=guarded(cmd_rollback))

@@ -1,4 +1,5 @@
-"""``appliance rollout promote|abort|halt|resume|fleet`` and ``appliance fleet --model M``.
+"""``appliance rollout promote|abort|halt|resume|fleet`` (and ``appliance fleet --model M``,
+which appliance/commands/fleet.py hands to ``cmd_fleet`` here).
 
 promote / abort talk to the running service's admin endpoints (the admin token comes from
 --token-file or the config's [security]). halt / resume write the channel pointer in the
@@ -11,16 +12,17 @@ import argparse
 import collections
 import json
 import sys
-import urllib.error
-import urllib.request
 from typing import Any
+
+from appliance.commands.common import BUCKET_HELP, admin_token, guarded, signing_key, source
 
 
 def cmd_decide(args: argparse.Namespace) -> int:
-    from appliance.commands.fleet import _admin_token
+    import urllib.error
+    import urllib.request
 
     headers = {"Content-Type": "application/json"}
-    token = _admin_token(args)
+    token = admin_token(args)
     if token:
         headers["Authorization"] = f"Bearer {token}"
     url = f"{args.url.rstrip('/')}/api/models/{args.model}/rollout/{args.rollout_command}"
@@ -38,11 +40,10 @@ def cmd_decide(args: argparse.Namespace) -> int:
 
 
 def cmd_halt(args: argparse.Namespace) -> int:
-    from appliance.commands.fleet import _key, _source
     from sync.publisher import halt_channel
 
     halt = args.rollout_command == "halt"
-    doc = halt_channel(_source(args), args.model, args.channel, _key(args.sign_key), halt=halt)
+    doc = halt_channel(source(args), args.model, args.channel, signing_key(args.sign_key), halt=halt)
     print(f"{args.model} channel {args.channel} (version {doc['version']}): "
           f"{'halted, no device moves' if halt else 'resumed'}")
     return 0
@@ -77,14 +78,13 @@ def summarise(reports: list[dict[str, Any]], model: str, pointer: dict[str, Any]
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from appliance.commands.fleet import _source
     from sync.publisher import fleet
     from sync.source import MISSING
 
-    source = _source(args)
-    fetched = source.read(f"{args.model}/channels/{args.channel}.json")
+    bucket = source(args)
+    fetched = bucket.read(f"{args.model}/channels/{args.channel}.json")
     pointer = json.loads(fetched.data) if fetched.status != MISSING else None
-    summary = summarise(fleet(source), args.model, pointer)
+    summary = summarise(fleet(bucket), args.model, pointer)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -101,7 +101,6 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    bucket_help = "bucket URL: s3://bucket/prefix, file:///path or https://host/prefix"
     rollout = sub.add_parser("rollout", help="judge, promote, abort or halt model rollouts")
     commands = rollout.add_subparsers(dest="rollout_command", required=True)
     for action in ("promote", "abort"):
@@ -114,31 +113,16 @@ def add_commands(sub: Any) -> None:
         p.set_defaults(func=cmd_decide)
     for action, text in (("halt", "stop every further device move on a channel"), ("resume", "clear a halt")):
         p = commands.add_parser(action, help=text)
-        p.add_argument("--bucket", required=True, help=bucket_help)
+        p.add_argument("--bucket", required=True, help=BUCKET_HELP)
         p.add_argument("--model", required=True)
         p.add_argument("--channel", default="stable")
         p.add_argument("--sign-key", help="Ed25519 private key; needed when devices have sync.public_key")
         p.add_argument("--s3-endpoint-url")
-        p.set_defaults(func=_guarded(cmd_halt), command=f"rollout {action}")
+        p.set_defaults(func=guarded(cmd_halt), command=f"rollout {action}")
     f = commands.add_parser("fleet", help="summarise one model's rollout from the device reports")
-    f.add_argument("--bucket", required=True, help=bucket_help)
+    f.add_argument("--bucket", required=True, help=BUCKET_HELP)
     f.add_argument("--model", required=True)
     f.add_argument("--channel", default="stable")
     f.add_argument("--json", action="store_true")
     f.add_argument("--s3-endpoint-url")
-    f.set_defaults(func=_guarded(cmd_fleet), command="rollout fleet")
-    existing = getattr(sub, "_name_parser_map", {}).get("fleet")  # appliance.commands.fleet's device list: add --model to it
-    if existing is not None:
-        device_list = existing.get_default("func")
-        existing.add_argument("--model", help="summarise this model's rollout (versions, waves, aborts)")
-        existing.add_argument("--channel", default="stable", help="with --model: the channel to read")
-        summary = _guarded(cmd_fleet)
-        existing.set_defaults(func=lambda args: summary(args) if args.model else device_list(args), command="fleet")
-
-
-
-def _guarded(fn: Any) -> Any:
-    """Bucket commands: a refusal or an unreachable bucket is one line and exit status 1."""
-    from appliance.commands.fleet import _run
-
-    return _run(fn)
+    f.set_defaults(func=guarded(cmd_fleet), command="rollout fleet")

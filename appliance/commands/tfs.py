@@ -74,7 +74,7 @@ def add_commands(subparsers: Any) -> None:
 
 
 def cmd_tfs(args: argparse.Namespace) -> int:
-    from appliance.cli import _embedded_default
+    from appliance.commands.serve import embedded_default
     from appliance.core.config import load as load_config
     from appliance.core.errors import ConfigError
     from appliance.service import main
@@ -98,7 +98,7 @@ def cmd_tfs(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"appliance tfs: {exc}", file=sys.stderr)
         return 2
-    _embedded_default(config)
+    embedded_default(config)
     return main(config, ours.get("config"), overrides)
 
 

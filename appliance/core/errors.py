@@ -1,23 +1,35 @@
-"""The service's error hierarchy; each class maps to one HTTP status (and one gRPC code).
+"""The service's error hierarchy; each class maps to one HTTP status and one gRPC code.
 
-    ApplianceError                      500  INTERNAL      (a bug: never a client's fault)
-    ├── InvalidArgument                 400  INVALID_ARGUMENT   malformed JSON, wrong dtype/shape,
-    │                                                           unknown input, bad signature use
-    ├── NotFound                        404  NOT_FOUND     unknown model, version, label, signature
-    ├── MethodNotAllowed                405  -
-    ├── PayloadTooLarge                 413  RESOURCE_EXHAUSTED  body or tensor over a limit
-    ├── Unavailable                     503  UNAVAILABLE   model not ready, queue full (retryable:
-    │                                                      carries ``retry_after`` seconds)
-    ├── Unimplemented                   501  UNIMPLEMENTED a feature this install lacks (names the extra)
-    └── ConfigError                     -    start-up refused: names the key and the reason
+    ApplianceError        500  INTERNAL            a bug: never a client's fault
+    ├── InvalidArgument   400  INVALID_ARGUMENT    malformed JSON, wrong dtype/shape,
+    │                                              unknown input, bad signature use
+    ├── NotFound          404  NOT_FOUND           unknown model, version, label, signature
+    ├── MethodNotAllowed  405  UNIMPLEMENTED       a known path with the wrong HTTP method
+    ├── PayloadTooLarge   413  RESOURCE_EXHAUSTED  body or tensor over a limit
+    ├── Unavailable       503  UNAVAILABLE         model not ready (retryable: carries
+    │   │                                          ``retry_after`` seconds)
+    │   └── QueueFull     503  UNAVAILABLE         the batch queue is full (retry later)
+    ├── Unimplemented     501  UNIMPLEMENTED       a feature this install lacks (names the extra)
+    └── ConfigError       500  INTERNAL            a bad config value, naming the key and the
+                                                   reason: start-up refused, or a reload refused
+                                                   with the running config kept
+
+Columns: ``http_status`` and ``grpc_code`` as the class sets or inherits them (a gRPC
+service may override a code per class: appliance/api/grpc_errors.py ``guarded``).
+tests/test_errors.py reads this tree and compares it with the classes.
 
 Backends raise ``runtimes.InputFailure`` / ``LoadFailure`` / ``MissingDependency``;
-``from_runtime`` turns those into this hierarchy at the boundary.
+``from_runtime`` turns those into this hierarchy at the boundary. ``runtimes`` (and so
+numpy) is imported there, on the first failure, not with this module: the CLI imports
+``ConfigError`` and must stay cheap.
 """
 
 from __future__ import annotations
 
-from runtimes import InputFailure, MissingDependency, RuntimeFailure
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtimes import RuntimeFailure
 
 
 class ApplianceError(Exception):
@@ -79,6 +91,8 @@ class ConfigError(ApplianceError):
 
 
 def from_runtime(exc: RuntimeFailure) -> ApplianceError:
+    from runtimes import InputFailure, MissingDependency
+
     if isinstance(exc, InputFailure):
         return InvalidArgument(str(exc))
     if isinstance(exc, MissingDependency):

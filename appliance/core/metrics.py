@@ -8,8 +8,10 @@ rate without a database write per request.
 Two kinds of metric live here:
 
 * **event-driven** ones, updated where things happen: requests (``observe_request``, called
-  by the REST layer), batches (``batch_observer``, handed to each ``Batcher``), warm-ups,
-  sync runs (``observe_sync``) and state events (``on_event``, a ``StateDB`` subscriber);
+  by the REST handlers and, through appliance/api/grpc_errors.py ``observed``, by the gRPC
+  services; ``entrypoint`` is TF Serving's "REST" or "GRPC"), batches (``batch_observer``,
+  handed to each ``Batcher``), warm-ups, sync runs (``observe_sync``, for the sync loop
+  to call after each bucket poll) and state events (``on_event``, a ``StateDB`` subscriber);
 * **scrape-time** ones, computed only when ``/monitoring/prometheus/metrics`` is read:
   model version states, backend in use, queue depth and load time (from the manager
   snapshot given to ``bind``), device gauges (psutil) and the process collector. Reading
@@ -141,9 +143,11 @@ class Metrics:
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, ..._resident_memory_bytes (reads /proc)
 
     # -- event-driven --------------------------------------------------------------------
-    def observe_request(self, model: str, api: str, status: int, seconds: float) -> None:
-        self.request_count.labels(model, api, "REST", "OK" if status < 400 else str(status)).inc()
-        self.request_latency.labels(model, api, "REST").observe(seconds * 1e6)
+    def observe_request(self, model: str, api: str, status: int, seconds: float, entrypoint: str = "REST") -> None:
+        """One request ended with HTTP ``status`` (a gRPC call: the status its error maps to).
+        ``entrypoint``: "REST" or "GRPC", the values TF Serving gives that label."""
+        self.request_count.labels(model, api, entrypoint, "OK" if status < 400 else str(status)).inc()
+        self.request_latency.labels(model, api, entrypoint).observe(seconds * 1e6)
         self.window.add(model, seconds, status < 400)
 
     def batch_observer(self, model: str, backend: str) -> Callable[[str, int, int, float, float], None]:
@@ -166,7 +170,9 @@ class Metrics:
         self.warmup_latency.labels(path).observe(seconds * 1e6)
 
     def observe_sync(self, result: str, seconds: float) -> None:
-        """One sync poll ended: ``result`` is e.g. "unchanged", "updated", "refused", "error"."""
+        """One sync poll ended after ``seconds``: ``result`` is e.g. "unchanged", "updated",
+        "refused", "error". Exported as ``edge_appliance_sync_runs_total{result}`` and
+        ``edge_appliance_sync_duration_seconds{result}``."""
         self.sync_runs.labels(result).inc()
         self.sync_duration.labels(result).observe(seconds)
 
