@@ -57,7 +57,7 @@ def error_response(status: int, message: str, close: bool = True, retry_after: b
 class Request:
     """One parsed request, handed whole to a worker."""
 
-    __slots__ = ("method", "url", "headers", "body", "size", "version", "keep_alive")
+    __slots__ = ("method", "url", "headers", "body", "size", "version", "keep_alive", "raw")
 
     def __init__(self) -> None:
         self.url = b""
@@ -67,6 +67,7 @@ class Request:
         self.method = b"GET"
         self.version = "1.1"
         self.keep_alive = True
+        self.raw = 0  # chunk framing read (two CRLFs a chunk at least): the body limit counts it, as waitress did
 
 
 class Connection(asyncio.Protocol):
@@ -175,7 +176,11 @@ class Connection(asyncio.Protocol):
         request.body.append(body)
         request.size += len(body)
         self.held += len(body)
-        self.server.hold(self, len(body), request.size)  # raises Reject past a bound
+        self.server.hold(self, len(body), request.size + request.raw)  # raises Reject past a bound
+
+    def on_chunk_header(self) -> None:
+        if self.request is not None:
+            self.request.raw += 4
 
     def on_message_complete(self) -> None:
         request = self.request
