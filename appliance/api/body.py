@@ -4,7 +4,7 @@ TF Serving inflates a body sent with ``Content-Encoding: gzip`` (any value conta
 "gzip", up to 100 MB; net_http's ``auto_uncompress_input``); so does this, but the
 inflated size counts against ``server.max_body_bytes`` and is checked while inflating, in
 bounded steps: a small body that inflates to gigabytes (a zip bomb) costs one step past
-the limit, then 413. The HTTP server (waitress) already refuses a raw or chunked body over
+the limit, then 413. The HTTP server (appliance/transport/http/server.py) already refuses a raw or chunked body over
 the limit before buffering it, and never hands an incomplete body to the app.
 
 ``read_body(environ, limit)`` is what the API handlers call. ``GzipBodies`` is the same

@@ -201,7 +201,13 @@ class LimitsConfig:
     # idle_timeout_s; once a request's first byte arrives its headers must be complete within
     # header_timeout_s and the whole request (headers and body) within request_timeout_s,
     # however slowly the bytes trickle in (a timer reset by every byte stops no slowloris).
-    max_connections: int = 200  # open HTTP connections; more wait in the kernel's queue
+    # At most this many open HTTP connections (fewer if the descriptor limit is lower); at the cap
+    # the one idle longest is closed for a new one, and with none idle new ones wait in the kernel.
+    max_connections: int = 16384
+    max_header_bytes: int = 64 * 1024  # a request's line and headers (431 past it)
+    # Request bodies held in memory, every connection together (one is at most
+    # server.max_body_bytes): a body that would pass it gets 503 + Retry-After before it is read.
+    max_buffered_bytes: int = 512 * 1024 * 1024
     idle_timeout_s: float = 30.0  # a keep-alive (or fresh) connection with no request in progress
     header_timeout_s: float = 10.0
     request_timeout_s: float = 60.0
@@ -226,8 +232,12 @@ class LimitsConfig:
                 raise ConfigError(f"{key}.{name}", "must be at least 1")
 
     def _validate_connections(self, key: str) -> None:
-        if not 1 <= self.max_connections <= 900:  # waitress runs on select(): fds below 1024
-            raise ConfigError(f"{key}.max_connections", "must be between 1 and 900")
+        if not 1 <= self.max_connections <= 1_000_000:
+            raise ConfigError(f"{key}.max_connections", "must be between 1 and 1000000")
+        if not 1024 <= self.max_header_bytes <= 16 * 1024 * 1024:
+            raise ConfigError(f"{key}.max_header_bytes", "must be between 1024 and 16777216")
+        if self.max_buffered_bytes < 1024 * 1024:
+            raise ConfigError(f"{key}.max_buffered_bytes", "must be at least 1048576")
         for name in ("idle_timeout_s", "header_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{key}.{name}", "must be positive")

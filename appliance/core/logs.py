@@ -40,4 +40,3 @@ def setup(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # "task queue depth" is our metric, not a warning

@@ -78,8 +78,8 @@ class Service:
         c, security = self.config.server, self.config.security
         context = tls_context(security) if security.tls_cert_file else None  # before binding: fail early
         self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context)
-        guard = self.server.guard
-        self.core.add_status("http", lambda: guard.stats)  # live connection and shedding figures
+        stats = self.server.stats
+        self.core.add_status("http", lambda: stats)  # live connection and shedding figures
 
     def serve_http(self) -> None:
         assert self.server is not None
