@@ -40,10 +40,13 @@ import hmac
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from appliance.api.errors import render, wsgi_answer
 from appliance.api.routes import ADMIN, INFERENCE, READ, ROUTE_KEY, SAFE_METHODS, SCOPES, RouteTable, rule_scope
+
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
 
 REALM = "edge-appliance"
 ADMIN_OFF = ("admin endpoints are off: no admin token is configured. Turn them on with "
@@ -151,7 +154,7 @@ class _Cache:
 _caches_lock = threading.Lock()
 
 
-def tokens_for(core: Any) -> Tokens:
+def tokens_for(core: "Appliance") -> Tokens:
     cache = getattr(core, "_auth_tokens", None)  # kept on the core: it lives and dies with it
     if cache is None:
         with _caches_lock:
@@ -187,7 +190,7 @@ def presented_token(header: str | None) -> str | None:
     return None
 
 
-def authorize(core: Any, scope: str | None, authorization_header: str | None) -> Decision:
+def authorize(core: "Appliance", scope: str | None, authorization_header: str | None) -> Decision:
     """May a request with this Authorization header use ``scope``? (None: an open path.)"""
     if scope is None:
         return Decision(True)
@@ -227,7 +230,7 @@ class AuthLayer:
     The scope is the matched route's (``RouteTable.resolve``); the match is left in the
     environ (``ROUTE_KEY``) so the table dispatches without matching again."""
 
-    def __init__(self, inner: Callable[..., Any], core: Any, table: RouteTable):
+    def __init__(self, inner: Callable[..., Any], core: "Appliance", table: RouteTable):
         self.inner = inner
         self.core = core
         self.table = table
@@ -258,7 +261,7 @@ def _deny(decision: Decision, scope: str, method: str, path: str,
     return wsgi_answer(start_response, render(decision.status, decision.message, headers=headers), method)
 
 
-def _failure_counter(core: Any) -> Any:
+def _failure_counter(core: "Appliance") -> Any:
     """edge_appliance_auth_refusals_total{scope,status}: someone knocking shows on a dashboard."""
     registry = getattr(getattr(core, "metrics", None), "registry", None)
     if registry is None:
@@ -282,7 +285,7 @@ def grpc_scope(method: str) -> str | None:
     return INFERENCE
 
 
-def grpc_interceptor(core: Any) -> Any:
+def grpc_interceptor(core: "Appliance") -> Any:
     """A ``grpc.aio.ServerInterceptor`` (the gRPC port is a grpc.aio server) applying
     ``authorize`` to each call's ``authorization`` metadata: UNAUTHENTICATED for a missing
     or wrong token, PERMISSION_DENIED for admin methods while admin is off, UNAVAILABLE

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import io
 import zlib
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from appliance.api.errors import wsgi_error
 from appliance.core.errors import ApplianceError, InvalidArgument, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
 
 STEP = 256 * 1024  # inflated bytes produced per step: the most a bomb gets past the limit
 LIMIT_KEY = "server.max_body_bytes"
@@ -85,7 +88,7 @@ class GzipBodies:
     to inflate anything. Requests without Content-Encoding pass untouched.
     """
 
-    def __init__(self, app: Callable[..., Any], core: Any):
+    def __init__(self, app: Callable[..., Any], core: "Appliance"):
         self.app = app
         self.core = core
 

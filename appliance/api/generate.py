@@ -21,7 +21,7 @@ import math
 import re
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import unquote
 
 import orjson
@@ -34,6 +34,9 @@ from appliance.api.errors import render, render_error, status_line
 from appliance.api.kserve.rest import json_object
 from appliance.api.routes import INFERENCE, Mount, raw_path
 
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
+
 
 PATH_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:generate")
 FIELDS = ("input_ids", "text", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stream")
@@ -44,7 +47,7 @@ SSE = "text/event-stream"
 class GenerateAPI:
     """See module docstring. ``generation`` (the step scheduler) is built on first use."""
 
-    def __init__(self, core: Any):
+    def __init__(self, core: "Appliance"):
         self.core = core
         self._generation: Generation | None = None
         self._lock = threading.Lock()
@@ -233,7 +236,7 @@ def _openapi_paths() -> dict[str, Any]:
 OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
 
 
-def mounts(core: Any) -> list[Mount]:
+def mounts(core: "Appliance") -> list[Mount]:
     """``POST /v1/models/{m}[/versions/{v}|/labels/{l}]:generate``, ahead of TF Serving's ``/v1``."""
     return [Mount("generate", "/v1/", INFERENCE, GenerateAPI(core), methods=frozenset({"POST"}),
                   suffix=":generate", pattern=PATH_RE, summary="token generation")]

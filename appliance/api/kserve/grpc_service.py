@@ -19,7 +19,7 @@ time: only grpcio and protobuf.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 import numpy as np
@@ -29,6 +29,9 @@ from appliance.core.errors import InvalidArgument, NotFound
 from appliance.api.grpc_errors import guarded, observed
 from appliance.protos.kserve import pb
 from appliance.api.kserve.rest import Requested, Tensor, V2Service, parse_version
+
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
 
 
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -42,7 +45,7 @@ _CONTENTS_FIELD = {
 _ALL_FIELDS = tuple(sorted(set(_CONTENTS_FIELD.values())))
 
 
-def add_to_server(server: grpc.Server, core: Any) -> None:
+def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register ``inference.GRPCInferenceService`` on ``server`` (before ``server.start()``)."""
     server.add_generic_rpc_handlers((V2GRPC(core).handler(),))
 
@@ -50,7 +53,7 @@ def add_to_server(server: grpc.Server, core: Any) -> None:
 class V2GRPC:
     """The RPC methods; each takes a request message and returns the response message."""
 
-    def __init__(self, core: Any):
+    def __init__(self, core: "Appliance"):
         self.core = core
         self.service = V2Service(core)
 

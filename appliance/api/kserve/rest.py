@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import unquote
 
 import numpy as np
@@ -38,6 +38,9 @@ from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
 from appliance.api.errors import render_error, status_line
 from appliance.api.routes import INFERENCE, OPEN, Mount, raw_path
+
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
 
 SERVER_NAME = "edge-appliance"
 EXTENSIONS = ("binary_tensor_data",)
@@ -78,7 +81,7 @@ class V2Service:
     batcher are thread-safe; this class holds no state of its own).
     """
 
-    def __init__(self, core: Any):
+    def __init__(self, core: "Appliance"):
         self.core = core
 
     @property
@@ -215,7 +218,7 @@ class V2API:
     appliance/api/errors.py ``render_error``'s.
     """
 
-    def __init__(self, core: Any):
+    def __init__(self, core: "Appliance"):
         self.core = core
         self.service = V2Service(core)
 
@@ -272,7 +275,7 @@ class V2API:
             self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
 
 
-def mounts(core: Any) -> list[Mount]:
+def mounts(core: "Appliance") -> list[Mount]:
     """``/v2...`` (raw path), inference; its health probes open (they carry no secrets)."""
     api = V2API(core)
     return [Mount("kserve", "/v2/", INFERENCE, api, summary="KServe v2 REST API"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 import numpy as np
@@ -36,6 +36,9 @@ from appliance.api.tfserving.service import (CLASSIFY_METHOD, REGRESS_METHOD, cl
                                              regression_values, run_examples)
 from appliance.protos.tfserving import pb
 
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
+
 TFS_CODES = {QueueFull: "RESOURCE_EXHAUSTED"}  # as the issue's TF Serving clients expect for a full queue
 
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
@@ -44,14 +47,14 @@ MODEL_SERVICE = "tensorflow.serving.ModelService"
 _VAL_FIELD = {pw.DTYPES[enum]: field for enum, field in pw.VALUE_FIELD.items() if enum not in (7, 19)}
 
 
-def add_to_server(server: grpc.Server, core: Any) -> None:
+def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register both TF Serving services on ``server`` (before ``server.start()``)."""
     api = TFServingGRPC(core)
     server.add_generic_rpc_handlers(api.handlers())
 
 
 class TFServingGRPC:
-    def __init__(self, core: Any):
+    def __init__(self, core: "Appliance"):
         self.core = core
 
     def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:

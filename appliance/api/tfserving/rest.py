@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import unquote
 
 import numpy as np
@@ -29,6 +29,9 @@ from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
 from appliance.core.errors import InvalidArgument, NotFound
 
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
+
 POST_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
 GET_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
 JSON = "application/json"
@@ -42,7 +45,7 @@ class V1API:
     appliance/api/errors.py ``render_error``'s.
     """
 
-    def __init__(self, core: Any):
+    def __init__(self, core: "Appliance"):
         self.core = core
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
@@ -83,7 +86,7 @@ class V1API:
             return status, body, headers
 
 
-def mounts(core: Any) -> list[Mount]:
+def mounts(core: "Appliance") -> list[Mount]:
     """TF Serving's ``/v1``, as its dispatcher takes it: every path under ``/v1/`` (raw)."""
     return [Mount("tfserving", "/v1/", INFERENCE, V1API(core), summary="TF Serving REST API")]
 
