@@ -28,7 +28,8 @@ from appliance.api.kserve import codec
 from appliance.core.errors import InvalidArgument, NotFound
 from appliance.api.grpc_errors import guarded, observed
 from appliance.protos.kserve import pb
-from appliance.api.kserve.rest import Requested, Tensor, V2Service, parse_version
+from appliance.api.kserve.rest import parse_version
+from appliance.api.kserve.service import Requested, Tensor, V2Service
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance

@@ -1,15 +1,9 @@
 """The Open Inference Protocol (KServe v2) over HTTP, with Triton's binary tensor extension.
 
-``V2Service`` is the protocol-neutral half (health, metadata, infer on numpy arrays), shared
-with the gRPC face in ``appliance.api.kserve.grpc_service``; ``V2API`` is the WSGI handler of the
-``/v2...`` mounts of the route table (appliance/api/routes.py).
-
-Requests go through the same model manager, version policy, batcher, metrics and body-size
-limit as TF Serving's ``/v1`` API: an infer call takes a handle with ``manager.handle`` and
-runs ``run_signature``, so v2 and v1 requests to one model share batches. A model's v2
-inputs and outputs are those of its ``serving_default`` signature (else of the first
-signature by name, as model metadata says); a request picks another with the request
-parameter ``signature_name``.
+``V2API`` is the WSGI handler of the ``/v2...`` mounts of the route table
+(appliance/api/routes.py): it parses JSON or binary-tensor bodies into the numpy of
+``V2Service`` (appliance/api/kserve/service.py, shared with the gRPC face) and renders its
+answers.
 
 Status codes follow Triton: 400 for a bad request, 404 for an unknown model or version,
 503 while a model is loading or its queue is full, 413 over ``server.max_body_bytes``;
@@ -24,16 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import unquote
 
-import numpy as np
 import orjson
 
-from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
-
-from appliance import __version__
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
-from appliance.core.handle import Handle, shape_error
-from appliance.core.policy import State
+from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
 from appliance.api.errors import render_error, status_line
@@ -42,167 +31,10 @@ from appliance.api.routes import INFERENCE, OPEN, Mount, raw_path
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
 
-SERVER_NAME = "edge-appliance"
-EXTENSIONS = ("binary_tensor_data",)
 JSON = "application/json"
 OCTETS = "application/octet-stream"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _DUMP = orjson.OPT_SERIALIZE_NUMPY
-
-
-@dataclass
-class Tensor:
-    """One named tensor of a request or response, already decoded."""
-
-    name: str
-    array: np.ndarray
-    datatype: str
-
-
-@dataclass
-class Requested:
-    """One output a request asks for; ``binary`` None means the request-wide default."""
-
-    name: str
-    binary: bool | None = None
-
-
-@dataclass
-class InferResult:
-    model: str
-    version: int
-    outputs: list[tuple[Tensor, bool]]  # (tensor, as binary)
-
-
-class V2Service:
-    """Health, metadata and inference of the v2 protocol on numpy arrays.
-
-    Thread-safety: every method may be called from any thread (the manager and the
-    batcher are thread-safe; this class holds no state of its own).
-    """
-
-    def __init__(self, core: "Appliance"):
-        self.core = core
-
-    @property
-    def manager(self) -> Any:
-        if self.core.manager is None:
-            raise ApplianceError("the service is not started")
-        return self.core.manager
-
-    # -- health and metadata --------------------------------------------------------------
-    def live(self) -> bool:
-        return self.core.manager is not None
-
-    def ready(self) -> bool:
-        return self.core.ready()
-
-    def model_ready(self, name: str, version: int | None) -> bool:
-        slots = self.manager.version_states(name, version)  # NotFound for an unknown model/version
-        return any(s.state == State.AVAILABLE for s in slots)
-
-    def server_metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
-
-    def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
-        versions = [str(s.version) for s in sorted(self.manager.version_states(name), key=lambda s: s.version)
-                    if s.state == State.AVAILABLE]
-        with self.manager.handle(name, version) as held:
-            signatures = dict(held.signatures)
-            signature = _default_signature(held)
-            platform = held.platform
-        body: dict[str, Any] = {
-            "name": name, "versions": versions, "platform": platform,
-            "inputs": [_tensor_metadata(k, v) for k, v in signature.inputs.items()],
-            "outputs": [_tensor_metadata(k, v) for k, v in signature.outputs.items()],
-        }
-        if len(signatures) > 1:  # not in the spec; tells a client which signatures it may name
-            body["parameters"] = {"signature_name": signature.name, "signatures": ",".join(sorted(signatures))}
-        return body
-
-    # -- inference ------------------------------------------------------------------------
-    def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
-              parameters: dict[str, Any], binary_default: bool = False,
-              route_key: Callable[[str], str | None] | None = None) -> InferResult:
-        """Check the decoded inputs against the signature, run them through the batcher and
-        pick the requested outputs (all of them, in signature order, when none is named)."""
-        signature_name = parameters.get("signature_name")
-        if signature_name is not None and not isinstance(signature_name, str):
-            raise InvalidArgument("parameter 'signature_name' must be a string")
-        with self.manager.handle(name, version, None, route_key) as held:
-            signature = (_named_signature(held, name, signature_name) if signature_name
-                         else _default_signature(held))
-            feeds = _feeds(signature, inputs, name)
-            wanted = _wanted(signature, requested, name)
-            outputs = held.run(signature.name, feeds)
-            served = held.version
-        result = []
-        for want in wanted:
-            arr = outputs[want.name]
-            result.append((Tensor(want.name, arr, codec.datatype_of(arr.dtype)),
-                           binary_default if want.binary is None else want.binary))
-        return InferResult(name, served, result)
-
-
-def _default_signature(held: Handle) -> SignatureInfo:
-    """serving_default, else the first signature by name: what model metadata describes, so
-    a client that builds its request from the metadata is always answered."""
-    signatures = held.signatures
-    if DEFAULT_SIGNATURE in signatures:
-        return signatures[DEFAULT_SIGNATURE]
-    if not signatures:
-        raise InvalidArgument(f"{held.model} version {held.version} has no signatures")
-    return signatures[sorted(signatures)[0]]
-
-
-def _named_signature(held: Handle, model: str, name: str) -> SignatureInfo:
-    signatures = held.signatures
-    if name not in signatures:
-        raise InvalidArgument(f"model '{model}' has no signature '{name}'; it has {', '.join(sorted(signatures))}")
-    return signatures[name]
-
-
-def _tensor_metadata(name: str, spec: TensorSpec) -> dict[str, Any]:
-    shape = [-1] if spec.shape is None else [-1 if d is None else int(d) for d in spec.shape]
-    return {"name": name, "datatype": codec.datatype_of(spec.dtype), "shape": shape}
-
-
-def _feeds(signature: SignatureInfo, inputs: list[Tensor], model: str) -> dict[str, np.ndarray]:
-    feeds: dict[str, np.ndarray] = {}
-    for tensor in inputs:
-        spec = signature.inputs.get(tensor.name)
-        if spec is None:
-            raise InvalidArgument(f"unexpected inference input '{tensor.name}' for model '{model}'; "
-                                  f"signature '{signature.name}' takes {', '.join(signature.inputs)}")
-        if tensor.name in feeds:
-            raise InvalidArgument(f"input '{tensor.name}' is given twice")
-        want = codec.datatype_of(spec.dtype)
-        if tensor.datatype != want:
-            raise InvalidArgument(f"inference input '{tensor.name}' data-type is '{tensor.datatype}', "
-                                  f"but model '{model}' expects '{want}'")
-        problem = shape_error(tensor.array, spec, f"input '{tensor.name}'")
-        if problem:
-            raise InvalidArgument(f"{problem} for model '{model}'")
-        feeds[tensor.name] = tensor.array
-    missing = [k for k in signature.inputs if k not in feeds]
-    if missing:
-        raise InvalidArgument(f"model '{model}' (signature '{signature.name}') needs input '{missing[0]}', "
-                              "which the request lacks")
-    return feeds
-
-
-def _wanted(signature: SignatureInfo, requested: list[Requested] | None, model: str) -> list[Requested]:
-    if not requested:
-        return [Requested(k) for k in signature.outputs]
-    seen = set()
-    for want in requested:
-        if want.name not in signature.outputs:
-            raise InvalidArgument(f"unexpected inference output '{want.name}' for model '{model}'; "
-                                  f"signature '{signature.name}' has {', '.join(signature.outputs)}")
-        if want.name in seen:
-            raise InvalidArgument(f"output '{want.name}' is requested twice")
-        seen.add(want.name)
-    return requested
 
 
 # --- the REST face ------------------------------------------------------------------------------
