@@ -64,9 +64,27 @@ def synthetic_inputs(signature: SignatureInfo, batch: int) -> dict[str, np.ndarr
     return feeds
 
 
-def time_servable(servable: Servable, batch_n: int = TIMING_BATCH) -> tuple[float, float]:
-    """Median milliseconds of a batch-1 and a batch-N call on the default signature."""
-    sig = servable.signatures.get(DEFAULT_SIGNATURE) or next(iter(servable.signatures.values()))
+def time_servable(servable: Servable, batch_n: int = TIMING_BATCH) -> tuple[float | None, float | None]:
+    """Median milliseconds of a batch-1 and a batch-N call, on the default signature or, when
+    a synthetic call of it fails, on the first signature whose call works (a signature TF
+    Serving would serve need not take zeros: a regress SignatureDef declaring a float input
+    for a string placeholder). (None, None) when no signature takes a synthetic call."""
+    for sig in _timing_order(servable):
+        try:
+            return _time_signature(servable, sig, batch_n)
+        except RuntimeFailure:
+            continue
+    return None, None
+
+
+def _timing_order(servable: Servable) -> list[SignatureInfo]:
+    default = servable.signatures.get(DEFAULT_SIGNATURE)
+    rest = [s for s in servable.signatures.values() if s is not default and s.inputs
+            and not any(spec.is_string for spec in s.inputs.values())]
+    return ([default] if default is not None else []) + rest
+
+
+def _time_signature(servable: Servable, sig: SignatureInfo, batch_n: int) -> tuple[float, float]:
     figures = []
     for batch in (1, batch_n if sig.batchable else 1):
         feeds = synthetic_inputs(sig, batch)
@@ -179,10 +197,15 @@ def _measure(possible: list[Considered], considered: list[Considered], load: Loa
     for c in possible:
         try:
             servable = load(c.backend)
-            c.batch1_ms, c.batch_n_ms = time_servable(servable)
-            loaded.append((c.batch1_ms + c.batch_n_ms / TIMING_BATCH, c, servable))
         except RuntimeFailure as exc:
             c.load_error = str(exc)
+            continue
+        c.batch1_ms, c.batch_n_ms = time_servable(servable)
+        if c.batch1_ms is None or c.batch_n_ms is None:  # loaded, but nothing to time: ranked last
+            c.reason += "; no signature takes a synthetic call, so not timed"
+            loaded.append((float("inf"), c, servable))
+        else:
+            loaded.append((c.batch1_ms + c.batch_n_ms / TIMING_BATCH, c, servable))
     if not loaded:
         return Decision(None, "measured", "every candidate failed to load", considered), None
     # Never trade a signature for speed: only backends exposing every signature compete.
@@ -197,6 +220,12 @@ def _measure(possible: list[Considered], considered: list[Considered], load: Loa
     _, best, servable = loaded[0]
     for _, _, other in loaded[1:]:
         other.close()
-    figures = ", ".join(f"{c.backend} {c.batch1_ms:.3f} ms@1 / {c.batch_n_ms:.3f} ms@{TIMING_BATCH}" for _, c, _ in loaded)
+    figures = ", ".join(_figures(c) for _, c, _ in loaded)
     scope = "of the backends serving every signature" if partial else "on this device"
     return Decision(best.backend, "measured", f"fastest {scope} ({figures})", considered), servable
+
+
+def _figures(c: Considered) -> str:
+    if c.batch1_ms is None or c.batch_n_ms is None:
+        return f"{c.backend} not timed"
+    return f"{c.backend} {c.batch1_ms:.3f} ms@1 / {c.batch_n_ms:.3f} ms@{TIMING_BATCH}"
