@@ -126,6 +126,10 @@ class GRPCConfig:
     # "lean": appliance/transport/grpc/h2_server.py, unary calls over hand-framed HTTP/2 (a third of grpcio's
     # CPU per call); "grpcio": grpcio's own grpc.aio server, kept as the fallback
     transport: str = "lean"
+    # A port that cannot be bound: false (TF Serving's behaviour) fails start-up with the
+    # address and the reason; true retries with backoff (0.5 s doubling to 30 s) while the
+    # device reports not ready and the page shows gRPC as down.
+    bind_retry: bool = False
 
     def validate(self, key: str) -> None:
         if not 0 <= self.port < 65536:

@@ -200,7 +200,14 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
         service.core.close()
         return 1
     # sync adds routes and gRPC binds its port: both before the first request
-    _add_optional_parts(service, ("appliance.parts.sync_loop", "appliance.service.grpc_port", "appliance.parts.config_poller"))
+    _add_optional_parts(service, ("appliance.parts.sync_loop",))
+    try:
+        _add_optional_parts(service, ("appliance.service.grpc_port",))
+    except OSError as exc:  # a configured port that cannot be bound: TF Serving exits, so do we
+        print(f"edge-appliance: Failed to start server. Error: {exc}", file=sys.stderr, flush=True)
+        _abandon(service)
+        return 1
+    _add_optional_parts(service, ("appliance.parts.config_poller",))
     service.serve_http()
     _add_optional_parts(service, ("appliance.parts.notify", "appliance.parts.discovery"))
     assert service.server is not None
@@ -209,6 +216,15 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
           file=sys.stderr, flush=True)
     threading.Thread(target=_announce_when_ready, args=(service, url, banner), name="announce", daemon=True).start()
     return service.run()
+
+
+def _abandon(service: Service) -> None:
+    """Undo a start-up that cannot go on: close the bound HTTP port and the core (no drain:
+    nothing was served yet)."""
+    service._emit("stopping")
+    if service.server is not None:
+        service.server.close()
+    service.core.close()
 
 
 def _announce_when_ready(service: Service, url: str, banner: Callable[[str, dict[str, Any]], list[str]] | None) -> None:
@@ -231,7 +247,8 @@ API_PARTS = ("appliance.service.grpc_port",)
 def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
     """Parts that may be missing on a device or fail without harming serving. A failure is
     shown (/api/status, the page, systemd's status line); an API part's also makes the
-    device not ready."""
+    device not ready. An API part that cannot bind its port raises OSError (start-up fails,
+    as TF Serving's does), unless it retries by itself ([grpc] bind_retry)."""
     for module in modules:
         try:
             part = importlib.import_module(module)
@@ -242,6 +259,11 @@ def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
             continue
         try:
             part.attach(service)
+        except OSError as exc:
+            if module in API_PARTS:  # a configured API that cannot listen (and is not retried): fatal
+                raise
+            log.exception("%s failed to start", module)
+            service.core.report_problem(module, str(exc), critical=False)
         except Exception as exc:  # logged and shown in status; the API keeps running
             log.exception("%s failed to start", module)
             service.core.report_problem(module, str(exc), critical=module in API_PARTS)

@@ -1,6 +1,12 @@
 """The service's gRPC port: TF Serving's PredictionService and ModelService
 (appliance/api/tfserving/grpc_service.py) and the KServe v2 GRPCInferenceService (appliance/api/kserve/grpc_service.py).
 
+Binding: a port (or socket) that cannot be bound raises ``OSError`` naming the address and
+the reason, and the service exits with it (TF Serving's ``Failed to BuildAndStart gRPC
+server``) -- unless ``[grpc] bind_retry``: then ``attach`` reports gRPC down (critical: the
+device is not ready, the page shows it), returns, and a thread retries with backoff until
+the port is bound or the service stops.
+
 ``attach(service)`` (before the HTTP server serves) starts one server on ``[grpc] port``
 (TF Serving's 8500; 0: none) and/or the Unix socket ``[grpc] socket_path`` (as
 ``--grpc_socket_path``), with ``max_message_bytes`` both ways (gRPC's 4 MB default is what
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 from appliance.api.auth import grpc_interceptor
@@ -34,16 +41,52 @@ from appliance.transport.grpc.aio_server import AioServer
 from appliance.transport.grpc.h2_server import LeanServer
 
 log = logging.getLogger("appliance.grpc")
+PART = __name__  # the name gRPC's problem is reported under (appliance/service/__init__.py API_PARTS)
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
 
 
 def attach(service: Any) -> "GRPCServer | None":
+    """Bind and start gRPC; OSError when it cannot bind, or, with ``bind_retry``, None and a
+    retrying thread (module docstring)."""
     cfg = service.config.grpc
     if not cfg.port and not cfg.socket_path:
         return None
+    try:
+        return _bind(service)
+    except OSError as exc:
+        if not cfg.bind_retry:
+            raise
+        service.core.report_problem(PART, f"{exc}; retrying ([grpc] bind_retry)", critical=True)
+        log.warning("%s; retrying with backoff ([grpc] bind_retry)", exc)
+        threading.Thread(target=_retry, args=(service,), name="grpc-bind-retry", daemon=True).start()
+        return None
+
+
+def _bind(service: Any) -> "GRPCServer":
     server = GRPCServer(service)
     server.start()
     service.hooks.append(server.on_hook)
     return server
+
+
+def _retry(service: Any) -> None:
+    """Bind again at 0.5, 1, 2 ... 30 s intervals until bound or the service stops."""
+    stopped = threading.Event()
+    service.hooks.append(lambda what, _: stopped.set() if what == "stopping" else None)
+    wait = RETRY_FIRST_S
+    while not stopped.wait(wait) and not service.stopping:
+        try:
+            server = _bind(service)
+        except OSError as exc:
+            service.core.report_problem(PART, f"{exc}; retrying in {min(wait * 2, RETRY_MAX_S):g} s", critical=True)
+            wait = min(wait * 2, RETRY_MAX_S)
+            continue
+        if stopped.is_set() or service.stopping:  # the drain began meanwhile: its hook has run
+            server.stop(0)
+            return
+        service.core.report_problem(PART, None)
+        log.info("gRPC bound after retrying: %s", ", ".join(server.addresses))
+        return
 
 
 class GRPCServer:
@@ -75,14 +118,17 @@ class GRPCServer:
             try:
                 bound = self.server.add_insecure_port(address)
             except RuntimeError as exc:
-                raise OSError(f"cannot listen for gRPC on {address}: {exc}") from exc
+                raise OSError(f"cannot listen for gRPC on {address}: {exc.__cause__ or exc}") from exc
             if not bound:
-                raise OSError(f"cannot listen for gRPC on {address}")
+                raise OSError(f"cannot listen for gRPC on {address}: the port is in use or not available")
             self.addresses.append(address.rsplit(":", 1)[0] + f":{bound}")
         if cfg.socket_path:
             if os.path.exists(cfg.socket_path):
                 os.unlink(cfg.socket_path)  # a stale socket of an earlier run
-            self.server.add_insecure_port(f"unix:{cfg.socket_path}")
+            try:
+                self.server.add_insecure_port(f"unix:{cfg.socket_path}")
+            except RuntimeError as exc:
+                raise OSError(f"cannot listen for gRPC on unix:{cfg.socket_path}: {exc.__cause__ or exc}") from exc
             self.addresses.append(f"unix:{cfg.socket_path}")
 
     def start(self) -> None:
