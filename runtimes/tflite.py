@@ -10,6 +10,8 @@ that happens once per size). Models without signature defs (input ``x``, shape
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import os
 import queue
 import threading
@@ -53,6 +55,16 @@ def _litert_installed() -> str | None:
     return None
 
 
+def litert_version(module: str) -> str | None:
+    """The installed distribution's version of ``module`` (from its metadata: no import).
+    It matters: aarch64 gets ai-edge-litert 1.4.0 where x86-64 gets 2.x."""
+    dist = {"ai_edge_litert": "ai-edge-litert", "tflite_runtime": "tflite-runtime"}.get(module, module)
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 class TFLiteBackend:
     """See module docstring. Options: ``num_threads``, ``delegate`` (auto|gpu|edgetpu|none),
     ``gpu_delegate_path``, ``edgetpu_delegate_path``, ``pool_size``."""
@@ -66,7 +78,9 @@ class TFLiteBackend:
         delegates = device.get("delegates", {})
         found = [k for k, v in delegates.items() if v]
         extra = f", delegate libraries found: {', '.join(found)}" if found else ", no delegate library found (XNNPACK on CPU)"
-        return Availability(True, f"{lib} importable{extra}", {"library": lib})
+        version = litert_version(lib)
+        return Availability(True, f"{lib} {version or '(version unknown)'} importable{extra}",
+                            {"library": lib, "version": version})
 
     def can_serve(self, version_dir: str) -> str | None:
         path = os.path.join(version_dir, ARTIFACT)
