@@ -243,7 +243,7 @@ for run in runs:
     pkgs = [p for p in freeze if not p.startswith(("pip==", "setuptools=="))]
     cols.append(f"{r['litert']} ({'as resolved' if variant == 'resolved' else 'pinned'})")
     for key, value in [
-        ("packages installed (numpy, grpcio, protobuf)", f"{len(pkgs)} (" + ", ".join(
+        ("packages installed (grpcio, numpy, protobuf)", f"{len(pkgs)} (" + ", ".join(
             p.split("==")[1] for p in freeze if p.split("==")[0].lower() in ("numpy", "grpcio", "protobuf")) + ")"),
         ("`pip install '.[tflite]'` into a fresh venv, s (pip download cache warm)", install_s),
         ("venv size on disk, MB", f"{int(install_kb) / 1024:.0f}"),
