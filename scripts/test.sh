@@ -17,4 +17,10 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "missing system packages (${need[*]}): sudo apt-get install ${need[*]}; the tests that need them will skip" >&2
   fi
 fi
+# ARM64=1: then the aarch64 check (scripts/arm64-check.sh: the LiteRT-only install served
+# under qemu-user emulation). Opt-in: it takes longer than CI's whole budget.
+if [ "${ARM64:-0}" = 1 ]; then
+  .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+  exec scripts/arm64-check.sh
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -111,6 +111,18 @@ def test_serve_backend_choices_come_from_the_config() -> None:
     assert "invalid choice: 'cuda'" in done.stderr and "'tflite'" in done.stderr, done.stderr
 
 
+def test_probe_names_the_litert_version(tmp_path: Path) -> None:
+    """Platforms get different LiteRT releases (aarch64: 1.4.0, x86-64: 2.x): probe says which."""
+    import importlib.metadata
+
+    installed = importlib.metadata.version("ai-edge-litert")
+    done = appliance(tmp_path, "probe")
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(l for l in done.stdout.splitlines() if l.strip().startswith("tflite "))
+    assert f"ai_edge_litert {installed} importable" in line, line
+    assert done.stdout.splitlines()[0].split()[2].rstrip(",") == os.uname().machine, done.stdout
+
+
 @pytest.fixture(scope="module")
 def probed(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("probe")
