@@ -432,7 +432,16 @@ def test_wrong_values_for_a_string_input(server: Any, body: Any) -> None:
 @pytest.mark.parametrize("model", ["keras_lite", "keras_tf", MLP])
 def test_wrong_shape(server: Any, model: str) -> None:
     error(predict(server, model, {"instances": [[0.5] * 63]}), 400)  # 63 features, the MLP takes 64
-    error(predict(server, model, {"inputs": {"x": [0.5] * 64}}), 400)  # rank 1, not [N, 64]
+
+
+def test_rank_one_input_is_judged_by_the_backend_as_tf_serving_does(server: Any) -> None:
+    """TF Serving hands the request's shape to the backend: TensorFlow's MatMul refuses a
+    rank-1 [64] for an [N, 64] input (400), while its TFLite session resizes the input and
+    LiteRT's FullyConnected takes the 64 values as one row (200)."""
+    error(predict(server, "keras_tf", {"inputs": {"x": [0.5] * 64}}), 400)
+    for model in ("keras_lite", MLP):
+        answer = predict(server, model, {"inputs": {"x": [0.5] * 64}})
+        assert answer.status_code == 200, answer.text
 
 
 def test_wrong_shape_message_names_the_input(server: Any) -> None:
