@@ -126,7 +126,7 @@ def test_version_label_and_output_filter(predict_stub: Any) -> None:
     (lambda r: setattr(r.model_spec, "name", "nope"), "NOT_FOUND", ["nope"]),
     (lambda r: r.model_spec.version.__setattr__("value", 7), "NOT_FOUND", ["mlp"]),
     (lambda r: setattr(r.model_spec, "version_label", "nope"), "INVALID_ARGUMENT", ["label"]),
-    (lambda r: setattr(r.model_spec, "signature_name", "nope"), "INVALID_ARGUMENT", ["nope"]),
+    (lambda r: setattr(r.model_spec, "signature_name", "nope"), "FAILED_PRECONDITION", ['Serving signature key "nope" not found.']),
     (lambda r: r.inputs["z"].CopyFrom(r.inputs["x"]), "INVALID_ARGUMENT", ["z"]),
     (lambda r: r.inputs["x"].CopyFrom(tf.make_tensor_proto(np.ones((1, 64), np.int32))), "INVALID_ARGUMENT",
      ["DT_INT32", "DT_FLOAT"]),

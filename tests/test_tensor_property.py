@@ -92,7 +92,7 @@ def expected_refusal(body: dict[str, Any], dtype: np.dtype) -> tuple[str, Any]:
         value = body["inputs"]
         if isinstance(value, dict) and not is_b64(value):  # named inputs; keys the signature lacks are ignored
             if "x" not in value:
-                return "exact", f"inputs: missing input 'x' of signature {SIGNATURE!r}"
+                return "exact", "Missing named input: x in 'inputs' object."
             return converts(value["x"], "input 'x'", dtype)
         return converts(value, "inputs", dtype)
     if "instances" not in body:
@@ -109,7 +109,8 @@ def expected_refusal(body: dict[str, Any], dtype: np.dtype) -> tuple[str, Any]:
             return "exact", f"instances[{i}]: has inputs {sorted(row)}, expected {sorted(rows[0])}"
     unknown = [k for k in rows[0] if k != "x"]
     if unknown:
-        return "exact", f"instances: unknown input {unknown[0]!r}; signature {SIGNATURE!r} takes x"
+        return "exact", (f"Failed to process element: 0 key: {unknown[0]} of 'instances' list. Error: "
+                         f"INVALID_ARGUMENT: JSON object: does not have named input: {unknown[0]}")
     if "x" not in rows[0]:
         return "exact", f"instances: missing input 'x' of signature {SIGNATURE!r}"
     return converts([row["x"] for row in rows], "input 'x'", dtype)

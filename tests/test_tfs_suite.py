@@ -811,14 +811,11 @@ REST_MISTAKES = {
     # ^ model_servers/get_model_status_impl.cc:89
 }
 REST_XFAIL = {  # the API layer's text differs (appliance/api/: not fixed here, reported in issue 24)
-    "unknown input name, row format": "ours: 400 \"instances: unknown input 'x2'; signature 'serving_default' takes x\"",
-    "unknown input name, columnar": "ours: 400 \"inputs: missing input 'x' of signature 'serving_default'\"",
     "wrong dtype": "ours: 400 'instances: JSON Value of type String is not of expected type: float'",
     "ragged": "ours: 400 'instances: cannot be converted to a float32 tensor (is it ragged, or of the wrong type?): "
               "setting an array element with a sequence. ...' (numpy's text)",
     "malformed JSON": "ours: 400 \"JSON Parse error: unexpected character, expected ',' or ']': line 1 column 19 "
                       "(char 18)\"",
-    "status of an unknown model": "ours: 404 'Servable not found for request: Latest(missing)'",
 }
 
 
@@ -864,8 +861,6 @@ GRPC_MISTAKES = {  # keyword arguments of _grpc_predict -> TF Serving's code and
     # ^ TensorFlow's DirectSession (common_runtime/direct_session.cc), through session->Run in predict_util.cc:108
 }
 GRPC_XFAIL = {  # the API layer's code or text differs (appliance/api/: not fixed here, reported in issue 24)
-    "unknown signature": "ours: INVALID_ARGUMENT 'Serving signature name: \"nope\" not found in signature def' "
-                         "(REST's text and code, appliance/api/tfserving/grpc_service.py:91)",
     "wrong dtype": "ours: INVALID_ARGUMENT \"input 'x': expects DT_FLOAT but DT_INT32 is provided\"",
 }
 

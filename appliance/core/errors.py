@@ -2,7 +2,9 @@
 
     ApplianceError        500  INTERNAL            a bug: never a client's fault
     ├── InvalidArgument   400  INVALID_ARGUMENT    malformed JSON, wrong dtype/shape,
-    │                                              unknown input, bad signature use
+    │   │                                          unknown input, bad signature use
+    │   └── FailedPrecondition  400  FAILED_PRECONDITION  what TF Serving's gRPC calls so
+    │                                              (an unknown signature key in Predict)
     ├── NotFound          404  NOT_FOUND           unknown model, version, label, signature
     ├── MethodNotAllowed  405  UNIMPLEMENTED       a known path with the wrong HTTP method
     ├── PayloadTooLarge   413  RESOURCE_EXHAUSTED  body or tensor over a limit
@@ -45,6 +47,13 @@ class ApplianceError(Exception):
 class InvalidArgument(ApplianceError):
     http_status = 400
     grpc_code = "INVALID_ARGUMENT"
+
+
+class FailedPrecondition(InvalidArgument):
+    """A client mistake TF Serving's gRPC API reports as FAILED_PRECONDITION (its REST API
+    answers the same mistakes 400)."""
+
+    grpc_code = "FAILED_PRECONDITION"
 
 
 class NotFound(ApplianceError):

@@ -375,7 +375,9 @@ class Manager:
             "version": version,
             "device": self.device,
         }
-        return {"tflite": tflite, "tf-cpu": tf, "tf-gpu": tf}
+        # LiteRT-LM (.litertlm bundles) keeps its compiled-model cache beside TensorFlow's
+        litertlm = {"cache_dir": os.path.join(self.config.state_dir, "cache")}
+        return {"tflite": tflite, "tf-cpu": tf, "tf-gpu": tf, "litertlm": litertlm}
 
     def _load(self, name: str, entry: ModelEntry, version: int, path: str) -> None:
         slot = VersionSlot(name, version, path)
@@ -609,7 +611,10 @@ class Manager:
 
     def version_states(self, name: str, version: int | None = None, label: str | None = None) -> list[VersionSlot]:
         """Versions for the status endpoint: all known ones, newest first, or the one asked for."""
-        entry = self.entry(name)
+        with self._lock:
+            entry = self._models.get(name)
+        if entry is None:  # TF Serving's status text (model_servers/get_model_status_impl.cc)
+            raise NotFound(f"Could not find any versions of model {name}")
         with self._lock:
             if label is not None:
                 if label not in entry.config.labels:

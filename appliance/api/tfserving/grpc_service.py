@@ -30,7 +30,7 @@ from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 from appliance.protos.tfserving import wire as pw
 from appliance.core.tfs_files import model_config_from_proto
 from appliance.core.config import validate as validate_config
-from appliance.core.errors import ConfigError, InvalidArgument, NotFound, QueueFull, Unimplemented
+from appliance.core.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, QueueFull, Unimplemented
 from appliance.api.grpc_errors import guarded, guarded_async, observed
 from appliance.api.tfserving.service import (CLASSIFY_METHOD, REGRESS_METHOD, classification_outputs, handle,
                                              regression_values, run_examples)
@@ -90,8 +90,9 @@ class TFServingGRPC:
         with observed(self.core.metrics, name, "predict"):
             signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
             with handle(self.manager, name, version, label) as held:
-                signature = held.signature(signature_name,
-                                           f'Serving signature name: "{signature_name}" not found in signature def')
+                if signature_name not in held.signatures:  # TF Serving's code and text (predict_util.cc)
+                    raise FailedPrecondition(f'Serving signature key "{signature_name}" not found.')
+                signature = held.signatures[signature_name]
                 inputs = _inputs(request.inputs, signature)
                 wanted = _output_filter(request.output_filter, signature)
                 outputs = await held.run_async(signature.name, inputs)

@@ -269,6 +269,8 @@ def _named(signature: SignatureInfo, values: Mapping[str, Any], where: str,
         raise InvalidArgument(f"{where}: unknown input {unknown[0]!r}; signature {signature.name!r} takes "
                               f"{', '.join(sorted(signature.inputs))}")
     missing = [k for k in signature.inputs if k not in values]
+    if missing and where == "inputs":  # TF Serving's text (util/json_tensor.cc FillTensorMapFromInputsMap)
+        raise InvalidArgument(f"Missing named input: {missing[0]} in 'inputs' object.")
     if missing:
         raise InvalidArgument(f"{where}: missing input {missing[0]!r} of signature {signature.name!r}")
     return {k: to_array(v, signature.inputs[k], f"input {k!r}") for k, v in values.items()}
@@ -355,6 +357,10 @@ def _rows_named(signature: SignatureInfo, instances: list[Any]) -> dict[str, np.
             raise InvalidArgument(f"instances[{i}]: has inputs {sorted(row)}, expected {sorted(columns)}")
         for k, v in row.items():
             columns.setdefault(k, []).append(v)
+    unknown = [k for k in columns if k not in signature.inputs]
+    if unknown:  # every row has the first one's keys: TF Serving's text names element 0 (util/json_tensor.cc)
+        raise InvalidArgument(f"Failed to process element: 0 key: {unknown[0]} of 'instances' list. Error: "
+                              f"INVALID_ARGUMENT: JSON object: does not have named input: {unknown[0]}")
     return _named(signature, columns, "instances")
 
 
