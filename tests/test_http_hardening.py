@@ -122,7 +122,7 @@ def test_request_bodies_held_have_a_total_bound(serve: Callable[..., HTTPServer]
     holder = socket.create_connection(("127.0.0.1", server.port))
     try:  # one request holds 700 kB of its 800 kB body, unfinished
         holder.sendall(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 800000\r\n\r\n" + b"b" * 700_000)
-        poll_until(lambda: server.buffered >= 700_000, 10, "the first body to be held")
+        poll_until(lambda: server.buffered >= 700_000, 60, "the first body to be held")
         reply, closed = exchange(server.port, b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 500000\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in reply and closed
         assert "max_buffered_bytes" in json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
@@ -132,14 +132,14 @@ def test_request_bodies_held_have_a_total_bound(serve: Callable[..., HTTPServer]
         assert holder.recv(4096).startswith(b"HTTP/1.1 200")
     finally:
         holder.close()
-    poll_until(lambda: server.buffered == 0, 10, "the held bytes to be released")
+    poll_until(lambda: server.buffered == 0, 60, "the held bytes to be released")
 
 
 def test_idle_connections_make_room_at_the_cap(serve: Callable[..., HTTPServer]) -> None:
     server = serve(max_connections=20, idle_timeout_s=120)
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
     try:
-        poll_until(lambda: len(server.conns) == 20, 10, "20 idle connections")
+        poll_until(lambda: len(server.conns) == 20, 60, "20 idle connections")
         started = time.monotonic()
         assert requests.get(f"http://127.0.0.1:{server.port}/x", timeout=30).text == "ok 0"
         assert time.monotonic() - started < 30 and server.stats["evicted_idle"] >= 1

@@ -105,7 +105,7 @@ def degraded(module_server: Any, models_dir: Path, tmp_path_factory: pytest.Temp
     config = tmp / "degraded.toml"
     config.write_text("\n".join([
         "poll_interval_s = 0.5", "[discovery]", 'interfaces = ["no-such-if0"]', "recheck_interval_s = 60.0",
-        "[sync]", f'bucket = "file://{bucket}"', f'public_key = "{tmp / "k.pub"}"', "poll_interval_s = 0.3",
+        "[grpc]", "bind_retry = true", "[sync]", f'bucket = "file://{bucket}"', f'public_key = "{tmp / "k.pub"}"', "poll_interval_s = 0.3",
         "jitter = 0.1"]) + "\n")
     server = module_server("--config", str(config), "--backend", "tflite", "--grpc-port", str(taken_port),
                            port=port, discovery=True, ready=False)  # not ready: its gRPC API is not listening

@@ -479,6 +479,11 @@ class Manager:
 
     def _fail(self, entry: ModelEntry, slot: VersionSlot, exc: Exception) -> None:
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeFailure) else str(exc)
+        cause = exc.__cause__
+        if cause is not None and str(cause) and str(cause) not in reason:
+            # a refused load names the library's own words too (LiteRT's "XNNPack delegate failed
+            # to reshape ..."), which a request's answer leaves to the log (runtimes/tflite.py _refused)
+            reason += f" ({type(cause).__name__}: {cause})"
         slot.error = reason
         if slot.servable is not None:
             slot.servable.close()
