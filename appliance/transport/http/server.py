@@ -44,6 +44,7 @@ import asyncio
 import ctypes
 import logging
 import resource
+import select
 import socket
 import ssl
 import struct
@@ -262,10 +263,13 @@ class HTTPServer:
     # -- accepting -----------------------------------------------------------------------------
     def _accept(self, ignore_cap: bool = False) -> None:
         while self.accepting:
-            if not ignore_cap and len(self.conns) + self.opening >= self.max_connections and not self._evict_idle():
-                self.loop.remove_reader(self.sock.fileno())  # the kernel queues the rest meanwhile
-                self.accepting = False
-                return
+            if not ignore_cap and len(self.conns) + self.opening >= self.max_connections:
+                if not select.select([self.sock], [], [], 0)[0]:
+                    return  # nobody is waiting: evict no one (the reader wakes us when someone is)
+                if not self._evict_idle():
+                    self.loop.remove_reader(self.sock.fileno())  # the kernel queues the rest meanwhile
+                    self.accepting = False
+                    return
             try:
                 sock, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
