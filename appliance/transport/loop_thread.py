@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 
 class LoopThread:
-    def __init__(self, threads: int, name: str = "grpc"):
+    def __init__(self, threads: int, name: str = "grpc",
+                 loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop):
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
-        self.loop = asyncio.new_event_loop()
+        self.loop = loop_factory()
         self.loop.set_default_executor(self.pool)  # requests that run alone (not batched) run here too
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()

@@ -110,6 +110,32 @@ class InFlight:
             self.last_done = time.monotonic()
 
 
+def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The listening socket of ``host:port`` (a deep accept queue: bursts wait in the kernel).
+    ``reuse_port``: one of several processes' sockets on the port, the kernel spreading new
+    connections over them (SO_REUSEPORT; the port is held by ``reserve_port``)."""
+    return socket.create_server((host, port), family=_family(host), backlog=1024, reuse_port=reuse_port)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Hold ``host:port`` for processes that will ``listen(..., reuse_port=True)`` on it: bound
+    (so a busy port fails here, and port 0 gets its number), never listening, so the kernel
+    gives it no connections. Only processes of this user can join the port."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def connection_cap(wanted: int) -> int:
     """``wanted``, or fewer when the descriptor limit is lower (raised to its hard limit first)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -130,10 +156,12 @@ class HTTPServer:
     """A WSGI app served on ``host:port`` with ``threads`` workers, ``limits`` enforced, and
     TLS when ``ssl_context`` is given (made by the caller before binding, so a bad
     certificate fails start-up with its config key: appliance/service/tls.py). The
-    constructor binds the port and starts nothing."""
+    constructor binds the port (or takes ``sock``, a listening socket it may share with
+    other processes serving the same port) and starts nothing."""
 
     def __init__(self, app: Callable[..., Any], host: str, port: int, threads: int,
-                 max_body_bytes: int, limits: Limits, ssl_context: ssl.SSLContext | None = None):
+                 max_body_bytes: int, limits: Limits, ssl_context: ssl.SSLContext | None = None,
+                 sock: socket.socket | None = None):
         self.app, self.limits, self.ssl_context = app, limits, ssl_context
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = limits.max_header_bytes
@@ -142,8 +170,7 @@ class HTTPServer:
         self.tracker = InFlight()
         self.pool = WorkerPool(threads)
         self.queue_delay = QueueDelay(limits.max_queue_wait_s) if limits.max_queue_wait_s else None
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                         backlog=1024, reuse_port=False)
+        self.sock = sock or listen(host, port)
         self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
         self.conns: dict[Connection, None] = {}  # insertion order: oldest first
@@ -167,7 +194,7 @@ class HTTPServer:
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Run the loop in this thread until ``close``."""
-        self.loop = _new_loop()
+        self.loop = new_loop()
         self.loop.set_exception_handler(_quiet_handler)
         self.pool.start()
         self.accepting = True
@@ -448,7 +475,8 @@ def _overload_error(waited: float, delay: QueueDelay, allowed: float) -> str:
     return f"overloaded: requests wait {waited:.1f} s for a worker, {why}; retry later"
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where installed (libuv: less CPU per event), else asyncio's."""
     try:
         import uvloop
     except ImportError:  # the standard loop does the same work, slower

@@ -1,0 +1,138 @@
+"""The REST port served by front worker processes: HTTP and JSON on every core.
+
+With ``[server] workers`` resolving to two or more (``workers_for``), the serving process
+holds the port and starts that many front workers (appliance/service/front_worker.py),
+each listening on it with SO_REUSEPORT (the kernel spreads new connections over them; one
+shared accept queue would let the first worker to wake take every connection of a burst)
+and answering inference itself (parse, decode, encode) while the serving process runs the
+batches (appliance/api/remote/). It
+stays the one process systemd, sd_notify, ``/api/status``, the page and the metrics see:
+every other request is forwarded to its app, the workers' request metrics join its
+registry, their HTTP figures and memory show under ``/api/status`` ``workers``, and a
+worker that exits is started again and shown as an event (``worker_exited``).
+
+``Fronts`` has the face of appliance/transport/http/server.py's ``HTTPServer`` that the
+service uses (``host``, ``port``, ``stats``, ``serve_forever``, ``drain``, ``close``), so
+the service, the drain on SIGTERM and the parts do not care which one serves. The drain
+order: every worker stops accepting and finishes what it holds (their requests still run
+here), then they exit, then the service unloads its models.
+
+What a worker's death costs: the connections it held, and those the kernel had queued for
+it but it had not accepted, close (a client sees the connection end, never a hang);
+requests of it still queued here are dropped when their answer finds no channel. The
+other workers go on taking new connections meanwhile.
+
+Limits that bound the whole port (``limits.max_connections``, ``limits.max_buffered_bytes``)
+are shared out among the workers, so the configured totals hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from appliance.api.remote import messages as m
+from appliance.api.remote.serving import FrontService
+from appliance.core.config import Config, LimitsConfig
+from appliance.transport.http.server import reserve_port
+from appliance.transport.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
+
+log = logging.getLogger("appliance.workers")
+
+EXIT_GRACE_S = 5.0  # past the drain timeout, how long workers get to exit before they are killed
+
+
+def workers_for(config: Config) -> int:
+    """How many front workers to run: ``server.workers``, or one per CPU; 0 or 1 means none
+    (the single-process path)."""
+    wanted = config.server.workers or (os.cpu_count() or 1)
+    return wanted if wanted > 1 else 0
+
+
+def worker_limits(limits: LimitsConfig, workers: int) -> LimitsConfig:
+    """One worker's share of the port-wide limits."""
+    return dataclasses.replace(limits, max_connections=max(16, math.ceil(limits.max_connections / workers)),
+                               max_buffered_bytes=max(1, math.ceil(limits.max_buffered_bytes / workers)))
+
+
+class Fronts:
+    """The port, its workers and the service behind them (module docstring)."""
+
+    def __init__(self, core: "Appliance", app: Callable[..., Any], config: Config, count: int):
+        server = config.server
+        self.core, self.count = core, count
+        self.sock = reserve_port(server.host, server.port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.front = FrontService(core, app, server.threads)
+        argv = [sys.executable, "-m", "appliance.service.front_worker", str(self.port)]
+        self.supervisor = Supervisor(count, argv, self._started, self._exited)
+        self.pids: dict[int, int] = {}
+        self._closed = threading.Event()
+        self._serving = False
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {**self.front.http_stats(), "workers": self.count}
+
+    def workers_status(self) -> list[dict[str, Any]]:
+        """Each worker: pid, memory, requests served, restarts (``/api/status`` ``workers``)."""
+        out = []
+        for child in self.supervisor.children:
+            stats = self.front.stats.get(child.index, {})
+            out.append({"index": child.index, "pid": self.pids.get(child.index), "restarts": child.restarts,
+                        "rss_bytes": stats.get("rss_bytes"), "served": stats.get("served", 0),
+                        "connections": stats.get("http", {}).get("connections", 0),
+                        "up": child.index in self.front.links})
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Start the workers; return once ``close`` (or the end of a drain) stops them."""
+        self.front.start()
+        self.supervisor.start()
+        self._serving = True
+        self._closed.wait()
+
+    def apply_config(self, config: Config) -> None:
+        """A reload: the workers' config (tokens, limits the API reads) follows."""
+        self.front.broadcast(m.CONFIG, config)
+
+    def drain(self, timeout: float) -> bool:
+        """The graceful stop (module docstring); True when every worker drained in time."""
+        self.front.broadcast(m.DRAIN, timeout)
+        clean = self.supervisor.stop(timeout + EXIT_GRACE_S)
+        self.close()
+        return clean
+
+    def close(self) -> None:
+        """Stop the workers now and close the port. Idempotent."""
+        if self._closed.is_set():
+            return
+        self.supervisor.halt()
+        self.front.close()  # the workers read EOF: they close their connections and exit
+        self.supervisor.stop(EXIT_GRACE_S)
+        self.sock.close()
+        self._closed.set()
+
+    # -- the supervisor's callbacks ---------------------------------------------------------
+    def _started(self, index: int, pid: int, sock: socket.socket) -> None:
+        self.pids[index] = pid
+        self.front.attach(index, sock)
+
+    def _exited(self, index: int, pid: int, code: int, restarting: bool) -> None:
+        if not restarting:
+            return
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        log.warning("front worker %d (pid %d) %s; starting a new one", index, pid, how)
+        self.core.db.event("worker_exited", f"front worker {index} (pid {pid}) {how}; a new one starts",
+                           worker=index, pid=pid, code=code, at=time.time())

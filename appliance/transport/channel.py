@@ -1,0 +1,142 @@
+"""Messages between the serving process and its front workers, over a Unix socketpair.
+
+A message is a tuple ``(kind, id, payload)``; on the wire, a 4-byte big-endian length and
+the message pickled (protocol 5: numpy arrays travel in-band, one copy of their buffer,
+no per-element work). The socketpair is private to a parent and the child it spawned
+(``pass_fds``), so pickle's trust model holds: nothing else can write to it.
+
+Why a socket and not shared memory: a request's tensors are decoded in the worker and
+batched in the serving process; what the hand-off costs beside that decode was measured
+(bench/RESULTS.md, "Every core"): a CNN request (110 kB of float32) crosses in tens of
+microseconds, its JSON decode costs a millisecond. A shared-memory ring would save a copy
+of that and add a second synchronisation protocol; the socket also tells each side at once
+when the other dies (EOF), which the supervisor relies on.
+
+Two ends:
+
+- ``BlockingChannel`` (a worker): ``send`` from any thread (a lock keeps frames whole);
+  ``serve(on_message)`` reads in one thread of its own until EOF.
+- ``ChannelProtocol`` (the serving process): an asyncio protocol on its event loop;
+  ``send`` in the loop thread, ``send_threadsafe`` from others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import threading
+from typing import Any, Callable
+
+Message = tuple[str, int, Any]
+HEADER = 4
+MAX_FRAME = (1 << 32) - 1
+
+
+def frame(message: Message) -> bytes:
+    data = pickle.dumps(message, protocol=5)
+    if len(data) > MAX_FRAME:
+        raise ValueError(f"a message of {len(data)} bytes is over the channel's frame limit")
+    return len(data).to_bytes(HEADER, "big") + data
+
+
+class Frames:
+    """Reassembles frames from the chunks a stream delivers."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Message]:
+        buf = self.buf
+        buf += data
+        out: list[Message] = []
+        start = 0
+        while len(buf) - start >= HEADER:
+            size = int.from_bytes(buf[start:start + HEADER], "big")
+            end = start + HEADER + size
+            if len(buf) < end:
+                break
+            out.append(pickle.loads(memoryview(buf)[start + HEADER:end]))
+            start = end
+        if start:
+            del buf[:start]
+        return out
+
+
+class BlockingChannel:
+    """The worker's end (module docstring)."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setblocking(True)
+        self.sock = sock
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, message: Message) -> None:
+        data = frame(message)
+        with self._lock:
+            self.sock.sendall(data)
+
+    def serve(self, on_message: Callable[[Message], None]) -> None:
+        """Read until the other end closes; ``on_message`` for each message (this thread)."""
+        frames = Frames()
+        try:
+            while True:
+                data = self.sock.recv(1 << 20)
+                if not data:
+                    break
+                for message in frames.feed(data):
+                    on_message(message)
+        except OSError:
+            pass
+        finally:
+            self.closed = True
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class ChannelProtocol(asyncio.Protocol):
+    """The serving process's end of one worker's channel (module docstring)."""
+
+    def __init__(self, on_message: Callable[["ChannelProtocol", Message], None],
+                 on_lost: Callable[["ChannelProtocol"], None]):
+        self.on_message, self.on_lost = on_message, on_lost
+        self.frames = Frames()
+        self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
+
+    def data_received(self, data: bytes) -> None:
+        for message in self.frames.feed(data):
+            self.on_message(self, message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.on_lost(self)
+
+    def send(self, message: Message) -> None:
+        """(loop thread) Queue ``message``; dropped when the worker is gone."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame(message))
+
+    def send_threadsafe(self, message: Message) -> None:
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            data = frame(message)  # pickled here, off the loop
+            try:
+                loop.call_soon_threadsafe(self._write, data)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
