@@ -1,0 +1,132 @@
+"""appliance/api/json_arrays.py: numeric arrays straight into numpy, or left to the caller.
+
+The judge is what the decoders did before: numpy over orjson's lists. The fast path must
+give exactly that array, or step aside (a list, or None for the whole document), never a
+different one: a ragged array taken for a rectangle would answer a malformed request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.api import json_arrays
+from appliance.api.json_arrays import MIN_VALUES, loads, skeleton
+
+
+def doc(value, key="instances", pad=True):
+    body = {"signature_name": "serving_default", key: value}
+    return json.dumps(body).encode()
+
+
+def reference(raw):
+    return np.asarray(orjson.loads(raw)["instances"])
+
+
+def test_a_big_float_image_comes_back_as_numpy_equal_to_numpy_over_orjson():
+    x = np.random.default_rng(0).standard_normal((2, 24, 24, 3))
+    raw = doc(x.tolist())
+    got = loads(raw)["instances"]
+    assert isinstance(got, np.ndarray) and got.dtype == np.float64 and got.shape == (2, 24, 24, 3)
+    np.testing.assert_array_equal(got, reference(raw))
+    assert loads(raw)["signature_name"] == "serving_default"
+
+
+def test_integers_stay_integers_and_big_ones_unsigned():
+    ints = list(range(-600, 600))
+    assert loads(doc(ints))["instances"].dtype == np.int64
+    big = [2**63 + i for i in range(MIN_VALUES)]
+    got = loads(doc(big))["instances"]
+    assert got.dtype == np.uint64 and got[5] == 2**63 + 5
+    mixed = ints[:-1] + [0.5]
+    assert loads(doc(mixed))["instances"].dtype == np.float64
+
+
+@pytest.mark.parametrize("rows", [
+    [[1.0] * 40, [2.0] * 39, [3.0] * 41] + [[0.0] * 40] * 30,  # ragged, same total as 33 x 40
+    [[1.0] * 40] * 32 + [[2.0, [3.0]] + [0.0] * 38],  # a nested value where a number belongs
+])
+def test_ragged_arrays_with_the_rectangles_count_are_never_taken(rows):
+    raw = doc(rows)
+    value = loads(raw)["instances"]
+    assert isinstance(value, list)  # left to the decoder, which reports it ragged
+
+
+@pytest.mark.parametrize("bad", [True, None, "1.0", {"b64": "AA=="}])
+def test_anything_but_numbers_is_left_to_the_caller(bad):
+    values = [1.0] * MIN_VALUES
+    values[700] = bad
+    assert isinstance(loads(doc(values))["instances"], list)
+
+
+def test_documents_simdjson_refuses_are_left_whole():
+    assert loads(b'{"instances": [' + b"1.0, " * MIN_VALUES + b"NaN]}") is None  # TF Serving takes NaN: orjson's path
+    assert loads(b"{" * 4000 + b"}" * 4000) is None
+    assert loads(b'{"instances": [1, 2]}') is None  # too short to be worth it
+
+
+def test_a_key_seen_twice_is_left_to_the_caller():
+    raw = json.dumps({"inputs": {"x": [1.5] * MIN_VALUES}, "note": {"x": 1}}).encode()
+    assert isinstance(loads(raw)["inputs"]["x"], list)
+    raw = json.dumps({"inputs": {"x": [1.5] * MIN_VALUES}}).encode()
+    assert isinstance(loads(raw)["inputs"]["x"], np.ndarray)
+
+
+def test_whitespace_anywhere_is_fine():
+    rows = [[float(i + j) for j in range(40)] for i in range(40)]
+    raw = json.dumps({"instances": rows}, indent=3).encode().replace(b":", b" \n: \t")
+    np.testing.assert_array_equal(loads(raw)["instances"], np.asarray(rows))
+
+
+def test_the_skeleton_of_a_rectangle():
+    assert skeleton((2, 3)) == b"[[,,],[,,]]"
+    assert skeleton((3,)) == b"[,,]"
+    assert skeleton((1, 0)) == b"[[]]"
+
+
+@st.composite
+def rectangles(draw):
+    """A rectangular nested array of at least MIN_VALUES numbers, then maybe spoiled: one value
+    moved to a neighbouring row (ragged, same count), or one replaced by a nested list."""
+    inner = draw(st.integers(1, 8))
+    dims = draw(st.lists(st.integers(1, 6), min_size=0, max_size=2))
+    rows = max(1, -(-MIN_VALUES // (inner * math.prod(dims)))) + draw(st.integers(0, 3))
+    shape = (rows, *dims, inner)
+    kind = draw(st.sampled_from(["int", "float", "mixed"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    values = rng.integers(-10**6, 10**6, math.prod(shape)).tolist() if kind != "float" else \
+        rng.standard_normal(math.prod(shape)).tolist()
+    if kind == "mixed":
+        values[draw(st.integers(0, len(values) - 1))] = 0.25
+    data = np.asarray(values, dtype=object).reshape(shape).tolist()
+    spoil = draw(st.sampled_from(["none", "none", "move", "nest"]))
+    if spoil == "move" and rows > 1 and len(shape) == 2:
+        data[0].append(data[1].pop())  # rows of inner+1 and inner-1: the same count of numbers
+    elif spoil == "nest":
+        row = data
+        while isinstance(row[0], list):
+            row = row[0]
+        row[0] = [row[0]]
+    return data, spoil
+
+
+@settings(max_examples=200, deadline=None)
+@given(rectangles())
+def test_whatever_the_array_the_answer_is_numpys_or_left_alone(case):
+    data, spoil = case
+    raw = doc(data)
+    got = loads(raw)["instances"]
+    if spoil == "none":  # a plain rectangle is always taken, and is numpy's array
+        want = np.asarray(orjson.loads(raw)["instances"])
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    elif spoil == "move" and len(np.asarray(data[0], dtype=object).shape) == 1 and len(data[0]) != len(data[1]):
+        assert isinstance(got, list)  # ragged: never taken for the rectangle of the same count
+    elif spoil == "nest":
+        assert isinstance(got, list)
