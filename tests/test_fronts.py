@@ -100,6 +100,19 @@ def test_one_worker_means_one_process(start_server: Any, models_dir: Path, tmp_p
     assert server.post(f"/v1/models/{MLP}:predict", {"instances": [ROW]}).status_code == 200
 
 
+def test_a_port_the_workers_hold_is_refused_to_a_second_service(start_server: Any, models_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """SO_REUSEPORT would let a second service of the same user join the port and take half
+    its connections: start-up refuses a port where anything listens, as TF Serving does."""
+    base = models(models_dir, tmp_path, MLP)
+    first = start_server("--models", str(base), "--backend", "tflite", "--workers", "2")
+    second = start_server("--models", str(base), "--backend", "tflite", "--workers", "2",
+                          "--state", str(tmp_path / "second"), port=first.port, ready=False)
+    assert second.proc.wait(60) == 1
+    assert f"cannot listen on 127.0.0.1:{first.port}" in second.log_text()
+    assert first.post(f"/v1/models/{MLP}:predict", {"instances": [ROW]}).status_code == 200
+
+
 def test_the_workers_requests_are_counted_by_the_service(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
     server = start_server("--models", str(models(models_dir, tmp_path, MLP)), "--backend", "tflite", "--workers", "2")
     with requests.Session() as session:
@@ -215,7 +228,7 @@ def test_a_stale_view_is_decoded_again(models_dir: Path, tmp_path: Path) -> None
     so (STALE) and decodes again: here its view names the input 'y', the model's is 'x'."""
     from appliance.api.app import create_app
     from appliance.api.remote.front import FrontApp, Link, RemoteCore, hot_mounts
-    from appliance.api.remote.serving import FrontService
+    from appliance.service.front_service import FrontService
     from appliance.core.appliance import Appliance
     from appliance.core.config import Config
     from appliance.core.serving_view import ModelView, ServingView, version_view

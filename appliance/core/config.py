@@ -407,6 +407,11 @@ def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
     return obj
 
 
+def from_dict(data: dict[str, Any]) -> Config:
+    """A ``Config`` from ``dataclasses.asdict`` of one (how a config crosses to a front worker)."""
+    return _build(Config, data, "")
+
+
 def validate(config: Config) -> Config:
     if not 0 < config.server.port < 65536:
         raise ConfigError("server.port", f"{config.server.port} is not a TCP port")

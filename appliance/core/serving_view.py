@@ -49,8 +49,11 @@ class ServingView:
 
 
 def fingerprint(signature: SignatureInfo) -> int:
-    """Equal for signatures that decode a request alike (names, dtypes, shapes)."""
-    return zlib.crc32(repr(_plain(signature)).encode())
+    """Equal for signatures that decode a request alike: the inputs' names, dtypes and
+    shapes, and the outputs' names in order (what a v2 answer lists); not the framework's
+    tensor names, which two builds of one model may well number differently."""
+    inputs = [(k, v.dtype.str, v.shape) for k, v in signature.inputs.items()]
+    return zlib.crc32(repr((signature.name, signature.method_name, inputs, list(signature.outputs))).encode())
 
 
 def _plain(signature: SignatureInfo) -> SignatureInfo:

@@ -33,7 +33,7 @@ from appliance.transport.http.server import HTTPServer, listen
 
 log = logging.getLogger("appliance.workers")
 
-REPORT_EVERY_S = 0.2  # request metrics to the serving process; HTTP figures every 5th time
+REPORT_EVERY_S = 1.0  # HTTP figures and memory to the serving process
 CONFIG_WAIT_S = 60.0
 
 
@@ -52,22 +52,29 @@ class Worker:
         """(the link's reader thread) What the serving process says unasked."""
         kind, _, payload = message
         if kind == m.CONFIG:
-            self.config = payload
+            self.config = m.config_from_plain(payload)
             if self.core is not None:
-                self.core.config = payload
+                self.core.config = self.config
             self.have_config.set()
         elif kind == m.VIEW:
+            view = m.view_from_plain(payload)
             if self.core is not None:
-                self.core.manager.view = payload
+                self.core.manager.view = view
             else:
-                self.first_view = payload
+                self.first_view = view
         elif kind == m.DRAIN:
             threading.Thread(target=self.drain, args=(payload,), name="drain", daemon=True).start()
         elif kind == "eof":  # the serving process is gone: nothing here can be answered any more
-            self.exit_code = 1
-            if self.server is not None:
-                threading.Thread(target=self.server.close, name="close", daemon=True).start()
-            self.done.set()
+            self.gone()
+
+    def gone(self) -> None:
+        """Stop: the serving process is gone (EOF, or this process was handed to init)."""
+        self.exit_code = 1
+        self.done.set()
+        self.have_config.set()  # a start-up still waiting for its config gives up at once
+        server = self.server
+        if server is not None:
+            threading.Thread(target=server.close, name="close", daemon=True).start()
 
     def drain(self, timeout: float) -> None:
         if self.server is not None:
@@ -76,7 +83,7 @@ class Worker:
 
     def run(self) -> int:
         threading.Thread(target=self.link.serve, name="channel", daemon=True).start()
-        if not self.have_config.wait(CONFIG_WAIT_S) or self.config is None:
+        if not self.have_config.wait(CONFIG_WAIT_S) or self.config is None or self.done.is_set():
             return 1
         config = self.config
         logs.setup(config.log_level)
@@ -91,22 +98,26 @@ class Worker:
         self.server = HTTPServer(FrontApp(self.core, hot_mounts(self.core)), config.server.host, self.port,
                                  config.server.threads, config.server.max_body_bytes,
                                  worker_limits(config.limits, workers), context, sock=listener)
+        if self.done.is_set():  # the serving process went away while this one started
+            self.server.close()
+            return 1
         threading.Thread(target=self.report, name="report", daemon=True).start()
         memory.tune_gc()
         self.server.serve_forever()
         return self.exit_code
 
     def report(self) -> None:
-        """Request metrics every REPORT_EVERY_S, HTTP figures and memory every fifth time."""
-        assert self.core is not None and self.server is not None
-        ticks = 0
+        """HTTP figures and memory every REPORT_EVERY_S (``/api/status`` ``workers``); and a
+        check that the serving process is still this one's parent, should its EOF be missed."""
+        assert self.server is not None
+        parent = os.getppid()
         while not self.done.wait(REPORT_EVERY_S):
-            self.core.metrics.flush()
-            ticks += 1
-            if ticks % 5 == 0:
-                self.link.send(m.STATS, {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(self.server.stats),
-                                         "served": self.server.tracker.served})
-        self.core.metrics.flush()
+            if os.getppid() != parent:
+                log.error("front worker %d: the serving process (pid %d) is gone; exiting", self.index, parent)
+                self.gone()
+                return
+            self.link.send(m.STATS, {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(self.server.stats),
+                                     "served": self.server.tracker.served})
 
 
 def _rss() -> int:

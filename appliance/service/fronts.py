@@ -39,9 +39,9 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from appliance.api.remote import messages as m
-from appliance.api.remote.serving import FrontService
 from appliance.core.config import Config, LimitsConfig
-from appliance.transport.http.server import reserve_port
+from appliance.service.front_service import FrontService
+from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
 from appliance.transport.supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def workers_for(config: Config) -> int:
 
 def worker_limits(limits: LimitsConfig, workers: int) -> LimitsConfig:
     """One worker's share of the port-wide limits."""
-    return dataclasses.replace(limits, max_connections=max(16, math.ceil(limits.max_connections / workers)),
+    return dataclasses.replace(limits, max_connections=max(1, math.ceil(limits.max_connections / workers)),
                                max_buffered_bytes=max(1, math.ceil(limits.max_buffered_bytes / workers)))
 
 
@@ -77,12 +77,16 @@ class Fronts:
         argv = [sys.executable, "-m", "appliance.service.front_worker", str(self.port)]
         self.supervisor = Supervisor(count, argv, self._started, self._exited)
         self.pids: dict[int, int] = {}
+        limits = config.limits
+        self._base_stats = {**initial_stats(limits, bool(config.security.tls_cert_file),
+                                            connection_cap(limits.max_connections)), "workers": count}
         self._closed = threading.Event()
         self._serving = False
 
     @property
     def stats(self) -> dict[str, Any]:
-        return {**self.front.http_stats(), "workers": self.count}
+        """The port's HTTP figures: the workers' together."""
+        return self.front.http_stats(self._base_stats)
 
     def workers_status(self) -> list[dict[str, Any]]:
         """Each worker: pid, memory, requests served, restarts (``/api/status`` ``workers``)."""
@@ -105,7 +109,7 @@ class Fronts:
 
     def apply_config(self, config: Config) -> None:
         """A reload: the workers' config (tokens, limits the API reads) follows."""
-        self.front.broadcast(m.CONFIG, config)
+        self.front.push_config(config)
 
     def drain(self, timeout: float) -> bool:
         """The graceful stop (module docstring); True when every worker drained in time."""

@@ -1,16 +1,18 @@
 """Messages between the serving process and its front workers, over a Unix socketpair.
 
-A message is a tuple ``(kind, id, payload)``; on the wire, a 4-byte big-endian length and
-the message pickled (protocol 5: numpy arrays travel in-band, one copy of their buffer,
-no per-element work). The socketpair is private to a parent and the child it spawned
-(``pass_fds``), so pickle's trust model holds: nothing else can write to it.
+A message is a tuple ``(kind, id, payload)``. On the wire: a 4-byte big-endian length and
+the message in MessagePack (the ``msgpack`` library), with numpy arrays as an extension
+type: a numeric array travels as its dtype, shape and raw buffer (one copy, no per-element
+work); an array of strings as its shape and its items. Payloads are plain data (strings,
+numbers, bytes, lists, dicts and arrays): the two ends turn their own objects into that
+(appliance/api/remote/messages.py). Nothing is ever unpickled: what a worker receives
+cannot run code, whatever a client managed to put in a request.
 
-Why a socket and not shared memory: a request's tensors are decoded in the worker and
-batched in the serving process; what the hand-off costs beside that decode was measured
-(bench/RESULTS.md, "Every core"): a CNN request (110 kB of float32) crosses in tens of
+Why a socket and not shared memory: what the hand-off costs beside a request's decode was
+measured (bench/RESULTS.md, "Every core"): a CNN request's 110 kB tensor crosses in tens of
 microseconds, its JSON decode costs a millisecond. A shared-memory ring would save a copy
-of that and add a second synchronisation protocol; the socket also tells each side at once
-when the other dies (EOF), which the supervisor relies on.
+and add a second synchronisation protocol; the socket also tells each side at once when
+the other dies (EOF), which the supervisor relies on.
 
 Two ends:
 
@@ -23,21 +25,53 @@ Two ends:
 from __future__ import annotations
 
 import asyncio
-import pickle
 import socket
 import threading
 from typing import Any, Callable
 
+import msgpack
+import numpy as np
+
 Message = tuple[str, int, Any]
 HEADER = 4
 MAX_FRAME = (1 << 32) - 1
+NUMBERS, STRINGS = 1, 2  # extension type codes: a numeric array, an array of bytes/str
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind == "O":
+            return msgpack.ExtType(STRINGS, msgpack.packb([list(obj.shape), obj.ravel().tolist()], use_bin_type=True))
+        arr = np.ascontiguousarray(obj)
+        return msgpack.ExtType(NUMBERS, msgpack.packb([arr.dtype.str, list(arr.shape), memoryview(arr).cast("B")],
+                                                      use_bin_type=True))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot send a {type(obj).__name__} between processes")
+
+
+def _ext(code: int, data: bytes) -> Any:
+    if code == NUMBERS:
+        dtype, shape, buf = msgpack.unpackb(data, raw=False)
+        return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+    if code == STRINGS:
+        shape, items = msgpack.unpackb(data, raw=False)
+        arr = np.empty(len(items), dtype=object)
+        arr[:] = items
+        return arr.reshape(shape)
+    return msgpack.ExtType(code, data)
 
 
 def frame(message: Message) -> bytes:
-    data = pickle.dumps(message, protocol=5)
+    data = msgpack.packb(message, default=_default, use_bin_type=True)
     if len(data) > MAX_FRAME:
         raise ValueError(f"a message of {len(data)} bytes is over the channel's frame limit")
     return len(data).to_bytes(HEADER, "big") + data
+
+
+def unframe(data: bytes | memoryview) -> Message:
+    kind, ident, payload = msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
+    return kind, ident, payload
 
 
 class Frames:
@@ -56,7 +90,7 @@ class Frames:
             end = start + HEADER + size
             if len(buf) < end:
                 break
-            out.append(pickle.loads(memoryview(buf)[start + HEADER:end]))
+            out.append(unframe(bytes(buf[start + HEADER:end])))
             start = end
         if start:
             del buf[:start]
@@ -105,8 +139,8 @@ class ChannelProtocol(asyncio.Protocol):
     """The serving process's end of one worker's channel (module docstring)."""
 
     def __init__(self, on_message: Callable[["ChannelProtocol", Message], None],
-                 on_lost: Callable[["ChannelProtocol"], None]):
-        self.on_message, self.on_lost = on_message, on_lost
+                 on_lost: Callable[["ChannelProtocol"], None], index: int = 0):
+        self.on_message, self.on_lost, self.index = on_message, on_lost, index
         self.frames = Frames()
         self.transport: asyncio.Transport | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -131,7 +165,7 @@ class ChannelProtocol(asyncio.Protocol):
     def send_threadsafe(self, message: Message) -> None:
         loop = self.loop
         if loop is not None and not loop.is_closed():
-            data = frame(message)  # pickled here, off the loop
+            data = frame(message)  # encoded here, off the loop
             try:
                 loop.call_soon_threadsafe(self._write, data)
             except RuntimeError:  # the loop closed meanwhile
@@ -140,3 +174,13 @@ class ChannelProtocol(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+    def shut(self) -> None:
+        """(loop thread) Close at once: the worker reads EOF even if the loop stops next."""
+        if self.transport is not None:
+            sock = self.transport.get_extra_info("socket")
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except (OSError, AttributeError):
+                pass
+            self.transport.close()

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 import numpy as np
 
@@ -34,12 +34,20 @@ from appliance.api.routes import Mount, normal, raw_path
 from appliance.core.config import Config
 from appliance.core.errors import InvalidArgument, Unavailable
 from appliance.core.serving_view import ModelView, ServingView, VersionView
-from appliance.transport.channel import BlockingChannel, Message
+
+Message = tuple[str, int, Any]
+
+
+class Channel(Protocol):
+    """What ``Link`` needs of its channel (appliance/transport/channel.py ``BlockingChannel``)."""
+
+    def send(self, message: Message) -> None: ...
+
+    def serve(self, on_message: Callable[[Message], None]) -> None: ...
 
 log = logging.getLogger("appliance.front")
 
 MAX_ATTEMPTS = 3  # decodes of one request while versions with other signatures swap in
-OBSERVE_EVERY_S = 0.2
 GONE = "the serving process is gone (restarting); retry"
 
 
@@ -56,7 +64,7 @@ class StaleView(BaseException):
 class Link:
     """The worker's end of its channel (module docstring)."""
 
-    def __init__(self, channel: BlockingChannel, on_push: Callable[[Message], None]):
+    def __init__(self, channel: Channel, on_push: Callable[[Message], None]):
         self.channel, self.on_push = channel, on_push
         self._ids = itertools.count(1)
         self._waiting: dict[int, Future[tuple[str, Any]] | queue.SimpleQueue[tuple[str, Any]]] = {}
@@ -101,25 +109,34 @@ class Link:
         try:
             self.channel.send(message)
         except OSError:
-            self._deliver(ident, (m.FAIL, m.error_to_wire(Unavailable(GONE))))
+            self._deliver(ident, (m.FAIL, m.error_to_plain(Unavailable(GONE))))
 
     def serve(self) -> None:
-        """(the reader thread) Replies to their waiters, pushes to ``on_push``, until EOF."""
-        self.channel.serve(self._on_message)
+        """(the reader thread) Replies to their waiters, pushes to ``on_push``, until EOF;
+        then every waiter fails (Unavailable) and ``on_push`` hears ("eof", 0, None)."""
+        try:
+            self.channel.serve(self._on_message)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
         with self._lock:
             self.gone = True
             waiting, self._waiting = self._waiting, {}
-        failure = (m.FAIL, m.error_to_wire(Unavailable(GONE)))
+        failure = (m.FAIL, m.error_to_plain(Unavailable(GONE)))
         for waiter in waiting.values():
             _put(waiter, failure)
         self.on_push(("eof", 0, None))
 
     def _on_message(self, message: Message) -> None:
         kind, ident, payload = message
-        if ident == 0:
-            self.on_push(message)
-        else:
-            self._deliver(ident, (kind, payload))
+        try:
+            if ident == 0:
+                self.on_push(message)
+            else:
+                self._deliver(ident, (kind, payload))
+        except Exception:  # one bad message must not end the conversation
+            log.exception("front worker: a %r message failed", kind)
 
     def _deliver(self, ident: int, reply: tuple[str, Any]) -> None:
         with self._lock:
@@ -139,23 +156,14 @@ def _put(waiter: Any, reply: tuple[str, Any]) -> None:
 
 
 class FrontMetrics:
-    """``observe_request`` as the core's ``Metrics`` has it; the serving process counts them
-    (shipped every OBSERVE_EVERY_S by the worker's stats thread, ``flush``)."""
+    """``observe_request`` as the core's ``Metrics`` has it: sent to the serving process, which
+    counts it, before the answer it describes leaves (so the next scrape sees it)."""
 
     def __init__(self, link: Link):
         self.link = link
-        self._batch: list[tuple[str, str, int, float, str]] = []
-        self._lock = threading.Lock()
 
     def observe_request(self, model: str, api: str, status: int, seconds: float, entrypoint: str = "REST") -> None:
-        with self._lock:
-            self._batch.append((model, api, status, seconds, entrypoint))
-
-    def flush(self) -> None:
-        with self._lock:
-            batch, self._batch = self._batch, []
-        if batch:
-            self.link.send(m.OBSERVE, batch)
+        self.link.send(m.OBSERVE, [[model, api, status, seconds, entrypoint]])
 
 
 class RemoteHandle:
@@ -201,13 +209,13 @@ class RemoteHandle:
         view = self._view
         request = m.RunRequest(self.model, self._requested, self._label, self._headers, signature, dict(inputs),
                                view.version, view.fingerprints.get(signature, 0))
-        kind, payload = self._link.call(m.RUN, request)
+        kind, payload = self._link.call(m.RUN, request.plain())
         if kind == m.DONE:
             self._answered = payload[0]
             return payload[1]  # type: ignore[no-any-return]
         if kind == m.STALE:
-            raise StaleView(self.model, payload)
-        raise m.error_from_wire(payload)
+            raise StaleView(self.model, m.version_from_plain(payload))
+        raise m.error_from_plain(payload)
 
     def release(self) -> None:
         """Nothing is held here: the serving process holds the version while it runs."""
@@ -236,10 +244,10 @@ class RemoteManager:
         if preferred is not None and version is None and label is None:
             chosen = preferred
         if chosen is None:
-            kind, payload = self.link.call(m.RESOLVE, (name, version, label))
+            kind, payload = self.link.call(m.RESOLVE, [name, version, label])
             if kind != m.DONE:
-                raise m.error_from_wire(payload)
-            chosen = payload
+                raise m.error_from_plain(payload)
+            chosen = m.version_from_plain(payload)
         headers = {h: route_key(h) for h in model.route_headers} if model is not None and route_key else {}
         return RemoteHandle(self.link, name, version, label, headers, chosen)
 
@@ -280,18 +288,19 @@ class Forwarder:
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         body = environ["wsgi.input"].read()
         try:
-            ident, replies = self.link.open(m.WSGI, (m.plain_environ(environ), body))
+            ident, replies = self.link.open(m.WSGI, [m.plain_environ(environ), body])
         except Unavailable as exc:
             return _error(exc, start_response)
         kind, payload = replies.get()
         if kind == m.ANSWER:
             status, headers, data = payload
-            start_response(status, headers)
+            start_response(status, [tuple(h) for h in headers])
             return [data]
         if kind == m.START:
-            start_response(*payload)
+            status, headers = payload
+            start_response(status, [tuple(h) for h in headers])
             return _Stream(self.link, ident, replies)
-        return _error(m.error_from_wire(payload), start_response)
+        return _error(m.error_from_plain(payload), start_response)
 
 
 def _error(exc: Exception, start_response: Callable[..., Any]) -> list[bytes]:
@@ -315,7 +324,7 @@ class _Stream:
                 continue
             self.ended = True
             if kind == m.FAIL:  # the serving process went away mid-stream: cut the answer
-                raise ConnectionAbortedError(m.error_from_wire(payload).message)
+                raise ConnectionAbortedError(m.error_from_plain(payload).message)
             return
 
     def close(self) -> None:

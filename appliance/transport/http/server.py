@@ -110,6 +110,19 @@ class InFlight:
             self.last_done = time.monotonic()
 
 
+def initial_stats(limits: Limits, tls: bool, max_connections: int) -> dict[str, Any]:
+    """The figures a server shows under ``/api/status`` ``http``, before it has served anything."""
+    return {
+        "server": "httptools+" + _loop_name(), "tls": tls,
+        "max_connections": max_connections, "header_timeout_s": limits.header_timeout_s,
+        "request_timeout_s": limits.request_timeout_s, "idle_timeout_s": limits.idle_timeout_s,
+        "max_queue_wait_s": limits.max_queue_wait_s, "max_header_bytes": limits.max_header_bytes,
+        "max_buffered_bytes": limits.max_buffered_bytes, "connections": 0, "buffered_bytes": 0,
+        "cut_header_timeout": 0, "cut_request_timeout": 0, "cut_idle": 0, "cut_tls_handshake_timeout": 0,
+        "tls_handshake_failed": 0, "shed_overload": 0, "shed_memory": 0, "too_large": 0, "bad_request": 0,
+        "bad_host": 0, "evicted_idle": 0, "queued": 0, "peak_queued": 0, "queue_standing": False}
+
+
 def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The listening socket of ``host:port`` (a deep accept queue: bursts wait in the kernel).
     ``reuse_port``: one of several processes' sockets on the port, the kernel spreading new
@@ -120,7 +133,12 @@ def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
 def reserve_port(host: str, port: int) -> socket.socket:
     """Hold ``host:port`` for processes that will ``listen(..., reuse_port=True)`` on it: bound
     (so a busy port fails here, and port 0 gets its number), never listening, so the kernel
-    gives it no connections. Only processes of this user can join the port."""
+    gives it no connections. Only processes of this user can join the port, and a port
+    where any socket listens (another service's workers among them) is refused first."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as probe:  # EADDRINUSE if anyone listens there,
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # however it joined the port
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -181,15 +199,7 @@ class HTTPServer:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # made by serve_forever
         self._closed = threading.Event()
         self._started = threading.Event()
-        self.stats: dict[str, Any] = {
-            "server": "httptools+" + _loop_name(), "tls": ssl_context is not None,
-            "max_connections": self.max_connections, "header_timeout_s": limits.header_timeout_s,
-            "request_timeout_s": limits.request_timeout_s, "idle_timeout_s": limits.idle_timeout_s,
-            "max_queue_wait_s": limits.max_queue_wait_s, "max_header_bytes": limits.max_header_bytes,
-            "max_buffered_bytes": limits.max_buffered_bytes, "connections": 0, "buffered_bytes": 0,
-            "cut_header_timeout": 0, "cut_request_timeout": 0, "cut_idle": 0, "cut_tls_handshake_timeout": 0,
-            "tls_handshake_failed": 0, "shed_overload": 0, "shed_memory": 0, "too_large": 0, "bad_request": 0,
-            "bad_host": 0, "evicted_idle": 0, "queued": 0, "peak_queued": 0, "queue_standing": False}
+        self.stats: dict[str, Any] = initial_stats(limits, ssl_context is not None, self.max_connections)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:

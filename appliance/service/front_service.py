@@ -1,4 +1,4 @@
-"""The serving process's side of the handle across processes (package docstring).
+"""The serving process's side of the handle across processes (appliance/api/remote/).
 
 ``FrontService`` talks to every front worker over its channel, on one event loop of its
 own (``start``):
@@ -47,9 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("appliance.front")
 
 VIEW_EVERY_S = 0.1
-# Figures of the workers' HTTP servers that are settings, not counts: shown once, not summed.
+# Figures of the workers' HTTP servers that are settings, not counts: shown once, not summed
+# (the shared-out limits, max_connections and max_buffered_bytes, add up to the port's).
 SETTINGS = frozenset({"server", "tls", "header_timeout_s", "request_timeout_s", "idle_timeout_s",
-                      "max_queue_wait_s", "max_header_bytes"})
+                      "max_queue_wait_s", "max_header_bytes", "max_connections", "max_buffered_bytes"})
 
 
 class FrontService:
@@ -84,38 +85,37 @@ class FrontService:
 
     async def _connect(self, index: int, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        _, proto = await loop.connect_accepted_socket(lambda: ChannelProtocol(self._on_message, self._on_lost), sock)
-        proto.index = index  # type: ignore[attr-defined]
-        self.links[index] = proto  # type: ignore[assignment]
-        proto.send((m.CONFIG, 0, self.core.config))  # type: ignore[attr-defined]
-        proto.send((m.VIEW, 0, self.view))  # type: ignore[attr-defined]
+        _, proto = await loop.connect_accepted_socket(
+            lambda: ChannelProtocol(self._on_message, self._on_lost, index), sock)
+        self.links[index] = proto
+        proto.send((m.CONFIG, 0, m.config_plain(self.core.config)))
+        proto.send((m.VIEW, 0, m.view_plain(self.view)))
 
     def broadcast(self, kind: str, payload: Any) -> None:
+        """Send a push (plain data) to every worker."""
         for proto in list(self.links.values()):
             proto.send_threadsafe((kind, 0, payload))
 
+    def push_config(self, config: Any) -> None:
+        self.broadcast(m.CONFIG, m.config_plain(config))
+
     def _close_links(self) -> None:
         for proto in list(self.links.values()):
-            if proto.transport is not None:  # shut down at once: the loop stops before a close would run
-                try:
-                    proto.transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                proto.transport.close()
+            proto.shut()
 
     # -- messages (loop thread) --------------------------------------------------------------
     def _on_message(self, proto: ChannelProtocol, message: Message) -> None:
         kind, ident, payload = message
         if kind == m.RUN:
-            asyncio.get_running_loop().create_task(self._run(proto, ident, payload))
+            asyncio.get_running_loop().create_task(self._run(proto, ident, m.RunRequest.from_plain(payload)))
         elif kind == m.RESOLVE:
             proto.send(self._resolve(ident, *payload))
         elif kind == m.WSGI:
-            cancelled = self._streams[(proto.index, ident)] = threading.Event()  # type: ignore[attr-defined]
+            cancelled = self._streams[(proto.index, ident)] = threading.Event()
             assert self._pool is not None
             self._pool.submit(self._wsgi, proto, ident, payload, cancelled)
         elif kind == m.CANCEL:
-            flag = self._streams.get((proto.index, payload))  # type: ignore[attr-defined]
+            flag = self._streams.get((proto.index, payload))
             if flag is not None:
                 flag.set()
         elif kind == m.OBSERVE:
@@ -123,13 +123,13 @@ class FrontService:
             for observation in payload:
                 observe(*observation)
         elif kind == m.STATS:
-            self.stats[proto.index] = payload  # type: ignore[attr-defined]
+            self.stats[proto.index] = payload
 
     def _on_lost(self, proto: ChannelProtocol) -> None:
-        index = getattr(proto, "index", None)
-        if self.links.get(index) is proto:  # type: ignore[arg-type]
-            del self.links[index]  # type: ignore[arg-type]
-            self.stats.pop(index, None)  # type: ignore[arg-type]
+        index = proto.index
+        if self.links.get(index) is proto:
+            del self.links[index]
+            self.stats.pop(index, None)
         for (worker, _), flag in list(self._streams.items()):
             if worker == index:
                 flag.set()
@@ -142,20 +142,20 @@ class FrontService:
             route_key = request.route_headers.get if request.route_headers else None
             held = manager.handle(request.model, request.version, request.label, route_key)
         except BaseException as exc:  # the manager's own errors, to the client as they are
-            proto.send((m.FAIL, ident, m.error_to_wire(exc)))
+            proto.send((m.FAIL, ident, m.error_to_plain(exc)))
             return
         with held:
             if held.version != request.decoded_version:
                 sig = held.signatures.get(request.signature)
                 if sig is not None and fingerprint(sig) != request.decoded_fingerprint:
-                    proto.send((m.STALE, ident, _view_of(held)))
+                    proto.send((m.STALE, ident, m.version_plain(_view_of(held))))
                     return
             try:
                 outputs = await held.run_async(request.signature, request.inputs)
             except BaseException as exc:
-                proto.send((m.FAIL, ident, m.error_to_wire(exc)))
+                proto.send((m.FAIL, ident, m.error_to_plain(exc)))
                 return
-            proto.send((m.DONE, ident, (held.version, outputs)))
+            proto.send((m.DONE, ident, [held.version, outputs]))
 
     def _resolve(self, ident: int, name: str, version: int | None, label: str | None) -> Message:
         manager = self.core.manager
@@ -163,9 +163,9 @@ class FrontService:
             if manager is None:
                 raise Unavailable("the service is stopping")
             with manager.handle(name, version, label, judged=False) as held:
-                return (m.DONE, ident, _view_of(held))
+                return (m.DONE, ident, m.version_plain(_view_of(held)))
         except BaseException as exc:
-            return (m.FAIL, ident, m.error_to_wire(exc))
+            return (m.FAIL, ident, m.error_to_plain(exc))
 
     # -- forwarded requests (pool threads) -----------------------------------------------------
     def _wsgi(self, proto: ChannelProtocol, ident: int, payload: tuple[dict[str, str], bytes],
@@ -184,14 +184,14 @@ class FrontService:
         try:
             result = self.app(environ, start_response)
             if isinstance(result, (list, tuple)):
-                proto.send_threadsafe((m.ANSWER, ident, (started[0], started[1], b"".join(result))))
+                proto.send_threadsafe((m.ANSWER, ident, [started[0], started[1], b"".join(result)]))
                 return
             self._stream(proto, ident, result, started, cancelled)
         except Exception as exc:  # the app's own failure: logged here, a 500 there
             log.exception("forwarded %s %s failed", env.get("REQUEST_METHOD"), env.get("PATH_INFO"))
-            proto.send_threadsafe((m.FAIL, ident, m.error_to_wire(exc)))
+            proto.send_threadsafe((m.FAIL, ident, m.error_to_plain(exc)))
         finally:
-            self._streams.pop((proto.index, ident), None)  # type: ignore[attr-defined]
+            self._streams.pop((proto.index, ident), None)
             closer = getattr(result, "close", None)
             if closer is not None:
                 closer()
@@ -204,12 +204,12 @@ class FrontService:
             if cancelled.is_set():
                 return
             if not sent:  # start_response may come with the first chunk (PEP 3333)
-                proto.send_threadsafe((m.START, ident, (started[0], started[1])))
+                proto.send_threadsafe((m.START, ident, [started[0], started[1]]))
                 sent = True
             if chunk:
                 proto.send_threadsafe((m.CHUNK, ident, bytes(chunk)))
         if not sent:
-            proto.send_threadsafe((m.START, ident, (started[0], started[1])))
+            proto.send_threadsafe((m.START, ident, [started[0], started[1]]))
         proto.send_threadsafe((m.END, ident, None))
 
     # -- the serving view ---------------------------------------------------------------------
@@ -223,22 +223,22 @@ class FrontService:
             view = serving_view.build(manager, self.view.generation + 1)
             if view.models != self.view.models:
                 self.view = view
+                plain = m.view_plain(view)
                 for proto in list(self.links.values()):
-                    proto.send((m.VIEW, 0, view))
+                    proto.send((m.VIEW, 0, plain))
         loop.loop.call_later(VIEW_EVERY_S, self._watch_view)
 
     # -- status ---------------------------------------------------------------------------------
-    def http_stats(self) -> dict[str, Any]:
-        """The workers' HTTP figures together: counts summed, settings shown once."""
-        merged: dict[str, Any] = {}
-        for stats in list(self.stats.values()):
-            for key, value in stats.get("http", {}).items():
-                if key in SETTINGS or not isinstance(value, (int, float)) or isinstance(value, bool):
-                    merged.setdefault(key, value)
-                    if isinstance(value, bool):
-                        merged[key] = merged[key] or value
-                else:
-                    merged[key] = merged.get(key, 0) + value
+    def http_stats(self, base: dict[str, Any]) -> dict[str, Any]:
+        """The workers' HTTP figures together, over ``base`` (the figures of none): counts
+        summed, settings shown once (a limit shared out among workers: the port's total)."""
+        merged = dict(base)
+        reported = [stats.get("http", {}) for stats in list(self.stats.values())]
+        for key, value in base.items():
+            if key in SETTINGS or not reported:
+                continue
+            values = [r.get(key, value) for r in reported]
+            merged[key] = any(values) if isinstance(value, bool) else sum(values)
         return merged
 
 
