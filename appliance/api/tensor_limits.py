@@ -45,10 +45,11 @@ def check_elements(inputs: Mapping[str, np.ndarray], limits: Any) -> None:
     check_element_count(sum(arr.size for arr in inputs.values()), limits)
 
 
-def check_element_count(total: int, limits: Any) -> None:
-    """``total`` elements (decoded, or declared by shapes before decoding) within the limit."""
+def check_element_count(total: int, limits: Any, detail: str = "") -> None:
+    """``total`` elements (decoded, or declared by shapes before decoding) within the limit;
+    ``detail`` says where they come from, in the error."""
     if total > limits.max_tensor_elements:
-        raise InvalidArgument(f"the request's tensors hold {total} elements, over the limit of "
+        raise InvalidArgument(f"the request's tensors hold {total} elements{detail}, over the limit of "
                               f"{limits.max_tensor_elements} ({KEY})")
 
 
