@@ -195,8 +195,10 @@ def test_oversized_v2_tensors_cost_no_parse_memory(start_server: Any, models_dir
     server's peak and current RSS within a few body sizes, and it answers a normal request."""
     psutil = pytest.importorskip("psutil")
     config = tmp_path / "appliance.toml"
-    # Two HTTP workers: what the transport holds between requests stays small; this test is
-    # about what decoding a refused body costs. Default limits (max_tensor_elements 4 Mi).
+    # Two HTTP workers: a worker keeps its last request until it takes the next one
+    # (appliance/transport/http/workers.py), so each may hold one body between requests;
+    # with two that stays small, and this test is about what decoding a refused body costs.
+    # Default limits (max_tensor_elements 4 Mi).
     config.write_text(f"poll_interval_s = 5.0\n{NO_DISCOVERY}[server]\nthreads = 2\n"
                       f'[[models]]\nname = "mlp"\nbase_path = "{models_dir / "keras_mlp_tflite"}"\n')
     server = start_server("--config", str(config), timeout=120)
