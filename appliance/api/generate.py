@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import unquote
@@ -49,16 +48,11 @@ class GenerateAPI:
 
     def __init__(self, core: "Appliance"):
         self.core = core
-        self._generation: Generation | None = None
-        self._lock = threading.Lock()
 
     @property
     def generation(self) -> Generation:
-        """Built on the first request: its metrics exist only where generation is used."""
-        with self._lock:
-            if self._generation is None:
-                self._generation = Generation(self.core)
-            return self._generation
+        """The core's one (built on first use; shared with the OpenAI API)."""
+        return Generation.of(self.core)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         match = PATH_RE.fullmatch(raw_path(environ).partition("?")[0])
@@ -96,7 +90,8 @@ class GenerateAPI:
             if context is not None and len(prompt) >= context:
                 raise InvalidArgument(f"field 'input_ids': the prompt has {len(prompt)} tokens; this model's context "
                                       f"holds {context}, so a prompt may have at most {context - 1}")
-            stream = self.generation.start(prompt, params, handle, name)
+            text = body.get("text") if isinstance(body.get("text"), str) else None
+            stream = self.generation.start(prompt, params, handle, name, text=text)
         except BaseException:
             handle.release()
             raise
@@ -107,8 +102,9 @@ class GenerateAPI:
         while True:
             kind, value = stream.events.get()
             if kind == "done":
-                body = orjson.dumps({**value, "tokens": stream.tokens,
-                                     "text": "".join(map(vocab.decode, stream.tokens)) if vocab else None})
+                text = "".join(stream.pieces) if stream.text_level else \
+                    "".join(map(vocab.decode, stream.tokens)) if vocab else None
+                body = orjson.dumps({**value, "tokens": None if stream.text_level else stream.tokens, "text": text})
                 return 200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
             if kind == "error":  # the model failed mid-way
                 return render(500, value)
@@ -135,6 +131,9 @@ class _EventStream:
             if kind == "token":
                 text = self.vocab.decode(value) if self.vocab else None
                 yield b"data: " + orjson.dumps({"token": value, "text": text}) + b"\n\n"
+                continue
+            if kind == "text":  # a text-level servable (LiteRT-LM): pieces, no ids
+                yield b"data: " + orjson.dumps({"token": None, "text": value}) + b"\n\n"
                 continue
             self.finished = True
             status = 200 if kind == "done" else 500
