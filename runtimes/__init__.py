@@ -20,6 +20,7 @@ from .base import (
 )
 from .select import Decision, select, synthetic_inputs
 from .litertlm import LiteRTLMBackend, TextServable
+from .litertlm import Request as TextRequest
 from .tf_cpu import TFCPUBackend
 from .tf_gpu import TFGPUBackend
 from .tflite import TFLiteBackend
@@ -51,6 +52,7 @@ __all__ = [
     "Servable",
     "SignatureInfo",
     "TensorSpec",
+    "TextRequest",
     "TextServable",
     "default_backends",
     "select",

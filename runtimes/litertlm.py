@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from .base import Availability, InputFailure, LoadFailure, MissingDependency, SignatureInfo
+from .base import Availability, InputFailure, LoadFailure, MissingDependency, RuntimeFailure, SignatureInfo
 
 NAME = "litertlm"
 SUFFIX = ".litertlm"
@@ -111,8 +111,11 @@ class LiteRTLMServable:
                 session.run_prefill([request.text])
             except RuntimeError as exc:  # LiteRT-LM logs the reason; its exception only says "failed"
                 raise InputFailure(f"LiteRT-LM refused the prompt ({exc})") from exc
-            for response in session.run_decode_async():
-                yield from response.texts
+            try:
+                for response in session.run_decode_async():
+                    yield from response.texts
+            except RuntimeError as exc:
+                raise RuntimeFailure(f"LiteRT-LM failed while decoding ({exc})") from exc
             finished = True
         finally:
             if not finished:
@@ -147,9 +150,12 @@ class LiteRTLMBackend:
         path = os.path.join(version_dir, bundle)
         context = _check_layout(path)
         lm = _module()
+        cache_dir = options.get("cache_dir")
+        if cache_dir:  # LiteRT-LM refuses a cache directory that does not exist yet
+            os.makedirs(cache_dir, exist_ok=True)
         try:
             engine = lm.Engine(path, backend=lm.Backend.CPU(), max_num_tokens=options.get("max_num_tokens"),
-                               cache_dir=options.get("cache_dir"))
+                               cache_dir=cache_dir)
         except Exception as exc:  # the engine's own words (a bad bundle, an unsupported model)
             raise LoadFailure(f"LiteRT-LM refused {bundle}: {exc}") from exc
         return LiteRTLMServable(path, engine, lm, context)

@@ -3,11 +3,11 @@ Python client pointed at the real ``appliance serve``.
 
 Models: ``tiny``, a model litert-torch converted (``tests/litert_llm.py``, ``lt_plain``)
 given a character vocabulary here (``assets/vocab.json``: token i is ``chr(i)``, so any
-ASCII text encodes); ``bundle``, a ``.litertlm`` bundle built in the test from the
-transposed-cache conversion (``tests/test_litertlm.py``'s builder, a word-level tokenizer
-where token i is the word ``t<i>``) with its own ``assets/chat_template.jinja``; ``mlp``,
-a TFLite model that cannot generate. Answers are compared with the reference greedy
-decoder on LiteRT's signature runners.
+ASCII text encodes), label ``stable`` -> 1; ``bundle``, a ``.litertlm`` bundle built in
+the test from the transposed-cache conversion (``tests/test_litertlm.py``'s builder, a
+word-level tokenizer where token i is the word ``t<i>``) with its own
+``assets/chat_template.jinja``; ``mlp``, a TFLite model that cannot generate. Answers are
+compared with the reference greedy decoder on LiteRT's signature runners.
 """
 
 from __future__ import annotations
@@ -21,20 +21,37 @@ import pytest
 import requests
 
 from tests import litert_llm
+from tests.conftest import model_copy
+from tests.test_generate import gen_models  # noqa: F401  (the session fixture, for the swap test)
 
 openai = pytest.importorskip("openai", reason="the official OpenAI client (the test extra)")
 pytest.importorskip("litert_torch", reason="litert-torch converts the models (the test extra)")
 
 N = 12
-# what DEFAULT_CHAT_TEMPLATE (appliance/core/generation.py) makes of one user message
+# what DEFAULT_CHAT_TEMPLATE (appliance/core/text.py) makes of one user message
 DEFAULT_CHAT = "<|user|>\n{}\n<|assistant|>\n"
 BUNDLE_TEMPLATE = "{% for m in messages %}{{ m.content }}{% if not loop.last %} {% endif %}{% endfor %}"
 WORDS = [5, 17, 42, 99, 3, 64, 8, 120, 77, 31]
+START = 1  # the bundle's start token (tests/test_litertlm.py)
+BUNDLE_SKIP = "LiteRT-LM's engine (litert-lm-api, the test extra) builds and runs the bundle"
 
 
 @pytest.fixture(scope="module")
 def lt_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return litert_llm.models(tmp_path_factory.mktemp("litert-llm-build"))
+
+
+def make_bundle(lt_models: Path, build: Path, target: Path) -> bool:
+    """The bundle version at ``target``; False where LiteRT-LM is not installed."""
+    try:
+        from tests.test_litertlm import bundle  # skips (at import) without LiteRT-LM
+    except BaseException:  # pytest's Skipped is no Exception
+        return False
+    version = bundle(lt_models, "lt_t", build)
+    shutil.copytree(version, target)
+    (target / "assets").mkdir()
+    (target / "assets" / "chat_template.jinja").write_text(BUNDLE_TEMPLATE)
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +62,17 @@ def base(lt_models: Path, models_dir: Path, tmp_path_factory: pytest.TempPathFac
     shutil.copy(lt_models / "lt_plain" / "1" / "model.tflite", tiny / "model.tflite")
     (tiny / "assets" / "vocab.json").write_text(json.dumps([chr(i) for i in range(litert_llm.VOCAB)]))
     shutil.copytree(models_dir / "keras_mlp_tflite", root / "models" / "mlp")
-    try:
-        from tests.test_litertlm import bundle  # skips here without LiteRT-LM
-    except BaseException:  # pytest's Skipped is no Exception
-        return root / "models"
-    version = bundle(lt_models, "lt_t", root / "build")
-    target = root / "models" / "bundle" / "1"
-    shutil.copytree(version, target)
-    (target / "assets").mkdir()
-    (target / "assets" / "chat_template.jinja").write_text(BUNDLE_TEMPLATE)
+    make_bundle(lt_models, root / "build", root / "models" / "bundle" / "1")
     return root / "models"
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any, base: Path) -> Any:
-    return module_server("--models", str(base))
+def server(module_server: Any, base: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    config = tmp_path_factory.mktemp("openai-config") / "appliance.toml"
+    models = "".join(f'[[models]]\nname = "{m.name}"\nbase_path = "{m}"\n' +
+                     ('labels = { stable = 1 }\n' if m.name == "tiny" else "") for m in sorted(base.iterdir()))
+    config.write_text(f"poll_interval_s = 0.2\n{models}")
+    return module_server("--config", str(config))
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +100,7 @@ def expected_text(reference: Any, prompt: str, n: int = N) -> str:
 
 def needs_bundle(base: Path) -> None:
     if not (base / "bundle").exists():
-        pytest.skip("LiteRT-LM's engine (litert-lm-api, the test extra) builds and runs the bundle")
+        pytest.skip(BUNDLE_SKIP)
 
 
 # -- a converted model with a vocabulary -------------------------------------------------------
@@ -100,6 +113,7 @@ def test_a_streamed_chat_completion_is_the_reference_answer(client: Any, referen
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert {c.model for c in chunks} == {"tiny:1"}  # the version that answered
     usage = chunks[-1].usage
     assert not chunks[-1].choices and usage is not None
     prompt_tokens = len(DEFAULT_CHAT.format("hello there"))
@@ -109,23 +123,25 @@ def test_a_streamed_chat_completion_is_the_reference_answer(client: Any, referen
 def test_a_chat_completion_without_streaming_has_usage(client: Any, reference: Any) -> None:
     answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                             temperature=0, max_tokens=5)
-    assert answer.object == "chat.completion" and answer.model == "tiny"
+    assert answer.object == "chat.completion" and answer.model == "tiny:1"
     assert answer.choices[0].message.role == "assistant"
     assert answer.choices[0].message.content == expected_text(reference, DEFAULT_CHAT.format("hi"), 5)
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage.completion_tokens == 5 and answer.usage.prompt_tokens == len(DEFAULT_CHAT.format("hi"))
-    assert answer.system_fingerprint == "tiny-v1"  # the version that answered
 
 
-def test_a_completion_streamed_and_not(client: Any, reference: Any) -> None:
+def test_a_completion_streamed_and_not_by_every_model_id(client: Any, reference: Any) -> None:
     want = expected_text(reference, "the model ")
     streamed = list(client.completions.create(model="tiny", prompt="the model ", max_tokens=N, temperature=0,
                                               stream=True))
     assert "".join(c.choices[0].text for c in streamed) == want
     assert streamed[-1].choices[0].finish_reason == "length"
-    whole = client.completions.create(model="tiny/versions/1", prompt="the model ", max_tokens=N, temperature=0)
-    assert whole.object == "text_completion" and whole.choices[0].text == want
-    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (10, N, 10 + N)
+    for model in ("tiny:1", "tiny:stable"):  # a version, a label
+        whole = client.completions.create(model=model, prompt="the model ", max_tokens=N, temperature=0)
+        assert whole.object == "text_completion" and whole.choices[0].text == want, model
+        assert whole.model == "tiny:1"
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == \
+            (10, N, 10 + N)
 
 
 def test_stop_strings_cut_the_answer(client: Any, reference: Any) -> None:
@@ -143,47 +159,89 @@ def test_stop_strings_cut_the_answer(client: Any, reference: Any) -> None:
 
 
 def test_a_seed_makes_sampling_reproducible(client: Any) -> None:
-    def sample() -> str:
-        return client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0.9, top_p=0.95,
-                                         seed=7).choices[0].text  # type: ignore[no-any-return]
+    def sample(seed: int) -> str:
+        return client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=1.5, top_p=0.95,
+                                         seed=seed).choices[0].text  # type: ignore[no-any-return]
 
-    assert sample() == sample()
+    first = [sample(seed) for seed in (1, 2, 3, 4)]
+    assert [sample(seed) for seed in (1, 2, 3, 4)] == first  # same seed, same text
+    assert len(set(first)) > 1  # and the seed is what decides: these four seeds sample differently
 
 
 def test_errors_are_openais(client: Any, server: Any) -> None:
-    with pytest.raises(openai.NotFoundError) as missing:
-        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    assert missing.value.status_code == 404 and missing.value.code == "model_not_found"
-    assert missing.value.type == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as two:
-        client.completions.create(model="tiny", prompt="x", n=2)
-    assert two.value.param == "n"
-    with pytest.raises(openai.BadRequestError) as hot:
-        client.completions.create(model="tiny", prompt="x", temperature=5)
-    assert hot.value.param == "temperature" and hot.value.type == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as cannot:
+    chat = [{"role": "user", "content": "x"}]
+    for model in ("nope", "tiny:7", "tiny:nolabel"):  # no such model, version, label
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.chat.completions.create(model=model, messages=chat)
+        assert missing.value.code == "model_not_found" and missing.value.param == "model", model
+        assert missing.value.type == "invalid_request_error"
+    for kwargs, param in (({"n": 2}, "n"), ({"temperature": 5}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+                          ({"presence_penalty": 1.5}, "presence_penalty"), ({"model": "mlp"}, "model"),
+                          ({"model": "tiny/versions/1"}, "model"), ({"stop": ["a"] * 5}, "stop"),
+                          ({"prompt": ""}, "prompt"), ({"prompt": "\u00e9"}, "prompt")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(**{"model": "tiny", "prompt": "x", **kwargs})
+        assert bad.value.param == param and bad.value.type == "invalid_request_error", kwargs
+    with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="mlp", prompt="x")
-    assert cannot.value.param == "model"
-    with pytest.raises(openai.BadRequestError) as penalty:
-        client.completions.create(model="tiny", prompt="x", presence_penalty=1.5)
-    assert penalty.value.param == "presence_penalty"
+    assert "cannot generate" in refused.value.message
     r = server.post("/v1/chat/completions", b"{not json")
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = server.post("/v1/completions", {"model": "tiny", "prompt": "x" * 200, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert server.get("/v1/chat/completions").status_code == 405
+    # the service keeps serving after every refusal
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=0).choices[0].text
 
 
 def test_models_lists_what_generates_and_tf_serving_keeps_its_paths(client: Any, server: Any, base: Path) -> None:
     listed = client.models.list()
     ids = {m.id for m in listed.data}
-    assert "tiny" in ids and "mlp" not in ids
-    assert ("bundle" in ids) == (base / "bundle").exists()
-    assert all(m.object == "model" and m.owned_by == "edge-appliance" for m in listed.data)
+    bundle = {"bundle", "bundle:1"} if (base / "bundle").exists() else set()
+    assert ids == {"tiny", "tiny:1", "tiny:stable"} | bundle  # mlp cannot generate
+    assert all(m.object == "model" and m.owned_by == "edge-appliance" and m.created > 0 for m in listed.data)
+    assert requests.head(server.url + "/v1/models", timeout=30).status_code == 200
+    # every TF Serving path stays TF Serving's: model status, metadata, a POST to /v1/models
     status = server.get("/v1/models/tiny")
     assert status.status_code == 200
     assert status.json()["model_version_status"][0]["state"] == "AVAILABLE"
     assert server.get("/v1/models/mlp/metadata").json()["model_spec"]["name"] == "mlp"
+    assert server.post("/v1/models", b"{}").json()["error"].startswith("Malformed request")
+
+
+def test_requests_are_counted_per_api(client: Any, server: Any) -> None:
+    client.completions.create(model="tiny", prompt="a", max_tokens=1)
+    metrics = server.get("/monitoring/prometheus/metrics").text
+    for api in ("completions", "chat_completions"):
+        assert f'API="{api}",entrypoint="REST",model_name="tiny",status="OK"' in metrics, api
+    assert 'edge_appliance_generation_tokens_total{model_name="tiny"}' in metrics
+
+
+def test_a_hot_swap_mid_stream_finishes_on_the_old_version(start_server: Any, gen_models: Path,  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    """genmodel's slow model (~80 ms a step) keeps its stream open across the swap."""
+    base = model_copy(gen_models, tmp_path, "gen_slow")
+    srv = start_server("--models", str(base), "--poll-interval", "0.2")
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        old = c.completions.create(model="gen_slow", prompt="the model ", max_tokens=40, temperature=0)
+        stream = iter(c.completions.create(model="gen_slow", prompt="the model ", max_tokens=40, temperature=0,
+                                           stream=True))
+        chunks = [next(stream)]
+        shutil.copytree(gen_models / "gen_slow_v2" / "2", base / "gen_slow" / "2")  # a new version appears
+
+        def versions() -> dict[int, str]:
+            return {v["version"]: v["state"] for v in srv.status()["models"]["gen_slow"]["versions"]}
+
+        srv.wait_for(lambda: versions().get(2) == "AVAILABLE" and versions().get(1) == "UNLOADING", 60,
+                     "version 2 to serve while version 1 drains (held by the stream)")
+        new = c.completions.create(model="gen_slow", prompt="the model ", max_tokens=5, temperature=0)
+        chunks += list(stream)
+    finally:
+        c.close()
+    assert "".join(ch.choices[0].text for ch in chunks) == old.choices[0].text  # unbroken, on version 1
+    assert {ch.model for ch in chunks} == {"gen_slow:1"} and new.model == "gen_slow:2"
+    srv.wait_for(lambda: versions().get(1) == "END", 30, "version 1 to unload once its stream ended")
 
 
 # -- a LiteRT-LM bundle -------------------------------------------------------------------------
@@ -193,8 +251,6 @@ def words(text: str) -> list[int]:
 
 def test_a_bundle_streams_the_reference_answer(client: Any, reference: Any, base: Path) -> None:
     needs_bundle(base)
-    from tests.test_litertlm import START
-
     want = reference("lt_t", [START, *WORDS], 10)
     prompt = " ".join(f"t{i}" for i in WORDS)
     chunks = list(client.completions.create(model="bundle", prompt=prompt, max_tokens=10, temperature=0,
@@ -202,6 +258,7 @@ def test_a_bundle_streams_the_reference_answer(client: Any, reference: Any, base
     assert words("".join(c.choices[0].text for c in chunks if c.choices)) == want
     assert chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == len(WORDS) + 1  # LiteRT-LM's start token counts
+    assert {c.model for c in chunks} == {"bundle:1"}
     # chat through the version's own template: the messages' words joined by spaces
     chat = list(client.chat.completions.create(
         model="bundle", temperature=0, max_tokens=10, stream=True,
@@ -213,10 +270,21 @@ def test_a_bundle_streams_the_reference_answer(client: Any, reference: Any, base
     assert words(whole.choices[0].message.content) == want[:3] and whole.choices[0].finish_reason == "stop"
 
 
+def test_a_bundle_samples_reproducibly_with_a_seed(client: Any, base: Path) -> None:
+    needs_bundle(base)
+    prompt = " ".join(f"t{i}" for i in WORDS)
+
+    def sample(seed: int) -> str:
+        return client.completions.create(model="bundle", prompt=prompt, max_tokens=8, temperature=1.5,
+                                         seed=seed).choices[0].text  # type: ignore[no-any-return]
+
+    first = [sample(seed) for seed in (1, 2, 3, 4)]
+    assert [sample(seed) for seed in (1, 2, 3, 4)] == first
+    assert len(set(first)) > 1
+
+
 def test_a_bundle_answers_generate_with_text(server: Any, reference: Any, base: Path) -> None:
     needs_bundle(base)
-    from tests.test_litertlm import START
-
     prompt = " ".join(f"t{i}" for i in WORDS)
     r = server.post("/v1/models/bundle:generate", {"text": prompt, "max_new_tokens": 6})
     assert r.status_code == 200, r.text
@@ -229,6 +297,24 @@ def test_a_bundle_answers_generate_with_text(server: Any, reference: Any, base: 
     pieces = [json.loads(e[6:]) for e in events[:-1]]
     assert all(p["token"] is None for p in pieces)
     assert words("".join(p["text"] for p in pieces)) == reference("lt_t", [START, *WORDS], 3)
+    assert json.loads(events[-1][6:])["finish_reason"] == "length"
     assert server.status()["models"]["bundle"]["versions"][0]["decision"]["chosen"] == "litertlm"
-    r = requests.post(server.url + "/v1/models/bundle:generate", json={"text": prompt, "stop": [3]}, timeout=30)
+    r = server.post("/v1/models/bundle:generate", {"text": prompt, "stop": [3]})
     assert r.status_code == 400 and "stop" in r.json()["error"]
+
+
+def test_a_new_bundle_version_swaps_in_and_the_old_one_unloads(server: Any, client: Any, base: Path) -> None:
+    needs_bundle(base)
+    prompt = " ".join(f"t{i}" for i in WORDS)
+    before = client.completions.create(model="bundle", prompt=prompt, max_tokens=5, temperature=0)
+    shutil.copytree(base / "bundle" / "1", base / "bundle" / "2")
+
+    def versions() -> dict[int, str]:
+        return {v["version"]: v["state"] for v in server.status()["models"]["bundle"]["versions"]}
+
+    server.wait_for(lambda: versions().get(2) == "AVAILABLE" and versions().get(1) in (None, "END"), 120,
+                    "bundle version 2 to serve and version 1 to unload")
+    after = client.completions.create(model="bundle", prompt=prompt, max_tokens=5, temperature=0)
+    assert (before.model, after.model) == ("bundle:1", "bundle:2")
+    assert after.choices[0].text == before.choices[0].text  # the same bundle, the same answer
+    assert {m.id for m in client.models.list().data} >= {"bundle", "bundle:2"}

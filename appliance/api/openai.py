@@ -1,28 +1,41 @@
 """The OpenAI-compatible API: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``. Protocol only: prompts, sampling and streams are the core's
 (appliance/core/generation.py), reached through the same handle as ``:generate``, so
-versions, labels, hot-swap, drain, rollout routing, limits and metrics are the same.
+versions, labels, hot-swap, drain, rollout routing and judging, limits and metrics are
+the same, and the same route table and auth scope (``inference``) guard it.
 
-Paths beside TF Serving's ``/v1``: TF Serving answers ``/v1/chat/...`` and
-``/v1/completions`` "Malformed request" (400) and ``GET /v1/models`` "Missing model name
-in request." (400); no TF Serving client can use those answers, so this API takes exactly
-those three paths. ``/v1/models/{name}[...]`` (status, metadata, ``:predict``...) stays TF
-Serving's: OpenAI's ``GET /v1/models/{id}`` (``client.models.retrieve``) is not served.
+Paths beside TF Serving's ``/v1`` (its ``http_rest_api_util.cc``: predict
+``(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)``,
+status and metadata ``(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:\/(metadata))?``):
+``/v1/chat/completions`` and ``/v1/completions`` match neither, so TF Serving answers them
+400 "Malformed request"; ``GET /v1/models`` matches the status pattern with no name, and
+TF Serving answers it 400 "Missing model name in request.". No TF Serving client can use
+those answers, so this API takes exactly those three paths. ``GET /v1/models/{id}``
+(OpenAI's ``models.retrieve``) is not served: for a plain name it *is* TF Serving's model
+status, which stays TF Serving's.
 
-``model`` is a model name (its serving version; a model in rollout is routed as TF
-Serving's unversioned requests are), ``<name>/versions/<n>`` or ``<name>/labels/<label>``.
-A request takes ``max_tokens`` (``max_completion_tokens`` too, for chat), ``temperature``
-(OpenAI's default 1; 0 is greedy), ``top_p``, ``stop`` (a string or up to 4), ``seed``,
-``n`` (1 only), ``stream`` and ``stream_options.include_usage``; ``user`` is ignored, and
-fields this server cannot honour are refused unless they hold their default. Errors are
-OpenAI's ``{"error": {"message", "type", "param", "code"}}``, with the status of our error
-classes (appliance/core/errors.py), like every other API; while streaming, one
-``data: {"error": ...}`` event and then ``data: [DONE]``.
+**Model ids**: ``name`` (what an unversioned TF Serving request gets: the serving version,
+routed as such during a rollout), ``name:<version>`` (digits) or ``name:<label>``. ``:``
+is outside TF Serving's model and label alphabet (``[^/:]+``), so an id never clashes
+with a name, and it is the tag form LLM users know (``llama3:8b``). An answer's ``model``
+is the id of the version that answered, ``name:<version>`` (OpenAI too answers an alias
+with the snapshot that ran). ``GET /v1/models`` lists every id that can generate now.
 
-Text: a token-level version needs ``assets/vocab.json`` (``Vocabulary``); a LiteRT-LM
-bundle has its own tokenizer. Chat messages become one prompt through the version's chat
-template (``ChatTemplate``). Stop strings are cut here (``StopText``); the stream is then
-ended at its next step. Thread-safety: none needed, every request has its own objects.
+A request takes ``max_tokens`` (``max_completion_tokens`` too, for chat; default
+``generation.default_max_new_tokens``), ``temperature`` (OpenAI's default 1; 0 is
+greedy), ``top_p``, ``stop`` (a string or up to 4), ``seed``, ``n`` (1 only), ``stream``
+and ``stream_options.include_usage``; ``user`` is ignored, and fields this server cannot
+honour are refused unless they hold their default. Errors are OpenAI's ``{"error":
+{"message", "type", "param", "code"}}`` with the status of our error classes
+(appliance/core/errors.py), like every other API; while streaming, one ``data:
+{"error": ...}`` event, then ``data: [DONE]``. The layers in front of every API (the HTTP
+server's limits, auth, gzip bodies) answer in the service's ``{"error": "..."}`` shape,
+which OpenAI's clients map to the same exception classes by status.
+
+Text: a token-level version needs ``assets/vocab.json``; a LiteRT-LM bundle has its own
+tokenizer. Chat messages become one prompt through the version's chat template, stop
+strings are cut here (appliance/core/text.py); the stream then ends at its next step.
+Thread-safety: none needed, every request has its own objects.
 """
 
 from __future__ import annotations
@@ -32,24 +45,25 @@ import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
-from urllib.parse import unquote
 
 import orjson
 
 from appliance.api.body import read_raw, route_key
-from appliance.api.errors import as_error, status_line
+from appliance.api.errors import as_error, status_line, wsgi_answer
 from appliance.api.kserve.rest import json_object
 from appliance.api.routes import INFERENCE, Mount, raw_path
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
-from appliance.core.generation import Generation, Params, StopText, Stream
+from appliance.core.generation import Generation, Params, Stream
+from appliance.core.text import StopText
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
 
 JSON = "application/json"
+OWNER = "edge-appliance"
 SSE = "text/event-stream"
 CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
-MODEL_RE = re.compile(r"([^/]+)(?:/versions/(\d+)|/labels/([^/]+))?")
+MODEL_RE = re.compile(r"([^/:]+)(?::([^/:]+))?")  # name[:version|:label] (module docstring)
 MAX_STOPS = 4  # OpenAI's limit
 COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user")
 FIELDS = {CHAT: COMMON + ("messages", "max_completion_tokens"), COMPLETIONS: COMMON + ("prompt",)}
@@ -66,11 +80,12 @@ FIELD_RE = re.compile(r"field '([^']+)'")
 
 
 class FieldError(InvalidArgument):
-    """A 400 naming the request field (OpenAI's ``param``) and, where OpenAI has one, a ``code``."""
+    """A 400 (or ``status``) naming the request field (OpenAI's ``param``) and, where OpenAI
+    has one, a ``code``."""
 
-    def __init__(self, message: str, param: str | None, code: str | None = None):
+    def __init__(self, message: str, param: str | None, code: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.http_status = param, code, status
 
 
 def error_body(exc: BaseException) -> tuple[ApplianceError, bytes]:
@@ -80,7 +95,7 @@ def error_body(exc: BaseException) -> tuple[ApplianceError, bytes]:
     if param is None and error.http_status == 400:
         found = FIELD_RE.search(error.message)
         param = found.group(1) if found else None
-    code = getattr(error, "code", None) or ("model_not_found" if isinstance(error, NotFound) else None)
+    code = getattr(error, "code", None)
     kind = TYPES.get(error.http_status, "server_error")
     body = {"error": {"message": error.message, "type": kind, "param": param, "code": code}}
     return error, orjson.dumps(body)
@@ -111,26 +126,33 @@ class OpenAIAPI:
         try:
             body = orjson.dumps({"object": "list", "data": self._generative_models()})
         except Exception as exc:
-            return self._answer(start_response, render(exc), method)
-        return self._answer(start_response, (200, [("Content-Type", JSON), ("Content-Length", str(len(body)))],
-                                             body), method)
+            return wsgi_answer(start_response, render(exc), method)
+        return wsgi_answer(start_response, (200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body),
+                           method)
 
     def _generative_models(self) -> list[dict[str, Any]]:
-        """Every model whose serving version can generate, as OpenAI's model objects."""
+        """Every id that can generate now (module docstring), as OpenAI's model objects."""
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
         out = []
-        for name in manager.models():
-            try:
-                handle = manager.handle(name, judged=False)
-            except ApplianceError:  # nothing available yet (or any more)
-                continue
-            with handle:
-                if self.generation.can_generate(handle):
-                    out.append({"id": name, "object": "model", "owned_by": "edge-appliance",
-                                "created": int(handle.slot.available_since or time.time())})
+        for name, model in manager.snapshot().items():
+            since = {v["version"]: v["available_since"] for v in model["versions"] if v["state"] == "AVAILABLE"}
+            ready = [v for v in sorted(since) if self._generates(name, v)]
+            serving = model["serving_version"]
+            ids = ([(name, serving)] if serving in ready else []) + [(f"{name}:{v}", v) for v in ready] + \
+                [(f"{name}:{label}", v) for label, v in sorted(model["labels"].items()) if v in ready]
+            out += [{"id": id_, "object": "model", "created": int(since[v] or 0), "owned_by": OWNER}
+                    for id_, v in ids]
         return out
+
+    def _generates(self, name: str, version: int) -> bool:
+        try:
+            handle = self.core.manager.handle(name, version, judged=False)  # type: ignore[union-attr]
+        except ApplianceError:  # unloaded meanwhile
+            return False
+        with handle:
+            return self.generation.can_generate(handle)
 
     # -- POST /v1/chat/completions, /v1/completions --------------------------------------------
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -142,7 +164,7 @@ class OpenAIAPI:
             if environ.get("REQUEST_METHOD") != "POST":
                 raise MethodNotAllowed(f"{path} takes POST")
             body = _parse(read_raw(environ, self.core.config.server.max_body_bytes), path)
-            name = body["model"]
+            name = _model(body["model"])[0]
             run = self._start(environ, body, path == CHAT)
         except Exception as exc:  # before the first byte
             status, headers, out = render(exc)
@@ -154,7 +176,7 @@ class OpenAIAPI:
                                       ("X-Accel-Buffering", "no")])
             return _EventStream(self, run, api, started)
         status, headers, out = self._collect(run)
-        self.core.metrics.observe_request(run.model_id, api, status, time.perf_counter() - started)
+        self.core.metrics.observe_request(run.stream.model, api, status, time.perf_counter() - started)
         start_response(status_line(status), headers)
         return [out]
 
@@ -163,29 +185,39 @@ class OpenAIAPI:
         if manager is None:
             raise ApplianceError("the service is not started")
         name, version, label = _model(body["model"])
+        params = _params(body, self.core.config.generation, chat)
         try:
             handle = manager.handle(name, version, label, route_key(environ))
-        except NotFound as exc:
-            raise NotFound(f"The model '{body['model']}' does not exist ({exc.message})") from exc
+        except (NotFound, InvalidArgument) as exc:  # an unknown name, version or label
+            raise FieldError(f"The model '{body['model']}' does not exist ({exc.message}); GET /v1/models lists "
+                             "the models that generate", "model", "model_not_found", NotFound.http_status) from exc
         try:
-            driver, vocab = self.generation.prepare(handle)
-            if vocab is None:
-                raise FieldError(f"model '{body['model']}' generates token ids only: its version ships no "
-                                 "tokenizer vocabulary (assets/vocab.json), and this API speaks text", "model")
-            text = self.generation.chat_template(handle).render(_messages(body)) if chat else _prompt(body)
-            prompt = vocab.encode(text)
-            if not prompt:
-                raise FieldError("the prompt is empty", "messages" if chat else "prompt")
-            context = driver.context_length
-            if context is not None and len(prompt) >= context:
-                raise FieldError(f"the prompt has {len(prompt)} tokens; this model's context holds {context}, so a "
-                                 f"prompt may have at most {context - 1}", "messages" if chat else "prompt",
-                                 "context_length_exceeded")
-            params = _params(body, self.core.config.generation, chat)
-            stream = self.generation.start(prompt, params, handle, name, text=text)
+            return self._stream(handle, body, chat, params)
         except BaseException:
             handle.release()
             raise
+
+    def _stream(self, handle: Any, body: dict[str, Any], chat: bool, params: Params) -> "_Run":
+        where = "messages" if chat else "prompt"
+        try:
+            driver, vocab = self.generation.prepare(handle)
+        except InvalidArgument as exc:
+            raise FieldError(f"model '{body['model']}': {exc.message}", "model") from exc
+        if vocab is None:
+            raise FieldError(f"model '{body['model']}' generates token ids only: its version ships no "
+                             "tokenizer vocabulary (assets/vocab.json), and this API speaks text", "model")
+        text = self.generation.chat_template(handle).render(_messages(body)) if chat else _prompt(body)
+        try:
+            prompt = vocab.encode(text)
+        except InvalidArgument as exc:
+            raise FieldError(f"field '{where}': {exc.message}", where) from exc
+        if not prompt:
+            raise FieldError(f"field '{where}': the prompt is empty", where)
+        context = driver.context_length
+        if context is not None and len(prompt) >= context:
+            raise FieldError(f"the prompt has {len(prompt)} tokens; this model's context holds {context}, so a "
+                             f"prompt may have at most {context - 1}", where, "context_length_exceeded")
+        stream = self.generation.start(prompt, params, handle, handle.model, text=text)
         overhead = getattr(driver.servable, "prompt_overhead", 0) if stream.text_level else 0
         return _Run(stream, vocab, body, chat, len(prompt) + overhead)
 
@@ -199,13 +231,6 @@ class OpenAIAPI:
         body = orjson.dumps(run.completion("".join(text)))
         return 200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
 
-    @staticmethod
-    def _answer(start_response: Callable[..., Any], rendered: tuple[int, list[tuple[str, str]], bytes],
-                method: str) -> Iterable[bytes]:
-        status, headers, body = rendered
-        start_response(status_line(status), headers)
-        return [body] if method != "HEAD" else []
-
 
 class _Run:
     """One request's stream seen as OpenAI text: pieces with stop strings cut, then the
@@ -213,13 +238,12 @@ class _Run:
 
     def __init__(self, stream: Stream, vocab: Any, body: dict[str, Any], chat: bool, prompt_tokens: int):
         self.stream, self.vocab, self.chat = stream, vocab, chat
-        self.model_id = body["model"]
         self.streaming = bool(body.get("stream", False))
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
         self.stop = StopText(_stops(body))
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.fingerprint = f"{stream.model}-v{stream.version}"  # which version answered
+        self.answered_by = f"{stream.model}:{stream.version}"  # the id of the version that answered
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -252,8 +276,7 @@ class _Run:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id,
-                "system_fingerprint": self.fingerprint}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.answered_by}
 
     def completion(self, text: str) -> dict[str, Any]:
         if self.chat:
@@ -314,7 +337,7 @@ class _EventStream:
             yield run.chunk(None, run.finish_reason)
             if run.include_usage:
                 yield run.usage_chunk()
-        self.api.core.metrics.observe_request(run.model_id, self.name, status, time.perf_counter() - self.started)
+        self.api.core.metrics.observe_request(run.stream.model, self.name, status, time.perf_counter() - self.started)
         yield b"data: [DONE]\n\n"
 
     def close(self) -> None:
@@ -335,7 +358,7 @@ def _parse(raw: bytes, path: str) -> dict[str, Any]:
                              f"{DEFAULTS[key][0]!r})", key)
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise FieldError("field 'model' is required: the name of a model that generates (GET /v1/models)", "model")
-    if body.get("n") not in (None, 1):
+    if body.get("n") is not None and (type(body["n"]) is not int or body["n"] != 1):
         raise FieldError("field 'n': this server generates one choice per request (n = 1)", "n")
     if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
         raise FieldError("field 'stream' must be true or false", "stream")
@@ -348,10 +371,12 @@ def _parse(raw: bytes, path: str) -> dict[str, Any]:
 def _model(model: str) -> tuple[str, int | None, str | None]:
     match = MODEL_RE.fullmatch(model)
     if match is None:
-        raise FieldError(f"field 'model': {model!r} is not '<name>', '<name>/versions/<n>' or "
-                         "'<name>/labels/<label>'", "model")
-    name, version, label = match.groups()
-    return unquote(name), int(version) if version else None, label
+        raise FieldError(f"field 'model': {model!r} is not '<name>', '<name>:<version>' or '<name>:<label>'",
+                         "model")
+    name, tag = match.groups()
+    if tag is None:
+        return name, None, None
+    return (name, int(tag), None) if tag.isascii() and tag.isdigit() else (name, None, tag)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:

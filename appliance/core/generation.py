@@ -11,55 +11,39 @@ step: the fixed decode batch of a LiteRT LLM, else ``max_streams_per_step`` (def
 model's ``batching.max_batch_size``); ``step_batching = false`` makes every lane one row
 (one call per stream per step, the bench's baseline).
 
-**Text-level servables** (``runtimes.TextServable``: a LiteRT-LM ``.litertlm`` bundle) own
-their tokenizer and KV cache, so there is nothing to batch per step from here: each such
-stream is one thread iterating the servable's ``generate`` (LiteRT-LM runs one session
-per request), with the same limits (``generation.max_streams``), handle, status and
-metrics. Their events are ("text", piece), one piece per decoded token; LiteRT-LM does
-not say the ids, so ``tokens`` stays empty and the counts are pieces.
-
-Chat prompts are rendered here too (``ChatTemplate``): the version's own Jinja template
-(``assets/chat_template.jinja``, else ``chat_template`` of ``assets/tokenizer_config.json``,
-Hugging Face's conventions), else ``DEFAULT_CHAT_TEMPLATE``. ``StopText`` cuts a text
-stream at the first stop string, holding back what could still become one.
+Text-level servables (a LiteRT-LM ``.litertlm`` bundle) decode by themselves: their
+streams run in appliance/core/text_streams.py under the same limits, handle, status and
+metrics. Prompts as text, chat templates and stop strings: appliance/core/text.py.
 
 A stream holds a manager handle on the version it started on until it ends, so a
 hot-swap never breaks it: new streams get the new version, the old one drains (and
-unloads) when its last stream finishes. Thread-safety: ``Generation.start`` and
-``Stream.cancel`` may be called from any thread; everything else runs in the loop thread
-(a text stream's own thread for text-level servables).
+unloads) when its last stream finishes. Thread-safety: ``Generation.start``, ``prepare``
+and ``Stream.cancel`` may be called from any thread; everything else runs in the loop
+thread (a text stream's own thread for text-level servables).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from runtimes import RuntimeFailure, TextServable, generative
-from runtimes.litertlm import Request as TextRequest
 
 from appliance.core.config import GenerationConfig
-from appliance.core.errors import InvalidArgument, Unavailable, from_runtime
+from appliance.core.errors import ApplianceError, InvalidArgument, Unavailable, from_runtime
+from appliance.core.text import ChatTemplate, Vocabulary
+from appliance.core.text_streams import TextDriver, TextStreams, TextVocabulary
 
 log = logging.getLogger("appliance.generation")
 
-VOCAB_FILE = os.path.join("assets", "vocab.json")
-CHAT_TEMPLATE_FILE = os.path.join("assets", "chat_template.jinja")
-TOKENIZER_CONFIG_FILE = os.path.join("assets", "tokenizer_config.json")
-# The template of a version that ships none: role tags on lines of their own.
-DEFAULT_CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-TEXT_TOP_K = 1 << 16  # LiteRT-LM's sampler wants a top_k; "no cut" is one larger than any vocabulary
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -75,170 +59,6 @@ class Params:
     top_p: float = 1.0
     seed: int | None = None
     stop: frozenset[int] = frozenset()
-
-
-class Vocabulary:
-    """``assets/vocab.json`` of a version: a JSON list of token strings (index = id).
-    Text is encoded by greedy longest match, which is exact for character vocabularies."""
-
-    def __init__(self, tokens: Sequence[str]):
-        self.tokens = list(tokens)
-        self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
-        self._longest = max((len(t) for t in self.tokens), default=1)
-
-    @classmethod
-    def load(cls, version_dir: str) -> "Vocabulary | None":
-        path = os.path.join(version_dir, VOCAB_FILE)
-        if not os.path.isfile(path):
-            return None
-        with open(path, encoding="utf-8") as f:
-            tokens = json.load(f)
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            raise InvalidArgument(f"{VOCAB_FILE} of this version is not a JSON list of strings")
-        return cls(tokens)
-
-    def encode(self, text: str) -> list[int]:
-        ids, i = [], 0
-        while i < len(text):
-            for size in range(min(self._longest, len(text) - i), 0, -1):
-                token = self._ids.get(text[i:i + size])
-                if token is not None:
-                    ids.append(token)
-                    i += size
-                    break
-            else:
-                raise InvalidArgument(f"field 'text': character {text[i]!r} at offset {i} is not in the "
-                                      "model's vocabulary")
-        return ids
-
-    def decode(self, token: int) -> str:
-        return self.tokens[token] if 0 <= token < len(self.tokens) else ""
-
-
-class TextVocabulary:
-    """A text-level servable's own tokenizer, with ``Vocabulary``'s face (ids of the prompt)."""
-
-    def __init__(self, servable: TextServable):
-        self.servable = servable
-
-    def encode(self, text: str) -> list[int]:
-        return self.servable.tokenize(text)
-
-    def decode(self, token: int) -> str:
-        return self.servable.detokenize([token])
-
-
-class TextDriver:
-    """What the API layer reads of a text-level servable (``generative.Driver``'s face):
-    LiteRT-LM decodes itself, one stream per request (module docstring)."""
-
-    kind = "litertlm"
-    batch_size = 1
-
-    def __init__(self, servable: TextServable):
-        self.servable = servable
-        context = servable.context_length or 0
-        # the positions a prompt may use: LiteRT-LM puts a start token before it
-        self.context_length = context - servable.prompt_overhead if context else None
-        self.vocab_size = 1 << 31  # not said by LiteRT-LM: ids are checked by its tokenizer
-
-    def describe(self) -> dict[str, Any]:
-        return self.servable.describe()
-
-
-class ChatTemplate:
-    """A chat prompt template (module docstring): ``render(messages)`` -> prompt text.
-    Rendered in Jinja's immutable sandbox, as Hugging Face renders ``chat_template``."""
-
-    def __init__(self, source: str, origin: str, bos: str = "", eos: str = ""):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # Flask's own dependency
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _template_error
-        try:
-            self.template = env.from_string(source)
-        except Exception as exc:  # jinja2.TemplateError: the version's template is broken
-            raise InvalidArgument(f"the chat template of this version ({origin}) does not parse: {exc}") from exc
-        self.origin, self.bos, self.eos = origin, bos, eos
-
-    @classmethod
-    def load(cls, version_dir: str) -> "ChatTemplate":
-        path = os.path.join(version_dir, CHAT_TEMPLATE_FILE)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return cls(f.read(), CHAT_TEMPLATE_FILE)
-        config = _tokenizer_config(version_dir)
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the "default" one
-            template = next((t.get("template") for t in template if isinstance(t, dict)
-                             and t.get("name") == "default"), None)
-        if isinstance(template, str):
-            return cls(template, TOKENIZER_CONFIG_FILE, _special(config.get("bos_token")),
-                       _special(config.get("eos_token")))
-        return cls(DEFAULT_CHAT_TEMPLATE, "the default template")
-
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        try:
-            return str(self.template.render(messages=list(messages), add_generation_prompt=True,
-                                            bos_token=self.bos, eos_token=self.eos))
-        except InvalidArgument:
-            raise
-        except Exception as exc:  # the template refused these messages
-            raise InvalidArgument(f"field 'messages': the chat template ({self.origin}) failed: {exc}") from exc
-
-
-def _template_error(message: str) -> None:
-    raise InvalidArgument(f"field 'messages': {message}")
-
-
-def _special(token: Any) -> str:
-    if isinstance(token, dict):  # {"content": "<s>", ...}
-        token = token.get("content")
-    return token if isinstance(token, str) else ""
-
-
-def _tokenizer_config(version_dir: str) -> dict[str, Any]:
-    path = os.path.join(version_dir, TOKENIZER_CONFIG_FILE)
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"{TOKENIZER_CONFIG_FILE} of this version is not readable JSON: {exc}") from exc
-    return config if isinstance(config, dict) else {}
-
-
-class StopText:
-    """Stop strings over a text stream: ``feed(piece)`` -> (text that may be shown, stopped).
-    Text that could still be the start of a stop string is held back until it cannot; the
-    stop string itself and anything after it are never shown."""
-
-    def __init__(self, stops: Iterable[str]):
-        self.stops = [s for s in stops if s]
-        self.held = ""
-        self.keep = max((len(s) for s in self.stops), default=1) - 1
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        text = self.held + piece
-        if not self.stops:
-            return text, False
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.held = ""
-            return text[:cut], True
-        safe = len(text)
-        for size in range(min(self.keep, len(text)), 0, -1):  # the longest tail that begins a stop
-            if any(s.startswith(text[-size:]) for s in self.stops):
-                safe = len(text) - size
-                break
-        self.held = text[safe:]
-        return text[:safe], False
-
-    def flush(self) -> str:
-        """What is held back when the stream ends without a stop string."""
-        held, self.held = self.held, ""
-        return held
 
 
 class Stream:
@@ -273,10 +93,12 @@ class Stream:
         """Tokens generated so far (pieces, for a text-level servable)."""
         return len(self.tokens) + len(self.pieces)
 
-    def release(self) -> None:
+    def release(self, failure: ApplianceError | None = None) -> None:
+        """Give the version back, reporting the stream's outcome (the rollout judge's, when routed)."""
         handle, self._handle = self._handle, None
         if handle is not None:
-            handle.__exit__(None, None, None)
+            handle.report(failure, time.monotonic() - self.started)
+            handle.release()
 
     def summary(self, reason: str) -> dict[str, Any]:
         elapsed = time.monotonic() - self.started
@@ -455,8 +277,8 @@ class DecodeLoop:
 
 
 class Generation:
-    """Every decode loop of the service; the API layer's entry point (module docstring).
-    One per core (``Generation.of``): ``:generate`` and the OpenAI API share its limits."""
+    """Every decode loop and text stream of the service; the API layer's entry point (module
+    docstring). One per core (``Generation.of``): ``:generate`` and the OpenAI API share it."""
 
     _instances: "weakref.WeakKeyDictionary[Any, Generation]" = weakref.WeakKeyDictionary()
     _instances_lock = threading.Lock()
@@ -465,9 +287,8 @@ class Generation:
         self.core = core
         self.lock = threading.Lock()
         self.loops: dict[int, DecodeLoop] = {}  # id(VersionSlot) -> its loop
-        self._drivers: dict[int, tuple[Any, Any, Any]] = {}  # id(slot) -> (slot, driver, vocabulary)
-        self._templates: dict[int, tuple[Any, ChatTemplate]] = {}
-        self.text_streams: dict[tuple[str, int], int] = {}  # (model, version) -> running text streams
+        self.text = TextStreams(self)
+        self._versions: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(slot) -> (slot, what was read of it)
         self.metrics = GenerationMetrics(core.metrics.registry)
         self.counts = {"streams_started": 0, "streams_cancelled": 0, "tokens_generated": 0}
         self.admitted = 0  # streams queued or running, all versions
@@ -489,24 +310,32 @@ class Generation:
     def config(self) -> GenerationConfig:
         return self.core.config.generation  # type: ignore[no-any-return]
 
-    def prepare(self, handle: Any) -> tuple[Any, Any]:
-        """The driver and vocabulary of the handle's version (cached while it is loaded):
-        a ``generative.Driver`` and ``Vocabulary`` (or None), or for a text-level servable a
-        ``TextDriver`` and ``TextVocabulary``."""
-        slot = handle.slot
+    def _read(self, slot: Any, key: str, build: Any) -> Any:
+        """``build(slot)``, read once per loaded version (unloaded versions are forgotten)."""
         with self.lock:
-            for key in [k for k, (s, _, _) in self._drivers.items() if s.servable is None]:
-                del self._drivers[key]  # unloaded versions
-            cached = self._drivers.get(id(slot))
-        if cached is None or cached[0] is not slot:
-            cached = (slot, *self._detect(slot))
-            with self.lock:
-                self._drivers[id(slot)] = cached
-        if cached[1] is None:
+            for gone in [k for k, (s, _) in self._versions.items() if s.servable is None]:
+                del self._versions[gone]
+            cached = self._versions.get(id(slot))
+            if cached is None or cached[0] is not slot:
+                cached = self._versions[id(slot)] = (slot, {})
+            if key in cached[1]:
+                return cached[1][key]
+        value = build(slot)  # outside the lock: it may read files
+        with self.lock:
+            cached[1][key] = value
+        return value
+
+    def prepare(self, handle: Any) -> tuple[Any, Any]:
+        """The driver and vocabulary of the handle's version: a ``generative.Driver`` and a
+        ``Vocabulary`` (None when the version ships none), or for a text-level servable a
+        ``TextDriver`` and ``TextVocabulary``. InvalidArgument when it cannot generate."""
+        slot = handle.slot
+        driver, vocab = self._read(slot, "driver", self._detect)
+        if driver is None:
             raise InvalidArgument(f"{slot.model} version {slot.version} cannot generate: it has neither "
                                   "'prefill'+'decode' signatures (LiteRT LLM) nor a 'generate_step' signature, "
                                   "and is no LiteRT-LM bundle")
-        return cached[1], cached[2]
+        return driver, vocab
 
     @staticmethod
     def _detect(slot: Any) -> tuple[Any, Any]:
@@ -527,43 +356,30 @@ class Generation:
         return True
 
     def chat_template(self, handle: Any) -> ChatTemplate:
-        """The chat template of the handle's version (module docstring), cached while loaded."""
-        slot = handle.slot
-        with self.lock:
-            for key in [k for k, (s, _) in self._templates.items() if s.servable is None]:
-                del self._templates[key]
-            cached = self._templates.get(id(slot))
-        if cached is None or cached[0] is not slot:
-            cached = (slot, ChatTemplate.load(slot.path))
-            with self.lock:
-                self._templates[id(slot)] = cached
-        return cached[1]
+        """The chat template of the handle's version (appliance/core/text.py)."""
+        return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))  # type: ignore[no-any-return]
 
     def start(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None) -> Stream:
         """Queue a stream on the handle's version; the loop owns (and releases) the handle.
         ``text``: the prompt as text, for a text-level servable (else its ids are detokenized)."""
         slot = handle.slot
-        driver, _ = self.prepare(handle)
-        if isinstance(driver, TextDriver) and params.stop:
+        driver, vocab = self.prepare(handle)
+        text_level = isinstance(driver, TextDriver)
+        if text_level and params.stop:
             raise InvalidArgument("field 'stop': stop token ids need a token-level model; this version is a "
                                   "LiteRT-LM bundle, which stops at its own stop tokens")
+        prompt_text = (text if text is not None else vocab.decode_all(prompt)) if text_level else ""
         stream = Stream(prompt, params, handle, model)
-        stream.text_level = isinstance(driver, TextDriver)
-        try:
-            prompt_text = "" if not stream.text_level else text if text is not None else \
-                driver.servable.detokenize(prompt)
-        except RuntimeFailure as exc:
-            raise from_runtime(exc) from exc
+        stream.text_level = text_level
         with self.lock:
             if self.admitted >= self.config.max_streams:
                 raise Unavailable(f"{self.admitted} streams are running, the limit is generation.max_streams = "
                                   f"{self.config.max_streams}; retry later")
             self.admitted += 1
             self.counts["streams_started"] += 1
-            if stream.text_level:
-                key = (slot.model, slot.version)
-                self.text_streams[key] = self.text_streams.get(key, 0) + 1
-                loop, fresh = None, False
+            loop, fresh = None, False
+            if text_level:
+                self.text.count_in(stream)
             else:
                 loop = self.loops.get(id(slot))
                 fresh = loop is None
@@ -571,53 +387,13 @@ class Generation:
                     loop = self.loops[id(slot)] = DecodeLoop(self, slot, driver, self._lane_size(slot, driver))
                 loop.pending.append(stream)
         self.metrics.active.labels(model).inc()
-        if stream.text_level:
-            threading.Thread(target=self._run_text, args=(stream, driver, prompt_text),
-                             name=f"generate-text-{slot.model}-{slot.version}", daemon=True).start()
+        if text_level:
+            self.text.start(stream, driver, prompt_text)
         elif fresh:
             assert loop is not None
             loop.thread.start()
         self.publish()
         return stream
-
-    def _run_text(self, stream: Stream, driver: TextDriver, text: str) -> None:
-        """(its own thread) One stream of a text-level servable, start to end."""
-        p = stream.params
-        greedy = p.temperature <= 0
-        request = TextRequest(text, p.max_new_tokens, top_k=1 if greedy else (p.top_k or TEXT_TOP_K),
-                              top_p=1.0 if greedy else p.top_p, temperature=1.0 if greedy else p.temperature,
-                              seed=None if p.seed is None else p.seed % (1 << 31))
-        ttft, tokens = self.metrics.ttft.labels(stream.model), self.metrics.tokens.labels(stream.model)
-        reason, error = "", ""
-        try:
-            pieces = driver.servable.generate(request)
-            try:
-                for piece in pieces:
-                    if stream.cancelled.is_set():
-                        reason = stream.cancel_reason
-                        break
-                    if stream.first_at is None:
-                        stream.first_at = time.monotonic()
-                        ttft.observe(stream.first_at - stream.started)
-                    stream.pieces.append(piece)
-                    stream.events.put(("text", piece))
-                    tokens.inc()
-            finally:
-                pieces.close()  # type: ignore[attr-defined]
-        except Exception as exc:  # a backend failure ends this stream, never the service
-            log.warning("text stream of %s version %s failed: %s", stream.model, stream.version, exc)
-            reason = "error"
-            error = str(from_runtime(exc)) if isinstance(exc, RuntimeFailure) else f"{type(exc).__name__}: {exc}"
-        if not reason:
-            context = driver.context_length
-            reason = ("length" if stream.generated >= p.max_new_tokens else
-                      "context" if context is not None and len(stream.prompt) + stream.generated >= context else "stop")
-        with self.lock:
-            key = (stream.model, stream.version)
-            self.text_streams[key] -= 1
-            if not self.text_streams[key]:
-                del self.text_streams[key]
-        self.ended(stream, reason, error)
 
     def _lane_size(self, slot: Any, driver: generative.Driver) -> int:
         if not self.config.step_batching:
@@ -631,7 +407,7 @@ class Generation:
         """(loop thread) A stream left its loop: tell its reader, release its version."""
         summary = stream.summary(reason)
         stream.events.put(("error", error) if reason == "error" else ("done", summary))
-        stream.release()
+        stream.release(ApplianceError(error) if reason == "error" else None)
         m = self.metrics
         m.active.labels(stream.model).dec()
         m.streams.labels(stream.model, reason).inc()
@@ -650,6 +426,5 @@ class Generation:
             status = {**self.counts, "active_streams": self.admitted, "step_batching": self.config.step_batching,
                       "loops": [{"model": lp.model, "version": lp.slot.version, "lane_size": lp.lane_size,
                                  **lp.driver.describe()} for lp in loops],
-                      "text_streams": [{"model": m, "version": v, "streams": n}
-                                       for (m, v), n in sorted(self.text_streams.items())]}
+                      "text_streams": self.text.status()}
         self.status = status
