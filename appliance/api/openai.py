@@ -443,18 +443,27 @@ def _params(body: dict[str, Any], config: Any, chat: bool) -> Params:
 
 # -- the route table's mounts and /openapi.json ------------------------------------------------
 def _openapi_paths() -> dict[str, Any]:
-    error = {"description": "OpenAI's error object", "content": {JSON: {"schema": {
-        "type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-                "message": {"type": "string"}, "type": {"type": "string"},
-                "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}}}
+    openai_error = {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}
+    # the layers in front of every API (HTTP limits, gzip bodies) answer the service's plain shape
+    error = {"description": "OpenAI's error object (or the service's {\"error\": \"...\"} from the HTTP "
+                            "server's limits and the gzip layer)", "content": {JSON: {"schema": {
+                                "type": "object", "required": ["error"], "properties": {
+                                    "error": {"anyOf": [openai_error, {"type": "string"}]}}}}}}
     stop = {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOPS, "items": {"type": "string"}}]}
-    common = {"model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
+    common = {"model": {"type": "string", "description": "name, name:<version> or name:<label>"},
+              "max_tokens": {"type": "integer", "minimum": 1},
               "temperature": {"type": "number", "minimum": 0, "maximum": 2},
               "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "stop": stop,
-              "seed": {"type": "integer"}, "n": {"type": "integer", "enum": [1]}, "stream": {"type": "boolean"}}
+              "seed": {"type": "integer"}, "n": {"type": "integer", "enum": [1]}, "stream": {"type": "boolean"},
+              "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+              "user": {"type": "string"}}
     message = {"type": "object", "required": ["role"], "properties": {"role": {"type": "string"},
                                                                          "content": {"type": "string"}}}
+    model = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+        "owned_by": {"type": "string"}}}
     answer = {"description": "the completion (JSON), or server-sent events ending with data: [DONE]", "content": {
         JSON: {"schema": {"type": "object"}}, SSE: {"schema": {"type": "string"}}}}
     errors = {code: error for code in ("400", "404", "413", "503")}
@@ -469,10 +478,11 @@ def _openapi_paths() -> dict[str, Any]:
                    {"messages": {"type": "array", "minItems": 1, "items": message},
                     "max_completion_tokens": {"type": "integer", "minimum": 1}}),
         COMPLETIONS: post("OpenAI text completion, streamed with stream=true", "prompt", {"prompt": {"type": "string"}}),
-        MODELS: {"get": {"summary": "the models that generate, in OpenAI's list shape", "responses": {"200": {
-            "description": "the list", "content": {JSON: {"schema": {"type": "object", "required": ["object", "data"],
-                                                                       "properties": {"object": {"const": "list"},
-                                                                                      "data": {"type": "array"}}}}}}}}},
+        MODELS: {"get": {"summary": "the model ids that generate now, in OpenAI's list shape (TF Serving "
+                                    "answers this path 400 'Missing model name')", "responses": {"200": {
+            "description": "the list", "content": {JSON: {"schema": {
+                "type": "object", "required": ["object", "data"], "properties": {
+                    "object": {"const": "list"}, "data": {"type": "array", "items": model}}}}}}}}},
     }
 
 
