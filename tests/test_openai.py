@@ -13,6 +13,7 @@ compared with the reference greedy decoder on LiteRT's signature runners.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,7 @@ def make_bundle(lt_models: Path, build: Path, target: Path) -> bool:
 @pytest.fixture(scope="module")
 def base(lt_models: Path, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("openai")
-    tiny = root / "models" / "tiny" / "1"
-    (tiny / "assets").mkdir(parents=True)
-    shutil.copy(lt_models / "lt_plain" / "1" / "model.tflite", tiny / "model.tflite")
-    (tiny / "assets" / "vocab.json").write_text(json.dumps([chr(i) for i in range(litert_llm.VOCAB)]))
+    tiny_version(lt_models, root / "models" / "tiny" / "1")
     shutil.copytree(models_dir / "keras_mlp_tflite", root / "models" / "mlp")
     make_bundle(lt_models, root / "build", root / "models" / "bundle" / "1")
     return root / "models"
@@ -242,6 +240,40 @@ def test_a_hot_swap_mid_stream_finishes_on_the_old_version(start_server: Any, ge
     assert "".join(ch.choices[0].text for ch in chunks) == old.choices[0].text  # unbroken, on version 1
     assert {ch.model for ch in chunks} == {"gen_slow:1"} and new.model == "gen_slow:2"
     srv.wait_for(lambda: versions().get(1) == "END", 30, "version 1 to unload once its stream ended")
+
+
+def tiny_version(lt_models: Path, version_dir: Path) -> Path:
+    """lt_plain with the character vocabulary (the module docstring's ``tiny``)."""
+    (version_dir / "assets").mkdir(parents=True)
+    shutil.copy(lt_models / "lt_plain" / "1" / "model.tflite", version_dir / "model.tflite")
+    (version_dir / "assets" / "vocab.json").write_text(json.dumps([chr(i) for i in range(litert_llm.VOCAB)]))
+    return version_dir
+
+
+def test_a_canary_rollout_is_decided_by_openai_traffic(start_server: Any, lt_models: Path, tmp_path: Path) -> None:
+    """The judge counts streams' outcomes (Handle.report): OpenAI traffic alone promotes an
+    equal candidate, and both versions answered while it was judged."""
+    from tests.test_rollout import decisions, write_config
+
+    base = tmp_path / "models"
+    tiny_version(lt_models, base / "chat" / "1")
+    config = write_config(tmp_path, base, {"chat": ("same", "canary")}, min_requests=10, p99_ratio=50.0)
+    srv = start_server("--config", str(config))
+    os.rename(tiny_version(lt_models, tmp_path / "stage"), base / "chat" / "2")  # as sync commits it
+    srv.wait_for(lambda: srv.status()["models"]["chat"].get("candidate_version") == 2, 120,
+                 "the candidate loaded next to version 1")
+    answered: set[str] = set()
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        def decided() -> bool:
+            answer = c.completions.create(model="chat", prompt="the model ", max_tokens=3, temperature=0)
+            answered.add(answer.model)
+            return "chat" in decisions(srv)
+
+        srv.wait_for(decided, 120, "a rollout decision from OpenAI completions alone")
+    decision = decisions(srv)["chat"]
+    assert decision["action"] == "promote" and "all gates held" in decision["reason"], decision
+    assert answered == {"chat:1", "chat:2"}
+    srv.wait_for(lambda: srv.status()["models"]["chat"]["serving_version"] == 2, 30, "version 2 to serve")
 
 
 # -- a LiteRT-LM bundle -------------------------------------------------------------------------

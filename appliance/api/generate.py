@@ -33,6 +33,7 @@ from appliance.api.body import route_key
 from appliance.api.errors import render, render_error, status_line
 from appliance.api.kserve.rest import json_object
 from appliance.api.routes import INFERENCE, Mount, raw_path
+from appliance.api.sse import StreamBody
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -111,22 +112,14 @@ class GenerateAPI:
                 return render(500, value)
 
 
-class _EventStream:
-    """The SSE body: an iterator whose ``close()`` (called by the WSGI server when the
-    response ends or the client is gone) cancels the stream if it is still running."""
+class _EventStream(StreamBody):
+    """The SSE body (module docstring)."""
 
     def __init__(self, api: GenerateAPI, stream: Stream, vocab: Vocabulary | None, started: float):
-        self.api, self.stream, self.vocab, self.started = api, stream, vocab, started
-        self.finished = False
-        self._events = self._iterate()
+        self.api, self.vocab, self.started = api, vocab, started
+        super().__init__(stream)
 
-    def __iter__(self) -> Iterator[bytes]:
-        return self
-
-    def __next__(self) -> bytes:
-        return next(self._events)
-
-    def _iterate(self) -> Iterator[bytes]:
+    def events(self) -> Iterator[bytes]:
         while True:
             kind, value = self.stream.events.get()
             if kind == "token":
@@ -143,10 +136,6 @@ class _EventStream:
             payload = value if kind == "done" else {"error": value}
             yield f"event: {'done' if kind == 'done' else 'error'}\ndata: ".encode() + orjson.dumps(payload) + b"\n\n"
             return
-
-    def close(self) -> None:
-        if not self.finished:
-            self.stream.cancel()  # the loop drops it at its next step and releases the version
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

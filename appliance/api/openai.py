@@ -52,6 +52,7 @@ from appliance.api.body import read_raw, route_key
 from appliance.api.errors import as_error, status_line, wsgi_answer
 from appliance.api.kserve.rest import json_object
 from appliance.api.routes import INFERENCE, Mount, raw_path
+from appliance.api.sse import StreamBody
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.generation import Generation, Params, Stream
 from appliance.core.text import StopText
@@ -306,22 +307,14 @@ def _event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-class _EventStream:
-    """The SSE body (OpenAI's: ``data:`` chunks, then ``data: [DONE]``); ``close()`` before
-    the end (the client went away) cancels the stream."""
+class _EventStream(StreamBody):
+    """The SSE body (OpenAI's: ``data:`` chunks, then ``data: [DONE]``)."""
 
     def __init__(self, api: OpenAIAPI, run: _Run, name: str, started: float):
         self.api, self.run, self.name, self.started = api, run, name, started
-        self.finished = False
-        self._events = self._iterate()
+        super().__init__(run.stream)
 
-    def __iter__(self) -> Iterator[bytes]:
-        return self
-
-    def __next__(self) -> bytes:
-        return next(self._events)
-
-    def _iterate(self) -> Iterator[bytes]:
+    def events(self) -> Iterator[bytes]:
         run = self.run
         if run.chat:
             yield run.chunk(None, role=True)
@@ -339,10 +332,6 @@ class _EventStream:
                 yield run.usage_chunk()
         self.api.core.metrics.observe_request(run.stream.model, self.name, status, time.perf_counter() - self.started)
         yield b"data: [DONE]\n\n"
-
-    def close(self) -> None:
-        if not self.finished:
-            self.run.stream.cancel()
 
 
 # -- request fields ---------------------------------------------------------------------------
