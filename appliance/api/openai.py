@@ -81,12 +81,17 @@ FIELD_RE = re.compile(r"field '([^']+)'")
 
 
 class FieldError(InvalidArgument):
-    """A 400 (or ``status``) naming the request field (OpenAI's ``param``) and, where OpenAI
-    has one, a ``code``."""
+    """A 400 naming the request field (OpenAI's ``param``) and, where OpenAI has one, a ``code``."""
 
-    def __init__(self, message: str, param: str | None, code: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None, code: str | None = None):
         super().__init__(message)
-        self.param, self.code, self.http_status = param, code, status
+        self.param, self.code = param, code
+
+
+class ModelNotFound(NotFound):
+    """A 404 for a model id that names no loaded model, version or label (OpenAI's code)."""
+
+    param, code = "model", "model_not_found"
 
 
 def error_body(exc: BaseException) -> tuple[ApplianceError, bytes]:
@@ -190,8 +195,8 @@ class OpenAIAPI:
         try:
             handle = manager.handle(name, version, label, route_key(environ))
         except (NotFound, InvalidArgument) as exc:  # an unknown name, version or label
-            raise FieldError(f"The model '{body['model']}' does not exist ({exc.message}); GET /v1/models lists "
-                             "the models that generate", "model", "model_not_found", NotFound.http_status) from exc
+            raise ModelNotFound(f"The model '{body['model']}' does not exist ({exc.message}); GET /v1/models "
+                                "lists the models that generate") from exc
         try:
             return self._stream(handle, body, chat, params)
         except BaseException:
