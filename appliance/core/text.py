@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
-from appliance.core.errors import InvalidArgument
+from appliance.core.errors import ApplianceError, InvalidArgument
 
 VOCAB_FILE = os.path.join("assets", "vocab.json")
 CHAT_TEMPLATE_FILE = os.path.join("assets", "chat_template.jinja")
@@ -71,15 +71,18 @@ class ChatTemplate:
     Rendered in Jinja's immutable sandbox, as Hugging Face renders ``chat_template``."""
 
     def __init__(self, source: str, origin: str, bos: str = "", eos: str = ""):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # Flask's own dependency
+        from jinja2 import TemplateError  # Flask's own dependency
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _template_error
         try:
             self.template = env.from_string(source)
-        except Exception as exc:  # jinja2.TemplateError: the version's template is broken
-            raise InvalidArgument(f"the chat template of this version ({origin}) does not parse: {exc}") from exc
+        except TemplateError as exc:  # the version's template is broken: the server's fault, not the client's
+            raise ApplianceError(f"the chat template of this version ({origin}) does not parse: {exc}") from exc
         self.origin, self.bos, self.eos = origin, bos, eos
+        # what a template may raise on messages it cannot take (Jinja's own errors included)
+        self.refusals = (TemplateError, TypeError, ValueError, LookupError, AttributeError)
 
     @classmethod
     def load(cls, version_dir: str) -> "ChatTemplate":
@@ -101,9 +104,7 @@ class ChatTemplate:
         try:
             return str(self.template.render(messages=list(messages), add_generation_prompt=True,
                                             bos_token=self.bos, eos_token=self.eos))
-        except InvalidArgument:
-            raise
-        except Exception as exc:  # the template refused these messages
+        except self.refusals as exc:  # the template refused these messages
             raise InvalidArgument(f"field 'messages': the chat template ({self.origin}) failed: {exc}") from exc
 
 
