@@ -195,11 +195,9 @@ def test_oversized_v2_tensors_cost_no_parse_memory(start_server: Any, models_dir
     server's peak and current RSS within a few body sizes, and it answers a normal request."""
     psutil = pytest.importorskip("psutil")
     config = tmp_path / "appliance.toml"
-    # Two HTTP workers: a worker keeps its last request until it takes the next one
-    # (appliance/transport/http/workers.py), so each may hold one body between requests;
-    # with two that stays small, and this test is about what decoding a refused body costs.
-    # Default limits (max_tensor_elements 4 Mi).
-    config.write_text(f"poll_interval_s = 5.0\n{NO_DISCOVERY}[server]\nthreads = 2\n"
+    # Default limits (max_tensor_elements 4 Mi) and HTTP threads (32): a thread drops its
+    # request once answered (appliance/transport/http/workers.py), so none keeps a body.
+    config.write_text(f"poll_interval_s = 5.0\n{NO_DISCOVERY}"
                       f'[[models]]\nname = "mlp"\nbase_path = "{models_dir / "keras_mlp_tflite"}"\n')
     server = start_server("--config", str(config), timeout=120)
     rows = TEN_MILLION // 64
@@ -213,8 +211,8 @@ def test_oversized_v2_tensors_cost_no_parse_memory(start_server: Any, models_dir
     counted = [(json_body, None, f"holds {TEN_MILLION + 4} JSON values")] * 3  # the numbers, name, datatype, shape
     declared = [(binary_body, binary_headers, f"hold {TEN_MILLION} elements")] * 2
     answers = [(infer(server, body, headers), words) for body, headers, words in counted + declared]
-    # Refused, a body costs itself, the server's copies of it and the byte scan's (7x, with
-    # the other worker's last request still held); parsed, it cost 17x.
+    # Refused, a body costs itself, the server's copies of it and the byte scan's; parsed,
+    # it cost 17x.
     bound = 10 * len(json_body)
     peak, now = peak_rss_since_reset(process.pid) - before, process.memory_info().rss - before
     assert peak < bound and now < bound, f"RSS grew {now >> 20} MiB, peaked {peak >> 20} MiB (bound {bound >> 20} MiB)"
