@@ -1,7 +1,7 @@
 """Inference backends behind one interface, and the per-device selection among them.
 
-Registry: backend name -> class. Importing this package imports numpy only; TensorFlow
-and LiteRT are imported by a backend when it loads a model.
+Registry: backend name -> class. Importing this package imports numpy only; TensorFlow,
+LiteRT and LiteRT-LM are imported by a backend when it loads a model.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from .base import (
     TensorSpec,
 )
 from .select import Decision, select, synthetic_inputs
+from .litertlm import LiteRTLMBackend, TextServable
+from .litertlm import Request as TextRequest
 from .tf_cpu import TFCPUBackend
 from .tf_gpu import TFGPUBackend
 from .tflite import TFLiteBackend
@@ -26,7 +28,8 @@ from .tflite import TFLiteBackend
 # The one registry of backends, in the order shown to users (appliance/core/config.py's
 # BACKEND_CHOICES repeats the names so that reading the config needs no numpy; a test
 # holds the two together).
-BACKENDS: dict[str, type] = {"tf-gpu": TFGPUBackend, "tf-cpu": TFCPUBackend, "tflite": TFLiteBackend}
+BACKENDS: dict[str, type] = {"tf-gpu": TFGPUBackend, "tf-cpu": TFCPUBackend, "tflite": TFLiteBackend,
+                             "litertlm": LiteRTLMBackend}
 BACKEND_NAMES = tuple(BACKENDS)
 
 
@@ -49,6 +52,8 @@ __all__ = [
     "Servable",
     "SignatureInfo",
     "TensorSpec",
+    "TextRequest",
+    "TextServable",
     "default_backends",
     "select",
     "synthetic_inputs",

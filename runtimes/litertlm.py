@@ -3,8 +3,10 @@ LiteRT-LM engine (``pip install litert-lm-api``), imported only when such a vers
 
 A bundle is text in, text out: LiteRT-LM owns the tokenizer, the KV cache, prefill and
 decode, so this servable has no tensor signatures; it offers ``generate`` (a stream of
-text pieces) instead of ``run``. One engine per loaded version; one LiteRT-LM session per
-request (a session holds one conversation's cache).
+text pieces, one per decoded token) instead of ``run`` (the ``TextServable`` protocol
+below, which appliance/core/generation.py drives). One engine per loaded version; one
+LiteRT-LM session per request (a session holds one conversation's cache). Sessions of one
+engine may run concurrently, each from its own thread.
 
 What LiteRT-LM expects of the model inside (found by running it, issue 25): litert-torch's
 *transposed* KV cache (K [B, heads, L, dim], V [B, heads, dim, L]); a bundle of a model
@@ -12,19 +14,21 @@ converted with the default layout loads, then refuses every prompt ("Input token
 too long ... 4 >= 2"): it reads the context from the dimension that holds the head count.
 ``load`` checks the layout first and refuses such a bundle with the reason.
 
-Not wired into ``runtimes.default_backends`` or the ``:generate`` API yet: the appliance
-layers are being restructured; this module is the backend they will register.
+Registered as ``litertlm`` in ``runtimes.BACKENDS``. Importing this module imports numpy
+only, and ``probe`` only looks for the package (``importlib.util.find_spec``): a device
+without LiteRT-LM, or a version that is no bundle, never loads the native engine.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from .base import Availability, InputFailure, LoadFailure, MissingDependency, SignatureInfo
+from .base import Availability, InputFailure, LoadFailure, MissingDependency, RuntimeFailure, SignatureInfo
 
 NAME = "litertlm"
 SUFFIX = ".litertlm"
@@ -50,14 +54,36 @@ class Request:
     seed: int | None = None
 
 
+@runtime_checkable
+class TextServable(Protocol):
+    """A servable that generates text itself (it owns tokenizer and cache): what the core's
+    text path needs. ``generate`` may be called from several threads at once, one request
+    each; closing its iterator early ends that request's decoding."""
+
+    context_length: int  # positions of the model's cache (0: not known)
+    prompt_overhead: int  # positions the engine adds to a prompt (a start token)
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+    def generate(self, request: Request) -> Iterator[str]: ...
+
+
 class LiteRTLMServable:
     """One loaded bundle (module docstring). Not a tensor servable: ``run`` refuses."""
 
     backend = NAME
+    platform = NAME
+    strict_shapes = True
+    reads_examples = False
     signatures: Mapping[str, SignatureInfo] = {}
 
     def __init__(self, path: str, engine: Any, module: Any, context_length: int):
         self.path, self._engine, self._lm, self.context_length = path, engine, module, context_length
+        self.prompt_overhead = 1 if engine.bos_token_id is not None else 0  # LiteRT-LM puts it first
 
     def describe(self) -> dict[str, Any]:
         return {"convention": NAME, "decode_batch": 1, "context_length": self.context_length,
@@ -66,17 +92,34 @@ class LiteRTLMServable:
     def tokenize(self, text: str) -> list[int]:
         return list(self._engine.tokenize(text))
 
+    def detokenize(self, ids: list[int]) -> str:
+        try:
+            return str(self._engine.detokenize(list(ids)))
+        except RuntimeError as exc:  # an id the tokenizer does not have
+            raise InputFailure(f"LiteRT-LM cannot detokenize these ids: {exc}") from exc
+
     def generate(self, request: Request) -> Iterator[str]:
-        """Text pieces as LiteRT-LM decodes them; the prompt is used as is (no template)."""
+        """Text pieces as LiteRT-LM decodes them; the prompt is used as is (no template:
+        the caller renders one). Closing the iterator early cancels the session."""
         sampler = self._lm.SamplerConfig(top_k=request.top_k, top_p=request.top_p,
                                          temperature=request.temperature, seed=request.seed)
         session = self._engine.create_session(apply_prompt_template=False, sampler_config=sampler,
                                               max_output_tokens=request.max_new_tokens)
+        finished = False
         try:
-            session.run_prefill([request.text])
-            for response in session.run_decode_async():
-                yield from response.texts
+            try:
+                session.run_prefill([request.text])
+            except RuntimeError as exc:  # LiteRT-LM logs the reason; its exception only says "failed"
+                raise InputFailure(f"LiteRT-LM refused the prompt ({exc})") from exc
+            try:
+                for response in session.run_decode_async():
+                    yield from response.texts
+            except RuntimeError as exc:
+                raise RuntimeFailure(f"LiteRT-LM failed while decoding ({exc})") from exc
+            finished = True
         finally:
+            if not finished:
+                session.cancel_process()
             session.close()
 
     def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -92,10 +135,8 @@ class LiteRTLMBackend:
     name = NAME
 
     def probe(self, device: Mapping[str, Any]) -> Availability:
-        try:
-            _module()
-        except MissingDependency as exc:
-            return Availability(False, str(exc))
+        if importlib.util.find_spec("litert_lm") is None:  # not imported here: probe runs for every version
+            return Availability(False, "LiteRT-LM is not installed (pip install litert-lm-api)")
         return Availability(True, "LiteRT-LM engine on CPU")
 
     def can_serve(self, version_dir: str) -> str | None:
@@ -109,9 +150,12 @@ class LiteRTLMBackend:
         path = os.path.join(version_dir, bundle)
         context = _check_layout(path)
         lm = _module()
+        cache_dir = options.get("cache_dir")
+        if cache_dir:  # LiteRT-LM refuses a cache directory that does not exist yet
+            os.makedirs(cache_dir, exist_ok=True)
         try:
             engine = lm.Engine(path, backend=lm.Backend.CPU(), max_num_tokens=options.get("max_num_tokens"),
-                               cache_dir=options.get("cache_dir"))
+                               cache_dir=cache_dir)
         except Exception as exc:  # the engine's own words (a bad bundle, an unsupported model)
             raise LoadFailure(f"LiteRT-LM refused {bundle}: {exc}") from exc
         return LiteRTLMServable(path, engine, lm, context)
@@ -155,4 +199,4 @@ def _check_layout(path: str) -> int:
     return 0
 
 
-__all__ = ["LiteRTLMBackend", "LiteRTLMServable", "Request"]
+__all__ = ["LiteRTLMBackend", "LiteRTLMServable", "Request", "TextServable"]

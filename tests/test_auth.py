@@ -94,6 +94,26 @@ def test_inference_needs_the_inference_or_admin_token(guarded: Any) -> None:
     assert guarded.get(f"/v1/models/{MODEL}/metadata", headers=bearer(INFER)).status_code == 200
 
 
+def test_the_openai_api_is_inference_scope(guarded: Any) -> None:
+    """The OpenAI-compatible paths sit in the same route table as :predict and :generate,
+    with the same scope; the official client's api_key is the bearer token."""
+    body = {"model": MODEL, "prompt": "x"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for headers in ({}, bearer(READ)):  # no token, another scope's token
+            assert guarded.post(path, body, headers=headers).status_code == 401, (path, headers)
+    assert guarded.get("/v1/models").status_code == 401
+    assert guarded.get("/v1/models", headers=bearer(READ)).status_code == 401
+    assert guarded.get("/v1/models", headers=bearer(INFER)).json() == {"object": "list", "data": []}
+    passed = guarded.post("/v1/completions", body, headers=bearer(INFER))  # past auth: the mlp cannot generate
+    assert passed.status_code == 400 and passed.json()["error"]["param"] == "model"
+    openai = pytest.importorskip("openai", reason="the official OpenAI client (the test extra)")
+    with openai.OpenAI(base_url=guarded.url + "/v1", api_key=INFER + "x", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    with openai.OpenAI(base_url=guarded.url + "/v1", api_key=INFER, max_retries=0) as client:
+        assert client.models.list().data == []
+
+
 def test_read_scope_takes_bearer_or_basic(guarded: Any) -> None:
     for path in ("/api/status", "/monitoring/prometheus/metrics", "/openapi.json", "/"):
         assert guarded.get(path).status_code == 401, path

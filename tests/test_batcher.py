@@ -200,10 +200,34 @@ def test_a_request_over_max_batch_size_is_refused_without_splitting(batcher_fact
     with pytest.raises(InvalidArgument) as info:
         batcher.submit("serving_default", {"x": rows(0, n=5)})
     assert info.value.http_status == 400
+    assert info.value.message.startswith("Task size 5 is larger than maximum input batch size 4")  # TF Serving's
     assert "max_batch_size" in info.value.message
     assert backend.batches == []
     out = batcher.submit("serving_default", {"x": rows(0, n=4)})  # at the limit: fine
     np.testing.assert_allclose(out["y"], 2 * rows(0, n=4) + 1)
+
+
+def test_a_request_larger_than_the_whole_queue_is_a_permanent_400(batcher_factory, loop_thread) -> None:
+    """With splitting, the most rows a request may have is what the queue holds: one larger
+    could never be queued, however long a client waited, so it is no QueueFull (503, retry)
+    but TF Serving's INVALID_ARGUMENT, on both ways in; one that fits is split and answered."""
+    backend = Gated()
+    backend.open()
+    batcher = batcher_factory(backend, max_batch_size=2, max_enqueued_batches=2)  # the queue holds 4 rows
+    calls = {"submit": lambda x: batcher.submit("serving_default", {"x": x}),
+             "submit_async": lambda x: loop_thread.submit(batcher.submit_async("serving_default", {"x": x})).result(WAIT)}
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgument) as info:
+            call(rows(0, n=5))
+        assert not isinstance(info.value, QueueFull) and info.value.http_status == 400, name
+        assert info.value.retry_after is None and info.value.grpc_code == "INVALID_ARGUMENT", name
+        message = info.value.message
+        assert message.startswith("Task size 5 is larger than maximum input batch size 4"), message
+        assert "max_enqueued_batches 2" in message and "max_batch_size 2" in message, message
+        assert backend.batches == [], name
+        np.testing.assert_allclose(call(rows(1, n=4))["y"], 2 * rows(1, n=4) + 1)  # the whole queue: split, served
+        backend.batches.clear()
+    assert batcher.snapshot()["rejected_full"] == 0  # never counted as a full queue
 
 
 def test_full_queue_refuses_at_once(batcher_factory) -> None:

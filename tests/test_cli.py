@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKENDS = {"tf-gpu", "tf-cpu", "tflite"}
+BACKENDS = {"tf-gpu", "tf-cpu", "tflite", "litertlm"}  # litertlm: .litertlm bundles (issue 25)
 
 
 def appliance(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -42,6 +42,7 @@ def test_probe_json(tmp_path: Path) -> None:
         assert isinstance(b["available"], bool), name
         assert isinstance(b["reason"], str) and b["reason"], name
     assert backends["tf-cpu"]["available"] and backends["tflite"]["available"]  # both installed here
+    assert "LiteRT-LM" in backends["litertlm"]["reason"]  # installed or not, probe says which
     if not device["nvidia_gpu"]:
         assert not backends["tf-gpu"]["available"] and "GPU" in backends["tf-gpu"]["reason"]
     assert "decisions" not in result  # nothing loaded without --models
@@ -146,6 +147,7 @@ def test_probe_models_measures_when_several_backends_can_serve(probed: dict[str,
         assert considered[name]["available"]
         assert considered[name]["batch1_ms"] > 0 and considered[name]["batch_n_ms"] > 0
         assert name in decision["reason"]
+    assert not considered["litertlm"]["available"]  # no .litertlm bundle in this version
 
 
 def test_probe_models_single_candidate(probed: dict[str, Any]) -> None:

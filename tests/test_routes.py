@@ -31,6 +31,10 @@ INFER_TOKEN = "infer-" + "b2" * 16
 TABLE = {
     ("mount", "/v2/health/*", ("*",)): OPEN,
     ("mount", "/v1/*:generate", ("POST",)): INFERENCE,
+    # the OpenAI-compatible API: the three /v1 paths TF Serving answers 400 (appliance/api/openai.py)
+    ("mount", "/v1/chat/*", ("*",)): INFERENCE,
+    ("mount", "/v1/completions/*", ("*",)): INFERENCE,
+    ("mount", "/v1/models/*", ("GET", "HEAD")): INFERENCE,
     ("mount", "/v1/*", ("*",)): INFERENCE,
     ("mount", "/v2/*", ("*",)): INFERENCE,
     ("route", "/static/<path:filename>", ("GET", "HEAD")): READ,
@@ -98,6 +102,15 @@ def environ(method: str, raw: str, path_info: str | None = None) -> dict[str, An
     ("POST", "/v1/models/m/versions/2:generate", "generate", INFERENCE),
     ("GET", "/v1/models/m:generate", "tfserving", INFERENCE),  # TF Serving answers it: 400 Malformed
     ("POST", "/v1/models/m/labels/a/b:generate", "tfserving", INFERENCE),  # not :generate's grammar
+    ("POST", "/v1/chat/completions", "openai", INFERENCE),
+    ("GET", "/v1/chat/completions", "openai", INFERENCE),  # it answers 405 in OpenAI's shape
+    ("POST", "/v1/completions?x=1", "openai", INFERENCE),
+    ("GET", "/v1/models", "openai-models", INFERENCE),
+    ("HEAD", "/v1/models?x=1", "openai-models", INFERENCE),
+    ("POST", "/v1/models", "tfserving", INFERENCE),  # TF Serving's 400 Malformed
+    ("GET", "/v1/models/m", "tfserving", INFERENCE),  # TF Serving's model status, not models.retrieve
+    ("GET", "/v1/models/m:1", "tfserving", INFERENCE),
+    ("POST", "/v1/chat/completions/x", "tfserving", INFERENCE),
     ("GET", "/v2", "kserve", INFERENCE),
     ("GET", "/v2/health/ready", "kserve", OPEN),
     ("POST", "/v2/models/m/infer?x=1", "kserve", INFERENCE),

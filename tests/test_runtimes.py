@@ -432,7 +432,8 @@ def test_selection_measures_every_candidate(models_dir: Path, tmp_path: Path) ->
         assert decision.how == "measured"
         assert sorted(load.calls) == ["tf-cpu", "tflite"]
         by_name = {c.backend: c for c in decision.considered}
-        assert set(by_name) == {"tf-gpu", "tf-cpu", "tflite"}  # every backend, with a reason
+        assert set(by_name) == {"tf-gpu", "tf-cpu", "tflite", "litertlm"}  # every backend, with a reason
+        assert not by_name["litertlm"].available  # LiteRT-LM serves .litertlm bundles only
         assert all(c.reason for c in decision.considered)
         if not device.get("nvidia_gpu"):
             assert not by_name["tf-gpu"].available and "GPU" in by_name["tf-gpu"].reason

@@ -196,7 +196,7 @@ def test_shows_model_backend_state_and_events(page: Page) -> None:
     decision = card.locator("details.decision").first
     assert "tflite" in decision.locator("summary").inner_text()
     considered = decision.locator(".considered li")
-    assert sorted(considered.locator("b").all_inner_texts()) == ["tf-cpu", "tf-gpu", "tflite"]
+    assert sorted(considered.locator("b").all_inner_texts()) == ["litertlm", "tf-cpu", "tf-gpu", "tflite"]
     assert all(t.strip() for t in considered.locator(".why").all_inner_texts())  # every backend's reason shown
     event = page.page.locator("#events li.event", has_text=f"{MODEL} version 1 available on tflite")
     assert event.count() >= 1

@@ -169,6 +169,13 @@ def _typed_wrong_count() -> Any:
     return request
 
 
+def _typed_over_the_limit() -> Any:
+    """Typed contents whose shape declares more than limits.max_tensor_elements (4 Mi)."""
+    request = service_pb2.ModelInferRequest(model_name="keras_mlp_tflite")
+    request.inputs.add(name="x", datatype="FP32", shape=[65537, 64]).contents.fp32_contents.extend([0.5] * 64)
+    return request
+
+
 BAD = {
     "wrong datatype name": (lambda: _raw_request(datatype="FLOAT"), ["invalid datatype 'FLOAT'"]),
     "datatype the model does not take": (lambda: _raw_request(datatype="INT32"), ["expects 'FP32'"]),
@@ -177,6 +184,9 @@ BAD = {
     "raw entries do not match inputs": (lambda: _raw_request(raw=[b"", b""]), ["2 entries for 1 inputs"]),
     "typed contents disagree with shape": (_typed_wrong_count, ["needs 64 elements", "has 60"]),
     "unknown output name": (lambda: _with_output("logits"), ["unexpected inference output 'logits'"]),
+    "raw shape over the element limit": (lambda: _raw_request(shape=(65537, 64)),
+                                         ["limits.max_tensor_elements", "4194368 elements", "4194304"]),
+    "typed shape over the element limit": (_typed_over_the_limit, ["limits.max_tensor_elements", "4194368"]),
     "version that is not a number": (lambda: _raw_request(model_version="v1"), ["version"]),
 }
 

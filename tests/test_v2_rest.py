@@ -255,6 +255,16 @@ BAD = {
         binary_request(X_HEADER, X.tobytes(), length=10_000), ["Inference-Header-Content-Length 10000", "outside"]),
     "header length that is not a number": (
         (binary_request(X_HEADER, X.tobytes())[0], {"Inference-Header-Content-Length": "abc"}), ["not an integer"]),
+    # limits.max_tensor_elements (4 Mi by default) on the declared shapes, before any data is read
+    "declared shape over the element limit": (
+        _json(_x(shape=[65537, 64])), ["limits.max_tensor_elements", "4194368 elements", "4194304"]),
+    "binary declared shape over the element limit": (
+        binary_request({"inputs": [dict(X_HEADER["inputs"][0], shape=[65537, 64])]}, X.tobytes()),
+        ["limits.max_tensor_elements", "4194368 elements"]),
+    "BYTES declared shape over the element limit": (
+        binary_request({"inputs": [{"name": "text", "shape": [4194305], "datatype": "BYTES",
+                                    "parameters": {"binary_data_size": 6}}]}, struct.pack("<I", 2) + b"ab"),
+        ["limits.max_tensor_elements", "4194305 elements"]),
     "BYTES element longer than the data": (
         binary_request({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
                                     "parameters": {"binary_data_size": 6}}]}, struct.pack("<I", 99) + b"ab"),

@@ -3,7 +3,8 @@
 Both the service and the tests call ``create_app``. One route table (appliance/api/routes.py)
 holds every path with its handler and auth scope: Flask's ``url_map`` (health, status,
 metrics, OpenAPI, the status page, the parts' admin endpoints) and the mounts of the API
-families that skip Flask on the hot path (TF Serving's ``/v1``, KServe v2, ``:generate``).
+families that skip Flask on the hot path (TF Serving's ``/v1``, KServe v2, ``:generate``,
+the OpenAI-compatible ``/v1/chat/completions``, ``/v1/completions``, ``GET /v1/models``).
 Around it, outermost first: authentication (the matched route's scope), then gzip bodies.
 Every error answer is appliance/api/errors.py's.
 """
@@ -28,11 +29,12 @@ from appliance.core.config import Config
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound, PayloadTooLarge
 
 # The API families that answer their own paths ("module:function", the function returning
-# the ``Mount``s for a core): TF Serving's REST API, KServe v2, token generation. Rollouts
+# the ``Mount``s for a core): TF Serving's REST API, KServe v2, token generation and the
+# OpenAI-compatible API beside it (which takes three /v1 paths TF Serving answers 400). Rollouts
 # are the core's: every API's handle is routed and judged there (appliance/core/rollout.py).
 # A family whose module this install lacks is skipped.
 API_MOUNTS = ("appliance.api.tfserving.rest:mounts", "appliance.api.kserve.rest:mounts",
-              "appliance.api.generate:mounts")
+              "appliance.api.generate:mounts", "appliance.api.openai:mounts")
 
 
 def create_app(config: Config, appliance: Appliance | None = None) -> Flask:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import unquote
@@ -27,12 +26,14 @@ from urllib.parse import unquote
 import orjson
 
 from appliance.core.errors import ApplianceError, InvalidArgument
-from appliance.core.generation import Generation, Params, Stream, Vocabulary
+from appliance.core.generation import Generation, Params, Stream
+from appliance.core.text import Vocabulary
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
 from appliance.api.errors import render, render_error, status_line
 from appliance.api.kserve.rest import json_object
 from appliance.api.routes import INFERENCE, Mount, raw_path
+from appliance.api.sse import StreamBody
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -49,16 +50,11 @@ class GenerateAPI:
 
     def __init__(self, core: "Appliance"):
         self.core = core
-        self._generation: Generation | None = None
-        self._lock = threading.Lock()
 
     @property
     def generation(self) -> Generation:
-        """Built on the first request: its metrics exist only where generation is used."""
-        with self._lock:
-            if self._generation is None:
-                self._generation = Generation(self.core)
-            return self._generation
+        """The core's one (built on first use; shared with the OpenAI API)."""
+        return Generation.of(self.core)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         match = PATH_RE.fullmatch(raw_path(environ).partition("?")[0])
@@ -96,7 +92,8 @@ class GenerateAPI:
             if context is not None and len(prompt) >= context:
                 raise InvalidArgument(f"field 'input_ids': the prompt has {len(prompt)} tokens; this model's context "
                                       f"holds {context}, so a prompt may have at most {context - 1}")
-            stream = self.generation.start(prompt, params, handle, name)
+            text = body.get("text") if isinstance(body.get("text"), str) else None
+            stream = self.generation.start(prompt, params, handle, name, text=text)
         except BaseException:
             handle.release()
             raise
@@ -107,34 +104,30 @@ class GenerateAPI:
         while True:
             kind, value = stream.events.get()
             if kind == "done":
-                body = orjson.dumps({**value, "tokens": stream.tokens,
-                                     "text": "".join(map(vocab.decode, stream.tokens)) if vocab else None})
+                text = "".join(stream.pieces) if stream.text_level else \
+                    "".join(map(vocab.decode, stream.tokens)) if vocab else None
+                body = orjson.dumps({**value, "tokens": None if stream.text_level else stream.tokens, "text": text})
                 return 200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
             if kind == "error":  # the model failed mid-way
                 return render(500, value)
 
 
-class _EventStream:
-    """The SSE body: an iterator whose ``close()`` (called by the WSGI server when the
-    response ends or the client is gone) cancels the stream if it is still running."""
+class _EventStream(StreamBody):
+    """The SSE body (module docstring)."""
 
     def __init__(self, api: GenerateAPI, stream: Stream, vocab: Vocabulary | None, started: float):
-        self.api, self.stream, self.vocab, self.started = api, stream, vocab, started
-        self.finished = False
-        self._events = self._iterate()
+        self.api, self.vocab, self.started = api, vocab, started
+        super().__init__(stream)
 
-    def __iter__(self) -> Iterator[bytes]:
-        return self
-
-    def __next__(self) -> bytes:
-        return next(self._events)
-
-    def _iterate(self) -> Iterator[bytes]:
+    def events(self) -> Iterator[bytes]:
         while True:
             kind, value = self.stream.events.get()
             if kind == "token":
                 text = self.vocab.decode(value) if self.vocab else None
                 yield b"data: " + orjson.dumps({"token": value, "text": text}) + b"\n\n"
+                continue
+            if kind == "text":  # a text-level servable (LiteRT-LM): pieces, no ids
+                yield b"data: " + orjson.dumps({"token": None, "text": value}) + b"\n\n"
                 continue
             self.finished = True
             status = 200 if kind == "done" else 500
@@ -143,10 +136,6 @@ class _EventStream:
             payload = value if kind == "done" else {"error": value}
             yield f"event: {'done' if kind == 'done' else 'error'}\ndata: ".encode() + orjson.dumps(payload) + b"\n\n"
             return
-
-    def close(self) -> None:
-        if not self.finished:
-            self.stream.cancel()  # the loop drops it at its next step and releases the version
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

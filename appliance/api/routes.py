@@ -3,7 +3,8 @@
 The table is Flask's own ``url_map`` (a werkzeug ``Map``) with ``Route`` as its rule class,
 so ``app.add_url_rule(..., scope=ADMIN)`` and ``@blueprint.post(..., scope=ADMIN)`` (the
 parts' endpoints) register there with their scope, plus **mounts**: the path families an
-API answers itself without Flask (TF Serving's ``/v1``, KServe v2's ``/v2``, ``:generate``).
+API answers itself without Flask (TF Serving's ``/v1``, KServe v2's ``/v2``, ``:generate``,
+the OpenAI API's three ``/v1`` paths).
 
 Mounts are matched first, on the *raw* path (undecoded, as sent: ``REQUEST_URI`` without
 the query), by prefix: TF Serving's dispatcher matches ``(?i)/v1/.*`` on the undecoded

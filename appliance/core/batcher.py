@@ -12,9 +12,13 @@ batch waits exactly as long as every worker stays busy, never longer.
 Requests are grouped by signature and by the dtypes and non-batch dimensions of their
 inputs (with ``pad_variable_length_inputs`` differing trailing dimensions are padded with
 zeros instead). A request with more rows than ``max_batch_size`` is split into several
-tasks (or refused with 400 when ``split_large_requests`` is off). The queue is bounded at
+tasks (TF Serving's ``enable_large_batch_splitting``). The queue is bounded at
 ``max_enqueued_batches * max_batch_size`` rows: beyond that ``submit`` raises ``QueueFull``
-at once (HTTP 503 + Retry-After) instead of letting memory grow. If a batch fails on bad
+at once (HTTP 503 + Retry-After) instead of letting memory grow. A request that could never
+be queued -- more rows than the whole queue holds, or than ``max_batch_size`` when
+``split_large_requests`` is off -- is a permanent ``InvalidArgument`` (400 /
+INVALID_ARGUMENT, TF Serving's "Task size N is larger than maximum input batch size M"),
+never a "retry later". If a batch fails on bad
 input and holds several requests, each is retried alone so one bad member fails alone.
 
 Execution is leader/follower, with no thread of its own: the thread that submits a
@@ -216,16 +220,36 @@ class Batcher:
                 self._hand_over()
         return _joined([task])
 
+    def _capacity(self) -> int:
+        """The most rows the queue holds (max_enqueued_batches batches of max_batch_size)."""
+        return self.params.max_enqueued_batches * self.params.max_batch_size
+
     def _tasks(self, signature: str, inputs: Mapping[str, np.ndarray], awaited: bool = False) -> list[_Task] | None:
-        """The request as tasks of at most max_batch_size rows; None: it cannot be batched."""
+        """The request as tasks of at most max_batch_size rows; None: it cannot be batched.
+        A request larger than any the queue can take is refused here, before it is queued."""
         rows = _rows(inputs)
         if rows is None or rows == 0:
             return None
         limit = self.params.max_batch_size
-        if rows > limit and not self.params.split_large_requests:
-            raise InvalidArgument(f"request has {rows} rows, more than max_batch_size {limit}")
+        if rows > limit:
+            self._check_size(rows)
         return [_Task(signature, {k: v[i:i + limit] for k, v in inputs.items()}, min(limit, rows - i), awaited)
                 for i in range(0, rows, limit)]
+
+    def _check_size(self, rows: int) -> None:
+        """A permanent 400, never QueueFull's "retry later", for a request that no wait could
+        make fit: over max_batch_size without splitting, or over the whole queue with it.
+        The text is TF Serving's (shared_batch_scheduler.h, INVALID_ARGUMENT), then ours."""
+        p = self.params
+        if not p.split_large_requests:
+            largest, why = p.max_batch_size, "max_batch_size; split_large_requests is off"
+        else:
+            largest = self._capacity()
+            why = (f"the most rows the batch queue holds: max_enqueued_batches {p.max_enqueued_batches} "
+                   f"x max_batch_size {p.max_batch_size}")
+        if rows > largest:
+            raise InvalidArgument(f"Task size {rows} is larger than maximum input batch size {largest} ({why}); "
+                                  f"send at most {largest} rows per request")
 
     def _direct(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -242,7 +266,7 @@ class Batcher:
         """Queue ``tasks`` (or refuse them whole); ``start``: hand free slots out at once (the
         tasks have no thread that could lead on its own)."""
         rows = sum(t.rows for t in tasks)
-        capacity = self.params.max_enqueued_batches * self.params.max_batch_size
+        capacity = self._capacity()
         with self._cond:
             if self._closed:
                 raise Unavailable("the model version is unloading; retry")

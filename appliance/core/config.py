@@ -16,7 +16,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from appliance.core.errors import ConfigError
 
-BACKEND_CHOICES = ("auto", "tf-gpu", "tf-cpu", "tflite")
+BACKEND_CHOICES = ("auto", "tf-gpu", "tf-cpu", "tflite", "litertlm")
 
 
 @dataclass

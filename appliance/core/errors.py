@@ -2,7 +2,9 @@
 
     ApplianceError        500  INTERNAL            a bug: never a client's fault
     ├── InvalidArgument   400  INVALID_ARGUMENT    malformed JSON, wrong dtype/shape,
-    │   │                                          unknown input, bad signature use
+    │   │                                          unknown input, bad signature use, a
+    │   │                                          request larger than the batch queue can
+    │   │                                          ever hold (permanent, never "retry later")
     │   └── FailedPrecondition  400  FAILED_PRECONDITION  what TF Serving's gRPC calls so
     │                                              (an unknown signature key in Predict)
     ├── NotFound          404  NOT_FOUND           unknown model, version, label, signature

@@ -11,34 +11,39 @@ step: the fixed decode batch of a LiteRT LLM, else ``max_streams_per_step`` (def
 model's ``batching.max_batch_size``); ``step_batching = false`` makes every lane one row
 (one call per stream per step, the bench's baseline).
 
+Text-level servables (a LiteRT-LM ``.litertlm`` bundle) decode by themselves: their
+streams run in appliance/core/text_streams.py under the same limits, handle, status and
+metrics. Prompts as text, chat templates and stop strings: appliance/core/text.py.
+
 A stream holds a manager handle on the version it started on until it ends, so a
 hot-swap never breaks it: new streams get the new version, the old one drains (and
-unloads) when its last stream finishes. Thread-safety: ``Generation.start`` and
-``Stream.cancel`` may be called from any thread; everything else runs in the loop thread.
+unloads) when its last stream finishes. Thread-safety: ``Generation.start``, ``prepare``
+and ``Stream.cancel`` may be called from any thread; everything else runs in the loop
+thread (a text stream's own thread for text-level servables).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from runtimes import RuntimeFailure, generative
+from runtimes import RuntimeFailure, TextServable, generative
 
 from appliance.core.config import GenerationConfig
-from appliance.core.errors import InvalidArgument, Unavailable, from_runtime
+from appliance.core.errors import ApplianceError, InvalidArgument, Unavailable, from_runtime
+from appliance.core.text import ChatTemplate, Vocabulary
+from appliance.core.text_streams import TextDriver, TextStreams, TextVocabulary
 
 log = logging.getLogger("appliance.generation")
 
-VOCAB_FILE = os.path.join("assets", "vocab.json")
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -56,44 +61,6 @@ class Params:
     stop: frozenset[int] = frozenset()
 
 
-class Vocabulary:
-    """``assets/vocab.json`` of a version: a JSON list of token strings (index = id).
-    Text is encoded by greedy longest match, which is exact for character vocabularies."""
-
-    def __init__(self, tokens: Sequence[str]):
-        self.tokens = list(tokens)
-        self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
-        self._longest = max((len(t) for t in self.tokens), default=1)
-
-    @classmethod
-    def load(cls, version_dir: str) -> "Vocabulary | None":
-        path = os.path.join(version_dir, VOCAB_FILE)
-        if not os.path.isfile(path):
-            return None
-        with open(path, encoding="utf-8") as f:
-            tokens = json.load(f)
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            raise InvalidArgument(f"{VOCAB_FILE} of this version is not a JSON list of strings")
-        return cls(tokens)
-
-    def encode(self, text: str) -> list[int]:
-        ids, i = [], 0
-        while i < len(text):
-            for size in range(min(self._longest, len(text) - i), 0, -1):
-                token = self._ids.get(text[i:i + size])
-                if token is not None:
-                    ids.append(token)
-                    i += size
-                    break
-            else:
-                raise InvalidArgument(f"field 'text': character {text[i]!r} at offset {i} is not in the "
-                                      "model's vocabulary")
-        return ids
-
-    def decode(self, token: int) -> str:
-        return self.tokens[token] if 0 <= token < len(self.tokens) else ""
-
-
 class Stream:
     """One generation request. The HTTP side reads ``events``: ("token", id), then one
     ("done", summary) or ("error", message)."""
@@ -105,30 +72,42 @@ class Stream:
         self.version = self.slot.version
         self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.cancelled = threading.Event()
+        self.cancel_reason = "cancelled"
         self.tokens: list[int] = []
+        self.pieces: list[str] = []  # a text-level servable's output (its ids are not known)
+        self.text_level = False
         self.rng = np.random.default_rng(params.seed)
         self.started = time.monotonic()
         self.first_at: float | None = None
         self.position = len(prompt) - 1  # where the next decode input (prompt[-1] first) goes
         self.next_input = prompt[-1]
 
-    def cancel(self) -> None:
-        """Ask the loop to drop this stream at its next step (a client went away)."""
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ask the loop to drop this stream at its next step: a client went away
+        ("cancelled"), or the API layer found a stop string ("stop")."""
+        self.cancel_reason = reason
         self.cancelled.set()
 
-    def release(self) -> None:
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far (pieces, for a text-level servable)."""
+        return len(self.tokens) + len(self.pieces)
+
+    def release(self, failure: ApplianceError | None = None) -> None:
+        """Give the version back, reporting the stream's outcome (the rollout judge's, when routed)."""
         handle, self._handle = self._handle, None
         if handle is not None:
-            handle.__exit__(None, None, None)
+            handle.report(failure, time.monotonic() - self.started)
+            handle.release()
 
     def summary(self, reason: str) -> dict[str, Any]:
         elapsed = time.monotonic() - self.started
         ttft = (self.first_at - self.started) if self.first_at else None
         decode_s = time.monotonic() - self.first_at if self.first_at else 0.0
         return {"finish_reason": reason, "model_name": self.model, "model_version": str(self.version),
-                "prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens),
+                "prompt_tokens": len(self.prompt), "completion_tokens": self.generated,
                 "time_to_first_token_ms": round(ttft * 1000, 3) if ttft is not None else None,
-                "tokens_per_s": round((len(self.tokens) - 1) / decode_s, 2) if len(self.tokens) > 1 and decode_s > 0
+                "tokens_per_s": round((self.generated - 1) / decode_s, 2) if self.generated > 1 and decode_s > 0
                 else None, "elapsed_ms": round(elapsed * 1000, 3)}
 
 
@@ -228,7 +207,7 @@ class DecodeLoop:
         placed = []
         for stream in arrived:
             if stream.cancelled.is_set():
-                self.owner.ended(stream, "cancelled")
+                self.owner.ended(stream, stream.cancel_reason)
                 continue
             lane, row = self._free_row()
             lane.rows[row] = stream
@@ -252,7 +231,7 @@ class DecodeLoop:
             for row in reversed(lane.active()):
                 stream = lane.rows[row]
                 if stream is not None and stream.cancelled.is_set():
-                    self._finish(lane, row, "cancelled")
+                    self._finish(lane, row, stream.cancel_reason)
 
     def _step(self) -> None:
         for lane in self.lanes:
@@ -298,13 +277,18 @@ class DecodeLoop:
 
 
 class Generation:
-    """Every decode loop of the service; the API layer's entry point (module docstring)."""
+    """Every decode loop and text stream of the service; the API layer's entry point (module
+    docstring). One per core (``Generation.of``): ``:generate`` and the OpenAI API share it."""
+
+    _instances: "weakref.WeakKeyDictionary[Any, Generation]" = weakref.WeakKeyDictionary()
+    _instances_lock = threading.Lock()
 
     def __init__(self, core: Any):
         self.core = core
         self.lock = threading.Lock()
         self.loops: dict[int, DecodeLoop] = {}  # id(VersionSlot) -> its loop
-        self._drivers: dict[int, tuple[Any, generative.Driver | None, Vocabulary | None]] = {}
+        self.text = TextStreams(self)
+        self._versions: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(slot) -> (slot, what was read of it)
         self.metrics = GenerationMetrics(core.metrics.registry)
         self.counts = {"streams_started": 0, "streams_cancelled": 0, "tokens_generated": 0}
         self.admitted = 0  # streams queued or running, all versions
@@ -312,48 +296,101 @@ class Generation:
         self.publish()
         core.add_status("generation", lambda: self.status)
 
+    @classmethod
+    def of(cls, core: Any) -> "Generation":
+        """The core's one ``Generation``, built on first use: its metrics exist only where
+        generation is used, and every API that generates shares its stream limit."""
+        with cls._instances_lock:
+            generation = cls._instances.get(core)
+            if generation is None:
+                generation = cls._instances[core] = cls(core)
+            return generation
+
     @property
     def config(self) -> GenerationConfig:
         return self.core.config.generation  # type: ignore[no-any-return]
 
-    def prepare(self, handle: Any) -> tuple[generative.Driver, Vocabulary | None]:
-        """The driver and vocabulary of the handle's version (cached while it is loaded)."""
-        slot = handle.slot
+    def _read(self, slot: Any, key: str, build: Any) -> Any:
+        """``build(slot)``, read once per loaded version (unloaded versions are forgotten)."""
         with self.lock:
-            for key in [k for k, (s, _, _) in self._drivers.items() if s.servable is None]:
-                del self._drivers[key]  # unloaded versions
-            cached = self._drivers.get(id(slot))
-        if cached is None or cached[0] is not slot:
-            try:
-                driver = generative.detect(slot.servable)
-            except RuntimeFailure as exc:
-                raise InvalidArgument(f"{slot.model} version {slot.version}: {exc}") from exc
-            cached = (slot, driver, Vocabulary.load(slot.path) if driver is not None else None)
-            with self.lock:
-                self._drivers[id(slot)] = cached
-        if cached[1] is None:
-            raise InvalidArgument(f"{slot.model} version {slot.version} cannot generate: it has neither "
-                                  "'prefill'+'decode' signatures (LiteRT LLM) nor a 'generate_step' signature")
-        return cached[1], cached[2]
+            for gone in [k for k, (s, _) in self._versions.items() if s.servable is None]:
+                del self._versions[gone]
+            cached = self._versions.get(id(slot))
+            if cached is None or cached[0] is not slot:
+                cached = self._versions[id(slot)] = (slot, {})
+            if key in cached[1]:
+                return cached[1][key]
+        value = build(slot)  # outside the lock: it may read files
+        with self.lock:
+            cached[1][key] = value
+        return value
 
-    def start(self, prompt: list[int], params: Params, handle: Any, model: str) -> Stream:
-        """Queue a stream on the handle's version; the loop owns (and releases) the handle."""
+    def prepare(self, handle: Any) -> tuple[Any, Any]:
+        """The driver and vocabulary of the handle's version: a ``generative.Driver`` and a
+        ``Vocabulary`` (None when the version ships none), or for a text-level servable a
+        ``TextDriver`` and ``TextVocabulary``. InvalidArgument when it cannot generate."""
         slot = handle.slot
-        driver, _ = self.prepare(handle)
+        driver, vocab = self._read(slot, "driver", self._detect)
+        if driver is None:
+            raise InvalidArgument(f"{slot.model} version {slot.version} cannot generate: it has neither "
+                                  "'prefill'+'decode' signatures (LiteRT LLM) nor a 'generate_step' signature, "
+                                  "and is no LiteRT-LM bundle")
+        return driver, vocab
+
+    @staticmethod
+    def _detect(slot: Any) -> tuple[Any, Any]:
+        servable = slot.servable
+        if isinstance(servable, TextServable):
+            return TextDriver(servable), TextVocabulary(servable)
+        try:
+            driver = generative.detect(servable)
+        except RuntimeFailure as exc:
+            raise InvalidArgument(f"{slot.model} version {slot.version}: {exc}") from exc
+        return driver, (Vocabulary.load(slot.path) if driver is not None else None)
+
+    def can_generate(self, handle: Any) -> bool:
+        try:
+            self.prepare(handle)
+        except InvalidArgument:
+            return False
+        return True
+
+    def chat_template(self, handle: Any) -> ChatTemplate:
+        """The chat template of the handle's version (appliance/core/text.py)."""
+        return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))  # type: ignore[no-any-return]
+
+    def start(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None) -> Stream:
+        """Queue a stream on the handle's version; the loop owns (and releases) the handle.
+        ``text``: the prompt as text, for a text-level servable (else its ids are detokenized)."""
+        slot = handle.slot
+        driver, vocab = self.prepare(handle)
+        text_level = isinstance(driver, TextDriver)
+        if text_level and params.stop:
+            raise InvalidArgument("field 'stop': stop token ids need a token-level model; this version is a "
+                                  "LiteRT-LM bundle, which stops at its own stop tokens")
+        prompt_text = (text if text is not None else vocab.decode_all(prompt)) if text_level else ""
         stream = Stream(prompt, params, handle, model)
+        stream.text_level = text_level
         with self.lock:
             if self.admitted >= self.config.max_streams:
                 raise Unavailable(f"{self.admitted} streams are running, the limit is generation.max_streams = "
                                   f"{self.config.max_streams}; retry later")
             self.admitted += 1
             self.counts["streams_started"] += 1
-            loop = self.loops.get(id(slot))
-            fresh = loop is None
-            if loop is None:
-                loop = self.loops[id(slot)] = DecodeLoop(self, slot, driver, self._lane_size(slot, driver))
-            loop.pending.append(stream)
+            loop, fresh = None, False
+            if text_level:
+                self.text.count_in(stream)
+            else:
+                loop = self.loops.get(id(slot))
+                fresh = loop is None
+                if loop is None:
+                    loop = self.loops[id(slot)] = DecodeLoop(self, slot, driver, self._lane_size(slot, driver))
+                loop.pending.append(stream)
         self.metrics.active.labels(model).inc()
-        if fresh:
+        if text_level:
+            self.text.start(stream, driver, prompt_text)
+        elif fresh:
+            assert loop is not None
             loop.thread.start()
         self.publish()
         return stream
@@ -370,7 +407,7 @@ class Generation:
         """(loop thread) A stream left its loop: tell its reader, release its version."""
         summary = stream.summary(reason)
         stream.events.put(("error", error) if reason == "error" else ("done", summary))
-        stream.release()
+        stream.release(ApplianceError(error) if reason == "error" else None)
         m = self.metrics
         m.active.labels(stream.model).dec()
         m.streams.labels(stream.model, reason).inc()
@@ -378,7 +415,7 @@ class Generation:
             m.stream_rate.labels(stream.model).observe(summary["tokens_per_s"])
         with self.lock:
             self.admitted -= 1
-            self.counts["tokens_generated"] += len(stream.tokens)
+            self.counts["tokens_generated"] += stream.generated
             self.counts["streams_cancelled"] += reason == "cancelled"
         self.publish()
 
@@ -388,5 +425,6 @@ class Generation:
             loops = list(self.loops.values())
             status = {**self.counts, "active_streams": self.admitted, "step_batching": self.config.step_batching,
                       "loops": [{"model": lp.model, "version": lp.slot.version, "lane_size": lp.lane_size,
-                                 **lp.driver.describe()} for lp in loops]}
+                                 **lp.driver.describe()} for lp in loops],
+                      "text_streams": self.text.status()}
         self.status = status

@@ -158,6 +158,14 @@ class Handle:
                                        failure is not None and failure.http_status >= 500,
                                        time.perf_counter() - started)
 
+    def report(self, failure: ApplianceError | None, seconds: float) -> None:
+        """The outcome of a request that did not go through ``run``: a token stream, which
+        the core's step scheduler drives (appliance/core/generation.py). Tallied for the
+        rollout judge when the manager routed this handle, like ``run``'s answers."""
+        route = self._route
+        if route is not None:
+            self._observe(route.role, failure, time.perf_counter() - seconds)
+
     # -- holding -------------------------------------------------------------------------------
     def release(self) -> None:
         self._manager._release_slot(self.slot)

@@ -12,9 +12,11 @@ before any array exists:
   ``np.frombuffer`` views on the request body: no copy, no parsing.
 * gRPC typed ``contents`` (``fp32_contents`` ...): see ``appliance.api.kserve.grpc_service``.
 
-Size rules, the reason this module exists: a declared size is compared with what the
-shape and datatype need *before* anything is read, every slice is bounds-checked against
-the body, and leftover bytes are an error. A mismatch is ``InvalidArgument`` (400 /
+Size rules, the reason this module exists: the elements all shapes declare are counted
+against ``limits.max_tensor_elements`` (``check_declared_elements``, appliance/api/tensor_limits.py)
+and a declared size is compared with what the shape and datatype need, both *before*
+anything is read; every slice is bounds-checked against the body, and leftover bytes are an
+error. A mismatch is ``InvalidArgument`` (400 /
 INVALID_ARGUMENT) naming the tensor, the sizes and why; never an over-read or a crash.
 """
 
@@ -27,6 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import orjson
 
+from appliance.api import tensor_limits
 from appliance.core.errors import InvalidArgument
 
 # datatype name -> numpy dtype (little-endian, as the protocol's binary form is).
@@ -66,6 +69,17 @@ def check_shape(shape: Any, where: str) -> tuple[int, ...]:
         raise InvalidArgument(f"{where}: 'shape' must be a list of at most {MAX_DIMS} non-negative integers, "
                               f"got {_short(shape)}")
     return tuple(shape)
+
+
+def check_declared_elements(declared: Sequence[tuple[str, Sequence[int]]], limits: Any) -> None:
+    """``limits.max_tensor_elements`` on the elements the (name, shape) of a request's inputs
+    declare, all together: called before any input's data is read, so no tensor past the
+    limit is built. The error names the largest input's shape."""
+    total = sum(math.prod(shape) for _, shape in declared)
+    if declared and total > limits.max_tensor_elements:
+        name, shape = max(declared, key=lambda d: math.prod(d[1]))
+        tensor_limits.check_element_count(total, limits, f" by their declared shapes (input '{name}': shape "
+                                                         f"{list(shape)})")
 
 
 def nbytes_for(shape: Sequence[int], dtype: np.dtype) -> int:

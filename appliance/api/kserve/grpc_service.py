@@ -7,8 +7,9 @@ REST v2 and TF Serving requests share the manager, the version policy and the ba
 
 Tensors: inputs come as ``raw_input_contents`` (one entry per input, what tritonclient
 sends) or as typed ``contents``; outputs always go back as ``raw_output_contents``, as
-Triton answers. Sizes are checked as strictly as over HTTP (``v2_codec``): a raw entry
-that disagrees with its shape and datatype is INVALID_ARGUMENT naming both.
+Triton answers. Sizes are checked as strictly as over HTTP (``codec``): the elements the
+shapes declare are counted against ``limits.max_tensor_elements`` before any array is built,
+and a raw entry that disagrees with its shape and datatype is INVALID_ARGUMENT naming both.
 
 Errors map through ``ApplianceError.grpc_code``: INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE
 (loading, queue full), RESOURCE_EXHAUSTED; anything unexpected is logged and INTERNAL.
@@ -99,7 +100,7 @@ class V2GRPC:
     # -- inference ------------------------------------------------------------------------
     def model_infer(self, request: Any) -> Any:
         with observed(self.core.metrics, request.model_name, "v2_infer"):
-            inputs = _inputs(request)
+            inputs = _inputs(request, self.core.config.limits)
             requested = [Requested(o.name) for o in request.outputs] or None
             result = self.service.infer(request.model_name, _grpc_version(request.model_version), inputs,
                                         requested, _parameters(request.parameters))
@@ -123,18 +124,18 @@ def _parameters(params: Any) -> dict[str, Any]:
     return out
 
 
-def _inputs(request: Any) -> list[Tensor]:
+def _inputs(request: Any, limits: Any) -> list[Tensor]:
+    """The request's tensors; every shape is checked, and the elements they declare counted
+    against ``limits.max_tensor_elements``, before any array is built."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidArgument(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
                               "it needs one per input, in input order")
+    shapes = [_declared_shape(item) for item in request.inputs]
+    codec.check_declared_elements([(item.name, shape) for item, shape in zip(request.inputs, shapes)], limits)
     tensors = []
-    for i, item in enumerate(request.inputs):
+    for i, (item, shape) in enumerate(zip(request.inputs, shapes)):
         where = f"input '{item.name}'"
-        codec.dtype_of(item.datatype, where)
-        if any(d < 0 for d in item.shape):
-            raise InvalidArgument(f"{where}: 'shape' must be non-negative integers, got {list(item.shape)}")
-        shape = codec.check_shape(list(item.shape), where)
         has_contents = item.HasField("contents") and any(len(getattr(item.contents, f)) for f in _ALL_FIELDS)
         if raw:
             if has_contents:
@@ -145,6 +146,15 @@ def _inputs(request: Any) -> list[Tensor]:
             array = _from_contents(item, shape, where)
         tensors.append(Tensor(item.name, array, item.datatype))
     return tensors
+
+
+def _declared_shape(item: Any) -> tuple[int, ...]:
+    """An input's datatype and shape checked; its shape."""
+    where = f"input '{item.name}'"
+    codec.dtype_of(item.datatype, where)
+    if any(d < 0 for d in item.shape):
+        raise InvalidArgument(f"{where}: 'shape' must be non-negative integers, got {list(item.shape)}")
+    return codec.check_shape(list(item.shape), where)
 
 
 def _from_contents(item: Any, shape: tuple[int, ...], where: str) -> np.ndarray:

@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 import orjson
 
+from appliance.api import tensor_limits
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
@@ -35,6 +36,10 @@ JSON = "application/json"
 OCTETS = "application/octet-stream"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _DUMP = orjson.OPT_SERIALIZE_NUMPY
+# JSON values a v2 request may carry besides tensor data: each input's name, datatype and
+# shape, outputs, parameters. Generous (a thousand values cost nothing to parse): the exact
+# check is on the declared shapes, once the header is parsed.
+ENVELOPE_VALUES = 1024
 
 
 # --- the REST face ------------------------------------------------------------------------------
@@ -96,7 +101,7 @@ class V2API:
         try:
             body = _read_body(environ, self.core.config.server.max_body_bytes)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
-                                          environ.get("HTTP_CONTENT_ENCODING"))
+                                          environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits)
             result = self.service.infer(model, version, request.inputs, request.outputs, request.parameters,
                                         request.binary_default, route_key(environ))
             return render_infer_response(result, request.id)
@@ -149,13 +154,17 @@ class InferRequest:
     binary_default: bool
 
 
-def parse_infer_request(body: bytes, header_length: str | None, encoding: str | None = None) -> InferRequest:
-    """An infer request body: JSON alone, or (binary extension) a JSON header then tensor bytes."""
+def parse_infer_request(body: bytes, header_length: str | None, encoding: str | None, limits: Any) -> InferRequest:
+    """An infer request body: JSON alone, or (binary extension) a JSON header then tensor bytes.
+    ``limits.max_tensor_elements`` is checked on the JSON's bytes before it is parsed, then on
+    the shapes the inputs declare before any tensor is built."""
     if encoding and encoding.strip().lower() not in ("identity", ""):
         raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
     length = codec.header_length(header_length, len(body))
+    text = body if length is None else body[:length]
+    tensor_limits.check_body_values(text, limits, ENVELOPE_VALUES)
     try:
-        header = json_object(body if length is None else body[:length])
+        header = json_object(text)
     except InvalidArgument as exc:
         if length is None and b'"binary_data_size"' in body:  # binary tensors, but no header length
             raise InvalidArgument(f"{exc.message}; the request sets binary_data_size but has no {HEADER_LENGTH} "
@@ -163,7 +172,9 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
         raise
     parameters = _parameters(header.get("parameters"), "request")
     binary = codec.BinaryBody(body, length) if length is not None else None
-    inputs = [_input(item, i, binary) for i, item in enumerate(_list(header, "inputs", required=True))]
+    declared = [_declared(item, i) for i, item in enumerate(_list(header, "inputs", required=True))]
+    codec.check_declared_elements([(d.name, d.shape) for d in declared], limits)
+    inputs = [_input(d, binary) for d in declared]
     if binary is not None:
         binary.finish()
     outputs = [_requested(item, i) for i, item in enumerate(_list(header, "outputs"))] or None
@@ -207,21 +218,36 @@ def _parameters(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _input(item: Any, index: int, binary: codec.BinaryBody | None) -> Tensor:
+@dataclass
+class _Declared:
+    """An input as its JSON object declares it, checked before any of its data is read."""
+
+    item: dict[str, Any]
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    binary_size: int | None  # None: its elements are in "data"
+
+
+def _declared(item: Any, index: int) -> _Declared:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise InvalidArgument(f"inputs[{index}] must be an object with a string 'name'")
-    name = item["name"]
-    where = f"input '{name}'"
+    where = f"input '{item['name']}'"
     codec.dtype_of(item.get("datatype"), where)
-    datatype: str = item["datatype"]
     shape = codec.check_shape(item.get("shape"), where)
     size = codec.binary_size(_parameters(item.get("parameters"), where), where)
     has_data = "data" in item
     if (size is None) == (not has_data):
         raise InvalidArgument(f"{where} must set exactly one of 'data' and parameters.binary_data_size, "
                               f"but sets {'both' if has_data else 'neither'}")
+    return _Declared(item, item["name"], item["datatype"], shape, size)
+
+
+def _input(declared: _Declared, binary: codec.BinaryBody | None) -> Tensor:
+    name, datatype, shape, size = declared.name, declared.datatype, declared.shape, declared.binary_size
+    where = f"input '{name}'"
     if size is None:
-        return Tensor(name, codec.from_json(item["data"], datatype, shape, where), datatype)
+        return Tensor(name, codec.from_json(declared.item["data"], datatype, shape, where), datatype)
     if binary is None:
         raise InvalidArgument(f"{where} has binary_data_size but the request has no {HEADER_LENGTH} header "
                               "saying where the JSON ends")

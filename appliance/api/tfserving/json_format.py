@@ -33,6 +33,8 @@ import orjson
 from runtimes import SignatureInfo, TensorSpec
 
 from appliance.protos.tfserving import wire as pw
+# the element limit is shared with KServe v2; ENVELOPE_VALUES and count_values named here for callers
+from appliance.api.tensor_limits import ENVELOPE_VALUES, check_body_values, check_elements, count_values  # noqa: F401
 from appliance.core.handle import shape_error  # noqa: F401 (the shape rule is the handle's; named here for callers)
 from appliance.core.config import LimitsConfig
 from appliance.core.errors import InvalidArgument
@@ -42,18 +44,13 @@ DEFAULT_LIMITS = LimitsConfig()
 _TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("numbers_only", default=False)
 _NATIVE = frozenset("biuf")  # dtype kinds orjson serialises itself
 MAX_DIMS = 64  # numpy's limit on an array's dimensions
-ENVELOPE_VALUES = 16  # values a request carries besides its tensors (signature_name, ...)
 
 
 def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
     """A request body, parsed and checked against ``limits`` (see the module docstring)."""
     if not body or not body.strip():
         raise InvalidArgument("JSON Parse error: The document is empty")
-    if (len(body) + 1) // 2 > limits.max_tensor_elements + ENVELOPE_VALUES:  # else too short to be over
-        values = count_values(body)
-        if values > limits.max_tensor_elements + ENVELOPE_VALUES:
-            raise InvalidArgument(f"the request holds {values} JSON values, over the limit of "
-                                  f"{limits.max_tensor_elements} tensor elements (limits.max_tensor_elements)")
+    check_body_values(body, limits)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -93,27 +90,6 @@ def nesting(doc: Any, limit: int) -> int:
             stack.extend((v, level) for v in value.values())
         deepest = max(deepest, level)
     return deepest
-
-
-# --- counting values of a big body before parsing it -----------------------------------------
-_SKELETON = b'[]{}",\\'
-# Every other byte of a value becomes "v" (so "[1]" is not mistaken for an empty "[]");
-# whitespace and ":" go.
-_TO_SKELETON = bytes(c if c in _SKELETON else ord("v") for c in range(256))
-_NOT_SKELETON = b" \t\r\n:"
-_PLAIN_STRING = re.compile(rb'"[^"]*"')  # a JSON string when the body has no backslash
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-
-
-def count_values(body: bytes) -> int:
-    """The number of non-container values in ``body`` (exact for valid JSON), from one
-    C-speed pass over its bytes: each comma outside strings separates two values, and an
-    empty container holds none."""
-    if b"\\" in body:  # escaped quotes: drop whole strings from the text first
-        skeleton = _STRING.sub(b"v", body).translate(_TO_SKELETON, _NOT_SKELETON)
-    else:  # strings cannot hide a quote: drop them from the skeleton
-        skeleton = _PLAIN_STRING.sub(b"v", body.translate(_TO_SKELETON, _NOT_SKELETON))
-    return skeleton.count(b",") + 1 - skeleton.count(b"[]") - skeleton.count(b"{}")
 
 
 # --- NaN and Infinity (orjson refuses them; TF Serving accepts them) ---------------------
@@ -304,13 +280,6 @@ def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes
         _TRUSTED.reset(token)
     check_elements(inputs, limits)
     return inputs, row_format
-
-
-def check_elements(inputs: Mapping[str, np.ndarray], limits: Any = DEFAULT_LIMITS) -> None:
-    total = sum(arr.size for arr in inputs.values())
-    if total > limits.max_tensor_elements:
-        raise InvalidArgument(f"the request's tensors hold {total} elements, over the limit of "
-                              f"{limits.max_tensor_elements} (limits.max_tensor_elements)")
 
 
 def check_rows(count: int, what: str, limits: Any = DEFAULT_LIMITS) -> None:

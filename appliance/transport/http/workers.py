@@ -68,6 +68,9 @@ class WorkerPool:
                 job(queued_at)
             except Exception:  # a job renders its own errors; this is a bug, never a lost worker
                 log.exception("HTTP worker job failed")
+            # Drop the finished job now: it holds its request (body included) until the next
+            # one arrives otherwise, and 32 idle threads then keep 32 bodies alive.
+            del job
 
     def stop(self, timeout: float = 5.0) -> None:
         """Let queued jobs finish, then end the threads (bounded by ``timeout``); idempotent."""

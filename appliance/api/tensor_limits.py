@@ -1,0 +1,74 @@
+"""``limits.max_tensor_elements`` for every API that takes tensors in a request.
+
+One limit, checked at two points so that a hostile request never costs more memory than
+its own bytes:
+
+* before a JSON body is parsed (``check_body_values``): orjson turns each number into a
+  Python object (10^7 numbers: +436 MB), so a body that holds more values than the limit
+  allows, plus a small envelope of names and shapes, is refused from one C-speed pass over
+  its bytes (``count_values``). Short bodies skip the pass: each value needs two bytes.
+* once the tensors are known (``check_elements`` on decoded arrays, ``check_element_count``
+  on the elements a request declares, before any array of that size exists).
+
+Either way the answer is ``InvalidArgument`` (400 / INVALID_ARGUMENT) naming the key and
+the count. Used by TF Serving's REST JSON (appliance/api/tfserving/json_format.py) and by
+KServe v2 over REST (JSON and binary tensors) and gRPC (appliance/api/kserve/).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import numpy as np
+
+from appliance.core.errors import InvalidArgument
+
+KEY = "limits.max_tensor_elements"
+ENVELOPE_VALUES = 16  # values a TF Serving request carries besides its tensors (signature_name, ...)
+
+
+def check_body_values(body: bytes, limits: Any, envelope: int = ENVELOPE_VALUES) -> None:
+    """Refuse a JSON ``body`` holding more than ``limits.max_tensor_elements + envelope``
+    values, before it is parsed."""
+    allowed = limits.max_tensor_elements + envelope
+    if (len(body) + 1) // 2 <= allowed:  # too short to hold more: no pass over it
+        return
+    values = count_values(body)
+    if values > allowed:
+        raise InvalidArgument(f"the request holds {values} JSON values, over the limit of "
+                              f"{limits.max_tensor_elements} tensor elements ({KEY})")
+
+
+def check_elements(inputs: Mapping[str, np.ndarray], limits: Any) -> None:
+    """Decoded inputs, all together, within the limit."""
+    check_element_count(sum(arr.size for arr in inputs.values()), limits)
+
+
+def check_element_count(total: int, limits: Any, detail: str = "") -> None:
+    """``total`` elements (decoded, or declared by shapes before decoding) within the limit;
+    ``detail`` says where they come from, in the error."""
+    if total > limits.max_tensor_elements:
+        raise InvalidArgument(f"the request's tensors hold {total} elements{detail}, over the limit of "
+                              f"{limits.max_tensor_elements} ({KEY})")
+
+
+# --- counting values of a big body before parsing it -----------------------------------------
+_SKELETON = b'[]{}",\\'
+# Every other byte of a value becomes "v" (so "[1]" is not mistaken for an empty "[]");
+# whitespace and ":" go.
+_TO_SKELETON = bytes(c if c in _SKELETON else ord("v") for c in range(256))
+_NOT_SKELETON = b" \t\r\n:"
+_PLAIN_STRING = re.compile(rb'"[^"]*"')  # a JSON string when the body has no backslash
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def count_values(body: bytes) -> int:
+    """The number of non-container values in ``body`` (exact for valid JSON), from one
+    C-speed pass over its bytes: each comma outside strings separates two values, and an
+    empty container holds none."""
+    if b"\\" in body:  # escaped quotes: drop whole strings from the text first
+        skeleton = _STRING.sub(b"v", body).translate(_TO_SKELETON, _NOT_SKELETON)
+    else:  # strings cannot hide a quote: drop them from the skeleton
+        skeleton = _PLAIN_STRING.sub(b"v", body.translate(_TO_SKELETON, _NOT_SKELETON))
+    return skeleton.count(b",") + 1 - skeleton.count(b"[]") - skeleton.count(b"{}")

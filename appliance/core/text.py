@@ -1,0 +1,165 @@
+"""Text around token streams: a version's vocabulary, its chat template, stop strings.
+
+``Vocabulary``: ``assets/vocab.json`` of a token-level version (a JSON list of token
+strings), the tokenizer of ``:generate``'s ``text`` and of the OpenAI API.
+
+``ChatTemplate``: chat messages -> one prompt, by the version's own Jinja template
+(``assets/chat_template.jinja``, else ``chat_template`` of ``assets/tokenizer_config.json``:
+Hugging Face's conventions, rendered in Jinja's immutable sandbox as Hugging Face renders
+them), else ``DEFAULT_CHAT_TEMPLATE``.
+
+``StopText``: stop strings over a stream of text pieces, holding back what could still
+become one. Pure functions of their inputs: no locks, no threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+from appliance.core.errors import ApplianceError, InvalidArgument
+
+VOCAB_FILE = os.path.join("assets", "vocab.json")
+CHAT_TEMPLATE_FILE = os.path.join("assets", "chat_template.jinja")
+TOKENIZER_CONFIG_FILE = os.path.join("assets", "tokenizer_config.json")
+# The template of a version that ships none: role tags on lines of their own.
+DEFAULT_CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+class Vocabulary:
+    """``assets/vocab.json`` of a version: a JSON list of token strings (index = id).
+    Text is encoded by greedy longest match, which is exact for character vocabularies."""
+
+    def __init__(self, tokens: Sequence[str]):
+        self.tokens = list(tokens)
+        self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
+        self._longest = max((len(t) for t in self.tokens), default=1)
+
+    @classmethod
+    def load(cls, version_dir: str) -> "Vocabulary | None":
+        path = os.path.join(version_dir, VOCAB_FILE)
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            tokens = json.load(f)
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise InvalidArgument(f"{VOCAB_FILE} of this version is not a JSON list of strings")
+        return cls(tokens)
+
+    def encode(self, text: str) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            for size in range(min(self._longest, len(text) - i), 0, -1):
+                token = self._ids.get(text[i:i + size])
+                if token is not None:
+                    ids.append(token)
+                    i += size
+                    break
+            else:
+                raise InvalidArgument(f"field 'text': character {text[i]!r} at offset {i} is not in the "
+                                      "model's vocabulary")
+        return ids
+
+    def decode(self, token: int) -> str:
+        return self.tokens[token] if 0 <= token < len(self.tokens) else ""
+
+
+class ChatTemplate:
+    """A chat prompt template (module docstring): ``render(messages)`` -> prompt text.
+    Rendered in Jinja's immutable sandbox, as Hugging Face renders ``chat_template``."""
+
+    def __init__(self, source: str, origin: str, bos: str = "", eos: str = ""):
+        from jinja2 import TemplateError  # Flask's own dependency
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _template_error
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as exc:  # the version's template is broken: the server's fault, not the client's
+            raise ApplianceError(f"the chat template of this version ({origin}) does not parse: {exc}") from exc
+        self.origin, self.bos, self.eos = origin, bos, eos
+        # what a template may raise on messages it cannot take (Jinja's own errors included)
+        self.refusals = (TemplateError, TypeError, ValueError, LookupError, AttributeError)
+
+    @classmethod
+    def load(cls, version_dir: str) -> "ChatTemplate":
+        path = os.path.join(version_dir, CHAT_TEMPLATE_FILE)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return cls(f.read(), CHAT_TEMPLATE_FILE)
+        config = _tokenizer_config(version_dir)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the "default" one
+            template = next((t.get("template") for t in template if isinstance(t, dict)
+                             and t.get("name") == "default"), None)
+        if isinstance(template, str):
+            return cls(template, TOKENIZER_CONFIG_FILE, _special(config.get("bos_token")),
+                       _special(config.get("eos_token")))
+        return cls(DEFAULT_CHAT_TEMPLATE, "the default template")
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        try:
+            return str(self.template.render(messages=list(messages), add_generation_prompt=True,
+                                            bos_token=self.bos, eos_token=self.eos))
+        except self.refusals as exc:  # the template refused these messages
+            raise InvalidArgument(f"field 'messages': the chat template ({self.origin}) failed: {exc}") from exc
+
+
+def _template_error(message: str) -> None:
+    raise InvalidArgument(f"field 'messages': {message}")
+
+
+def _special(token: Any) -> str:
+    if isinstance(token, dict):  # {"content": "<s>", ...}
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
+def _tokenizer_config(version_dir: str) -> dict[str, Any]:
+    path = os.path.join(version_dir, TOKENIZER_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"{TOKENIZER_CONFIG_FILE} of this version is not readable JSON: {exc}") from exc
+    return config if isinstance(config, dict) else {}
+
+
+class StopText:
+    """Stop strings over a text stream: ``feed(piece)`` -> (text that may be shown, stopped).
+    Text that could still be the start of a stop string is held back until it cannot; the
+    stop string itself and anything after it are never shown."""
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        text = self.held + piece
+        if not self.stops:
+            return text, False
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held = ""
+            return text[:cut], True
+        safe = len(text)
+        for size in range(min(self.keep, len(text)), 0, -1):  # the longest tail that begins a stop
+            if any(s.startswith(text[-size:]) for s in self.stops):
+                safe = len(text) - size
+                break
+        self.held = text[safe:]
+        return text[:safe], False
+
+    def flush(self) -> str:
+        """What is held back when the stream ends without a stop string."""
+        held, self.held = self.held, ""
+        return held
+
+
+__all__ = ["CHAT_TEMPLATE_FILE", "DEFAULT_CHAT_TEMPLATE", "VOCAB_FILE", "ChatTemplate", "StopText", "Vocabulary"]
