@@ -39,14 +39,14 @@ NUMBERS, STRINGS = 1, 2  # extension type codes: a numeric array, an array of by
 
 
 def _default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):  # a numpy scalar crosses as a 0-d array: numpy either way
+        obj = np.asarray(obj)
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind == "O":
             return msgpack.ExtType(STRINGS, msgpack.packb([list(obj.shape), obj.ravel().tolist()], use_bin_type=True))
-        arr = np.ascontiguousarray(obj)
-        return msgpack.ExtType(NUMBERS, msgpack.packb([arr.dtype.str, list(arr.shape), memoryview(arr).cast("B")],
-                                                      use_bin_type=True))
-    if isinstance(obj, np.generic):
-        return obj.item()
+        arr = obj if obj.flags.c_contiguous else obj.copy(order="C")  # (ascontiguousarray makes a 0-d array 1-d)
+        data = memoryview(arr).cast("B") if arr.size else b""
+        return msgpack.ExtType(NUMBERS, msgpack.packb([arr.dtype.str, list(arr.shape), data], use_bin_type=True))
     raise TypeError(f"cannot send a {type(obj).__name__} between processes")
 
 

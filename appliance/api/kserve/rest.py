@@ -21,6 +21,7 @@ from urllib.parse import unquote
 import orjson
 
 from appliance.api import tensor_limits
+from appliance.api import json_arrays
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
@@ -164,7 +165,7 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
     text = body if length is None else body[:length]
     tensor_limits.check_body_values(text, limits, ENVELOPE_VALUES)
     try:
-        header = json_object(text)
+        header = json_object(text, arrays=True)
     except InvalidArgument as exc:
         if length is None and b'"binary_data_size"' in body:  # binary tensors, but no header length
             raise InvalidArgument(f"{exc.message}; the request sets binary_data_size but has no {HEADER_LENGTH} "
@@ -187,14 +188,18 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
     return InferRequest(request_id, inputs, outputs, parameters, binary_default)
 
 
-def json_object(data: bytes, what: str = "inference request") -> dict[str, Any]:
-    """A JSON object body (v2 and :generate), or a 400 that says what is wrong with it."""
+def json_object(data: bytes, what: str = "inference request", arrays: bool = False) -> dict[str, Any]:
+    """A JSON object body (v2 and :generate), or a 400 that says what is wrong with it.
+    ``arrays``: big numeric arrays come as numpy (appliance/api/json_arrays.py; the tensors'
+    ``data``), else everything is Python values."""
     if not data.strip():
         raise InvalidArgument(f"the request body is empty; expected an {what} JSON object")
-    try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"the request is not valid JSON: {exc}") from None
+    value = json_arrays.loads(data) if arrays else None
+    if value is None:
+        try:
+            value = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgument(f"the request is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"the {what} must be a JSON object")
     return value

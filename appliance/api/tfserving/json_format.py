@@ -32,6 +32,7 @@ import orjson
 
 from runtimes import SignatureInfo, TensorSpec
 
+from appliance.api import json_arrays
 from appliance.protos.tfserving import wire as pw
 # the element limit is shared with KServe v2; ENVELOPE_VALUES and count_values named here for callers
 from appliance.api.tensor_limits import ENVELOPE_VALUES, check_body_values, check_elements, count_values  # noqa: F401
@@ -51,14 +52,16 @@ def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
     if not body or not body.strip():
         raise InvalidArgument("JSON Parse error: The document is empty")
     check_body_values(body, limits)
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        if "depth" in str(exc):  # orjson's own cap (1024 levels) keeps 500,000 brackets harmless
-            raise _too_deep(limits) from None
-        if _NONFINITE.search(body) is None:
-            raise InvalidArgument(f"JSON Parse error: {exc}") from exc
-        doc = _loads_nonfinite(body, exc, limits)
+    doc = json_arrays.loads(body)  # big numeric arrays straight into numpy, when it can
+    if doc is None:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            if "depth" in str(exc):  # orjson's own cap (1024 levels) keeps 500,000 brackets harmless
+                raise _too_deep(limits) from None
+            if _NONFINITE.search(body) is None:
+                raise InvalidArgument(f"JSON Parse error: {exc}") from exc
+            doc = _loads_nonfinite(body, exc, limits)
     if nesting(doc, limits.max_json_depth) > limits.max_json_depth:
         raise _too_deep(limits)
     return doc
@@ -85,6 +88,8 @@ def nesting(doc: Any, limit: int) -> int:
             level += 1
             if value:
                 stack.append((value[0], level))
+        elif isinstance(value, np.ndarray):  # a numeric array json_arrays.py made: regular
+            level += value.ndim
         elif isinstance(value, dict):
             level += 1
             stack.extend((v, level) for v in value.values())
@@ -301,7 +306,7 @@ def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
             return _named(signature, value, "inputs", ignore_extra=True), False
         return _single(signature, value, "inputs"), False
     instances = body["instances"]
-    if not isinstance(instances, list):
+    if not isinstance(instances, (list, np.ndarray)):
         raise InvalidArgument("'instances' must be a list, one entry per instance")
     check_rows(len(instances), "instances", limits)
     if instances and isinstance(instances[0], dict) and not _is_b64(instances[0]):

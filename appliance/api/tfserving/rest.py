@@ -193,6 +193,8 @@ def _examples(body: dict[str, Any], method: str, limits: Any) -> np.ndarray:
 def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in example.items():
+        if isinstance(value, np.ndarray):  # a big numeric feature (json_arrays.py): its values
+            value = value.ravel().tolist()
         values = value if isinstance(value, list) else [value]
         decoded = []
         for v in values:
