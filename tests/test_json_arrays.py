@@ -147,3 +147,44 @@ def test_arrays_cross_the_channel_with_their_shape_and_dtype():
         arr = np.asarray(arr)
         assert back[name].shape == arr.shape and back[name].dtype == arr.dtype, name
         assert back[name].tolist() == arr.tolist(), name
+
+
+def test_big_requests_are_answered_as_the_model_answers(start_server, models_dir, tmp_path):
+    """Requests big enough for the fast path (20 x 64 numbers) through the real server, in
+    every JSON form TF Serving and KServe v2 take: the reference interpreter's answers."""
+    import shutil
+
+    import requests
+
+    from tests.modelgen import reference_predict_tflite
+
+    base = tmp_path / "models"
+    shutil.copytree(models_dir / "keras_mlp_tflite", base / "mlp")
+    server = start_server("--models", str(base), "--backend", "tflite")
+    x = np.round(np.random.default_rng(1).standard_normal((20, 64)), 3).astype(np.float32)
+    want = reference_predict_tflite(base / "mlp" / "1" / "model.tflite", {"x": x})["probs"]
+    xi = np.arange(20 * 64).reshape(20, 64) % 7
+    want_int = reference_predict_tflite(base / "mlp" / "1" / "model.tflite", {"x": xi.astype(np.float32)})["probs"]
+
+    def post(path, body):
+        r = requests.post(server.url + path, data=json.dumps(body), timeout=30)
+        return r.status_code, r.json()
+
+    for body in ({"instances": x.tolist()}, {"inputs": x.tolist()}, {"inputs": {"x": x.tolist()}}):
+        status, got = post("/v1/models/mlp:predict", body)
+        assert status == 200, got
+        np.testing.assert_allclose(got.get("predictions", got.get("outputs")), want, rtol=1e-5, atol=1e-6)
+    status, got = post("/v1/models/mlp:predict", {"instances": xi.tolist()})
+    np.testing.assert_allclose(got["predictions"], want_int, rtol=1e-5, atol=1e-6)
+    for data in (x.ravel().tolist(), x.tolist()):
+        status, got = post("/v2/models/mlp/infer", {"inputs": [{"name": "x", "shape": [20, 64], "datatype": "FP32",
+                                                                 "data": data}]})
+        assert status == 200, got
+        np.testing.assert_allclose(np.reshape(got["outputs"][0]["data"], (20, 10)), want, rtol=1e-5, atol=1e-6)
+    ragged = x.tolist()
+    ragged[0].append(ragged[1].pop())  # rows of 65 and 63: the count of 20 x 64
+    for path, body in (("/v1/models/mlp:predict", {"instances": ragged}),
+                       ("/v2/models/mlp/infer", {"inputs": [{"name": "x", "shape": [20, 64], "datatype": "FP32",
+                                                            "data": ragged}]})):
+        status, got = post(path, body)
+        assert status == 400 and "error" in got, got

@@ -309,7 +309,7 @@ def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
     if not isinstance(instances, (list, np.ndarray)):
         raise InvalidArgument("'instances' must be a list, one entry per instance")
     check_rows(len(instances), "instances", limits)
-    if instances and isinstance(instances[0], dict) and not _is_b64(instances[0]):
+    if len(instances) and isinstance(instances[0], dict) and not _is_b64(instances[0]):
         return _rows_named(signature, instances), True
     return _single(signature, instances, "instances"), True
 

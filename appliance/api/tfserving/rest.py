@@ -160,7 +160,7 @@ def _signature_name(body: dict[str, Any]) -> str:
 def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
              raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS, route_key: Any = None) -> bytes:
     signature_name = _signature_name(body)
-    if "instances" in body and not body["instances"] and isinstance(body["instances"], list):
+    if "instances" in body and isinstance(body["instances"], list) and not body["instances"]:
         raise InvalidArgument("JSON Value: No values in 'instances' array")
     with service.handle(manager, name, version, label, route_key) as handle:
         signature = handle.signature(signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
