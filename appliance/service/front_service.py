@@ -54,8 +54,10 @@ SETTINGS = frozenset({"server", "tls", "header_timeout_s", "request_timeout_s", 
 
 
 class FrontService:
-    def __init__(self, core: "Appliance", app: Callable[..., Any], threads: int):
-        self.core, self.app, self.threads = core, app, threads
+    def __init__(self, core: "Appliance", app: Callable[..., Any], threads: int,
+                 on_listening: Callable[[int], None] = lambda index: None):
+        """``on_listening(index)``: a worker's first figures arrived: it listens on the port."""
+        self.core, self.app, self.threads, self.on_listening = core, app, threads, on_listening
         self.links: dict[int, ChannelProtocol] = {}  # worker index -> its channel
         self.stats: dict[int, dict[str, Any]] = {}  # worker index -> its last STATS
         self.view = ServingView(0, {})
@@ -123,7 +125,10 @@ class FrontService:
             for observation in payload:
                 observe(*observation)
         elif kind == m.STATS:
+            first = proto.index not in self.stats
             self.stats[proto.index] = payload
+            if first:
+                self.on_listening(proto.index)
 
     def _on_lost(self, proto: ChannelProtocol) -> None:
         index = proto.index

@@ -101,6 +101,7 @@ class Worker:
         if self.done.is_set():  # the serving process went away while this one started
             self.server.close()
             return 1
+        self.send_stats()  # listening: the serving process counts this worker in
         threading.Thread(target=self.report, name="report", daemon=True).start()
         memory.tune_gc()
         self.server.serve_forever()
@@ -116,8 +117,12 @@ class Worker:
                 log.error("front worker %d: the serving process (pid %d) is gone; exiting", self.index, parent)
                 self.gone()
                 return
-            self.link.send(m.STATS, {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(self.server.stats),
-                                     "served": self.server.tracker.served})
+            self.send_stats()
+
+    def send_stats(self) -> None:
+        assert self.server is not None
+        self.link.send(m.STATS, {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(self.server.stats),
+                                 "served": self.server.tracker.served})
 
 
 def _rss() -> int:

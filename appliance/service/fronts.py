@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("appliance.workers")
 
-EXIT_GRACE_S = 5.0  # past the drain timeout, how long workers get to exit before they are killed
+EXIT_GRACE_S = 5.0
+PART = "http workers"  # as the page and /readyz name it while some are still starting  # past the drain timeout, how long workers get to exit before they are killed
 
 
 def workers_for(config: Config) -> int:
@@ -73,7 +74,8 @@ class Fronts:
         self.core, self.count = core, count
         self.sock = reserve_port(server.host, server.port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.front = FrontService(core, app, server.threads)
+        self.front = FrontService(core, app, server.threads, self._listening)
+        self._waiting = set(range(count))  # workers not yet listening at start-up
         argv = [sys.executable, "-m", "appliance.service.front_worker", str(self.port)]
         self.supervisor = Supervisor(count, argv, self._started, self._exited)
         self.pids: dict[int, int] = {}
@@ -101,7 +103,10 @@ class Fronts:
 
     # -- lifecycle -------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        """Start the workers; return once ``close`` (or the end of a drain) stops them."""
+        """Start the workers; return once ``close`` (or the end of a drain) stops them. The
+        device is not ready until every worker listens (a client that connects before would
+        find the port held by fewer of them for as long as its connection lives)."""
+        self._report_waiting()
         self.front.start()
         self.supervisor.start()
         self._serving = True
@@ -132,6 +137,16 @@ class Fronts:
     def _started(self, index: int, pid: int, sock: socket.socket) -> None:
         self.pids[index] = pid
         self.front.attach(index, sock)
+
+    def _listening(self, index: int) -> None:
+        if index in self._waiting:
+            self._waiting.discard(index)
+            self._report_waiting()
+
+    def _report_waiting(self) -> None:
+        waiting = len(self._waiting)
+        self.core.report_problem(PART, f"{self.count - waiting} of {self.count} front workers listening"
+                                 if waiting else None)
 
     def _exited(self, index: int, pid: int, code: int, restarting: bool) -> None:
         if not restarting:

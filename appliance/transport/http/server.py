@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from appliance.transport.http.connection import LINGER_S, Connection, Reject, Request, error_response
 from appliance.transport.http.queue_delay import SHORT_FRACTION, QueueDelay
@@ -60,6 +60,21 @@ from appliance.transport.http.workers import WorkerPool
 from appliance.transport.http.wsgi import Responder, environ_for
 
 log = logging.getLogger("appliance.http")
+
+
+Answer = tuple[str, list[tuple[str, str]], bytes]  # status line, headers, body: a whole answer
+FastHandler = Callable[[dict[str, Any]], Awaitable[Answer]]
+
+
+class FastRoutes(Protocol):
+    """Requests answered on the event loop itself, by a coroutine: ``route(environ)`` names
+    the coroutine for a request, or None (the WSGI app on a worker thread answers it). For
+    an app whose work per request is mostly waiting on another process (a front worker,
+    appliance/api/remote/): no thread hand-off in and out of the loop per request. The
+    coroutine must not block: what it computes it computes quickly, what it waits for it
+    awaits."""
+
+    def route(self, environ: dict[str, Any]) -> FastHandler | None: ...
 
 
 class Limits(Protocol):
@@ -179,8 +194,12 @@ class HTTPServer:
 
     def __init__(self, app: Callable[..., Any], host: str, port: int, threads: int,
                  max_body_bytes: int, limits: Limits, ssl_context: ssl.SSLContext | None = None,
-                 sock: socket.socket | None = None):
+                 sock: socket.socket | None = None, fast: FastRoutes | None = None,
+                 on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None):
+        """``fast``: requests answered on the loop (``FastRoutes``); ``on_loop(loop)``: called in
+        ``serve_forever`` once the loop exists, before the first connection."""
         self.app, self.limits, self.ssl_context = app, limits, ssl_context
+        self.fast, self.on_loop = fast, on_loop
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = limits.max_header_bytes
         self.max_connections = connection_cap(limits.max_connections)
@@ -206,6 +225,8 @@ class HTTPServer:
         """Run the loop in this thread until ``close``."""
         self.loop = new_loop()
         self.loop.set_exception_handler(_quiet_handler)
+        if self.on_loop is not None:
+            self.on_loop(self.loop)
         self.pool.start()
         self.accepting = True
         self.loop.add_reader(self.sock.fileno(), self._accept)
@@ -405,7 +426,30 @@ class HTTPServer:
             self.count("shed_overload")
             conn.worker_done(error_response(503, error, close=False, retry_after=True), not request.keep_alive)
             return
+        if self.fast is not None:
+            environ = environ_for(request, conn, self)
+            handler = self.fast.route(environ)
+            if handler is not None:
+                self.tracker.enter()
+                task = self.loop.create_task(handler(environ))
+                task.add_done_callback(partial(self._fast_done, conn, request))
+                return
         self.pool.submit(partial(self._serve, conn, request))
+
+    def _fast_done(self, conn: Connection, request: Request, task: "asyncio.Task[Answer]") -> None:
+        """(loop) A fast route's answer, framed as a WSGI app's would be."""
+        self.tracker.leave()
+        responder = Responder(conn, request)
+        try:
+            status, headers, body = task.result()
+        except Exception:
+            log.exception("the fast route failed on %s %s", request.method.decode("latin-1"),
+                          request.url.decode("latin-1"))
+            conn.worker_done(error_response(500, "internal error: see the service log", close=True), True)
+            return
+        responder.start_response(status, headers)
+        head, _ = responder.head(len(body))
+        conn.worker_done(head + (b"" if request.method == b"HEAD" else body), responder.close)
 
     # -- a worker thread -----------------------------------------------------------------------
     def _serve(self, conn: Connection, request: Request, queued_at: float) -> None:
