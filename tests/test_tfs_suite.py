@@ -23,6 +23,7 @@ the API layer (appliance/api/) is a strict xfail naming TF Serving's text and ou
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -555,10 +556,7 @@ def every_model(run_server: Any, tmp_path_factory: pytest.TempPathFactory) -> TF
     return server
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="LiteRT's Python interpreter has no ParseExampleV2 "
-                                            "custom op (TF Serving's TFLite session registers AddParseExampleOp)"))
-    if n == "parse_example_tflite" else n for n in TESTDATA_MODELS])
+@pytest.mark.parametrize("name", TESTDATA_MODELS)
 def test_every_testdata_model_loads_as_in_tf_serving(every_model: TFServer, name: str) -> None:
     model = every_model.server.status()["models"][name]
     states = {v["version"]: v["state"] for v in model["versions"]}
@@ -582,6 +580,42 @@ def test_a_failing_synthetic_warmup_is_a_warning_and_the_version_serves(every_mo
     r = requests.post(f"http://{every_model.rest_address}/v1/models/saved_model_half_plus_three:predict",
                       json={"instances": [2.0]}, timeout=30)
     assert r.json() == {"predictions": [4.0]}
+
+
+def test_parse_example_tflite_parses_as_tf_servings_tflite_session(every_model: TFServer) -> None:
+    """tflite_session_test.cc TestBatchParallelismForString, over REST and gRPC: x and y from
+    each tf.Example, or the defaults (0.0, "missing") where they are absent; an Example whose x
+    is not a float list is refused with the session's text (runtimes/tflite.py _ExampleParser)."""
+    from tensorflow.core.example import example_pb2
+
+    def example(x: float | None) -> bytes:
+        found = example_pb2.Example()
+        if x is not None:
+            found.features.feature["x"].float_list.value.append(x)
+            found.features.feature["y"].bytes_list.value.append(b"test string")
+        return found.SerializeToString()
+
+    serialized = [example(0.25), example(None), example(-0.5)]
+    x_out, y_out = "ParseExample/ParseExampleV2", "ParseExample/ParseExampleV2:1"
+    url = f"http://{every_model.rest_address}/v1/models/parse_example_tflite:predict"
+    body = {"instances": [{"b64": base64.b64encode(e).decode()} for e in serialized]}
+    assert json.loads(call_rest(url, body)) == {"predictions": [
+        {x_out: [0.25], y_out: ["test string"]}, {x_out: [0.0], y_out: ["missing"]},
+        {x_out: [-0.5], y_out: ["test string"]}]}
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "parse_example_tflite"
+    request.inputs["input"].dtype = 7  # DT_STRING
+    request.inputs["input"].string_val.extend(serialized)
+    request.inputs["input"].tensor_shape.dim.add().size = len(serialized)
+    with grpc.insecure_channel(every_model.grpc_address) as channel:
+        result = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, RPC_TIMEOUT)
+    assert list(result.outputs[x_out].float_val) == [0.25, 0.0, -0.5]
+    assert list(result.outputs[y_out].string_val) == [b"test string", b"missing", b"test string"]
+    wrong = example_pb2.Example()
+    wrong.features.feature["x"].int64_list.value.append(3)
+    r = requests.post(url, json={"instances": [{"b64": base64.b64encode(wrong.SerializeToString()).decode()}]},
+                      timeout=30)
+    assert (r.status_code, r.json()) == (400, {"error": "Failed to invoke TfLite interpreter"})
 
 
 def test_the_counter_model_is_not_changed_by_warm_up(every_model: TFServer) -> None:
