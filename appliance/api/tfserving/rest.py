@@ -24,6 +24,7 @@ from appliance.api.body import read_body, route_key
 from appliance.api.errors import render_error, status_line
 from appliance.api.routes import INFERENCE, Mount, raw_path
 from appliance.api.tfserving import json_format as tfs_json
+from appliance.api.tfserving.json_tensor_errors import format_error
 from appliance.protos.tfserving import wire as pw
 from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
@@ -146,22 +147,21 @@ def _metadata(manager: Any, name: str, version: int | None, label: str | None) -
 def _parse_object(data: bytes, limits: Any) -> dict[str, Any]:
     body = tfs_json.loads(data, limits)
     if not isinstance(body, dict):
-        raise InvalidArgument("JSON Value: the request body Is not object")
+        raise InvalidArgument(format_error(body, "Is not object"))  # util/json_tensor.cc ParseJson
     return body
 
 
 def _signature_name(body: dict[str, Any]) -> str:
     name = body.get("signature_name", "")
-    if not isinstance(name, str):
-        raise InvalidArgument("JSON Value: not formatted correctly. 'signature_name' key must be a string value.")
+    if not isinstance(name, str):  # util/json_tensor.cc FormatSignatureError
+        raise InvalidArgument(format_error(body, "not formatted correctly. 'signature_name' key must be a string "
+                                                 "value."))
     return name or DEFAULT_SIGNATURE
 
 
 def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
              raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS, route_key: Any = None) -> bytes:
     signature_name = _signature_name(body)
-    if "instances" in body and not body["instances"] and isinstance(body["instances"], list):
-        raise InvalidArgument("JSON Value: No values in 'instances' array")
     with service.handle(manager, name, version, label, route_key) as handle:
         signature = handle.signature(signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
         inputs, row_format = tfs_json.decode_predict(body, signature, raw, limits)
@@ -197,7 +197,7 @@ def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
         decoded = []
         for v in values:
             if isinstance(v, dict) and set(v) == {"b64"}:
-                v = tfs_json._b64(v, f"feature {key}")
+                v = tfs_json.b64_decode(v, f"feature {key}")
             elif v is None or isinstance(v, (dict, list)):
                 raise ValueError(f"Feature: {key} has element with unexpected JSON type: {type(v).__name__}")
             decoded.append(v)

@@ -14,9 +14,17 @@ from runtimes import SignatureInfo
 
 from appliance.core.errors import InvalidArgument, Unimplemented
 from appliance.core.handle import Handle
+from appliance.protos.tfserving import wire as pw
 
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
+
+
+def data_type_string(dtype: Any) -> str:
+    """TensorFlow's DataTypeString, the name TF Serving's messages use: float32 -> "float",
+    object (DT_STRING) -> "string", float16 -> "half"."""
+    dtype = np.dtype(dtype)
+    return pw.DTYPE_NAMES.get(pw.ENUM_OF.get(dtype, 0), "DT_" + dtype.name).removeprefix("DT_").lower()
 
 
 def handle(manager: Any, name: str, version: int | None, label: str | None,
