@@ -20,6 +20,15 @@ input tensor: ...", "Failed to allocate tensors", "Failed to invoke TfLite inter
 as an InputFailure (INVALID_ARGUMENT; TF Serving says INTERNAL, see ``_refused``). So the servable is not ``strict_shapes``: a request that
 does not fit the declared shape runs alone, never merged into a batch
 (appliance/core/handle.py).
+
+tf.Example parsing, as TF Serving's session runs it (tflite_session.cc registers TFLite's
+``ParseExample``/``ParseExampleV2`` custom kernels, tensorflow/lite/kernels/parse_example/):
+LiteRT's Python interpreter has no such op and cannot be given one, so a model whose every op
+is ParseExample (TF Serving's testdata parse_example_tflite) is served by ``_ExampleParser``,
+that kernel's rules in Python: dense features of float, int64 and bytes, each filling its
+output's stride, defaults for missing ones, "Failed to invoke TfLite interpreter" (its detail
+logged) for an Example that does not fit. A model that mixes ParseExample with other ops is
+refused at load with that reason.
 """
 
 from __future__ import annotations
@@ -218,9 +227,7 @@ def lite_signature_defs(path: str) -> _SignatureDefs:
         meta = model.Metadata(i)
         if meta.Name() != SIGDEFS_METADATA.encode():
             continue
-        buffer = model.Buffers(meta.Buffer())
-        raw = buffer.DataAsNumpy().tobytes() if buffer.DataLength() else data[buffer.Offset():buffer.Offset() + buffer.Size()]
-        entries = flexbuffers.GetRoot(raw).AsMap
+        entries = flexbuffers.GetRoot(_buffer_bytes(model, data, meta.Buffer())).AsMap
         message = _signature_def_class()
         out: _SignatureDefs = {}
         for k in range(len(entries)):
@@ -231,10 +238,27 @@ def lite_signature_defs(path: str) -> _SignatureDefs:
     return {}
 
 
+def _message_class(file: Any, name: str) -> Any:
+    """The class of message ``name`` of ``file`` (a FileDescriptorProto) in a pool of its own."""
+    from google.protobuf import descriptor_pool, message_factory
+
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{file.package}.{name}"))
+
+
+def _buffer_bytes(model: Any, data: bytes, index: int) -> bytes:
+    """Buffer ``index`` of a flatbuffer model: inline, or (models past 2 GB) at an offset in the file."""
+    buffer = model.Buffers(index)
+    if buffer.DataLength():
+        return bytes(buffer.DataAsNumpy().tobytes())
+    return data[buffer.Offset():buffer.Offset() + buffer.Size()] if buffer.Offset() else b""
+
+
 def _signature_def_class() -> Any:
     """TensorFlow's SignatureDef message (the fields read here: aliases, tensor names, method),
     declared on protobuf's descriptors: the wire format is TensorFlow's, without TensorFlow."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from google.protobuf import descriptor_pb2
 
     f = descriptor_pb2.FieldDescriptorProto
     file = descriptor_pb2.FileDescriptorProto(name="edge_appliance/tflite_signature_def.proto",
@@ -251,9 +275,192 @@ def _signature_def_class() -> Any:
         sig.field.add(name=field, number=number, type=f.TYPE_MESSAGE, label=f.LABEL_REPEATED,
                       type_name=f".edge_appliance.tflite.SignatureDef.{entry.name}")
     sig.field.add(name="method_name", number=3, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("edge_appliance.tflite.SignatureDef"))
+    return _message_class(file, "SignatureDef")
+
+
+def _example_class() -> Any:
+    """TensorFlow's tf.Example (tensorflow/core/example/example.proto, feature.proto), declared
+    on protobuf's descriptors as ``_signature_def_class`` is."""
+    from google.protobuf import descriptor_pb2
+
+    f = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="edge_appliance/tflite_example.proto",
+                                              package="edge_appliance.tflite", syntax="proto3")
+    for name, kind in (("BytesList", f.TYPE_BYTES), ("FloatList", f.TYPE_FLOAT), ("Int64List", f.TYPE_INT64)):
+        file.message_type.add(name=name).field.add(name="value", number=1, type=kind, label=f.LABEL_REPEATED)
+    feature = file.message_type.add(name="Feature")
+    feature.oneof_decl.add(name="kind")
+    for number, name, kind in ((1, "bytes_list", "BytesList"), (2, "float_list", "FloatList"),
+                               (3, "int64_list", "Int64List")):
+        feature.field.add(name=name, number=number, type=f.TYPE_MESSAGE, label=f.LABEL_OPTIONAL, oneof_index=0,
+                          type_name=f".edge_appliance.tflite.{kind}")
+    features = file.message_type.add(name="Features")
+    entry = features.nested_type.add(name="FeatureEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
+    entry.field.add(name="value", number=2, type=f.TYPE_MESSAGE, label=f.LABEL_OPTIONAL,
+                    type_name=".edge_appliance.tflite.Feature")
+    features.field.add(name="feature", number=1, type=f.TYPE_MESSAGE, label=f.LABEL_REPEATED,
+                       type_name=".edge_appliance.tflite.Features.FeatureEntry")
+    file.message_type.add(name="Example").field.add(name="features", number=1, type=f.TYPE_MESSAGE,
+                                                    label=f.LABEL_OPTIONAL, type_name=".edge_appliance.tflite.Features")
+    return _message_class(file, "Example")
+
+
+_CUSTOM = 32  # BuiltinOperator_CUSTOM
+_PARSE_OPS = (b"ParseExample", b"ParseExampleV2")
+# TensorType -> (numpy dtype, TensorFlow's DataTypeString, the tf.Example list that fills it)
+_FEATURE_TYPES = {0: (np.dtype(np.float32), "float", "float_list"), 4: (np.dtype(np.int64), "int64", "int64_list"),
+                  5: (np.dtype(object), "string", "bytes_list")}
+_LIST_TYPES = {"float_list": "float", "int64_list": "int64", "bytes_list": "string"}
+
+
+class _ExampleParser:
+    """TFLite's ParseExample/ParseExampleV2 kernel for a model of nothing else (see module
+    docstring): the dense features each op reads, from the flatbuffer; ``run`` parses."""
+
+    class _Dense:
+        def __init__(self, key: str, tensor: int, kind: int, dims: tuple[int, ...], default: list[Any]):
+            self.key, self.tensor, self.dims, self.default = key, tensor, dims, default
+            self.dtype, self.type_name, self.field = _FEATURE_TYPES[kind]
+            self.stride = int(np.prod(dims)) if dims else 1  # elements per example (kernel: elements_per_stride)
+            self.rows = dims[0] if dims else 1  # rows per example in the output (kernel: original_size)
+
+    def __init__(self, serialized: int, dense: list["_ExampleParser._Dense"],
+                 details: tuple[list[dict[str, Any]], ...]):
+        self.serialized, self.dense, self.details = serialized, dense, details
+        self.example = _example_class()
+
+    @classmethod
+    def read(cls, path: str) -> "_ExampleParser | None":
+        """The parser for the model at ``path``; None when it holds an op other than
+        ParseExample (LiteRT then judges it), or when this LiteRT has no schema to read it."""
+        try:
+            from ai_edge_litert import schema_py_generated as schema
+            from flatbuffers import flexbuffers
+        except ImportError:
+            return None
+        with open(path, "rb") as f:
+            data = f.read()
+        model = schema.Model.GetRootAsModel(data, 0)
+        if model.SubgraphsLength() != 1:
+            return None
+        graph = model.Subgraphs(0)
+        ops = [graph.Operators(i) for i in range(graph.OperatorsLength())]
+        codes = [model.OperatorCodes(op.OpcodeIndex()) for op in ops]
+        if not ops or any(max(c.BuiltinCode(), c.DeprecatedBuiltinCode()) != _CUSTOM or c.CustomCode() not in _PARSE_OPS
+                          for c in codes):
+            return None
+
+        def constant(index: int) -> bytes:
+            return _buffer_bytes(model, data, graph.Tensors(index).Buffer())
+
+        inputs = [int(i) for i in graph.InputsAsNumpy()]
+        dense: list[_ExampleParser._Dense] = []
+        serialized = -1
+        for op, code in zip(ops, codes):
+            where = f"{code.CustomCode().decode()} in {path}"
+            options = flexbuffers.GetRoot(op.CustomOptionsAsNumpy().tobytes()) if op.CustomOptionsLength() else None
+            if options is None or not options.IsMap:  # the NodeDef form: its shapes need TensorFlow's protos
+                raise LoadFailure(f"{where}: custom options that are not a flexbuffer map are not read here")
+            settings = {k: options.AsMap[k].AsInt for k in ("num_sparse", "Nsparse", "Ndense") if k in options.AsMap}
+            if settings.get("num_sparse", settings.get("Nsparse", 0)):
+                raise LoadFailure(f"{where}: sparse features are not parsed here (only dense ones)")
+            args, outs = [int(i) for i in op.InputsAsNumpy()], [int(i) for i in op.OutputsAsNumpy()]
+            if serialized not in (-1, args[0]) or args[0] not in inputs:
+                raise LoadFailure(f"{where}: parses a tensor that is not the model's input")
+            serialized = args[0]
+            if code.CustomCode() == b"ParseExampleV2":  # serialized, names, sparse, dense, ragged keys, defaults
+                keys, defaults = _tflite_strings(constant(args[3])), args[5:]
+            else:  # serialized, names, dense_keys x Ndense, dense_defaults x Ndense
+                count = settings.get("Ndense", 0)
+                keys = [k for i in args[2:2 + count] for k in _tflite_strings(constant(i))]
+                defaults = args[2 + count:2 + 2 * count]
+            for key, default, out in zip(keys, defaults, outs):
+                tensor = graph.Tensors(out)
+                if tensor.Type() not in _FEATURE_TYPES:
+                    raise LoadFailure(f"{where}: feature {key!r} is of TensorType {tensor.Type()} (float, int64 and "
+                                      "string are parsed)")
+                dims = tuple(int(d) for d in tensor.ShapeAsNumpy()) if tensor.ShapeLength() else ()
+                raw = constant(default)
+                values = (_tflite_strings(raw) if tensor.Type() == 5 else
+                          np.frombuffer(raw, dtype=_FEATURE_TYPES[tensor.Type()][0]).tolist())
+                item = cls._Dense(key.decode(), out, tensor.Type(), dims, values)
+                if values and len(values) != item.stride:
+                    raise LoadFailure(f"{where}: the default of feature {item.key!r} has {len(values)} values, its "
+                                      f"output {item.stride} per example")
+                dense.append(item)
+
+        def detail(index: int) -> dict[str, Any]:
+            tensor = graph.Tensors(index)
+            shape = tensor.ShapeAsNumpy() if tensor.ShapeLength() else np.zeros(0, np.int32)
+            signature = tensor.ShapeSignatureAsNumpy() if tensor.ShapeSignatureLength() else shape
+            return {"name": tensor.Name().decode(), "index": index, "shape": shape, "shape_signature": signature,
+                    "dtype": np.bytes_ if tensor.Type() == 5 else _FEATURE_TYPES.get(tensor.Type(), (np.float32,))[0]}
+
+        outputs = [int(i) for i in graph.OutputsAsNumpy()]
+        return cls(serialized, dense, ([detail(i) for i in inputs], [detail(i) for i in outputs]))
+
+    def run(self, serialized: np.ndarray) -> dict[int, np.ndarray]:
+        """{output tensor index: values} for a batch of serialized tf.Examples."""
+        examples = [bytes(v) for v in np.asarray(serialized, dtype=object).reshape(-1)]
+        columns = {d.tensor: [] for d in self.dense}  # type: dict[int, list[Any]]
+        for index, blob in enumerate(examples):
+            try:
+                features = self.example.FromString(blob).features.feature
+            except Exception as exc:  # protobuf's DecodeError: the kernel's "Failed to parse example"
+                raise _refused("Failed to invoke TfLite interpreter", ValueError(f"Failed to parse example ({exc})"))
+            for d in self.dense:
+                columns[d.tensor].extend(self._values(d, features, index))
+        return {d.tensor: np.array(columns[d.tensor], dtype=d.dtype).reshape((len(examples) * d.rows, *d.dims[1:]))
+                for d in self.dense}
+
+    def _values(self, d: "_ExampleParser._Dense", features: Any, index: int) -> list[Any]:
+        """parse_example.cc FastParseSerializedExample for one dense feature of one example."""
+        where = f"Name: <unknown>, Key: {d.key}, Index: {index}.  "
+        feature = features[d.key] if d.key in features else None
+        kind = feature.WhichOneof("kind") if feature is not None else None
+        if kind is None:  # absent, or present with no list: the default
+            if not d.default:
+                raise _refused("Failed to invoke TfLite interpreter", ValueError(
+                    f"Name: <unknown>, Feature: {d.key} (data type: {d.type_name}) is required but could not be "
+                    "found."))
+            return d.default
+        if kind != d.field:
+            raise _refused("Failed to invoke TfLite interpreter", ValueError(
+                f"{where}Data types don't match. Data type: {_LIST_TYPES[kind]} but expected type: {d.type_name}"))
+        values = list(getattr(feature, kind).value)
+        if len(values) != d.stride:
+            raise _refused("Failed to invoke TfLite interpreter", ValueError(
+                f"{where}Number of {_LIST_TYPES[kind].replace('string', 'bytes')} values != expected.  Values size:"
+                f"{len(values)} but output shape: [{','.join(map(str, d.dims))}]"))
+        return values
+
+    def program(self, inputs: dict[str, int], outputs: dict[str, int]) -> "_ParseProgram":
+        return _ParseProgram(self, inputs, outputs)
+
+
+class _ParseProgram:
+    """A signature of an ``_ExampleParser`` model, with ``_Program``'s face."""
+
+    def __init__(self, parser: _ExampleParser, inputs: dict[str, int], outputs: dict[str, int]):
+        self.parser, self.inputs, self.outputs = parser, inputs, outputs
+        self.refused = False
+        self.declared: dict[str, tuple[int, ...] | None] = {}
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        (values,) = feeds.values()  # the one input: serialized tf.Examples
+        parsed = self.parser.run(values)
+        return {alias: parsed[index] for alias, index in self.outputs.items()}
+
+
+def _tflite_strings(raw: bytes) -> list[bytes]:
+    """A TFLite string tensor's contents: int32 count, count + 1 int32 offsets, the bytes."""
+    if len(raw) < 4:
+        return []
+    count = struct.unpack_from("<i", raw)[0]
+    offsets = struct.unpack_from(f"<{count + 1}i", raw, 4)
+    return [raw[offsets[i]:offsets[i + 1]] for i in range(count)]
 
 
 def _clean_name(tensor_name: str) -> str:
@@ -268,6 +475,13 @@ def _spec(name: str, detail: Mapping[str, Any], resizable: bool) -> TensorSpec:
         shape[0] = -1  # batch dimension: resized per batch
     dtype = np.dtype(object) if detail["dtype"] in (np.bytes_, np.str_, object) else np.dtype(detail["dtype"])
     return TensorSpec(name, dtype, tuple(shape), detail["name"])
+
+
+def _with_info(programs: dict[str, Any], info: dict[str, SignatureInfo]) -> dict[str, Any]:
+    for key, sig in info.items():
+        programs[key].declared = {n: spec.shape for n, spec in sig.inputs.items()}
+    programs["__info__"] = info
+    return programs
 
 
 class TFLiteServable:
@@ -289,7 +503,19 @@ class TFLiteServable:
         self._pool_size = max(1, int(options.get("pool_size") or os.cpu_count() or 1))
         self._lock = threading.Lock()
         self._sigdefs: _SignatureDefs | None = None  # read once LiteRT has accepted the file
-        first = self._new_interpreter()
+        self._parser: _ExampleParser | None = None
+        try:
+            first = self._new_interpreter()
+        except (LoadFailure, RuntimeError, ValueError) as exc:
+            if "unresolved custom op: ParseExample" not in str(exc):
+                raise
+            self._parser = _ExampleParser.read(path)  # TF Serving's session has this op: run it here
+            if self._parser is None:
+                raise LoadFailure(f"LiteRT could not load {path}: {exc} (LiteRT's Python interpreter has no "
+                                  "ParseExample op; a model of ParseExample ops alone is parsed here, this one has "
+                                  "other ops)") from exc
+            self._created = 0
+            first = self._new_interpreter()
         self.signatures = first.pop("__info__")
         self._pool.put(first)
 
@@ -311,6 +537,9 @@ class TFLiteServable:
         return []
 
     def _new_interpreter(self) -> dict[str, Any]:
+        if self._parser is not None:
+            self._created += 1
+            return self._parser_programs()
         threads = self.options.get("num_threads")
         try:
             interp = self.module.Interpreter(
@@ -346,20 +575,34 @@ class TFLiteServable:
                                          {n: d["index"] for n, d in outs.items()})
                 info[key] = SignatureInfo(key, {n: _spec(n, d, resizable) for n, d in ins.items()},
                                           {n: _spec(n, d, resizable) for n, d in outs.items()})
-        elif self._signature_defs():
-            self._from_sigdefs(wrapper, interp, programs, info)
         else:
-            ins = {_clean_name(d["name"]): d for d in interp.get_input_details()}
-            outs = {_clean_name(d["name"]): d for d in interp.get_output_details()}
-            programs[DEFAULT_SIGNATURE] = _Program(wrapper, 0, {n: d["index"] for n, d in ins.items()},
-                                                   {n: d["index"] for n, d in outs.items()})
-            info[DEFAULT_SIGNATURE] = SignatureInfo(
-                DEFAULT_SIGNATURE, {n: _spec(n, d, True) for n, d in ins.items()},
-                {n: _spec(n, d, True) for n, d in outs.items()})
-        for key, sig in info.items():
-            programs[key].declared = {n: spec.shape for n, spec in sig.inputs.items()}
-        programs["__info__"] = info
-        return programs
+            self._from_details(interp.get_input_details(), interp.get_output_details(),
+                               lambda ins, outs: _Program(wrapper, 0, ins, outs), programs, info)
+        return _with_info(programs, info)
+
+    def _parser_programs(self) -> dict[str, Any]:
+        """Signatures of a model served by ``_ExampleParser``, found as LiteRT's would be."""
+        assert self._parser is not None
+        programs: dict[str, Any] = {}
+        info: dict[str, SignatureInfo] = {}
+        self._from_details(*self._parser.details, self._parser.program, programs, info)
+        return _with_info(programs, info)
+
+    def _from_details(self, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], program: Any,
+                      programs: dict[str, Any], info: dict[str, SignatureInfo]) -> None:
+        """Signatures of a model without signature runners: its TF Serving SignatureDefs, else
+        ``serving_default`` over its input and output tensors (``program(inputs, outputs)``
+        makes one from {alias: tensor index} maps)."""
+        if self._signature_defs():
+            self._from_sigdefs({d["name"]: d for d in (*inputs, *outputs)}, program, programs, info)
+            return
+        ins = {_clean_name(d["name"]): d for d in inputs}
+        outs = {_clean_name(d["name"]): d for d in outputs}
+        programs[DEFAULT_SIGNATURE] = program({n: d["index"] for n, d in ins.items()},
+                                              {n: d["index"] for n, d in outs.items()})
+        info[DEFAULT_SIGNATURE] = SignatureInfo(
+            DEFAULT_SIGNATURE, {n: _spec(n, d, True) for n, d in ins.items()},
+            {n: _spec(n, d, True) for n, d in outs.items()})
 
     def _signature_defs(self) -> _SignatureDefs:
         if self._sigdefs is None:
@@ -369,11 +612,10 @@ class TFLiteServable:
                 raise LoadFailure(f"Invalid SignatureDefs found in TfLite model: {exc}") from exc
         return self._sigdefs
 
-    def _from_sigdefs(self, wrapper: Any, interp: Any, programs: dict[str, Any],
+    def _from_sigdefs(self, tensors: dict[str, dict[str, Any]], program: Any, programs: dict[str, Any],
                       info: dict[str, SignatureInfo]) -> None:
         """Signatures from the file's TF Serving SignatureDefs: aliases onto the tensors they
         name (``tflite_input:0`` or, as TF Serving's FixTfLiteTensorName, ``tflite_input``)."""
-        tensors = {d["name"]: d for d in (*interp.get_input_details(), *interp.get_output_details())}
         for key, (ins, outs, method) in self._signature_defs().items():
             found = {}
             for alias, tensor in (*ins.items(), *outs.items()):
@@ -383,8 +625,7 @@ class TFLiteServable:
                     raise LoadFailure(f"Signature {kind} {alias} references an unknown tensor: {tensor} "
                                       f"(signature {key} of {self.path})")
                 found[alias] = detail
-            programs[key] = _Program(wrapper, 0, {a: found[a]["index"] for a in ins},
-                                     {a: found[a]["index"] for a in outs})
+            programs[key] = program({a: found[a]["index"] for a in ins}, {a: found[a]["index"] for a in outs})
             info[key] = SignatureInfo(key, {a: _spec(a, found[a], True) for a in ins},
                                       {a: _spec(a, found[a], True) for a in outs}, method or _PREDICT)
 

@@ -225,14 +225,19 @@ def test_hot_swap_then_sigterm_under_load_fail_nothing(start_server: Any, models
 
 def test_a_stale_view_is_decoded_again(models_dir: Path, tmp_path: Path) -> None:
     """A worker that decoded against a signature the answering version does not have is told
-    so (STALE) and decodes again: here its view names the input 'y', the model's is 'x'."""
+    so (STALE) and decodes again: here its view names the input 'y', the model's is 'x'; and
+    one whose view lacks the model asks for it (RESOLVE). On threads (WSGI) and on the loop."""
+    import asyncio
+
     from appliance.api.app import create_app
-    from appliance.api.remote.front import FrontApp, Link, RemoteCore, hot_mounts
-    from appliance.service.front_service import FrontService
+    from appliance.api.remote.front import FrontApp, hot_mounts
+    from appliance.api.remote.handles import RemoteCore
+    from appliance.api.remote.link import Link
     from appliance.core.appliance import Appliance
     from appliance.core.config import Config
     from appliance.core.serving_view import ModelView, ServingView, version_view
-    from appliance.transport.channel import BlockingChannel
+    from appliance.service.front_service import FrontService
+    from appliance.transport.channel import ChannelProtocol
     from runtimes import SignatureInfo
 
     config = Config()
@@ -241,30 +246,46 @@ def test_a_stale_view_is_decoded_again(models_dir: Path, tmp_path: Path) -> None
     core = Appliance(config).start()
     front = FrontService(core, create_app(config, core), threads=2)
     front.start()
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
     ours, theirs = socket.socketpair()
-    link = Link(BlockingChannel(ours), lambda message: None)
-    reader = threading.Thread(target=link.serve, daemon=True)
-    reader.start()
+    link = Link(lambda message: None)
+
+    async def connect() -> None:
+        _, proto = await loop.connect_accepted_socket(lambda: ChannelProtocol(link.on_message, link.on_lost), ours)
+        link.attach(loop, proto)
+
     try:
+        asyncio.run_coroutine_threadsafe(connect(), loop).result(10)
         front.attach(0, theirs)
         poll_until(lambda: core.ready(), 60, "the model to load")
         remote = RemoteCore(config, link)
         real = core.manager.entry(MLP).versions[1].servable.signatures["serving_default"]
-        spec = real.inputs["x"]
-        wrong = SignatureInfo("serving_default", {"y": spec}, dict(real.outputs))
-        stale = version_view(7, "/gone", "tflite", False, {"serving_default": wrong})
-        remote.manager.view = ServingView(1, {MLP: ModelView({}, {7: stale}, 7)})
+        wrong = SignatureInfo("serving_default", {"y": real.inputs["x"]}, dict(real.outputs))
+        stale = ServingView(1, {MLP: ModelView({}, {7: version_view(7, "/gone", "tflite", False,
+                                                                    {"serving_default": wrong})}, 7)})
         app = FrontApp(remote, hot_mounts(remote))
         body = json.dumps({"instances": [ROW]}).encode()
-        environ = {"REQUEST_METHOD": "POST", "PATH_INFO": f"/v1/models/{MLP}:predict",
-                   "REQUEST_URI": f"/v1/models/{MLP}:predict", "CONTENT_LENGTH": str(len(body)),
-                   "wsgi.input": io.BytesIO(body), "wsgi.url_scheme": "http"}
-        started: list[Any] = []
-        answer = b"".join(app(environ, lambda status, headers: started.append(status)))
-        assert started == ["200 OK"], answer
-        assert np.asarray(json.loads(answer)["predictions"]).shape == (1, 10)
+
+        def environ() -> dict[str, Any]:
+            return {"REQUEST_METHOD": "POST", "PATH_INFO": f"/v1/models/{MLP}:predict",
+                    "REQUEST_URI": f"/v1/models/{MLP}:predict", "CONTENT_LENGTH": str(len(body)),
+                    "wsgi.input": io.BytesIO(body), "wsgi.url_scheme": "http"}
+
+        for view in (stale, ServingView(1, {})):  # a stale signature; then a model the view lacks
+            remote.manager.view = view
+            started: list[Any] = []
+            answer = b"".join(app(environ(), lambda status, headers: started.append(status)))
+            assert started == ["200 OK"], answer
+            assert np.asarray(json.loads(answer)["predictions"]).shape == (1, 10)
+            fast = app.route(environ())
+            if fast is not None:  # the family answers on the loop too
+                status, _, answer = asyncio.run_coroutine_threadsafe(fast(environ()), loop).result(30)
+                assert status == "200 OK", answer
+                assert np.asarray(json.loads(answer)["predictions"]).shape == (1, 10)
     finally:
-        link.channel.close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
         front.close()
         core.close()
-        reader.join(10)

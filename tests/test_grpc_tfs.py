@@ -127,9 +127,11 @@ def test_version_label_and_output_filter(predict_stub: Any) -> None:
     (lambda r: r.model_spec.version.__setattr__("value", 7), "NOT_FOUND", ["mlp"]),
     (lambda r: setattr(r.model_spec, "version_label", "nope"), "INVALID_ARGUMENT", ["label"]),
     (lambda r: setattr(r.model_spec, "signature_name", "nope"), "FAILED_PRECONDITION", ['Serving signature key "nope" not found.']),
-    (lambda r: r.inputs["z"].CopyFrom(r.inputs["x"]), "INVALID_ARGUMENT", ["z"]),
+    (lambda r: r.inputs["z"].CopyFrom(r.inputs["x"]), "INVALID_ARGUMENT",  # predict_util.cc VerifyRequestInputsSize
+     ["input size does not match signature: 2!=1 len({x,z}) != len({x}). Sent extra: {z}. Missing but required: {}."]),
     (lambda r: r.inputs["x"].CopyFrom(tf.make_tensor_proto(np.ones((1, 64), np.int32))), "INVALID_ARGUMENT",
-     ["DT_INT32", "DT_FLOAT"]),
+     ["Expects arg[0] to be float but int32 is provided"]),  # TensorFlow's FunctionCallFrame::SetArgs
+    (lambda r: r.inputs["x"].tensor_shape.dim.add(size=3), "INVALID_ARGUMENT", ["tensor parsing error: x"]),
     (lambda r: r.inputs["x"].CopyFrom(tf.make_tensor_proto(np.ones((1, 7), np.float32))), "INVALID_ARGUMENT",
      ["x"]),
 ])

@@ -188,3 +188,23 @@ def test_big_requests_are_answered_as_the_model_answers(start_server, models_dir
                                                             "data": ragged}]})):
         status, got = post(path, body)
         assert status == 400 and "error" in got, got
+
+
+def test_a_big_body_refused_gets_tf_servings_words_as_a_small_one_does(start_server, models_dir, tmp_path):
+    """The error path words a refusal from the body as parsed: a body whose arrays came as
+    numpy is worded as the same body of lists is."""
+    import shutil
+
+    import requests
+
+    base = tmp_path / "models"
+    shutil.copytree(models_dir / "keras_mlp_tflite", base / "mlp")
+    server = start_server("--models", str(base), "--backend", "tflite")
+    big = np.ones((20, 64), np.float32).tolist()
+    small = np.ones((2, 64), np.float32).tolist()
+    answers = []
+    for rows in (big, small):
+        body = {"signature_name": "serving_default", "instances": rows, "inputs": rows}  # both: refused
+        r = requests.post(f"{server.url}/v1/models/mlp:predict", data=json.dumps(body), timeout=30)
+        answers.append((r.status_code, r.json()["error"]))
+    assert answers[0] == answers[1] and answers[0][0] == 400, answers

@@ -19,6 +19,10 @@ import psutil
 import pytest
 import requests
 
+from appliance.api.tfserving import json_format as tfs_json
+from appliance.api.tfserving import json_tensor_errors, rapidjson_reader
+from appliance.core.errors import InvalidArgument
+
 MAX_BODY = 1536 * 1024  # room for 500,000 brackets and a 10^6-digit number; small enough to bomb past
 NO_DISCOVERY = "[discovery]\nenabled = false\n"
 
@@ -109,6 +113,81 @@ def test_a_double_past_float32_range_is_infinity(server: Any) -> None:
     refused(predict(server, "half_plus_two", b'{"instances": [1e400]}'), 400, "JSON Parse error")
 
 
+# --- TF Serving's parser: rapidjson 1.1.0 -----------------------------------------------------
+# body -> TF Serving's text after "JSON Parse error: ", or (start, end) of the root value it reads.
+# Each checked against rapidjson 1.1.0 (tensorflow_serving/workspace.bzl) built from source and run
+# with TF Serving's flags (util/json_tensor.cc ParseJson); so were 120,000 fuzzed bodies.
+RAPIDJSON = [
+    (b"x", "Invalid value. at offset: 0"),
+    (b" ", "The document is empty. at offset: 1"),
+    (b"]", "The document is empty. at offset: 0"),  # the start state reports any token that cannot begin a value so
+    (b'{"a":1,}', "Missing a name for object member. at offset: 7"),
+    (b"{1:2}", "Missing a name for object member. at offset: 1"),
+    (b'{"a" 1}', "Missing a colon after a name of object member. at offset: 5"),
+    (b'{"a":1 "b":2}', "Missing a comma or '}' after an object member. at offset: 7"),
+    (b"[1 2]", "Missing a comma or ']' after an array element. at offset: 3"),
+    (b"[1,]", "Invalid value. at offset: 3"),
+    (b'"abc', "Missing a closing quotation mark in string. at offset: 4"),
+    (b'["a\x01"]', "Invalid escape character in string. at offset: 3"),  # 1.1.0's word for a control byte
+    (b'["\\ud800\\u0041"]', "The surrogate pair in string is invalid. at offset: 2"),
+    (b'["\\u12"]', "Incorrect hex digit after \\u escape in string. at offset: 2"),
+    (b"[01]", "Missing a comma or ']' after an array element. at offset: 2"),
+    (b"[1.]", "Miss fraction part in number. at offset: 3"),
+    (b"[1e+]", "Miss exponent in number. at offset: 4"),
+    (b"[1e400]", "Number too big to be stored in double. at offset: 1"),
+    (b"[" + b"9" * 400 + b"]", "Number too big to be stored in double. at offset: 1"),
+    (b"[Infinix]", "Invalid value. at offset: 7"),
+    (b"[1\x002]", "Missing a comma or ']' after an array element. at offset: 2"),  # a NUL byte ends the body
+    (b'{"a":[1,2,[3,4],{"b":[5]}]}x', (0, 27)),  # kParseStopWhenDoneFlag: what follows the root is not read
+    (b"\xef\xbb\xbf[1]", (3, 6)),  # a byte-order mark is skipped
+    (b"[NaN, -Infinity, Inf]", (0, 21)),  # kParseNanAndInfFlag
+    (b'["\xff"]', (0, 5)),  # strings are not checked for UTF-8
+]
+
+
+@pytest.mark.parametrize("body, verdict", RAPIDJSON, ids=lambda v: repr(v)[:40])
+def test_rapidjson_reader_reads_as_tf_serving(body: bytes, verdict: Any) -> None:
+    got = rapidjson_reader.read(body)
+    assert got is not None
+    if isinstance(verdict, str):
+        assert got.error == f"JSON Parse error: {verdict}"
+        with pytest.raises(InvalidArgument) as err:  # and the decoder answers with it
+            tfs_json.loads(body)
+        assert err.value.message == got.error
+    else:
+        assert got.error is None and (got.start, got.end) == verdict
+
+
+def test_rapidjson_reader_finds_the_fault_after_a_tensor_of_numbers() -> None:
+    numbers = b",".join(b"%d.25" % i for i in range(200_000))
+    body = b'{"instances": [[' + numbers + b"], [" + numbers + b"}"
+    assert rapidjson_reader.read(body).error == (  # type: ignore[union-attr]
+        f"JSON Parse error: Missing a comma or ']' after an array element. at offset: {len(body) - 1}")
+
+
+def test_bodies_tf_serving_reads_are_served(server: Any) -> None:
+    for body in (b'{"instances": [1.0, 2.0]} and then some text', b'\xef\xbb\xbf{"instances": [1.0, 2.0]}',
+                 b'{"instances": [NaN, 2.0]}\n{"instances": [3.0]}'):
+        resp = predict(server, "half_plus_two", body)
+        assert resp.status_code == 200, (body, resp.text)
+        assert resp.json()["predictions"][1] == 3.0
+
+
+# --- TF Serving's debug text of a JSON value (util/json_tensor.cc JsonValueToDebugString) -----
+@pytest.mark.parametrize("body, text", [  # each checked against rapidjson 1.1.0's PrettyWriter
+    (b"[1, 2.5e-7, 1e21, 1e20, -0.0, 100, 18446744073709551615, 1.2345e-300]",
+     "[1, 2.5e-7, 1e21, 100000000000000000000.0, -0.0, 100, 18446744073709551615, 1.2345000000000001e-300]"),
+    (b'{"a": {"b": [1, {"c": null}]}, "d": "\xc3\xa9\\n\\"\\u0001", "e": [], "f": {}}',
+     '{\n    "a": {\n        "b": [1, {\n                "c": null\n            }]\n    },\n    "d": "\u00e9\\n\\"\\u0001",'
+     '\n    "e": [],\n    "f": {}\n}'),
+    (b"[1.0, NaN, 2.0]", "[1.0, "),  # rapidjson's writer refuses NaN, and stops there
+    (b"[" + b",".join([b"1.5"] * 100) + b"]", "[" + ", ".join(["1.5"] * 52)),  # cut once 256 bytes are out
+    (b'{"instances": ["' + b"a" * 300 + b'", 1]}', '{\n    "instances": ["' + "a" * 300 + '"'),
+])
+def test_values_are_shown_as_tf_serving_shows_them(body: bytes, text: str) -> None:
+    assert json_tensor_errors.debug_string(tfs_json.loads(body)) == text
+
+
 # --- shapes no memory can hold --------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [[1 << 60, 64], [-1, 64], [1 << 62, 1 << 62], [-5]])
 def test_declared_shapes_past_memory_are_400_with_nothing_allocated(server: Any, shape: list[int]) -> None:
@@ -129,7 +208,9 @@ def test_url_safe_base64_is_400_saying_so(server: Any) -> None:
 
 @pytest.mark.parametrize("text", ["not base64!!", "A", "AP8===", "AP8=x", "////=", "é"])
 def test_broken_base64_is_400_saying_so(server: Any, text: str) -> None:
-    refused(predict(server, "string_model", {"instances": [{"b64": text}]}), 400, "not valid base64")
+    message = refused(predict(server, "string_model", {"instances": [{"b64": text}]}), 400)
+    assert message == ("Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: Unable to base64 "
+                       "decode")  # util/json_tensor.cc JsonDecodeBase64Object
 
 
 def test_base64_padding_is_optional_as_in_absl(server: Any) -> None:

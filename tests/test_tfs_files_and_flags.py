@@ -89,10 +89,16 @@ def test_model_config_file_becomes_the_models(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("text, words", [
-    ('model_config_list {\n  config {\n    name: "a"\n    base_pat: "/x"\n  }\n}\n', ["line 4", "base_pat"]),
+    # protobuf's C++ text parser (TF Serving's) puts an unknown field at the token after its name
+    ('model_config_list {\n  config {\n    name: "a"\n    base_pat: "/x"\n  }\n}\n',
+     ['Error parsing text-format tensorflow.serving.ModelServerConfig: 4:13: Message type '
+      '"tensorflow.serving.ModelConfig" has no field named "base_pat".']),
+    ('model_config_list {\n\tconfig {\n\t\tbase_pat\t# why\n  : "/x"\n  }\n}\n',  # a tab is 8 columns there
+     ['ModelServerConfig: 4:3: Message type "tensorflow.serving.ModelConfig" has no field named "base_pat".']),
     ('model_config_list {\n  config {\n    name: "a"\n    base_path: "/x"\n    model_platform: "pytorch"\n  }\n}\n',
      ["pytorch"]),
-    ('model_config_list {\n  config { name: "a" base_path: "/x" \n', ["line"]),
+    ('model_config_list {\n  config { name: "a" base_path: "/x" \n',
+     ["Error parsing text-format tensorflow.serving.ModelServerConfig: ", "Invalid protobuf file: '"]),
 ])
 def test_a_malformed_model_config_file_names_the_line_and_field(tmp_path: Path, text: str, words: list[str]) -> None:
     path = tmp_path / "models.config"
@@ -109,6 +115,23 @@ def test_a_malformed_batching_file_names_the_line_and_field(tmp_path: Path) -> N
     with pytest.raises(ConfigError) as err:
         tfs_config.read_batching_parameters(str(path))
     assert "line 2" in str(err.value) and "max_batch_sise" in str(err.value)
+
+
+def test_tf_servings_own_monitoring_config_is_read_as_protobuf_text(tmp_path: Path) -> None:
+    """testdata/monitoring_config.txt writes ':' before the message and ',' between fields."""
+    tfs_config.read_monitoring_config(str(Path(__file__).parent / "data" / "tfserving" / "monitoring_config.txt"))
+    path = tmp_path / "monitoring.txt"
+    path.write_text('prometheus_config < enable: true; path: "/monitoring/prometheus/metrics" > # TF Serving\'s path\n')
+    tfs_config.read_monitoring_config(str(path))
+    for text, words in (('prometheus_config { enable: true path: "/metrics" }', ["served at", "not /metrics"]),
+                        ("prometheus_config { enabled: true }",
+                         ["Error parsing text-format tensorflow.serving.MonitoringConfig: 1:28: Message type "
+                          '"tensorflow.serving.PrometheusConfig" has no field named "enabled".'])):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            tfs_config.read_monitoring_config(str(path))
+        assert err.value.key == "tfs.monitoring_config_file"
+        assert all(word in str(err.value) for word in words), str(err.value)
 
 
 # -- live ----------------------------------------------------------------------------------
@@ -181,8 +204,9 @@ def test_the_model_config_file_is_followed_while_serving(tmp_path: Path, models_
         path.write_text(broken)
         poll_until(lambda: any(e["kind"] == "reload_failed" and "model_platfrom" in e["message"]
                                for e in server.status()["events"]), 60, "the refusal")
-        refusal = next(e["message"] for e in server.status()["events"] if e["kind"] == "reload_failed")
-        assert f"line {line}:" in refusal, refusal
+        refusal = next(e["message"] for e in server.status()["events"]  # not a read of the half-written file
+                       if e["kind"] == "reload_failed" and "model_platfrom" in e["message"])
+        assert f"ModelServerConfig: {line}:" in refusal and str(path) in refusal, refusal
         assert server.post("/v1/models/mlp2:predict", {"instances": [[0.5] * 64]}).status_code == 200
     finally:
         done.set()

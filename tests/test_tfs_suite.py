@@ -23,6 +23,7 @@ the API layer (appliance/api/) is a strict xfail naming TF Serving's text and ou
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -320,11 +321,6 @@ def test_GoodModelConfig(run_server: Any, good_model_config: Path) -> None:
                                specify_output=specify_output, expected_version=model_version(half_plus_three()))
 
 
-@pytest.mark.xfail(strict=True, reason="config-file parse error text: TF Serving prints 'Error parsing text-format "
-                                       "tensorflow.serving.ModelServerConfig' (util/file_probing / ParseProtoTextFile); "
-                                       "ours (appliance/core/tfs_files.py) says 'config tfs.model_config_file: PATH: "
-                                       "line 1: Message type \"tensorflow.serving.ModelServerConfig\" has no field "
-                                       "named \"improperly\"'")
 def test_BadModelConfig(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "appliance.cli", "tfs", f"--port={free_port()}",
                            f"--rest_api_port={free_port()}", f"--model_config_file={DATA / 'bad_model_config.txt'}",
@@ -416,10 +412,6 @@ def test_GetModelMetadataREST(run_server: Any) -> None:
     assert sorted_object(json.loads(body.decode())) == sorted_object(expected)
 
 
-@pytest.mark.xfail(strict=True, reason="TF Serving's own monitoring_config.txt ('prometheus_config: { enable: true, "
-                                       "path: ... }': text format allows ':' before a message and ',' between fields) "
-                                       "fails start-up: appliance/core/tfs_files.py says \"cannot parse ':' (expected "
-                                       "prometheus_config { enable: true path: \"...\" })\"")
 def test_PrometheusEndpoint(run_server: Any) -> None:
     rest = run_server("default", half_plus_two(), monitoring_config_file=DATA / "monitoring_config.txt").rest_address
     body = call_rest(f"http://{rest}/monitoring/prometheus/metrics", None)
@@ -564,10 +556,7 @@ def every_model(run_server: Any, tmp_path_factory: pytest.TempPathFactory) -> TF
     return server
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="LiteRT's Python interpreter has no ParseExampleV2 "
-                                            "custom op (TF Serving's TFLite session registers AddParseExampleOp)"))
-    if n == "parse_example_tflite" else n for n in TESTDATA_MODELS])
+@pytest.mark.parametrize("name", TESTDATA_MODELS)
 def test_every_testdata_model_loads_as_in_tf_serving(every_model: TFServer, name: str) -> None:
     model = every_model.server.status()["models"][name]
     states = {v["version"]: v["state"] for v in model["versions"]}
@@ -591,6 +580,42 @@ def test_a_failing_synthetic_warmup_is_a_warning_and_the_version_serves(every_mo
     r = requests.post(f"http://{every_model.rest_address}/v1/models/saved_model_half_plus_three:predict",
                       json={"instances": [2.0]}, timeout=30)
     assert r.json() == {"predictions": [4.0]}
+
+
+def test_parse_example_tflite_parses_as_tf_servings_tflite_session(every_model: TFServer) -> None:
+    """tflite_session_test.cc TestBatchParallelismForString, over REST and gRPC: x and y from
+    each tf.Example, or the defaults (0.0, "missing") where they are absent; an Example whose x
+    is not a float list is refused with the session's text (runtimes/tflite.py _ExampleParser)."""
+    from tensorflow.core.example import example_pb2
+
+    def example(x: float | None) -> bytes:
+        found = example_pb2.Example()
+        if x is not None:
+            found.features.feature["x"].float_list.value.append(x)
+            found.features.feature["y"].bytes_list.value.append(b"test string")
+        return found.SerializeToString()
+
+    serialized = [example(0.25), example(None), example(-0.5)]
+    x_out, y_out = "ParseExample/ParseExampleV2", "ParseExample/ParseExampleV2:1"
+    url = f"http://{every_model.rest_address}/v1/models/parse_example_tflite:predict"
+    body = {"instances": [{"b64": base64.b64encode(e).decode()} for e in serialized]}
+    assert json.loads(call_rest(url, body)) == {"predictions": [
+        {x_out: [0.25], y_out: ["test string"]}, {x_out: [0.0], y_out: ["missing"]},
+        {x_out: [-0.5], y_out: ["test string"]}]}
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "parse_example_tflite"
+    request.inputs["input"].dtype = 7  # DT_STRING
+    request.inputs["input"].string_val.extend(serialized)
+    request.inputs["input"].tensor_shape.dim.add().size = len(serialized)
+    with grpc.insecure_channel(every_model.grpc_address) as channel:
+        result = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, RPC_TIMEOUT)
+    assert list(result.outputs[x_out].float_val) == [0.25, 0.0, -0.5]
+    assert list(result.outputs[y_out].string_val) == [b"test string", b"missing", b"test string"]
+    wrong = example_pb2.Example()
+    wrong.features.feature["x"].int64_list.value.append(3)
+    r = requests.post(url, json={"instances": [{"b64": base64.b64encode(wrong.SerializeToString()).decode()}]},
+                      timeout=30)
+    assert (r.status_code, r.json()) == (400, {"error": "Failed to invoke TfLite interpreter"})
 
 
 def test_the_counter_model_is_not_changed_by_warm_up(every_model: TFServer) -> None:
@@ -797,7 +822,58 @@ REST_MISTAKES = {
                "but got: 2"),  # util/json_tensor.cc:463 inside :584
     "malformed JSON": ("POST", "/v1/models/default:predict", '{"instances": [1.0}', 400,
                        "JSON Parse error: Missing a comma or ']' after an array element. at offset: 18"),
-    # ^ util/json_tensor.cc:487 (rapidjson's GetParseError_En)
+    # ^ util/json_tensor.cc:487 (rapidjson's GetParseError_En); the parse errors below are rapidjson 1.1.0's
+    # (tensorflow_serving/workspace.bzl), each checked against that version built from source
+    "not JSON": ("POST", "/v1/models/default:predict", "instances = [1.0]", 400,
+                 "JSON Parse error: Invalid value. at offset: 0"),
+    "an empty body": ("POST", "/v1/models/default:predict", "", 400,
+                      "JSON Parse error: The document is empty"),  # util/json_tensor.cc:475, before rapidjson
+    "only whitespace": ("POST", "/v1/models/default:predict", " \n", 400,
+                        "JSON Parse error: The document is empty. at offset: 2"),
+    "a trailing comma in an object": ("POST", "/v1/models/default:predict", '{"instances": [1.0],}', 400,
+                                      "JSON Parse error: Missing a name for object member. at offset: 20"),
+    "a trailing comma in an array": ("POST", "/v1/models/default:predict", '{"instances": [1.0,]}', 400,
+                                     "JSON Parse error: Invalid value. at offset: 19"),
+    "a missing colon": ("POST", "/v1/models/default:predict", '{"instances" [1.0]}', 400,
+                        "JSON Parse error: Missing a colon after a name of object member. at offset: 13"),
+    "a missing comma between members": (
+        "POST", "/v1/models/default:predict", '{"instances": [1.0] "signature_name": ""}', 400,
+        "JSON Parse error: Missing a comma or '}' after an object member. at offset: 20"),
+    "single quotes": ("POST", "/v1/models/default:predict", "{'instances': [1.0]}", 400,
+                      "JSON Parse error: Missing a name for object member. at offset: 1"),
+    "an unterminated string": ("POST", "/v1/models/default:predict", '{"instances": ["abc', 400,
+                               "JSON Parse error: Missing a closing quotation mark in string. at offset: 19"),
+    "a bad escape": ("POST", "/v1/models/default:predict", '{"instances": ["a\\x"]}', 400,
+                     "JSON Parse error: Invalid escape character in string. at offset: 17"),
+    "a number past a double": ("POST", "/v1/models/default:predict", '{"instances": [1e400]}', 400,
+                               "JSON Parse error: Number too big to be stored in double. at offset: 15"),
+    "a truncated body": ("POST", "/v1/models/default:predict", '{"instances": [1.0]', 400,
+                         "JSON Parse error: Missing a comma or '}' after an object member. at offset: 19"),
+    "not an object": ("POST", "/v1/models/default:predict", "[1.0]", 400,
+                      "JSON Value: [1.0] Is not object"),  # util/json_tensor.cc ParseJson
+    "signature_name not a string": (
+        "POST", "/v1/models/default:predict", {"signature_name": 1, "instances": [1.0]}, 400,
+        'JSON Value: {\n    "signature_name": 1,\n    "instances": [1.0]\n} not formatted correctly. '
+        "'signature_name' key must be a string value."),  # util/json_tensor.cc FormatSignatureError
+    "no instances": ("POST", "/v1/models/default:predict", {"instances": []}, 400,
+                     'JSON Value: {\n    "instances": []\n} No values in \'instances\' array'),
+    "instances and inputs": (
+        "POST", "/v1/models/default:predict", {"instances": [1.0], "inputs": [1.0]}, 400,
+        'JSON Value: {\n    "instances": [1.0],\n    "inputs": [1.0]\n} Not formatted correctly expecting only one '
+        "of 'inputs' or 'instances' keys to exist "),
+    "a null": ("POST", "/v1/models/default:predict", {"instances": [1.0, None]}, 400,
+               "Failed to process element: 1 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: null Type: "
+               "Null is not of expected type: float"),
+    "a boolean": ("POST", "/v1/models/default:predict", {"instances": [True]}, 400,
+                  "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: true Type: "
+                  "True is not of expected type: float"),
+    "wrong dtype, columnar": ("POST", "/v1/models/default:predict", {"inputs": [1.5, "a"]}, 400,
+                              'JSON Value: "a" Type: String is not of expected type: float'),
+    "ragged, columnar": ("POST", "/v1/models/default:predict", {"inputs": [[1.0], [1.0, 2.0]]}, 400,
+                         "Encountered list at unexpected size: 2 at level: 1 expected size: 1"),
+    "b64 for a float": ("POST", "/v1/models/default:predict", {"instances": [{"b64": "AAAA"}]}, 400,
+                        "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: {\n"
+                        '    "b64": "AAAA"\n} Type: Object is not of expected type: float'),
     "missing keys": ("POST", "/v1/models/default:predict", {"foo": 1},
                      400, "Missing 'inputs' or 'instances' key"),  # util/json_tensor.cc:704
     "encoded path": ("POST", "/v1/models/..%2F..%2Fetc:predict", {"instances": [2.0]},
@@ -810,17 +886,7 @@ REST_MISTAKES = {
                                      404, "Could not find version 7 of model default"),
     # ^ model_servers/get_model_status_impl.cc:89
 }
-REST_XFAIL = {  # the API layer's text differs (appliance/api/: not fixed here, reported in issue 24)
-    "wrong dtype": "ours: 400 'instances: JSON Value of type String is not of expected type: float'",
-    "ragged": "ours: 400 'instances: cannot be converted to a float32 tensor (is it ragged, or of the wrong type?): "
-              "setting an array element with a sequence. ...' (numpy's text)",
-    "malformed JSON": "ours: 400 \"JSON Parse error: unexpected character, expected ',' or ']': line 1 column 19 "
-                      "(char 18)\"",
-}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=REST_XFAIL[c]))
-                                  if c in REST_XFAIL else c for c in REST_MISTAKES])
+@pytest.mark.parametrize("case", REST_MISTAKES)
 def test_rest_mistakes_get_tf_servings_status_and_text(run_server: Any, case: str) -> None:
     method, path, body, status, text = REST_MISTAKES[case]
     url = f"http://{run_server('default', half_plus_two()).rest_address}{path}"
@@ -860,13 +926,7 @@ GRPC_MISTAKES = {  # keyword arguments of _grpc_predict -> TF Serving's code and
     "wrong dtype": ({"dtype": 3}, "INVALID_ARGUMENT", "Expects arg[0] to be float but int32 is provided"),
     # ^ TensorFlow's DirectSession (common_runtime/direct_session.cc), through session->Run in predict_util.cc:108
 }
-GRPC_XFAIL = {  # the API layer's code or text differs (appliance/api/: not fixed here, reported in issue 24)
-    "wrong dtype": "ours: INVALID_ARGUMENT \"input 'x': expects DT_FLOAT but DT_INT32 is provided\"",
-}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=GRPC_XFAIL[c]))
-                                  if c in GRPC_XFAIL else c for c in GRPC_MISTAKES])
+@pytest.mark.parametrize("case", GRPC_MISTAKES)
 def test_grpc_mistakes_get_tf_servings_code_and_text(run_server: Any, case: str) -> None:
     kwargs, code, text = GRPC_MISTAKES[case]
     with pytest.raises(grpc.RpcError) as err:

@@ -11,16 +11,27 @@
 * ``[tfs] batching_parameters_file`` (``--batching_parameters_file``): TF Serving's
   ``BatchingParameters`` text (``max_batch_size { value: 128 }``, ``allowed_batch_sizes: 8``
   ...) into ``[batching]``.
-* ``[tfs] monitoring_config_file`` (``--monitoring_config_file``): ``prometheus_config {
-  enable: true path: "..." }``; metrics are always served at
-  ``/monitoring/prometheus/metrics``, so another path is refused with the reason.
+* ``[tfs] monitoring_config_file`` (``--monitoring_config_file``): a ``MonitoringConfig``
+  (``prometheus_config { enable: true, path: "..." }``, protobuf text format as TF Serving
+  reads it: ``:`` before a message and ``,`` or ``;`` between fields are allowed); metrics are
+  always served at ``/monitoring/prometheus/metrics``, so another path is refused with the
+  reason.
 
 The file poller that follows ``model_config_file`` while serving is a part:
 appliance/parts/config_poller.py.
 
-An unknown or invalid field is a ConfigError naming the file, the line and the field.
-The messages are parsed with the private descriptor pool of appliance/protos/tfserving (no
-TensorFlow needed).
+A file protobuf cannot parse is refused with TF Serving's words (util/proto_util.h
+``ParseProtoTextFile`` and protobuf's text-format error log)::
+
+    Error parsing text-format tensorflow.serving.ModelServerConfig: 1:12: Message type
+    "tensorflow.serving.ModelServerConfig" has no field named "improperly". (Invalid protobuf
+    file: 'bad_model_config.txt')
+
+(line:column as protobuf's C++ parser gives them for an unknown field: the token after the
+name; for other errors, the Python parser's.) Any other invalid value is a ConfigError
+naming the file, the line and the field. ModelServerConfig comes from the private descriptor
+pool of appliance/protos/tfserving; MonitoringConfig (two small messages) is declared here;
+no TensorFlow needed.
 """
 
 from __future__ import annotations
@@ -68,16 +79,9 @@ def _read(path: str, key: str) -> str:
 
 
 def read_model_config_file(path: str) -> list[Any]:
-    from google.protobuf import text_format
-
     from appliance.protos.tfserving import pb
 
-    text = _read(path, "tfs.model_config_file")
-    message = pb.ModelServerConfig()
-    try:
-        text_format.Parse(text, message)
-    except text_format.ParseError as exc:
-        raise ConfigError("tfs.model_config_file", f"{path}: line {_where(exc)}") from exc
+    message = _parse_text(path, "tfs.model_config_file", pb.ModelServerConfig())
     if message.WhichOneof("config") != "model_config_list":
         raise ConfigError("tfs.model_config_file", f"{path}: needs a model_config_list (custom_model_config is "
                                                    "TF Serving's extension point, not served here)")
@@ -90,12 +94,40 @@ def read_model_config_file(path: str) -> list[Any]:
     return models
 
 
-def _where(exc: Any) -> str:
-    """'3: Message type ... has no field named "foo".' from protobuf's '3:5 : ...'."""
-    line = getattr(exc, "GetLine", lambda: None)()
-    text = str(exc)
-    message = text.split(" : ", 1)[1] if " : " in text else text
-    return f"{line}: {message}" if line else message
+def _parse_text(path: str, key: str, message: Any) -> Any:
+    """``message`` from the text-format file at ``path``, or TF Serving's refusal of it."""
+    from google.protobuf import text_format
+
+    text = _read(path, key)
+    try:
+        text_format.Parse(text, message)
+    except text_format.ParseError as exc:
+        where = exc.GetLine(), exc.GetColumn()
+        reason = str(exc).split(" : ", 1)[-1]
+        if where[0] is not None and "has no field named" in reason:
+            where = _token_after_name(text, *where)
+        at = f"{where[0]}:{where[1]}: " if where[0] is not None else ""
+        raise ConfigError(key, f"Error parsing text-format {message.DESCRIPTOR.full_name}: {at}{reason} "
+                               f"(Invalid protobuf file: '{path}')") from exc
+    return message
+
+
+_NAME = re.compile(r"[A-Za-z0-9_]*")
+_GAP = re.compile(r"(?:\s|#[^\n]*)*")
+
+
+def _token_after_name(text: str, line: int, column: int) -> tuple[int, int]:
+    """Where protobuf's C++ tokenizer stands after a field name (its error position) given
+    where the name starts (the Python parser's): past the name, spaces and comments; columns
+    count a tab to the next multiple of 8, as io::Tokenizer does."""
+    lines = text.split("\n")
+    offset = sum(len(lines[i]) + 1 for i in range(line - 1)) + column - 1
+    offset = _GAP.match(text, _NAME.match(text, offset).end()).end()  # type: ignore[union-attr]
+    start = text.rfind("\n", 0, offset) + 1
+    col = 0
+    for char in text[start:offset]:
+        col += 8 - col % 8 if char == "\t" else 1
+    return text.count("\n", 0, offset) + 1, col + 1
 
 
 _FIELD = re.compile(r"^\s*(\w+)\s*(?::\s*(\S+?)\s*|\{\s*value\s*:\s*(\S+?)\s*\})\s*(?:#.*)?$")
@@ -137,15 +169,36 @@ def _number(text: str, kind: type, where: str) -> Any:
 
 
 def read_monitoring_config(path: str) -> None:
-    text = _read(path, "tfs.monitoring_config_file")
-    match = re.search(r'path\s*:\s*"([^"]*)"', text)
-    unknown = re.sub(r'prometheus_config|enable\s*:\s*(true|false)|path\s*:\s*"[^"]*"|[{}\s,]|#[^\n]*', "", text)
-    if unknown:
-        raise ConfigError("tfs.monitoring_config_file", f"{path}: cannot parse {unknown[:60]!r} (expected "
-                                                        'prometheus_config { enable: true path: "..." })')
-    if match and match.group(1) not in ("", METRICS_PATH):
+    config = _parse_text(path, "tfs.monitoring_config_file", _monitoring_config_class()())
+    wanted = config.prometheus_config.path
+    if wanted not in ("", METRICS_PATH):
         raise ConfigError("tfs.monitoring_config_file", f"{path}: metrics are served at {METRICS_PATH}, not "
-                                                        f"{match.group(1)}")
+                                                        f"{wanted}")
+    if not config.prometheus_config.enable:
+        log.warning("%s: prometheus_config is not enabled; metrics are served at %s all the same", path, METRICS_PATH)
+
+
+def _monitoring_config_class() -> Any:
+    """TF Serving's MonitoringConfig (tensorflow_serving/config/monitoring_config.proto), declared on
+    protobuf's descriptors in a pool of its own: its text format is protobuf's, field for field."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(name="tensorflow_serving/config/monitoring_config.proto",
+                                              package="tensorflow.serving", syntax="proto3")
+    prometheus = file.message_type.add(name="PrometheusConfig")
+    prometheus.field.add(name="enable", number=1, type=f.TYPE_BOOL, label=f.LABEL_OPTIONAL)
+    prometheus.field.add(name="path", number=2, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
+    file.message_type.add(name="MonitoringConfig").field.add(
+        name="prometheus_config", number=1, type=f.TYPE_MESSAGE, label=f.LABEL_OPTIONAL,
+        type_name=".tensorflow.serving.PrometheusConfig")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    descriptor = pool.FindMessageTypeByName("tensorflow.serving.MonitoringConfig")
+    try:
+        return message_factory.GetMessageClass(descriptor)
+    except AttributeError:  # protobuf < 4.22
+        return message_factory.MessageFactory(pool).GetPrototype(descriptor)
 
 
 def model_config_from_proto(config: Any) -> ModelConfig:

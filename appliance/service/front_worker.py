@@ -3,114 +3,109 @@
     python -m appliance.service.front_worker PORT INDEX CHANNEL_FD
 
 Started only by appliance/service/fronts.py, which holds the port and passes its end of a
-private channel; the worker listens on the port with SO_REUSEPORT beside the others. The first message on the channel is the service's config;
-the worker then serves appliance/api/remote/front.py's ``FrontApp`` on
-appliance/transport/http/server.py's server, with its share of the port's limits, until
-the serving process says ``DRAIN`` (finish what is held, then exit 0) or goes away (EOF:
-close everything, exit 1). Ctrl-C in a terminal reaches the whole process group: a worker
-ignores SIGINT and SIGTERM and waits for the serving process's word, so the drain happens
-in its order (the workers, then the models).
+private channel; the worker listens on the port with SO_REUSEPORT beside the others. The
+first message on the channel is the service's config, read before anything starts; the
+worker then serves appliance/api/remote/front.py's ``FrontApp`` on appliance/transport/http/
+server.py's server (hot requests on its event loop, the rest on its threads), with its
+share of the port's limits, the channel on the same loop, until the serving process says
+``DRAIN`` (finish what is held, then exit 0) or goes away (EOF, or this process handed to
+init: close everything, exit 1). Ctrl-C in a terminal and systemd's stop reach the whole
+process group: a worker ignores SIGINT and SIGTERM and waits for the serving process's word,
+so the drain happens in its order (the workers, then the models).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
-from typing import Any
 
 from appliance.api.remote import messages as m
-from appliance.api.remote.front import FrontApp, Link, RemoteCore, hot_mounts
+from appliance.api.remote.front import FrontApp, hot_mounts
+from appliance.api.remote.handles import RemoteCore
+from appliance.api.remote.link import Link
 from appliance.core import logs, memory
-from appliance.core.config import Config
 from appliance.service.fronts import worker_limits
 from appliance.service.tls import tls_context
-from appliance.transport.channel import BlockingChannel, Message
+from appliance.transport.channel import ChannelProtocol, Message, read_one
 from appliance.transport.http.server import HTTPServer, listen
 
 log = logging.getLogger("appliance.workers")
 
 REPORT_EVERY_S = 1.0  # HTTP figures and memory to the serving process
-CONFIG_WAIT_S = 60.0
 
 
 class Worker:
-    def __init__(self, index: int, port: int, channel: BlockingChannel):
-        self.index, self.port = index, port
-        self.link = Link(channel, self.on_push)
-        self.config: Config | None = None
+    def __init__(self, index: int, port: int, sock: socket.socket):
+        self.index, self.port, self.sock = index, port, sock
+        self.link = Link(self.on_push)
         self.core: RemoteCore | None = None
         self.server: HTTPServer | None = None
-        self.have_config = threading.Event()
         self.done = threading.Event()
         self.exit_code = 0
 
+    def run(self) -> int:
+        first = read_one(self.sock)
+        if first is None or first[0] != m.CONFIG:
+            return 1
+        config = m.config_from_plain(first[2])
+        logs.setup(config.log_level)
+        core = self.core = RemoteCore(config, self.link)
+        app = FrontApp(core, hot_mounts(core))
+        context = tls_context(config.security) if config.security.tls_cert_file else None
+        workers = config.server.workers or (os.cpu_count() or 1)
+        self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
+                                 config.server.max_body_bytes, worker_limits(config.limits, workers), context,
+                                 sock=listen(config.server.host, self.port, reuse_port=True), fast=app,
+                                 on_loop=self.open_channel)
+        threading.Thread(target=self.report, name="report", daemon=True).start()
+        memory.tune_gc()
+        self.server.serve_forever()
+        return self.exit_code
+
+    def open_channel(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(the HTTP server's loop, before it serves) The channel joins the loop."""
+        async def connect() -> None:
+            self.sock.setblocking(False)
+            _, proto = await loop.connect_accepted_socket(
+                lambda: ChannelProtocol(self.link.on_message, self.link.on_lost, self.index), self.sock)
+            self.link.attach(loop, proto)
+            self.send_stats()  # listening: the serving process counts this worker in
+        loop.create_task(connect())
+
     def on_push(self, message: Message) -> None:
-        """(the link's reader thread) What the serving process says unasked."""
+        """(the loop) What the serving process says unasked."""
         kind, _, payload = message
+        assert self.core is not None
         if kind == m.CONFIG:
-            self.config = m.config_from_plain(payload)
-            if self.core is not None:
-                self.core.config = self.config
-            self.have_config.set()
+            self.core.config = m.config_from_plain(payload)
         elif kind == m.VIEW:
-            view = m.view_from_plain(payload)
-            if self.core is not None:
-                self.core.manager.view = view
-            else:
-                self.first_view = view
+            self.core.manager.view = m.view_from_plain(payload)
         elif kind == m.DRAIN:
             threading.Thread(target=self.drain, args=(payload,), name="drain", daemon=True).start()
         elif kind == "eof":  # the serving process is gone: nothing here can be answered any more
             self.gone()
-
-    def gone(self) -> None:
-        """Stop: the serving process is gone (EOF, or this process was handed to init)."""
-        self.exit_code = 1
-        self.done.set()
-        self.have_config.set()  # a start-up still waiting for its config gives up at once
-        server = self.server
-        if server is not None:
-            threading.Thread(target=server.close, name="close", daemon=True).start()
 
     def drain(self, timeout: float) -> None:
         if self.server is not None:
             self.server.drain(timeout)
         self.done.set()
 
-    def run(self) -> int:
-        threading.Thread(target=self.link.serve, name="channel", daemon=True).start()
-        if not self.have_config.wait(CONFIG_WAIT_S) or self.config is None or self.done.is_set():
-            return 1
-        config = self.config
-        logs.setup(config.log_level)
-        self.core = RemoteCore(config, self.link)
-        view = getattr(self, "first_view", None)
-        if view is not None:
-            self.core.manager.view = view
-        security = config.security
-        context = tls_context(security) if security.tls_cert_file else None
-        workers = config.server.workers or (os.cpu_count() or 1)
-        listener = listen(config.server.host, self.port, reuse_port=True)
-        self.server = HTTPServer(FrontApp(self.core, hot_mounts(self.core)), config.server.host, self.port,
-                                 config.server.threads, config.server.max_body_bytes,
-                                 worker_limits(config.limits, workers), context, sock=listener)
-        if self.done.is_set():  # the serving process went away while this one started
-            self.server.close()
-            return 1
-        self.send_stats()  # listening: the serving process counts this worker in
-        threading.Thread(target=self.report, name="report", daemon=True).start()
-        memory.tune_gc()
-        self.server.serve_forever()
-        return self.exit_code
+    def gone(self) -> None:
+        """Stop: the serving process is gone (EOF, or this process was handed to init)."""
+        self.exit_code = 1
+        self.done.set()
+        server = self.server
+        if server is not None:
+            threading.Thread(target=server.close, name="close", daemon=True).start()
 
     def report(self) -> None:
         """HTTP figures and memory every REPORT_EVERY_S (``/api/status`` ``workers``); and a
         check that the serving process is still this one's parent, should its EOF be missed."""
-        assert self.server is not None
         parent = os.getppid()
         while not self.done.wait(REPORT_EVERY_S):
             if os.getppid() != parent:
@@ -120,9 +115,10 @@ class Worker:
             self.send_stats()
 
     def send_stats(self) -> None:
-        assert self.server is not None
-        self.link.send(m.STATS, {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(self.server.stats),
-                                 "served": self.server.tracker.served})
+        server = self.server
+        if server is not None:
+            self.link.send(m.STATS, {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(server.stats),
+                                     "served": server.tracker.served})
 
 
 def _rss() -> int:
@@ -138,8 +134,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     memory.limit_arenas()
     port, index, channel_fd = (int(a) for a in argv[-3:])
-    channel = BlockingChannel(socket.socket(fileno=channel_fd))
-    return Worker(index, port, channel).run()
+    sock = socket.socket(fileno=channel_fd)
+    sock.setblocking(True)
+    return Worker(index, port, sock).run()
 
 
 if __name__ == "__main__":

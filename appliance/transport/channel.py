@@ -74,6 +74,27 @@ def unframe(data: bytes | memoryview) -> Message:
     return kind, ident, payload
 
 
+def read_one(sock: socket.socket) -> Message | None:
+    """The next message on a blocking socket, read to its end and no further (so an event
+    loop can take the socket over after it); None at EOF."""
+    head = _read_exactly(sock, HEADER)
+    if head is None:
+        return None
+    body = _read_exactly(sock, int.from_bytes(head, "big"))
+    return unframe(body) if body is not None else None
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(left)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 class Frames:
     """Reassembles frames from the chunks a stream delivers."""
 

@@ -24,6 +24,7 @@ from appliance.api import tensor_limits
 from appliance.api import json_arrays
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
+from appliance.core.handle import Steps, drive, drive_async
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
@@ -61,22 +62,33 @@ class V2API:
         self.service = V2Service(core)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        status, body, headers = self.dispatch(environ)
-        if status >= 400:  # the renderer's headers are complete
-            start_response(status_line(status), headers)
-            return [body]
-        if not any(k == "Content-Type" for k, _ in headers):
-            headers = [("Content-Type", JSON), *headers]
-        start_response(status_line(status), [*headers, ("Content-Length", str(len(body)))])
+        status, headers, body = self.answer(*self.dispatch(environ))
+        start_response(status, headers)
         return [body]
 
+    async def answer_async(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        """The answer on an event loop: (status line, headers, body); the model runs awaited."""
+        return self.answer(*await drive_async(self.steps(environ)))
+
+    @staticmethod
+    def answer(status: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]], bytes]:
+        if status >= 400:  # the renderer's headers are complete
+            return status_line(status), headers, body
+        if not any(k == "Content-Type" for k, _ in headers):
+            headers = [("Content-Type", JSON), *headers]
+        return status_line(status), [*headers, ("Content-Length", str(len(body)))], body
+
     def dispatch(self, environ: dict[str, Any]) -> Response:
+        return drive(self.steps(environ))
+
+    def steps(self, environ: dict[str, Any]) -> Steps[Response]:
+        """``dispatch`` as steps (appliance/core/handle.py ``Run``): on a thread or a loop."""
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ).partition("?")[0]
         try:
             route, model, version = _route(path)
             if route == "infer":
-                return self._infer(environ, method, model, version)
+                return (yield from self._infer(environ, method, model, version))
             if method != "GET":
                 raise MethodNotAllowed(f"method {method} not allowed on {path}")
             return self._get(route, model, version)
@@ -95,7 +107,7 @@ class V2API:
             return (200 if service.model_ready(model, version) else 400), b"", _EMPTY
         return 200, orjson.dumps(service.model_metadata(model, version)), _EMPTY
 
-    def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Response:
+    def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Steps[Response]:
         if method != "POST":
             raise MethodNotAllowed(f"method {method} not allowed on /v2/models/{model}/infer; use POST")
         started, status = time.perf_counter(), 200
@@ -103,14 +115,19 @@ class V2API:
             body = _read_body(environ, self.core.config.server.max_body_bytes)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
                                           environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits)
-            result = self.service.infer(model, version, request.inputs, request.outputs, request.parameters,
-                                        request.binary_default, route_key(environ))
+            result = yield from self.service.infer_steps(model, version, request.inputs, request.outputs,
+                                                         request.parameters, request.binary_default,
+                                                         route_key(environ))
             return render_infer_response(result, request.id)
         except Exception as exc:
             status = exc.http_status if isinstance(exc, ApplianceError) else 500
             raise
+        except BaseException:  # a front worker decodes the request again: this was not its end
+            status = 0
+            raise
         finally:
-            self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
+            if status:
+                self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
 
 
 def mounts(core: "Appliance") -> list[Mount]:

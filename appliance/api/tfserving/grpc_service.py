@@ -32,8 +32,8 @@ from appliance.core.tfs_files import model_config_from_proto
 from appliance.core.config import validate as validate_config
 from appliance.core.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, QueueFull, Unimplemented
 from appliance.api.grpc_errors import guarded, guarded_async, observed
-from appliance.api.tfserving.service import (CLASSIFY_METHOD, REGRESS_METHOD, classification_outputs, handle,
-                                             regression_values, run_examples)
+from appliance.api.tfserving.service import (CLASSIFY_METHOD, REGRESS_METHOD, classification_outputs,
+                                             data_type_string, handle, regression_values, run_examples)
 from appliance.protos.tfserving import pb
 
 if TYPE_CHECKING:
@@ -209,25 +209,30 @@ def _spec(spec: Any) -> tuple[str, int | None, str | None]:
 
 
 def _inputs(tensors: Any, signature: SignatureInfo) -> dict[str, np.ndarray]:
-    expected = sorted(signature.inputs)
+    """The request's tensors, checked in TF Serving's order and words: the count
+    (servables/tensorflow/predict_util.cc VerifyRequestInputsSize), the aliases, each tensor
+    (``Tensor::FromProto``), then the dtypes as TensorFlow's session checks its feeds
+    (FunctionCallFrame::SetArgs; ``arg[i]`` counts the signature's inputs in order)."""
+    expected, sent = sorted(signature.inputs), sorted(tensors)
+    if len(sent) != len(expected):
+        raise InvalidArgument(
+            f"input size does not match signature: {len(sent)}!={len(expected)} len({{{','.join(sent)}}}) != "
+            f"len({{{','.join(expected)}}}). Sent extra: {{{','.join(k for k in sent if k not in signature.inputs)}}}. "
+            f"Missing but required: {{{','.join(k for k in expected if k not in tensors)}}}.")
     for key in tensors:
         if key not in signature.inputs:
             raise InvalidArgument(f"input tensor alias not found in signature: {key}. "
                                   f"Inputs expected to be in the set {{{','.join(expected)}}}.")
-    missing = [k for k in expected if k not in tensors]
-    if missing:
-        raise InvalidArgument(f"Request inputs do not match required inputs for model: missing {missing}; "
-                              f"expected {expected}")
     out = {}
-    for key, tensor in tensors.items():
+    for index, (key, spec) in enumerate(signature.inputs.items()):
         try:
-            array = from_tensor(tensor)
+            array = from_tensor(tensors[key])
         except (ValueError, KeyError, IndexError) as exc:
-            raise InvalidArgument(f"input {key!r}: not a valid TensorProto ({exc})") from exc
-        want = signature.inputs[key].dtype
+            raise InvalidArgument(f"tensor parsing error: {key}") from exc
+        want = spec.dtype
         if want is not None and array.dtype != want and not (want.kind == "O" and array.dtype.kind == "O"):
-            raise InvalidArgument(f"input {key!r}: expects {_dtype_name(want)} but {_dtype_name(array.dtype)} "
-                                  "is provided")
+            raise InvalidArgument(f"Expects arg[{index}] to be {data_type_string(want)} but "
+                                  f"{data_type_string(array.dtype)} is provided")
         out[key] = array
     return out
 
@@ -236,10 +241,6 @@ def from_tensor(tensor: Any) -> np.ndarray:
     """A request's TensorProto as numpy: appliance/protos/tfserving/wire.py reads the message
     (``tensor_content`` straight into numpy, typed fields with one ``fromiter``)."""
     return pw.tensor_to_array(tensor)
-
-
-def _dtype_name(dtype: np.dtype) -> str:
-    return pw.DTYPE_NAMES.get(pw.ENUM_OF.get(dtype, 0), str(dtype))
 
 
 def _output_filter(names: Any, signature: SignatureInfo) -> list[str]:

@@ -16,6 +16,12 @@ As TF Serving (rapidjson with kParseNanAndInfFlag): ``NaN``, ``Infinity`` and ``
 ``-Infinity``; a number past the double range is refused; a double past the float32 range
 becomes an infinity in a float input; integers must fit the input's type; ``b64`` is the
 standard alphabet, padding optional (absl::Base64Unescape), URL-safe refused with a hint.
+Like rapidjson, a byte-order mark is skipped and whatever follows the root value is ignored.
+
+Refusals are in TF Serving's words, worked out only once a body is refused: a parse error
+as rapidjson words it (rapidjson_reader.py), a tensor TF Serving would refuse as
+util/json_tensor.cc words it (json_tensor_errors.py); what only this decoder refuses (a limit,
+an integer past an int8's range, more than 64 dimensions) in its own words.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ import orjson
 from runtimes import SignatureInfo, TensorSpec
 
 from appliance.api import json_arrays
-from appliance.protos.tfserving import wire as pw
 # the element limit is shared with KServe v2; ENVELOPE_VALUES and count_values named here for callers
 from appliance.api.tensor_limits import ENVELOPE_VALUES, check_body_values, check_elements, count_values  # noqa: F401
+from appliance.api.tfserving.service import data_type_string
 from appliance.core.handle import shape_error  # noqa: F401 (the shape rule is the handle's; named here for callers)
 from appliance.core.config import LimitsConfig
 from appliance.core.errors import InvalidArgument
@@ -49,7 +55,7 @@ MAX_DIMS = 64  # numpy's limit on an array's dimensions
 
 def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
     """A request body, parsed and checked against ``limits`` (see the module docstring)."""
-    if not body or not body.strip():
+    if not body:  # TF Serving's own check, before rapidjson sees the body
         raise InvalidArgument("JSON Parse error: The document is empty")
     check_body_values(body, limits)
     doc = json_arrays.loads(body)  # big numeric arrays straight into numpy, when it can
@@ -59,12 +65,36 @@ def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
         except orjson.JSONDecodeError as exc:
             if "depth" in str(exc):  # orjson's own cap (1024 levels) keeps 500,000 brackets harmless
                 raise _too_deep(limits) from None
-            if _NONFINITE.search(body) is None:
-                raise InvalidArgument(f"JSON Parse error: {exc}") from exc
-            doc = _loads_nonfinite(body, exc, limits)
+            doc = _as_rapidjson_reads(body, exc, limits)
     if nesting(doc, limits.max_json_depth) > limits.max_json_depth:
         raise _too_deep(limits)
     return doc
+
+
+def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: Any) -> Any:
+    """A body orjson refused, as TF Serving's rapidjson reads it: NaN and Infinity taken, a
+    byte-order mark skipped, anything after the root value ignored; else rapidjson's error
+    text and offset (appliance/api/tfserving/rapidjson_reader.py)."""
+    if _NONFINITE.search(body) is not None:
+        try:
+            return _loads_nonfinite(body, refused, limits)
+        except InvalidArgument:
+            pass  # rapidjson's verdict below says why, in its words
+    from appliance.api.tfserving.rapidjson_reader import read  # the error path only
+
+    verdict = read(body)
+    if verdict is None:  # too long to walk in Python: orjson's words
+        raise InvalidArgument(f"JSON Parse error: {refused}") from refused
+    if verdict.error is not None:
+        raise InvalidArgument(verdict.error) from refused
+    root = body[verdict.start:verdict.end]
+    try:
+        return orjson.loads(root)
+    except orjson.JSONDecodeError as exc:
+        if _NONFINITE.search(root) is not None:
+            return _loads_nonfinite(root, exc, limits)
+        # rapidjson takes it, orjson not: a string that is not UTF-8 (rapidjson does not check)
+        raise InvalidArgument(f"JSON Parse error: {exc}") from exc
 
 
 def dumps(obj: Any) -> bytes:
@@ -144,7 +174,7 @@ def _integer(text: str) -> int | float:
 _URL_SAFE = re.compile(r"[-_]")
 
 
-def _b64(obj: Any, where: str) -> bytes:
+def b64_decode(obj: Any, where: str) -> bytes:
     """``{"b64": ...}`` decoded as absl::Base64Unescape does: the standard alphabet,
     padding optional but correct when present."""
     text = obj["b64"]
@@ -156,9 +186,13 @@ def _b64(obj: Any, where: str) -> bytes:
         padded = text + "=" * (-len(text) % 4)
         return binascii.a2b_base64(padded.encode("ascii"), strict_mode=True)
     except (binascii.Error, ValueError) as exc:
-        hint = (" (URL-safe base64 with '-' or '_' is not accepted: use the standard alphabet with '+' and '/',"
-                " as TF Serving does)" if _URL_SAFE.search(text) else "")
-        raise InvalidArgument(f"{where}: 'b64' value is not valid base64{hint}: {exc}") from exc
+        raise InvalidArgument(f"{where}: 'b64' value is not valid base64{url_safe_hint(text)}: {exc}") from exc
+
+
+def url_safe_hint(text: str) -> str:
+    """What to say when base64 that fails to decode looks URL-safe."""
+    return (" (URL-safe base64 with '-' or '_' is not accepted: use the standard alphabet with '+' and '/', as "
+            "TF Serving does)" if _URL_SAFE.search(text) else "")
 
 
 def _is_b64(obj: Any) -> bool:
@@ -174,7 +208,7 @@ def _strings(value: Any, where: str, depth: int = 0) -> Any:
     if isinstance(value, str):
         return value.encode()
     if _is_b64(value):
-        return _b64(value, where)
+        return b64_decode(value, where)
     raise InvalidArgument(f"{where}: expected a string or {{\"b64\": ...}}, got {type(value).__name__}")
 
 
@@ -195,14 +229,14 @@ def to_array(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
                 raise ValueError("inhomogeneous string tensor")
         else:
             if _contains_b64(value):
-                raise InvalidArgument(f"{where}: {{\"b64\": ...}} given for a {spec.dtype.name} input; "
+                raise InvalidArgument(f"{where}: {{\"b64\": ...}} given for a {data_type_string(spec.dtype)} input; "
                                       "b64 is for string (DT_STRING) inputs")
             arr = _numeric(value, spec, where)
     except InvalidArgument:
         raise
     except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidArgument(f"{where}: cannot be converted to a {spec.dtype.name} tensor "
-                              f"(is it ragged, or of the wrong type?): {_first_line(exc)}") from exc
+        raise InvalidArgument(f"{where}: cannot be converted to a {data_type_string(spec.dtype)} tensor "
+                              "(is it ragged, or of the wrong type?)") from exc
     return arr
 
 
@@ -220,13 +254,12 @@ def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
     have, want = arr.dtype.kind, spec.dtype.kind
     fits = (have in "iu" and want in "iuf") or (have == want == "f") or (have == want == "b")
     if not fits:
-        tf_name = pw.DTYPE_NAMES.get(pw.ENUM_OF.get(spec.dtype, 0), spec.dtype.name).removeprefix("DT_").lower()
         raise InvalidArgument(f"{where}: JSON Value of type {_KIND_NAMES.get(have, have)} "
-                              f"is not of expected type: {tf_name}")
+                              f"is not of expected type: {data_type_string(spec.dtype)}")
     if arr.dtype == spec.dtype:
         return arr
     if have in "iu" and want in "iu" and arr.size and not _fits(arr, spec.dtype):
-        raise InvalidArgument(f"{where}: a value is out of the range of {spec.dtype.name}")
+        raise InvalidArgument(f"{where}: a value is out of the range of {data_type_string(spec.dtype)}")
     with np.errstate(over="ignore"):
         return arr.astype(spec.dtype)
 
@@ -234,10 +267,6 @@ def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
 def _fits(arr: np.ndarray, dtype: np.dtype) -> bool:
     info = np.iinfo(dtype)
     return bool(info.min <= arr.min() and arr.max() <= info.max)
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _named(signature: SignatureInfo, values: Mapping[str, Any], where: str,
@@ -281,10 +310,28 @@ def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes
     token = _TRUSTED.set(raw is not None and numbers_only(raw, body))
     try:
         inputs, row_format = _decode_predict(body, signature, limits)
+    except InvalidArgument as exc:
+        from appliance.api.tfserving.json_tensor_errors import predict_error  # the error path only
+
+        worded = predict_error(as_lists(body), signature)  # TF Serving's text, where TF Serving refuses it too
+        if worded is None:
+            raise
+        raise InvalidArgument(worded) from exc
     finally:
         _TRUSTED.reset(token)
     check_elements(inputs, limits)
     return inputs, row_format
+
+
+def as_lists(value: Any) -> Any:
+    """``value`` with json_arrays.py's numpy arrays as the lists they were in the body."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: as_lists(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_lists(v) for v in value]
+    return value
 
 
 def check_rows(count: int, what: str, limits: Any = DEFAULT_LIMITS) -> None:
@@ -308,6 +355,8 @@ def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
     instances = body["instances"]
     if not isinstance(instances, (list, np.ndarray)):
         raise InvalidArgument("'instances' must be a list, one entry per instance")
+    if not len(instances):
+        raise InvalidArgument("JSON Value: No values in 'instances' array")
     check_rows(len(instances), "instances", limits)
     if len(instances) and isinstance(instances[0], dict) and not _is_b64(instances[0]):
         return _rows_named(signature, instances), True

@@ -24,10 +24,12 @@ from appliance.api.body import read_body, route_key
 from appliance.api.errors import render_error, status_line
 from appliance.api.routes import INFERENCE, Mount, raw_path
 from appliance.api.tfserving import json_format as tfs_json
+from appliance.api.tfserving.json_tensor_errors import format_error
 from appliance.protos.tfserving import wire as pw
 from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
 from appliance.core.errors import InvalidArgument, NotFound
+from appliance.core.handle import Run, Steps, drive, drive_async
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -49,12 +51,24 @@ class V1API:
         self.core = core
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        status, body, headers = self.dispatch(environ)
-        start_response(status_line(status), headers or [("Content-Type", JSON), ("Content-Length", str(len(body)))])
+        status, headers, body = self.answer(*self.dispatch(environ))
+        start_response(status, headers)
         return [body]
+
+    async def answer_async(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        """The answer on an event loop: (status line, headers, body); the model runs awaited."""
+        return self.answer(*await drive_async(self.steps(environ)))
+
+    @staticmethod
+    def answer(status: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]], bytes]:
+        return status_line(status), headers or [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
 
     def dispatch(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
         """(status, body, headers); headers are empty for a 200 (JSON, its length)."""
+        return drive(self.steps(environ))
+
+    def steps(self, environ: dict[str, Any]) -> Steps[tuple[int, bytes, list[tuple[str, str]]]]:
+        """``dispatch`` as steps (appliance/core/handle.py ``Run``): on a thread or a loop."""
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ)
         verb, name, started = "", "", time.perf_counter()
@@ -68,8 +82,8 @@ class V1API:
                 name = model
                 raw = read_body(environ, self.core.config.server.max_body_bytes)
                 limits = self.core.config.limits
-                body = VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label, raw, limits,
-                                   route_key(environ))
+                body = yield from VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label,
+                                              raw, limits, route_key(environ))
                 self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
                 return 200, body, []
             match = GET_RE.fullmatch(path) if method == "GET" else None
@@ -146,26 +160,25 @@ def _metadata(manager: Any, name: str, version: int | None, label: str | None) -
 def _parse_object(data: bytes, limits: Any) -> dict[str, Any]:
     body = tfs_json.loads(data, limits)
     if not isinstance(body, dict):
-        raise InvalidArgument("JSON Value: the request body Is not object")
+        raise InvalidArgument(format_error(body, "Is not object"))  # util/json_tensor.cc ParseJson
     return body
 
 
 def _signature_name(body: dict[str, Any]) -> str:
     name = body.get("signature_name", "")
-    if not isinstance(name, str):
-        raise InvalidArgument("JSON Value: not formatted correctly. 'signature_name' key must be a string value.")
+    if not isinstance(name, str):  # util/json_tensor.cc FormatSignatureError
+        raise InvalidArgument(format_error(body, "not formatted correctly. 'signature_name' key must be a string "
+                                                 "value."))
     return name or DEFAULT_SIGNATURE
 
 
 def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS, route_key: Any = None) -> bytes:
+             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS, route_key: Any = None) -> Steps[bytes]:
     signature_name = _signature_name(body)
-    if "instances" in body and isinstance(body["instances"], list) and not body["instances"]:
-        raise InvalidArgument("JSON Value: No values in 'instances' array")
     with service.handle(manager, name, version, label, route_key) as handle:
         signature = handle.signature(signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
         inputs, row_format = tfs_json.decode_predict(body, signature, raw, limits)
-        outputs = handle.run(signature.name, inputs)
+        outputs = yield Run(handle, signature.name, inputs)
     return tfs_json.encode_predict(outputs, row_format)
 
 
@@ -199,7 +212,7 @@ def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
         decoded = []
         for v in values:
             if isinstance(v, dict) and set(v) == {"b64"}:
-                v = tfs_json._b64(v, f"feature {key}")
+                v = tfs_json.b64_decode(v, f"feature {key}")
             elif v is None or isinstance(v, (dict, list)):
                 raise ValueError(f"Feature: {key} has element with unexpected JSON type: {type(v).__name__}")
             decoded.append(v)
@@ -208,11 +221,11 @@ def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
 
 
 def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-                      method: str, limits: Any, route_key: Any) -> bytes:
+                      method: str, limits: Any, route_key: Any) -> Steps[bytes]:
     signature_name = _signature_name(body)
     serialized = _examples(body, method, limits)
-    _, signature, outputs = service.run_examples(manager, serialized, name, version, label, signature_name, method,
-                                                 route_key)
+    _, signature, outputs = yield from service.examples_steps(manager, serialized, name, version, label,
+                                                              signature_name, method, route_key)
     return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
 
 
@@ -231,7 +244,7 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
     return results
 
 
-VERBS: dict[str, Callable[..., bytes]] = {
+VERBS: dict[str, Callable[..., Steps[bytes]]] = {
     "predict": _predict,
     "classify": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "classify", limits, key),
     "regress": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "regress", limits, key),
