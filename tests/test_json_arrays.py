@@ -208,3 +208,9 @@ def test_a_big_body_refused_gets_tf_servings_words_as_a_small_one_does(start_ser
         r = requests.post(f"{server.url}/v1/models/mlp:predict", data=json.dumps(body), timeout=30)
         answers.append((r.status_code, r.json()["error"]))
     assert answers[0] == answers[1] and answers[0][0] == 400, answers
+
+
+def test_escaped_keys_and_strings_leave_the_document_to_orjson():
+    raw = json.dumps({'we"ird': 1, "instances": [1.5] * MIN_VALUES}).encode()
+    assert loads(raw) is None
+    assert orjson.loads(raw)['we"ird'] == 1

@@ -14,8 +14,8 @@ lists, or nothing:
   raw bytes) must be exactly the rectangle's, so ``[[1, 2], [3], [4, 5, 6]]`` is never
   taken for a 3x2 array;
 - anything else (booleans, strings, nulls, objects or ``NaN`` among the numbers, ragged
-  nesting, an array whose key is not found exactly once in the bytes, a document simdjson
-  refuses) is left to the caller: ``loads`` returns None for a document it cannot take,
+  nesting, an array whose key is not found exactly once in the bytes, a document with an
+  escaped character or a duplicate key, one simdjson refuses) is left to the caller: ``loads`` returns None for a document it cannot take,
   and an array it cannot take stays a Python list, so the decoders' own checks and error
   texts apply unchanged.
 
@@ -49,8 +49,8 @@ _local = threading.local()
 def loads(raw: bytes) -> Any | None:
     """``raw`` parsed, big numeric arrays as numpy (module docstring); None when this path
     does not apply (the caller parses it its own way)."""
-    if simdjson is None or len(raw) < MIN_BODY:
-        return None
+    if simdjson is None or len(raw) < MIN_BODY or b"\\" in raw:
+        return None  # (an escape: simdjson finds members by their raw key, so "a\"b" would not be found)
     parser = getattr(_local, "parser", None)
     if parser is None:
         parser = _local.parser = simdjson.Parser()
@@ -60,7 +60,7 @@ def loads(raw: bytes) -> Any | None:
         return None
     try:
         return _convert(doc, None, raw)
-    except _Duplicate:
+    except (_Duplicate, KeyError):  # a key twice, or one simdjson cannot look up as decoded
         return None
     finally:
         del doc  # the parser may be reused only once no proxy of this document is alive
