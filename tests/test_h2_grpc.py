@@ -1,5 +1,6 @@
-"""The lean gRPC server (appliance/transport/grpc/h2_server.py) against grpcio's real client, and against raw
-HTTP/2 frames for what a well-behaved client never sends.
+"""The lean gRPC server (appliance/transport/grpc/h2_server.py: h2's HTTP/2 under our unary
+calls) against grpcio's real client, and against raw HTTP/2 frames for what a well-behaved
+client never sends (hostile ones: tests/test_grpc_hostile.py).
 
 The service's own RPCs run on it in tests/test_grpc_tfs.py and tests/test_v2_grpc.py
 (tensorflow-serving-api's and tritonclient's stubs); here it serves small echo methods so
@@ -22,8 +23,13 @@ import grpc
 import hpack
 import pytest
 
-from appliance.transport.grpc import h2_server as h2_grpc
+from appliance.transport.grpc import connection as h2_conn
 from appliance.transport.grpc.h2_server import LeanServer
+from appliance.transport.grpc.limits import Limits
+from tests import h2_wire as h2_grpc
+from tests.h2_wire import frame, read_frame, request_headers
+
+MAX_STREAMS = Limits().max_concurrent_streams
 
 MAX = 8 << 20
 MESSAGE = "naïve 100% ✓: the spec's percent-encoding, round trip"
@@ -103,7 +109,7 @@ def test_messages_larger_than_every_window_go_both_ways(served: Any) -> None:
 
 def test_more_concurrent_calls_than_streams_allowed(served: Any) -> None:
     _, port, _ = served
-    n = h2_grpc.MAX_STREAMS + 150  # the client must queue what the server's SETTINGS do not allow
+    n = MAX_STREAMS + 150  # the client must queue what the server's SETTINGS do not allow
     with channel(port) as ch:
         echo = ch.unary_unary("/t.Test/Echo")
         futures = [echo.future(b"call %d" % i, timeout=60) for i in range(n)]
@@ -190,37 +196,6 @@ def test_drain_finishes_calls_in_flight_and_refuses_new_ones(served: Any) -> Non
 
 
 # -- raw HTTP/2: what grpcio's client never sends ----------------------------------------------
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream) + payload
-
-
-def read_frame(sock: socket.socket) -> tuple[int, int, int, bytes] | None:
-    head = _read(sock, 9)
-    if head is None:
-        return None
-    length = int.from_bytes(head[:3], "big")
-    payload = _read(sock, length) if length else b""
-    return head[3], head[4], int.from_bytes(head[5:9], "big") & 0x7FFFFFFF, payload or b""
-
-
-def _read(sock: socket.socket, n: int) -> bytes | None:
-    out = b""
-    while len(out) < n:
-        try:
-            chunk = sock.recv(n - len(out))
-        except (socket.timeout, ConnectionResetError):
-            return None
-        if not chunk:
-            return None
-        out += chunk
-    return out
-
-
-def request_headers(encoder: hpack.Encoder, port: int) -> bytes:
-    return encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
-                           (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"), ("te", "trailers")])
-
-
 def test_not_http2_or_oversized_frames_close_only_that_connection(served: Any) -> None:
     _, port, _ = served
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
@@ -231,7 +206,7 @@ def test_not_http2_or_oversized_frames_close_only_that_connection(served: Any) -
         assert any(kind == h2_grpc.GOAWAY and payload[4:8] == b"\x00\x00\x00\x01" for kind, _, _, payload in frames)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0)
-                     + struct.pack(">I", h2_grpc.OUR_MAX_FRAME + 1)[1:] + bytes((0, 0)) + struct.pack(">I", 1))
+                     + struct.pack(">I", h2_conn.MAX_FRAME + 1)[1:] + bytes((0, 0)) + struct.pack(">I", 1))
         frames = []
         while (f := read_frame(sock)) is not None:
             frames.append(f)
@@ -245,8 +220,8 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
     only once admitted within the connection's budget, so a client that opens every stream
     it may is held to about budget + MAX_STREAMS x STREAM_WINDOW bytes."""
     server, port, _ = served
-    budget = MAX + 5 + h2_grpc.CONNECTION_WINDOW
-    bound = budget + h2_grpc.MAX_STREAMS * (h2_grpc.STREAM_WINDOW + h2_grpc.GRANT_SLACK)
+    budget = MAX + 5 + h2_conn.CONNECTION_WINDOW
+    bound = budget + MAX_STREAMS * (h2_conn.STREAM_WINDOW + h2_conn.GRANT_SLACK)
     cap = 4 * bound  # what this client would send if nothing held it back
     encoder = hpack.Encoder()
     window, stream_window, stream_sent = 65535, {}, {}
@@ -268,10 +243,10 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
                 elif kind == h2_grpc.SETTINGS and not flags & 1:
                     sock.sendall(frame(h2_grpc.SETTINGS, 1, 0))
             ready = [s for s in stream_window if stream_window[s] > 0 and stream_sent[s] < MAX - 1]
-            if not ready and len(stream_window) < h2_grpc.MAX_STREAMS:  # each declares MAX bytes, never all sent
+            if not ready and len(stream_window) < MAX_STREAMS:  # each declares MAX bytes, never all sent
                 current, next_stream = next_stream, next_stream + 2
                 sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, current, request_headers(encoder, port)))
-                stream_window[current], stream_sent[current] = h2_grpc.STREAM_WINDOW, 0
+                stream_window[current], stream_sent[current] = h2_conn.STREAM_WINDOW, 0
                 sock.sendall(frame(h2_grpc.DATA, 0, current, b"\x00" + MAX.to_bytes(4, "big")))
                 window, stream_window[current], sent = window - 5, stream_window[current] - 5, sent + 5
                 continue
@@ -285,7 +260,7 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
             stream_sent[current] += n
             sent += n
         held = [c.buffered for c in list(server.connections)]
-    assert len(stream_window) == h2_grpc.MAX_STREAMS  # it did open every stream it may
+    assert len(stream_window) == MAX_STREAMS  # it did open every stream it may
     assert sent <= bound, "the server gave credit past its budget to a client that never finishes a request"
     assert held and max(held) <= bound
 
@@ -321,49 +296,45 @@ def test_data_past_the_granted_window_is_a_flow_control_error(served: Any) -> No
         assert any(kind == h2_grpc.GOAWAY and payload[4:8] == b"\x00\x00\x00\x03" for kind, _, _, payload in frames)
 
 
-def test_streams_over_the_limit_are_refused_and_the_header_table_stays_in_step(served: Any) -> None:
-    """The stream after MAX_STREAMS open ones is refused (REFUSED_STREAM, which clients retry),
-    yet its header block is decoded: a later request that refers to the header-table entry
-    it added is still understood."""
+def test_a_stream_over_the_limit_ends_only_its_connection_and_the_header_table_stays_in_step(served: Any) -> None:
+    """Adapted for h2: the old framer refused the stream after MAX_STREAMS open ones with
+    REFUSED_STREAM; h2 treats it as a connection error (GOAWAY PROTOCOL_ERROR, its
+    TooManyStreamsError). Clients honour the advertised SETTINGS_MAX_CONCURRENT_STREAMS
+    (test_more_concurrent_calls_than_streams_allowed), so only a broken one meets it. What
+    stays: a header block whose call is refused is still decoded, so a later request that
+    refers to the header-table entry it added is understood."""
     _, port, _ = served
     encoder, decoder = hpack.Encoder(), hpack.Decoder()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0))
-        opened = [1 + 2 * i for i in range(h2_grpc.MAX_STREAMS)]
-        for s in opened:  # headers only: requests still arriving
+        for s in range(1, 2 * MAX_STREAMS + 2, 2):  # headers only: requests still arriving
             sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, s, request_headers(encoder, port)))
-        over = opened[-1] + 2
-        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
-                                (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
-                                ("x-probe", "added-by-the-refused-stream")])
-        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, over, block))
-        refused = None
-        while refused is None:
-            kind, _, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
-            assert kind is not None
-            if kind == h2_grpc.RST_STREAM:
-                refused = (stream_id, int.from_bytes(payload, "big"))
-        assert refused == (over, 7)
-        sock.sendall(frame(h2_grpc.RST_STREAM, 0, opened[0], (8).to_bytes(4, "big")))  # the client gives one up
-        last = over + 2
-        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
-                                (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
-                                ("x-probe", "added-by-the-refused-stream")])
+        frames = []
+        while (f := read_frame(sock)) is not None:
+            frames.append(f)
+        assert h2_grpc.goaway_code(frames) == h2_grpc.PROTOCOL_ERROR
+    probe = (("x-probe", "added-by-a-refused-call"), ("grpc-timeout", "never"))
+    encoder = hpack.Encoder()  # a new connection, a new header table
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0)
+                     + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, request_headers(encoder, port, extra=probe))
+                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, 1, b"\x00\x00\x00\x00\x01x"))
+        block = request_headers(encoder, port, extra=probe[:1])
         assert len(block) < 12  # every field a reference into the table, x-probe's included
-        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, last, block)
-                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, last, b"\x00\x00\x00\x00\x05hello"))
-        data, status = b"", None
-        while status is None:
+        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 3, block)
+                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, 3, b"\x00\x00\x00\x00\x05hello"))
+        statuses, data = {}, b""
+        while len(statuses) < 2:
             kind, flags, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
             assert kind is not None and kind != h2_grpc.GOAWAY, payload
-            if stream_id != last:
-                continue
-            if kind == h2_grpc.DATA:
+            if kind == h2_grpc.DATA and stream_id == 3:
                 data += payload
             elif kind == h2_grpc.HEADERS:
                 fields = dict(decoder.decode(payload))
-                status = fields.get("grpc-status", status)
-        assert status == "0" and data == b"\x00\x00\x00\x00\x05hello"
+                if "grpc-status" in fields:
+                    statuses[stream_id] = fields["grpc-status"]
+        assert statuses == {1: str(grpc.StatusCode.INVALID_ARGUMENT.value[0]), 3: "0"}
+        assert data == b"\x00\x00\x00\x00\x05hello"
 
 
 def test_another_http2_implementation_is_understood(served: Any, tmp_path: Any) -> None:
