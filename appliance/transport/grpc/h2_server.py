@@ -110,8 +110,9 @@ class LeanServer(LoopThread):
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
                 sock = socket.create_server((host, int(port)), family=family, backlog=BACKLOG)
                 bound = int(sock.getsockname()[1])
-        except OSError as exc:
-            raise RuntimeError(f"cannot bind {address}: {exc}") from exc
+        except OSError as exc:  # "[Errno 98] address already in use", as asyncio and TF Serving say it
+            reason = OSError(exc.errno, (exc.strerror or str(exc)).lower())
+            raise RuntimeError(f"cannot bind {address}: {reason}") from reason
         sock.setblocking(False)
         self.listeners.append(sock)
         return bound
