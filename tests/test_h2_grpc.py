@@ -11,12 +11,16 @@ and trailers, compression, drain, Unix sockets, hostile framing) is tested on it
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
+import shutil
 import socket
+import subprocess
 import struct
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
@@ -27,6 +31,7 @@ from appliance.transport.grpc import connection as h2_conn
 from appliance.transport.grpc.h2_server import LeanServer
 from appliance.transport.grpc.limits import Limits
 from tests import h2_wire as h2_grpc
+from tests.conftest import poll_until
 from tests.h2_wire import frame, read_frame, request_headers
 
 MAX_STREAMS = Limits().max_concurrent_streams
@@ -340,9 +345,6 @@ def test_a_stream_over_the_limit_ends_only_its_connection_and_the_header_table_s
 def test_another_http2_implementation_is_understood(served: Any, tmp_path: Any) -> None:
     """curl's HTTP/2 (nghttp2: its own HPACK encoder, Huffman-coded strings) as the client,
     so the server is not only ever tested against grpcio's framing."""
-    import shutil
-    import subprocess
-
     curl = shutil.which("curl")
     if curl is None or "HTTP2" not in subprocess.run([curl, "-V"], capture_output=True, text=True).stdout:
         pytest.skip("no curl with HTTP/2 here")
@@ -385,3 +387,71 @@ def test_a_call_reset_during_drain_does_not_hold_the_drain(served: Any) -> None:
         stopper.join(30)
         assert not stopper.is_alive() and time.monotonic() - started < 20, "the drain waited out its grace"
         assert methods.cancelled.wait(10)
+
+
+# -- other clients: grpc-js, nghttp2's h2load, grpcio's keepalive -------------------------------
+GRPC_JS_CACHE = Path(os.environ.get("EDGE_GRPC_JS_DIR", Path.home() / ".cache" / "edge-appliance" / "grpc-js"))
+
+
+def grpc_js_modules() -> Path:
+    """Where @grpc/grpc-js is installed (scripts/test.sh installs it there, outside the tree;
+    installed here the same way when missing). Skips only without node and npm."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are needed for the grpc-js client (Debian: apt-get install nodejs npm)")
+    modules = GRPC_JS_CACHE / "node_modules"
+    if not (modules / "@grpc" / "grpc-js").is_dir():
+        GRPC_JS_CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(GRPC_JS_CACHE), GRPC_JS_PACKAGE],
+                       check=True, capture_output=True, timeout=600)
+    return modules
+
+
+GRPC_JS_PACKAGE = "@grpc/grpc-js@^1.14"  # scripts/test.sh installs the same
+
+
+def test_grpc_js_client(served: Any) -> None:
+    """Node's gRPC (its HTTP/2 is Node's nghttp2): sizes over every window, 200 concurrent
+    calls, status and trailers, a deadline, gzip."""
+    modules = grpc_js_modules()
+    _, port, _ = served
+    out = subprocess.run(["node", str(Path(__file__).with_name("grpc_js_client.js")), str(port)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "NODE_PATH": str(modules)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["small"] and result["big"] and result["gzip"], result
+    assert result["concurrent"] == 200, result
+    assert result["fail"] == {"code": grpc.StatusCode.FAILED_PRECONDITION.value[0], "details": MESSAGE,
+                              "retryAfter": "7"}, result
+    assert result["deadline"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], result
+
+
+def test_nghttp2_h2load(served: Any, tmp_path: Path) -> None:
+    """nghttp2's own load generator (Debian's nghttp2-client, installed by scripts/test.sh):
+    4 connections, 32 streams in flight on each, every answer a 200 with the echoed body."""
+    h2load = shutil.which("h2load")
+    if h2load is None:
+        pytest.skip("no h2load here (Debian: apt-get install nghttp2-client; scripts/test.sh installs it)")
+    _, port, _ = served
+    body = tmp_path / "request.bin"
+    body.write_bytes(b"\x00" + (300).to_bytes(4, "big") + os.urandom(300))
+    out = subprocess.run([h2load, "-n", "4000", "-c", "4", "-m", "32", "-H", "content-type: application/grpc",
+                          "-H", "te: trailers", "-d", str(body), f"http://127.0.0.1:{port}/t.Test/Echo"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "4000 succeeded, 0 failed, 0 errored" in out.stdout, out.stdout[-3000:]
+    assert "status codes: 4000 2xx" in out.stdout, out.stdout[-3000:]
+
+
+def test_grpcio_keepalive_pings_keep_the_connection(served: Any) -> None:
+    """grpcio pinging every 200 ms (keepalive, also between calls): answered, never taken
+    for a flood, and the connection still serves calls."""
+    server, port, _ = served
+    options = [("grpc.keepalive_time_ms", 200), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_pings_without_data", 0)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as ch:
+        echo = ch.unary_unary("/t.Test/Echo")
+        assert echo(b"first", timeout=10) == b"first"
+        poll_until(lambda: server.stats.get("pings", 0) >= 10, 60, "ten keepalive pings")
+        assert echo(b"still", timeout=10) == b"still"
+        assert not server.stats.get("refused_connections")

@@ -240,6 +240,7 @@ class Connection(asyncio.Protocol):
         self.flush_all()  # the initial window or the frame size may have grown
 
     def on_ping(self, event: h2.events.PingReceived) -> None:
+        self.server.count("pings")
         if not self.control.take():  # h2 has queued its answer; this one is the last
             self.fail(ErrorCodes.ENHANCE_YOUR_CALM, "too many PING frames")
 
