@@ -356,3 +356,22 @@ def test_held_answers_are_bounded_and_freed() -> None:
     finally:
         stack.close()
         server.stop(None)
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("max_concurrent_streams", 0, "between 1 and 65536"),
+    ("max_metadata_size", 100, "between 1024"),
+    ("handshake_timeout_s", 0, "positive"),
+    ("stall_timeout_s", -1, "positive"),
+    ("max_connections", 0, "between 1"),
+    ("max_connection_buffer_bytes", 1 << 20, "max_message_bytes + 5"),
+    ("max_buffer_bytes", 1 << 20, "at least max_connection_buffer_bytes"),
+])
+def test_grpc_bounds_are_validated(tmp_path: Path, key: str, value: int, why: str) -> None:
+    from appliance.core.config import ConfigError, load
+
+    path = tmp_path / "appliance.toml"
+    path.write_text(f"[grpc]\n{key} = {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load(str(path))
+    assert f"grpc.{key}" in str(err.value) and why in str(err.value)

@@ -21,6 +21,7 @@ RESPONSE_HEADERS: tuple[Header, ...] = ((b":status", b"200"), (b"content-type", 
 OK_TRAILERS: tuple[Header, ...] = ((b"grpc-status", b"0"),)
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _TIMEOUT = re.compile(rb"(\d{1,8})([HMSmun])")  # the spec's TimeoutValue: at most 8 digits
+_ILLEGAL = re.compile(rb"[\x00\r\n]")
 _NOT_METADATA = frozenset((b"te", b"grpc-accept-encoding", b"grpc-encoding", b"grpc-timeout", b"content-type"))
 
 
@@ -113,6 +114,9 @@ class Request:
             self.problem = f"content-type {content_type.decode('latin-1')!r} is not application/grpc"
 
     def _metadata(self, metadata: list[tuple[str, Any]], name: bytes, value: bytes) -> None:
+        if _ILLEGAL.search(name) or _ILLEGAL.search(value):  # never handed to a service (h2 does not check them here)
+            self.problem = f"metadata {name[:64].decode('latin-1')!r} holds NUL, CR or LF"
+            return
         key = name.decode("latin-1")
         if not key.endswith("-bin"):
             metadata.append((key, value.decode("latin-1")))

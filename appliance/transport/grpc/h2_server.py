@@ -17,7 +17,8 @@ idle, new ones wait in the kernel's queue, so the descriptors gRPC takes are bou
 keeps its own); a handshake deadline; ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip and deflate
 requests, the maximum message size both ways (RESOURCE_EXHAUSTED); graceful drain (GOAWAY,
 then in-flight calls finish within the grace). What it does not: TLS (the gRPC port is
-plaintext, as before), streaming RPCs (none are served), server push.
+plaintext, as before), streaming RPCs (none are served), server push. The loop is uvloop's
+where it is installed (appliance/transport/loop_thread.py).
 
 Thread-safety: the grpc.Server calls (add handlers and ports, start, stop) from any thread but
 the loop's; everything else runs on the loop.
@@ -39,7 +40,7 @@ import grpc
 
 from appliance.transport.grpc.connection import Connection
 from appliance.transport.grpc.limits import Limits
-from appliance.transport.loop_thread import LoopThread
+from appliance.transport.loop_thread import LoopThread, new_event_loop
 
 log = logging.getLogger("appliance.grpc")
 SWEEP_S = 1.0  # how often handshake deadlines and stalled streams are checked
@@ -52,7 +53,7 @@ class LeanServer(LoopThread):
 
     def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = (),
                  alone_var: "contextvars.ContextVar[Any] | None" = None, limits: Limits | None = None):
-        super().__init__(threads)
+        super().__init__(threads, loop_factory=new_event_loop)
         # Set to ``self.alone`` in each call's context, so what the call runs (the batcher)
         # can ask whether it is the only call in flight; the server knows nothing of batching.
         self.alone_var = alone_var
