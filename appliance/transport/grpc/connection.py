@@ -403,7 +403,10 @@ class Connection(asyncio.Protocol):
             conn.send_data(sid, data)
             conn.send_headers(sid, trailers, end_stream=True)
             self.done(stream)
-            self.write_later()
+            if self.calls > 1:  # others may finish in this turn of the loop: one write for all
+                self.write_later()
+            else:
+                self.write_out()
             return
         if len(data) > room and not self.may_hold(len(data) - room):
             self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self.full_message())
