@@ -171,8 +171,9 @@ class GRPCServer:
             section["max_connections"] = server.limits.max_connections
 
             def status() -> dict[str, Any]:
+                # called from the HTTP threads: dict.copy() runs under the GIL in one step
                 return {**section, "connections": len(server.connections), "held_bytes": server.held,
-                        **server.stats}
+                        **server.stats.copy()}
             self.core.add_status("grpc", status)
         else:
             self.core.add_status("grpc", lambda: section)

@@ -226,11 +226,15 @@ class LeanServer(LoopThread):
             self._all_closed.set()
 
     def _sweep(self) -> None:
+        self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
         now = time.monotonic()
         for connection in list(self.connections):
-            connection.sweep(now)
+            try:
+                connection.sweep(now)
+            except Exception:  # a bug here must cost one connection, never the deadlines of all
+                log.exception("gRPC connection from %s: sweep failed", connection.peer)
+                connection.close_now()
         self._resume_accepting()  # after a failed accept (out of descriptors)
-        self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
 
     # -- handlers --------------------------------------------------------------------------
     async def _find(self, details: Any) -> Any:
