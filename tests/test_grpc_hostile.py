@@ -279,6 +279,10 @@ def test_descriptor_exhaustion_through_grpc_leaves_rest_up(models_dir: Path, tmp
         assert len(attackers) > 300, "the client could not open more connections than gRPC's share"
         assert server.get("/healthz", timeout=10).status_code == 200
         assert_serving(server)
+        grpc_status = server.status()["grpc"]
+        # 1024 descriptors: REST may hold 512 (server.py leaves 2 x 256 free), files keep 256
+        assert grpc_status["max_connections"] <= 256 and grpc_status["connections"] <= 256, grpc_status
+        assert grpc_status.get("evicted_idle", 0) > 0, grpc_status  # the new client got in by eviction
         for sock in attackers:
             sock.close()
         attackers.clear()

@@ -474,3 +474,36 @@ def test_metadata_with_nul_cr_or_lf_is_refused(served: Any) -> None:
                 fields.update(decoder.decode(payload))
         assert fields["grpc-status"] == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
         assert "x-note" in fields["grpc-message"]
+
+
+def test_h2_takes_our_settings(served: Any) -> None:
+    """Pins the two values h2 copies at construction (connection.py sets them after): a frame
+    as large as the advertised SETTINGS_MAX_FRAME_SIZE is taken, and a header list over the
+    advertised SETTINGS_MAX_HEADER_LIST_SIZE (yet under the frame guard's bound) is refused by
+    hpack with GOAWAY."""
+    _, port, _ = served
+    payload = os.urandom(h2_conn.MAX_FRAME - 5)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        encoder = hpack.Encoder()
+        sock.sendall(h2_grpc.PREFACE + h2_grpc.settings(INITIAL_WINDOW_SIZE=1 << 30)
+                     + frame(h2_grpc.WINDOW_UPDATE, 0, 0, (1 << 30).to_bytes(4, "big"))  # the answer's room
+                     + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, request_headers(encoder, port))
+                     + frame(h2_grpc.DATA, 0, 1, h2_grpc.message(payload)[:5]))
+        credit = 65535 - 5
+        while credit < len(payload):  # the whole message's credit comes once its prefix is in
+            kind, _, stream_id, body = read_frame(sock) or (None, 0, 0, b"")
+            assert kind is not None and kind != h2_grpc.GOAWAY, body
+            if kind == h2_grpc.WINDOW_UPDATE and stream_id == 1:
+                credit += int.from_bytes(body, "big")
+        sock.sendall(frame(h2_grpc.DATA, h2_grpc.END_STREAM, 1, payload))  # one frame of 1 MiB - 5
+        data = b""
+        while len(data) < len(payload) + 5:
+            kind, _, stream_id, body = read_frame(sock) or (None, 0, 0, b"")
+            assert kind is not None and kind != h2_grpc.GOAWAY, body
+            data += body if kind == h2_grpc.DATA else b""
+        assert data == h2_grpc.message(payload)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        big = request_headers(hpack.Encoder(), port, extra=(("x-big", "v" * (Limits().max_metadata_size + 1024)),))
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0) + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, big))
+        frames = h2_grpc.frames_until_closed(sock)
+        assert h2_grpc.goaway_code(frames) is not None and not any(f[0] == h2_grpc.HEADERS for f in frames)
