@@ -1,7 +1,7 @@
 """TF Serving's gRPC Predict against its REST :predict, same service, same model, one run.
 
     .venv/bin/python bench/grpc_bench.py [--model mlp] [--concurrency 1 8 32] [--duration 8]
-        [--rounds N] [--transport lean|grpcio]
+        [--rounds N] [--transport lean|grpcio] [--baseline-root DIR]
 
 One service (the bench MLP, LiteRT, batching on) on loopback, with gRPC on. For each
 concurrency, alternately: REST (bench/loadgen.py: keep-alive HTTP/1.1 connections, the JSON
@@ -12,6 +12,10 @@ the server, neither API is favoured by its client. ``--client grpcio`` uses grpc
 (one channel, bytes in and out): a real client, at about three times the CPU per call.
 Prints requests/s and p50/p99 per API, the gRPC/REST ratio (the issue's target: >= 1.3) and
 the server's CPU per request.
+
+``--baseline-root DIR``: a second service from another checkout (a ``git archive`` of the
+commit before, say) runs beside this tree's, and every round measures REST (this tree),
+then gRPC on both, their order swapped each round: before and after in one run, on one box.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import h2load, loadgen  # noqa: E402
-from bench.run_bench import SHAPES, bench_models, body, start_service, stop  # noqa: E402
+from bench.run_bench import SHAPES, bench_models, body, stop, wait_ready  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
@@ -79,6 +85,20 @@ async def grpc_run(port: int, request: bytes, concurrency: int, duration: float,
             "p99_ms": round(loadgen.percentile(lat, 0.99) * 1000, 3)}
 
 
+def start(root: Path, base: Path, port: int, grpc_port: int, state: Path, transport: str) -> subprocess.Popen:
+    """The service of the checkout at ``root`` (the bench MLP on LiteRT, batching on, gRPC on)."""
+    state.mkdir(parents=True, exist_ok=True)
+    config = state / "bench.toml"
+    config.write_text(f'models_dir = "{base}"\nstate_dir = "{state}"\npoll_interval_s = 60\n[runtime]\n'
+                      f'backend = "tflite"\n[batching]\nenable_batching = true\n[discovery]\nenabled = false\n'
+                      f'[grpc]\nport = {grpc_port}\ntransport = "{transport}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(config), "--host",
+                             "127.0.0.1", "--port", str(port)], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                            stdout=subprocess.DEVNULL, stderr=open(state / "server.log", "wb"))
+    wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+    return proc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mlp", choices=sorted(SHAPES))
@@ -90,21 +110,25 @@ def main() -> int:
                     help="the service's gRPC server ([grpc] transport)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="REST and gRPC alternated this many times per concurrency (this box is noisy)")
+    ap.add_argument("--baseline-root", type=Path, help="also run gRPC on the service of this checkout")
     ap.add_argument("--json", help="write every figure here")
     a = ap.parse_args()
     base = bench_models()
-    port, grpc_port = free_port(), free_port()
     state = Path(tempfile.mkdtemp(prefix="grpc-bench-"))
-    server = start_service(base, "tflite", True, port, state, f"[grpc]\nport = {grpc_port}\ntransport = \"{a.transport}\"\n")
+    servers: dict[str, tuple[subprocess.Popen, int, int]] = {}
     rows = []
     try:
+        roots = {"after": ROOT, **({"before": a.baseline_root.resolve()} if a.baseline_root else {})}
+        for label, root in roots.items():
+            port, grpc_port = free_port(), free_port()
+            servers[label] = (start(root, base, port, grpc_port, state / label, a.transport), port, grpc_port)
         payload, request = body(a.model), predict_bytes(a.model)
-        url = f"http://127.0.0.1:{port}/v1/models/{a.model}:predict"
-        proc = psutil.Process(server.pid)
+        url = f"http://127.0.0.1:{servers['after'][1]}/v1/models/{a.model}:predict"
 
-        def measured(run: Any) -> dict[str, Any]:
+        def measured(run: Any, label: str = "after") -> dict[str, Any]:
             """The run's figures plus the server's CPU per request: what the API costs the
             device, whatever the load generator (Python on the same CPUs) costs itself."""
+            proc = psutil.Process(servers[label][0].pid)
             before = sum(proc.cpu_times()[:2])
             result = asyncio.run(run)
             spent = sum(proc.cpu_times()[:2]) - before
@@ -112,21 +136,27 @@ def main() -> int:
             result["server_cpu_ms_per_request"] = round(1000 * spent / total, 3) if total else None
             return result
 
-        for c in [c for c in a.concurrency for _ in range(a.rounds)]:
+        for i, c in enumerate(c for c in a.concurrency for _ in range(a.rounds)):
             rest = measured(loadgen.run(url, payload, c, a.duration, a.warmup, b"predictions"))
-            if a.client == "h2":
-                grpc_ = measured(h2load.run("127.0.0.1", grpc_port, PREDICT, request, c, a.duration, a.warmup))
-            else:
-                grpc_ = measured(grpc_run(grpc_port, request, c, a.duration, a.warmup))
-            rows.append({"concurrency": c, "rest": rest, "grpc": grpc_,
-                         "ratio": round(grpc_["rps"] / rest["rps"], 2) if rest["rps"] else None})
-            print(f"c={c:3d}  REST {rest['rps']:8.1f} req/s p50 {rest['p50_ms']:7.2f} p99 {rest['p99_ms']:7.2f} ms | "
-                  f"gRPC {grpc_['rps']:8.1f} req/s p50 {grpc_['p50_ms']:7.2f} p99 {grpc_['p99_ms']:7.2f} ms | "
-                  f"gRPC/REST {rows[-1]['ratio']}x | server CPU per request REST "
-                  f"{rest['server_cpu_ms_per_request']} ms, gRPC {grpc_['server_cpu_ms_per_request']} ms "
-                  f"(errors {rest['errors']}/{grpc_['errors']})", flush=True)
+            print(f"c={c:3d}  REST          {rest['rps']:8.1f} req/s p50 {rest['p50_ms']:7.2f} p99 "
+                  f"{rest['p99_ms']:7.2f} ms | server CPU {rest['server_cpu_ms_per_request']} ms/req "
+                  f"(errors {rest['errors']})", flush=True)
+            row: dict[str, Any] = {"concurrency": c, "rest": rest}
+            for label in sorted(servers, reverse=bool(i % 2)):  # "after" first in even rounds
+                grpc_port = servers[label][2]
+                if a.client == "h2":
+                    run = h2load.run("127.0.0.1", grpc_port, PREDICT, request, c, a.duration, a.warmup)
+                else:
+                    run = grpc_run(grpc_port, request, c, a.duration, a.warmup)
+                grpc_ = row[f"grpc_{label}"] = measured(run, label)
+                ratio = row[f"ratio_{label}"] = round(grpc_["rps"] / rest["rps"], 2) if rest["rps"] else None
+                print(f"c={c:3d}  gRPC {label:>6s}  {grpc_['rps']:8.1f} req/s p50 {grpc_['p50_ms']:7.2f} p99 "
+                      f"{grpc_['p99_ms']:7.2f} ms | server CPU {grpc_['server_cpu_ms_per_request']} ms/req | "
+                      f"gRPC/REST {ratio}x (errors {grpc_['errors']})", flush=True)
+            rows.append(row)
     finally:
-        stop(server)
+        for proc, _, _ in servers.values():
+            stop(proc)
         shutil.rmtree(state, ignore_errors=True)
     result = {"machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} cpus",
               "date": time.strftime("%Y-%m-%d %H:%M"), "model": a.model, "client": a.client,

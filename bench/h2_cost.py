@@ -1,14 +1,25 @@
 """Server-side CPU of python-hyper h2's HTTP/2 state machine per unary gRPC call, in memory.
 
-    .venv/bin/python bench/h2_cost.py
+    .venv/bin/python bench/h2_cost.py [--validate]
 
 A client and a server H2Connection exchange one Predict-sized call at a time (HEADERS+DATA in;
 HEADERS, DATA and trailers out; window updates back); only the server side is timed, no
-sockets, no protobuf: what h2 alone would add to every call of a gRPC server built on it.
+sockets, no protobuf: what h2 alone adds to every call of the lean gRPC server, with the
+server's own configuration (appliance/transport/grpc/connection.py H2_CONFIG), or with h2's
+inbound header validation back on (``--validate``).
 """
-import time, h2.connection, h2.config, h2.events
+import sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import h2.connection, h2.config, h2.events
+from appliance.transport.grpc.connection import H2_CONFIG
+config = H2_CONFIG
+if "--validate" in sys.argv:
+    config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True,
+                                       normalize_inbound_headers=False, validate_outbound_headers=False,
+                                       normalize_outbound_headers=False)
 cc = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-sc = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+sc = h2.connection.H2Connection(config)
 cc.initiate_connection(); sc.initiate_connection()
 sc.receive_data(cc.data_to_send()); cc.receive_data(sc.data_to_send()); sc.receive_data(cc.data_to_send()); cc.data_to_send(); sc.data_to_send()
 req_hdr = [(":method","POST"),(":scheme","http"),(":path","/tensorflow.serving.PredictionService/Predict"),(":authority","127.0.0.1:8500"),("content-type","application/grpc"),("te","trailers"),("grpc-timeout","30S")]

@@ -1,5 +1,6 @@
-"""The lean gRPC server (appliance/transport/grpc/h2_server.py) against grpcio's real client, and against raw
-HTTP/2 frames for what a well-behaved client never sends.
+"""The lean gRPC server (appliance/transport/grpc/h2_server.py: h2's HTTP/2 under our unary
+calls) against grpcio's real client, and against raw HTTP/2 frames for what a well-behaved
+client never sends (hostile ones: tests/test_grpc_hostile.py).
 
 The service's own RPCs run on it in tests/test_grpc_tfs.py and tests/test_v2_grpc.py
 (tensorflow-serving-api's and tritonclient's stubs); here it serves small echo methods so
@@ -10,20 +11,30 @@ and trailers, compression, drain, Unix sockets, hostile framing) is tested on it
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
+import shutil
 import socket
+import subprocess
 import struct
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
 import hpack
 import pytest
 
-from appliance.transport.grpc import h2_server as h2_grpc
+from appliance.transport.grpc import connection as h2_conn
 from appliance.transport.grpc.h2_server import LeanServer
+from appliance.transport.grpc.limits import Limits
+from tests import h2_wire as h2_grpc
+from tests.conftest import poll_until
+from tests.h2_wire import frame, read_frame, request_headers
+
+MAX_STREAMS = Limits().max_concurrent_streams
 
 MAX = 8 << 20
 MESSAGE = "naïve 100% ✓: the spec's percent-encoding, round trip"
@@ -103,7 +114,7 @@ def test_messages_larger_than_every_window_go_both_ways(served: Any) -> None:
 
 def test_more_concurrent_calls_than_streams_allowed(served: Any) -> None:
     _, port, _ = served
-    n = h2_grpc.MAX_STREAMS + 150  # the client must queue what the server's SETTINGS do not allow
+    n = MAX_STREAMS + 150  # the client must queue what the server's SETTINGS do not allow
     with channel(port) as ch:
         echo = ch.unary_unary("/t.Test/Echo")
         futures = [echo.future(b"call %d" % i, timeout=60) for i in range(n)]
@@ -190,37 +201,6 @@ def test_drain_finishes_calls_in_flight_and_refuses_new_ones(served: Any) -> Non
 
 
 # -- raw HTTP/2: what grpcio's client never sends ----------------------------------------------
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream) + payload
-
-
-def read_frame(sock: socket.socket) -> tuple[int, int, int, bytes] | None:
-    head = _read(sock, 9)
-    if head is None:
-        return None
-    length = int.from_bytes(head[:3], "big")
-    payload = _read(sock, length) if length else b""
-    return head[3], head[4], int.from_bytes(head[5:9], "big") & 0x7FFFFFFF, payload or b""
-
-
-def _read(sock: socket.socket, n: int) -> bytes | None:
-    out = b""
-    while len(out) < n:
-        try:
-            chunk = sock.recv(n - len(out))
-        except (socket.timeout, ConnectionResetError):
-            return None
-        if not chunk:
-            return None
-        out += chunk
-    return out
-
-
-def request_headers(encoder: hpack.Encoder, port: int) -> bytes:
-    return encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
-                           (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"), ("te", "trailers")])
-
-
 def test_not_http2_or_oversized_frames_close_only_that_connection(served: Any) -> None:
     _, port, _ = served
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
@@ -231,7 +211,7 @@ def test_not_http2_or_oversized_frames_close_only_that_connection(served: Any) -
         assert any(kind == h2_grpc.GOAWAY and payload[4:8] == b"\x00\x00\x00\x01" for kind, _, _, payload in frames)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0)
-                     + struct.pack(">I", h2_grpc.OUR_MAX_FRAME + 1)[1:] + bytes((0, 0)) + struct.pack(">I", 1))
+                     + struct.pack(">I", h2_conn.MAX_FRAME + 1)[1:] + bytes((0, 0)) + struct.pack(">I", 1))
         frames = []
         while (f := read_frame(sock)) is not None:
             frames.append(f)
@@ -245,8 +225,8 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
     only once admitted within the connection's budget, so a client that opens every stream
     it may is held to about budget + MAX_STREAMS x STREAM_WINDOW bytes."""
     server, port, _ = served
-    budget = MAX + 5 + h2_grpc.CONNECTION_WINDOW
-    bound = budget + h2_grpc.MAX_STREAMS * (h2_grpc.STREAM_WINDOW + h2_grpc.GRANT_SLACK)
+    budget = MAX + 5 + h2_conn.CONNECTION_WINDOW
+    bound = budget + MAX_STREAMS * (h2_conn.STREAM_WINDOW + h2_conn.GRANT_SLACK)
     cap = 4 * bound  # what this client would send if nothing held it back
     encoder = hpack.Encoder()
     window, stream_window, stream_sent = 65535, {}, {}
@@ -268,10 +248,10 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
                 elif kind == h2_grpc.SETTINGS and not flags & 1:
                     sock.sendall(frame(h2_grpc.SETTINGS, 1, 0))
             ready = [s for s in stream_window if stream_window[s] > 0 and stream_sent[s] < MAX - 1]
-            if not ready and len(stream_window) < h2_grpc.MAX_STREAMS:  # each declares MAX bytes, never all sent
+            if not ready and len(stream_window) < MAX_STREAMS:  # each declares MAX bytes, never all sent
                 current, next_stream = next_stream, next_stream + 2
                 sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, current, request_headers(encoder, port)))
-                stream_window[current], stream_sent[current] = h2_grpc.STREAM_WINDOW, 0
+                stream_window[current], stream_sent[current] = h2_conn.STREAM_WINDOW, 0
                 sock.sendall(frame(h2_grpc.DATA, 0, current, b"\x00" + MAX.to_bytes(4, "big")))
                 window, stream_window[current], sent = window - 5, stream_window[current] - 5, sent + 5
                 continue
@@ -285,7 +265,7 @@ def test_a_client_cannot_make_the_server_buffer_without_bound(served: Any) -> No
             stream_sent[current] += n
             sent += n
         held = [c.buffered for c in list(server.connections)]
-    assert len(stream_window) == h2_grpc.MAX_STREAMS  # it did open every stream it may
+    assert len(stream_window) == MAX_STREAMS  # it did open every stream it may
     assert sent <= bound, "the server gave credit past its budget to a client that never finishes a request"
     assert held and max(held) <= bound
 
@@ -321,57 +301,50 @@ def test_data_past_the_granted_window_is_a_flow_control_error(served: Any) -> No
         assert any(kind == h2_grpc.GOAWAY and payload[4:8] == b"\x00\x00\x00\x03" for kind, _, _, payload in frames)
 
 
-def test_streams_over_the_limit_are_refused_and_the_header_table_stays_in_step(served: Any) -> None:
-    """The stream after MAX_STREAMS open ones is refused (REFUSED_STREAM, which clients retry),
-    yet its header block is decoded: a later request that refers to the header-table entry
-    it added is still understood."""
+def test_a_stream_over_the_limit_ends_only_its_connection_and_the_header_table_stays_in_step(served: Any) -> None:
+    """Adapted for h2: the old framer refused the stream after MAX_STREAMS open ones with
+    REFUSED_STREAM; h2 treats it as a connection error (GOAWAY PROTOCOL_ERROR, its
+    TooManyStreamsError). Clients honour the advertised SETTINGS_MAX_CONCURRENT_STREAMS
+    (test_more_concurrent_calls_than_streams_allowed), so only a broken one meets it. What
+    stays: a header block whose call is refused is still decoded, so a later request that
+    refers to the header-table entry it added is understood."""
     _, port, _ = served
     encoder, decoder = hpack.Encoder(), hpack.Decoder()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0))
-        opened = [1 + 2 * i for i in range(h2_grpc.MAX_STREAMS)]
-        for s in opened:  # headers only: requests still arriving
+        for s in range(1, 2 * MAX_STREAMS + 2, 2):  # headers only: requests still arriving
             sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, s, request_headers(encoder, port)))
-        over = opened[-1] + 2
-        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
-                                (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
-                                ("x-probe", "added-by-the-refused-stream")])
-        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, over, block))
-        refused = None
-        while refused is None:
-            kind, _, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
-            assert kind is not None
-            if kind == h2_grpc.RST_STREAM:
-                refused = (stream_id, int.from_bytes(payload, "big"))
-        assert refused == (over, 7)
-        sock.sendall(frame(h2_grpc.RST_STREAM, 0, opened[0], (8).to_bytes(4, "big")))  # the client gives one up
-        last = over + 2
-        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.Test/Echo"),
-                                (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
-                                ("x-probe", "added-by-the-refused-stream")])
+        frames = []
+        while (f := read_frame(sock)) is not None:
+            frames.append(f)
+        assert h2_grpc.goaway_code(frames) == h2_grpc.PROTOCOL_ERROR
+    probe = (("x-probe", "added-by-a-refused-call"), ("grpc-timeout", "never"))
+    encoder = hpack.Encoder()  # a new connection, a new header table
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0)
+                     + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, request_headers(encoder, port, extra=probe))
+                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, 1, b"\x00\x00\x00\x00\x01x"))
+        block = request_headers(encoder, port, extra=probe[:1])
         assert len(block) < 12  # every field a reference into the table, x-probe's included
-        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, last, block)
-                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, last, b"\x00\x00\x00\x00\x05hello"))
-        data, status = b"", None
-        while status is None:
+        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 3, block)
+                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, 3, b"\x00\x00\x00\x00\x05hello"))
+        statuses, data = {}, b""
+        while len(statuses) < 2:
             kind, flags, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
             assert kind is not None and kind != h2_grpc.GOAWAY, payload
-            if stream_id != last:
-                continue
-            if kind == h2_grpc.DATA:
+            if kind == h2_grpc.DATA and stream_id == 3:
                 data += payload
             elif kind == h2_grpc.HEADERS:
                 fields = dict(decoder.decode(payload))
-                status = fields.get("grpc-status", status)
-        assert status == "0" and data == b"\x00\x00\x00\x00\x05hello"
+                if "grpc-status" in fields:
+                    statuses[stream_id] = fields["grpc-status"]
+        assert statuses == {1: str(grpc.StatusCode.INVALID_ARGUMENT.value[0]), 3: "0"}
+        assert data == b"\x00\x00\x00\x00\x05hello"
 
 
 def test_another_http2_implementation_is_understood(served: Any, tmp_path: Any) -> None:
     """curl's HTTP/2 (nghttp2: its own HPACK encoder, Huffman-coded strings) as the client,
     so the server is not only ever tested against grpcio's framing."""
-    import shutil
-    import subprocess
-
     curl = shutil.which("curl")
     if curl is None or "HTTP2" not in subprocess.run([curl, "-V"], capture_output=True, text=True).stdout:
         pytest.skip("no curl with HTTP/2 here")
@@ -414,3 +387,123 @@ def test_a_call_reset_during_drain_does_not_hold_the_drain(served: Any) -> None:
         stopper.join(30)
         assert not stopper.is_alive() and time.monotonic() - started < 20, "the drain waited out its grace"
         assert methods.cancelled.wait(10)
+
+
+# -- other clients: grpc-js, nghttp2's h2load, grpcio's keepalive -------------------------------
+GRPC_JS_CACHE = Path(os.environ.get("EDGE_GRPC_JS_DIR", Path.home() / ".cache" / "edge-appliance" / "grpc-js"))
+
+
+def grpc_js_modules() -> Path:
+    """Where @grpc/grpc-js is installed (scripts/test.sh installs it there, outside the tree;
+    installed here the same way when missing). Skips only without node and npm."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are needed for the grpc-js client (Debian: apt-get install nodejs npm)")
+    modules = GRPC_JS_CACHE / "node_modules"
+    if not (modules / "@grpc" / "grpc-js").is_dir():
+        GRPC_JS_CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(GRPC_JS_CACHE), GRPC_JS_PACKAGE],
+                       check=True, capture_output=True, timeout=600)
+    return modules
+
+
+GRPC_JS_PACKAGE = "@grpc/grpc-js@^1.14"  # scripts/test.sh installs the same
+
+
+def test_grpc_js_client(served: Any) -> None:
+    """Node's gRPC (its HTTP/2 is Node's nghttp2): sizes over every window, 200 concurrent
+    calls, status and trailers, a deadline, gzip."""
+    modules = grpc_js_modules()
+    _, port, _ = served
+    out = subprocess.run(["node", str(Path(__file__).with_name("grpc_js_client.js")), str(port)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "NODE_PATH": str(modules)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["small"] and result["big"] and result["gzip"], result
+    assert result["concurrent"] == 200, result
+    assert result["fail"] == {"code": grpc.StatusCode.FAILED_PRECONDITION.value[0], "details": MESSAGE,
+                              "retryAfter": "7"}, result
+    assert result["deadline"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], result
+
+
+def test_nghttp2_h2load(served: Any, tmp_path: Path) -> None:
+    """nghttp2's own load generator (Debian's nghttp2-client, installed by scripts/test.sh):
+    4 connections, 32 streams in flight on each, every answer a 200 with the echoed body."""
+    h2load = shutil.which("h2load")
+    if h2load is None:
+        pytest.skip("no h2load here (Debian: apt-get install nghttp2-client; scripts/test.sh installs it)")
+    _, port, _ = served
+    body = tmp_path / "request.bin"
+    body.write_bytes(b"\x00" + (300).to_bytes(4, "big") + os.urandom(300))
+    out = subprocess.run([h2load, "-n", "4000", "-c", "4", "-m", "32", "-H", "content-type: application/grpc",
+                          "-H", "te: trailers", "-d", str(body), f"http://127.0.0.1:{port}/t.Test/Echo"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "4000 succeeded, 0 failed, 0 errored" in out.stdout, out.stdout[-3000:]
+    assert "status codes: 4000 2xx" in out.stdout, out.stdout[-3000:]
+
+
+def test_grpcio_keepalive_pings_keep_the_connection(served: Any) -> None:
+    """grpcio pinging every 200 ms (keepalive, also between calls): answered, never taken
+    for a flood, and the connection still serves calls."""
+    server, port, _ = served
+    options = [("grpc.keepalive_time_ms", 200), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_pings_without_data", 0)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as ch:
+        echo = ch.unary_unary("/t.Test/Echo")
+        assert echo(b"first", timeout=10) == b"first"
+        poll_until(lambda: server.stats.get("pings", 0) >= 10, 60, "ten keepalive pings")
+        assert echo(b"still", timeout=10) == b"still"
+        assert not server.stats.get("refused_connections")
+
+
+def test_metadata_with_nul_cr_or_lf_is_refused(served: Any) -> None:
+    """h2's own header checks are off (connection.py says why); what could reach a service's
+    logs or answers is checked here: a value carrying CR LF gets INVALID_ARGUMENT."""
+    _, port, _ = served
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    block = request_headers(encoder, port, extra=(("x-note", "one\r\nx-injected: two"),))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0) + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, block)
+                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, 1, h2_grpc.message(b"hello")))
+        fields: dict[str, str] = {}
+        while "grpc-status" not in fields:
+            kind, _, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
+            assert kind is not None and kind != h2_grpc.GOAWAY
+            if kind == h2_grpc.HEADERS and stream_id == 1:
+                fields.update(decoder.decode(payload))
+        assert fields["grpc-status"] == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        assert "x-note" in fields["grpc-message"]
+
+
+def test_h2_takes_our_settings(served: Any) -> None:
+    """Pins the two values h2 copies at construction (connection.py sets them after): a frame
+    as large as the advertised SETTINGS_MAX_FRAME_SIZE is taken, and a header list over the
+    advertised SETTINGS_MAX_HEADER_LIST_SIZE (yet under the frame guard's bound) is refused by
+    hpack with GOAWAY."""
+    _, port, _ = served
+    payload = os.urandom(h2_conn.MAX_FRAME - 5)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        encoder = hpack.Encoder()
+        sock.sendall(h2_grpc.PREFACE + h2_grpc.settings(INITIAL_WINDOW_SIZE=1 << 30)
+                     + frame(h2_grpc.WINDOW_UPDATE, 0, 0, (1 << 30).to_bytes(4, "big"))  # the answer's room
+                     + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, request_headers(encoder, port))
+                     + frame(h2_grpc.DATA, 0, 1, h2_grpc.message(payload)[:5]))
+        credit = 65535 - 5
+        while credit < len(payload):  # the whole message's credit comes once its prefix is in
+            kind, _, stream_id, body = read_frame(sock) or (None, 0, 0, b"")
+            assert kind is not None and kind != h2_grpc.GOAWAY, body
+            if kind == h2_grpc.WINDOW_UPDATE and stream_id == 1:
+                credit += int.from_bytes(body, "big")
+        sock.sendall(frame(h2_grpc.DATA, h2_grpc.END_STREAM, 1, payload))  # one frame of 1 MiB - 5
+        data = b""
+        while len(data) < len(payload) + 5:
+            kind, _, stream_id, body = read_frame(sock) or (None, 0, 0, b"")
+            assert kind is not None and kind != h2_grpc.GOAWAY, body
+            data += body if kind == h2_grpc.DATA else b""
+        assert data == h2_grpc.message(payload)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        big = request_headers(hpack.Encoder(), port, extra=(("x-big", "v" * (Limits().max_metadata_size + 1024)),))
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0) + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, big))
+        frames = h2_grpc.frames_until_closed(sock)
+        assert h2_grpc.goaway_code(frames) is not None and not any(f[0] == h2_grpc.HEADERS for f in frames)

@@ -127,13 +127,26 @@ class GRPCConfig:
     port: int = 8500  # TF Serving's; 0: no gRPC
     socket_path: str = ""  # as --grpc_socket_path: also listen on this Unix domain socket
     max_message_bytes: int = 64 * 1024 * 1024  # TF Serving users hit gRPC's 4 MB default
-    # "lean": appliance/transport/grpc/h2_server.py, unary calls over hand-framed HTTP/2 (a third of grpcio's
-    # CPU per call); "grpcio": grpcio's own grpc.aio server, kept as the fallback
+    # "lean": appliance/transport/grpc/h2_server.py, unary calls over python-hyper's h2 (a third of
+    # grpcio's CPU per call); "grpcio": grpcio's own grpc.aio server, kept as the fallback
     transport: str = "lean"
     # A port that cannot be bound: false (TF Serving's behaviour) fails start-up with the
     # address and the reason; true retries with backoff (0.5 s doubling to 30 s) while the
     # device reports not ready and the page shows gRPC as down.
     bind_retry: bool = False
+    # Bounds against hostile or broken clients (appliance/transport/grpc/limits.py). Names after
+    # gRPC's own server arguments where it has one (grpc.max_concurrent_streams, ...).
+    max_concurrent_streams: int = 100  # calls in flight on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)
+    max_metadata_size: int = 16 * 1024  # a request's headers (SETTINGS_MAX_HEADER_LIST_SIZE), as grpc's
+    # Connections open at once (fewer when the descriptor limit is lower: REST's connections and
+    # the files come first); at the cap the one idle longest makes room for a new one.
+    max_connections: int = 1024
+    handshake_timeout_s: float = 10.0  # preface + SETTINGS after the accept (grpc.server_handshake_timeout_ms)
+    stall_timeout_s: float = 30.0  # a request or answer that moves no byte this long is reset and freed
+    # Bytes held for calls (request messages in methods, answers the client has not taken), per
+    # connection and all together; a call past either gets RESOURCE_EXHAUSTED.
+    max_connection_buffer_bytes: int = 96 * 1024 * 1024  # at least max_message_bytes + 5
+    max_buffer_bytes: int = 512 * 1024 * 1024
 
     def validate(self, key: str) -> None:
         if not 0 <= self.port < 65536:
@@ -142,6 +155,23 @@ class GRPCConfig:
             raise ConfigError(f"{key}.transport", f"{self.transport!r} is not a gRPC server (lean or grpcio)")
         if self.max_message_bytes < 1024:
             raise ConfigError(f"{key}.max_message_bytes", "must be at least 1024")
+        self._validate_bounds(key)
+
+    def _validate_bounds(self, key: str) -> None:
+        if not 1 <= self.max_concurrent_streams <= 65536:
+            raise ConfigError(f"{key}.max_concurrent_streams", "must be between 1 and 65536")
+        if not 1024 <= self.max_metadata_size <= 1024 * 1024:
+            raise ConfigError(f"{key}.max_metadata_size", "must be between 1024 and 1048576")
+        if not 1 <= self.max_connections <= 1_000_000:
+            raise ConfigError(f"{key}.max_connections", "must be between 1 and 1000000")
+        for name in ("handshake_timeout_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{key}.{name}", "must be positive")
+        if self.max_connection_buffer_bytes < self.max_message_bytes + 5:
+            raise ConfigError(f"{key}.max_connection_buffer_bytes", f"must be at least max_message_bytes + 5 "
+                              f"({self.max_message_bytes + 5}): a largest answer must fit")
+        if self.max_buffer_bytes < self.max_connection_buffer_bytes:
+            raise ConfigError(f"{key}.max_buffer_bytes", "must be at least max_connection_buffer_bytes")
 
 
 @dataclass

@@ -37,8 +37,7 @@ from appliance.core import serving_view
 from appliance.core.errors import Unavailable
 from appliance.core.serving_view import ServingView, fingerprint, version_view
 from appliance.transport.channel import ChannelProtocol, Message
-from appliance.transport.http.server import new_loop
-from appliance.transport.loop_thread import LoopThread
+from appliance.transport.loop_thread import LoopThread, new_event_loop
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -67,7 +66,7 @@ class FrontService:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self._loop = LoopThread(self.threads, name="front", loop_factory=new_loop)
+        self._loop = LoopThread(self.threads, name="front", loop_factory=new_event_loop)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="front-wsgi")
         self._loop.loop.call_soon_threadsafe(self._watch_view)
 

@@ -15,7 +15,7 @@ The server stops, after in-flight calls finish (bounded by ``server.drain_timeou
 the service's "stopping" hook. Same process, same manager, same batchers as REST.
 
 Which server: ``[grpc] transport``. "lean" (the default) is appliance/transport/grpc/h2_server.py, unary
-gRPC over HTTP/2 framed here, on one event loop; "grpcio" is grpcio's ``grpc.aio`` server
+gRPC over python-hyper's h2, on one event loop, with the ``[grpc]`` bounds on hostile clients; "grpcio" is grpcio's ``grpc.aio`` server
 (appliance/transport/grpc/aio_server.py), kept as the fallback. Both take the same generic handlers and
 interceptor, so the services do not know which one runs them. Why not grpcio by default:
 its per-call machinery cost more server CPU than the whole REST path on a small device
@@ -24,12 +24,18 @@ between threads is a GIL switch; on the loop a call's Python work (decode, queue
 runs in one place, Predict awaits its batch (appliance/core/batcher.py ``submit_async``), and one
 wake-up answers the whole batch. Methods written as plain functions (metadata, status,
 reload, Classify/Regress) run on a thread pool of ``server.threads``.
+
+Descriptors: REST takes its connections first (appliance/transport/http/server.py leaves
+2 x FD_RESERVE of the descriptor limit free); gRPC's ``max_connections`` is cut to what is
+left after REST's cap and FD_RESERVE for the state db and model files, so connections to the
+gRPC port can never take the descriptors REST and /healthz need.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import threading
 from typing import Any
 
@@ -39,6 +45,8 @@ from appliance.api.tfserving import grpc_service as tfs_grpc
 from appliance.core.batcher import LONE_CALL
 from appliance.transport.grpc.aio_server import AioServer
 from appliance.transport.grpc.h2_server import LeanServer
+from appliance.transport.grpc.limits import Limits
+from appliance.transport.http.server import FD_RESERVE
 
 log = logging.getLogger("appliance.grpc")
 PART = __name__  # the name gRPC's problem is reported under (appliance/service/__init__.py API_PARTS)
@@ -89,6 +97,18 @@ def _retry(service: Any) -> None:
         return
 
 
+def connection_share(wanted: int, rest_connections: int) -> int:
+    """``wanted``, or what the descriptor limit leaves after REST's connections and FD_RESERVE."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    room = max(16, soft - rest_connections - FD_RESERVE)
+    if room < wanted:
+        log.warning("grpc.max_connections = %d, but the descriptor limit is %d and REST may hold %d: "
+                    "at most %d gRPC connections", wanted, soft, rest_connections, room)
+    return min(wanted, room)
+
+
 class GRPCServer:
     def __init__(self, service: Any):
         self.service = service
@@ -100,9 +120,19 @@ class GRPCServer:
         interceptors = [grpc_interceptor(self.core)]
         # As many pool threads as HTTP workers: a method run there waits on a batch like an HTTP worker.
         threads = service.config.server.threads
-        # the lean server tells the batcher which calls are alone (core/batcher.py LONE_CALL)
-        self.server = (LeanServer(threads, options, interceptors, alone_var=LONE_CALL) if cfg.transport == "lean"
-                       else AioServer(threads, options, interceptors))
+        rest = getattr(service.server, "max_connections", 0)
+        limits = Limits(max_concurrent_streams=cfg.max_concurrent_streams, max_metadata_size=cfg.max_metadata_size,
+                        max_connections=connection_share(cfg.max_connections, rest),
+                        handshake_timeout_s=cfg.handshake_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
+                        max_connection_buffer_bytes=cfg.max_connection_buffer_bytes,
+                        max_buffer_bytes=cfg.max_buffer_bytes)
+        if cfg.transport == "lean":  # it tells the batcher which calls are alone (core/batcher.py LONE_CALL)
+            self.server: Any = LeanServer(threads, options, interceptors, alone_var=LONE_CALL, limits=limits)
+        else:  # grpcio's names for the bounds it has
+            options += [("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+                        ("grpc.max_metadata_size", cfg.max_metadata_size),
+                        ("grpc.server_handshake_timeout_ms", int(cfg.handshake_timeout_s * 1000))]
+            self.server = AioServer(threads, options, interceptors)
         tfs_grpc.add_to_server(self.server, self.core)
         v2_grpc.add_to_server(self.server, self.core)
         self.addresses: list[str] = []
@@ -136,7 +166,17 @@ class GRPCServer:
         section = {"addresses": self.addresses, "transport": self.service.config.grpc.transport,
                    "max_message_bytes": self.service.config.grpc.max_message_bytes,
                    "services": [tfs_grpc.PREDICTION_SERVICE, tfs_grpc.MODEL_SERVICE, v2_grpc.SERVICE_NAME]}
-        self.core.add_status("grpc", lambda: section)
+        server = self.server
+        if isinstance(server, LeanServer):  # live figures: connections, bytes held, what was refused
+            section["max_connections"] = server.limits.max_connections
+
+            def status() -> dict[str, Any]:
+                # called from the HTTP threads: dict.copy() runs under the GIL in one step
+                return {**section, "connections": len(server.connections), "held_bytes": server.held,
+                        **server.stats.copy()}
+            self.core.add_status("grpc", status)
+        else:
+            self.core.add_status("grpc", lambda: section)
         log.info("gRPC serving on %s", ", ".join(self.addresses))
 
     def on_hook(self, what: str, service: Any) -> None:

@@ -1,7 +1,8 @@
 """An asyncio event loop on a thread of its own, with a thread pool as its default executor,
 driven from plain threads: what both gRPC servers run on (appliance/transport/grpc/h2_server.py's lean one,
 grpcio's grpc.aio in appliance/service/grpc_port.py). Methods written as plain functions run on
-the pool; coroutines, Predict among them, run on the loop."""
+the pool; coroutines, Predict among them, run on the loop. The lean server's loop is uvloop's
+where it is installed (``new_event_loop``); grpc.aio keeps asyncio's own."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Coroutine
+
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop (libuv: its transports read and write in C, a tenth of the loop's time per
+    gRPC call measured in bench/RESULTS.md), asyncio's own where uvloop is not installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 class LoopThread:

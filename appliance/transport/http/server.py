@@ -57,6 +57,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from appliance.transport.http.connection import LINGER_S, Connection, Reject, Request, error_response
 from appliance.transport.http.queue_delay import SHORT_FRACTION, QueueDelay
 from appliance.transport.http.workers import WorkerPool
+from appliance.transport.loop_thread import new_event_loop
 from appliance.transport.http.wsgi import Responder, environ_for
 
 log = logging.getLogger("appliance.http")
@@ -223,7 +224,7 @@ class HTTPServer:
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Run the loop in this thread until ``close``."""
-        self.loop = new_loop()
+        self.loop = new_event_loop()
         self.loop.set_exception_handler(_quiet_handler)
         if self.on_loop is not None:
             self.on_loop(self.loop)
@@ -527,15 +528,6 @@ def _overload_error(waited: float, delay: QueueDelay, allowed: float) -> str:
     else:
         why = f"over limits.max_queue_wait_s = {delay.limit:g}"
     return f"overloaded: requests wait {waited:.1f} s for a worker, {why}; retry later"
-
-
-def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop where installed (libuv: less CPU per event), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:  # the standard loop does the same work, slower
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def _loop_name() -> str:
