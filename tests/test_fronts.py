@@ -289,3 +289,46 @@ def test_a_stale_view_is_decoded_again(models_dir: Path, tmp_path: Path) -> None
         runner.join(10)
         front.close()
         core.close()
+
+
+def test_grpc_through_the_workers_answers_as_one_process(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
+    """The gRPC port served by the workers (Predict there; model status forwarded): the real
+    TF Serving client gets the answers, codes and texts one process gives."""
+    import grpc
+
+    pytest.importorskip("tensorflow_serving.apis.prediction_service_pb2_grpc")
+    from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc, predict_pb2
+    from tensorflow_serving.apis import prediction_service_pb2_grpc
+
+    from appliance.api.tfserving.grpc_service import to_tensor
+    from tests.conftest import free_port
+
+    base = models(models_dir, tmp_path, MLP)
+    servers = [start_server("--models", str(base), "--backend", "tflite", "--workers", w, "--grpc-port", str(free_port()))
+               for w in ("1", "2")]
+    assert servers[1].status()["grpc"]["served_by"] == "front workers"
+    assert "served_by" not in servers[0].status()["grpc"]
+
+    def calls(server: Any) -> list[Any]:
+        port = int(server.status()["grpc"]["addresses"][0].rsplit(":", 1)[1])
+        out = []
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            predict = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict
+            status = model_service_pb2_grpc.ModelServiceStub(channel).GetModelStatus
+            for name in (MLP, "nope"):
+                request = predict_pb2.PredictRequest()
+                request.model_spec.name = name
+                to_tensor(np.asarray([ROW], np.float32), request.inputs["x"])
+                for call, message in ((predict, request),
+                                      (status, get_model_status_pb2.GetModelStatusRequest(model_spec={"name": name}))):
+                    try:
+                        out.append(call(message, timeout=30).SerializeToString(deterministic=True))
+                    except grpc.RpcError as exc:
+                        out.append((exc.code(), exc.details()))
+        return out
+
+    one, two = (calls(s) for s in servers)
+    assert one == two
+    assert isinstance(one[0], bytes) and one[2][0] == grpc.StatusCode.NOT_FOUND
+    servers[1].wait_for(lambda: 'entrypoint="GRPC"' in servers[1].get("/monitoring/prometheus/metrics").text, 30,
+                        "the workers' gRPC calls in the service's metrics")

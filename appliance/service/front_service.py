@@ -10,6 +10,8 @@ own (``start``):
 - ``RESOLVE``: what the worker's serving view cannot answer, with the manager's errors.
 - ``WSGI``: a forwarded request runs through the service's own app on a thread of
   ``threads`` (``server.threads``), answered whole, or streamed chunk by chunk.
+- ``GRPC``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
+  and KServe v2's, on this process's core) with a context of the lean server's kind.
 - ``OBSERVE``: the workers' request metrics join the core's (one registry, one page).
 - ``STATS``: each worker's HTTP figures and memory, merged by ``http_stats``.
 
@@ -29,14 +31,18 @@ import logging
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
+
+import grpc
 
 from appliance.api.remote import messages as m
 from appliance.core import serving_view
 from appliance.core.errors import Unavailable
 from appliance.core.serving_view import ServingView, fingerprint, version_view
 from appliance.transport.channel import ChannelProtocol, Message
+from appliance.transport.grpc.calls import Abort, CallDetails, Context
 from appliance.transport.loop_thread import LoopThread, new_event_loop
 
 if TYPE_CHECKING:
@@ -62,6 +68,7 @@ class FrontService:
         self.view = ServingView(0, {})
         self._streams: dict[tuple[int, int], threading.Event] = {}  # (worker, id) -> cancelled
         self._loop: LoopThread | None = None
+        self._grpc_handlers: list[Any] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -115,6 +122,8 @@ class FrontService:
             cancelled = self._streams[(proto.index, ident)] = threading.Event()
             assert self._pool is not None
             self._pool.submit(self._wsgi, proto, ident, payload, cancelled)
+        elif kind == m.GRPC:
+            asyncio.get_running_loop().create_task(self._grpc(proto, ident, *payload))
         elif kind == m.CANCEL:
             flag = self._streams.get((proto.index, payload))
             if flag is not None:
@@ -160,6 +169,45 @@ class FrontService:
                 proto.send((m.FAIL, ident, m.error_to_plain(exc)))
                 return
             proto.send((m.DONE, ident, [held.version, outputs]))
+
+    async def _grpc(self, proto: ChannelProtocol, ident: int, method: str, request: bytes,
+                    metadata: list[list[Any]], seconds_left: float | None) -> None:
+        """A gRPC call a worker forwarded, answered by this process's handler for it."""
+        pairs = tuple((k, v) for k, v in metadata)
+        deadline = None if seconds_left is None else time.monotonic() + seconds_left
+        context = Context(pairs, deadline, "front worker")
+        handler = self._grpc_handler(method, pairs)
+        try:
+            if handler is None:
+                raise Abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+            message = handler.request_deserializer(request) if handler.request_deserializer else request
+            fn = handler.unary_unary
+            if asyncio.iscoroutinefunction(fn):
+                response = await fn(message, context)
+            else:
+                response = await asyncio.get_running_loop().run_in_executor(self._pool, fn, message, context)
+            if context.code not in (None, grpc.StatusCode.OK):
+                raise Abort(context.code, context.details)
+            proto.send((m.DONE, ident, [handler.response_serializer(response) if handler.response_serializer
+                                        else response]))
+        except Abort as exc:
+            proto.send((m.STATUS, ident, [exc.code.name, exc.details, [list(kv) for kv in context.trailing]]))
+        except Exception:  # a handler's own bug: logged here, INTERNAL there
+            log.exception("forwarded gRPC %s failed", method)
+            proto.send((m.STATUS, ident, [grpc.StatusCode.INTERNAL.name, "internal error: see the service log", []]))
+
+    def _grpc_handler(self, method: str, metadata: tuple[tuple[str, Any], ...]) -> Any:
+        if self._grpc_handlers is None:  # built on first use: a service without gRPC never imports it
+            from appliance.api.kserve.grpc_service import V2GRPC
+            from appliance.api.tfserving.grpc_service import TFServingGRPC
+
+            self._grpc_handlers = [*TFServingGRPC(self.core).handlers(), V2GRPC(self.core).handler()]
+        details = CallDetails(method, metadata)
+        for generic in self._grpc_handlers:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
 
     def _resolve(self, ident: int, name: str, version: int | None, label: str | None) -> Message:
         manager = self.core.manager

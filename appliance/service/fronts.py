@@ -22,8 +22,14 @@ it but it had not accepted, close (a client sees the connection end, never a han
 requests of it still queued here are dropped when their answer finds no channel. The
 other workers go on taking new connections meanwhile.
 
-Limits that bound the whole port (``limits.max_connections``, ``limits.max_buffered_bytes``)
-are shared out among the workers, so the configured totals hold.
+Limits that bound the whole port (``limits.max_connections``, ``limits.max_buffered_bytes``,
+and gRPC's ``max_connections`` and ``max_buffer_bytes``) are shared out among the workers,
+so the configured totals hold.
+
+The gRPC TCP port is the workers' too when it can be held at start-up (``serve_grpc``,
+called by appliance/service/grpc_port.py): inference is answered there, every other
+method forwarded (appliance/api/remote/grpc_front.py). A gRPC Unix socket, and a TCP port
+that is retried (``[grpc] bind_retry``), stay with the serving process.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from appliance.api.remote import messages as m
-from appliance.core.config import Config, LimitsConfig
+from appliance.core.config import Config, GRPCConfig, LimitsConfig
 from appliance.service.front_service import FrontService
 from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
 from appliance.transport.supervisor import Supervisor
@@ -61,9 +67,19 @@ def workers_for(config: Config) -> int:
 
 
 def worker_limits(limits: LimitsConfig, workers: int) -> LimitsConfig:
-    """One worker's share of the port-wide limits."""
-    return dataclasses.replace(limits, max_connections=max(1, math.ceil(limits.max_connections / workers)),
-                               max_buffered_bytes=max(1, math.ceil(limits.max_buffered_bytes / workers)))
+    """One worker's share of the REST port's limits."""
+    return dataclasses.replace(limits, max_connections=_share(limits.max_connections, workers),
+                               max_buffered_bytes=_share(limits.max_buffered_bytes, workers))
+
+
+def worker_grpc(cfg: GRPCConfig, workers: int) -> GRPCConfig:
+    """One worker's share of the gRPC port's limits (a connection's own bound stays)."""
+    return dataclasses.replace(cfg, max_connections=_share(cfg.max_connections, workers),
+                               max_buffer_bytes=_share(cfg.max_buffer_bytes, workers))
+
+
+def _share(total: int, workers: int) -> int:
+    return max(1, math.ceil(total / workers))
 
 
 class Fronts:
@@ -76,8 +92,9 @@ class Fronts:
         self.host, self.port = self.sock.getsockname()[:2]
         self.front = FrontService(core, app, server.threads, self._listening)
         self._waiting = set(range(count))  # workers not yet listening at start-up
-        argv = [sys.executable, "-m", "appliance.service.front_worker", str(self.port)]
-        self.supervisor = Supervisor(count, argv, self._started, self._exited)
+        self.grpc_port = 0  # the gRPC port the workers serve too (serve_grpc); 0: none
+        self.grpc_sock: socket.socket | None = None
+        self.supervisor = Supervisor(count, self._argv(), self._started, self._exited)
         self.pids: dict[int, int] = {}
         limits = config.limits
         self._base_stats = {**initial_stats(limits, bool(config.security.tls_cert_file),
@@ -85,10 +102,29 @@ class Fronts:
         self._closed = threading.Event()
         self._serving = False
 
+    def _argv(self) -> list[str]:
+        return [sys.executable, "-m", "appliance.service.front_worker", str(self.port), str(self.grpc_port)]
+
+    def serve_grpc(self, host: str, port: int) -> int:
+        """Have the workers serve gRPC on ``port`` too (before ``serve_forever``): held here
+        as the REST port is; OSError when it is busy. The port number bound."""
+        self.grpc_sock = reserve_port(host, port)
+        self.grpc_port = self.grpc_sock.getsockname()[1]
+        self.supervisor.argv = self._argv()
+        return self.grpc_port
+
     @property
     def stats(self) -> dict[str, Any]:
         """The port's HTTP figures: the workers' together."""
         return self.front.http_stats(self._base_stats)
+
+    def grpc_stats(self) -> dict[str, int]:
+        """The workers' gRPC figures (connections, bytes held, what was refused), summed."""
+        total: dict[str, int] = {}
+        for stats in list(self.front.stats.values()):
+            for key, value in stats.get("grpc", {}).items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     def workers_status(self) -> list[dict[str, Any]]:
         """Each worker: pid, memory, requests served, restarts (``/api/status`` ``workers``)."""
@@ -131,6 +167,8 @@ class Fronts:
         self.front.close()  # the workers read EOF: they close their connections and exit
         self.supervisor.stop(EXIT_GRACE_S)
         self.sock.close()
+        if self.grpc_sock is not None:
+            self.grpc_sock.close()
         self._closed.set()
 
     # -- the supervisor's callbacks ---------------------------------------------------------

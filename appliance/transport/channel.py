@@ -165,6 +165,7 @@ class ChannelProtocol(asyncio.Protocol):
         self.frames = Frames()
         self.transport: asyncio.Transport | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._corked: list[bytes] = []  # frames of this turn of the loop, written together
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -179,9 +180,20 @@ class ChannelProtocol(asyncio.Protocol):
         self.on_lost(self)
 
     def send(self, message: Message) -> None:
-        """(loop thread) Queue ``message``; dropped when the worker is gone."""
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(message))
+        """(loop thread) Queue ``message``; dropped when the other end is gone. The frames of
+        one turn of the loop (a batch's answers, a burst of requests) leave in one write, at
+        the end of the turn: one system call instead of one each."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if not self._corked:
+            assert self.loop is not None
+            self.loop.call_soon(self._uncork)
+        self._corked.append(frame(message))
+
+    def _uncork(self) -> None:
+        corked, self._corked = self._corked, []
+        if corked and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(corked))
 
     def send_threadsafe(self, message: Message) -> None:
         loop = self.loop
@@ -194,7 +206,9 @@ class ChannelProtocol(asyncio.Protocol):
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+            if not self._corked:
+                self.loop.call_soon(self._uncork)  # type: ignore[union-attr]
+            self._corked.append(data)
 
     def shut(self) -> None:
         """(loop thread) Close at once: the worker reads EOF even if the loop stops next."""

@@ -10,8 +10,8 @@ other request (status, the page, admin, metrics, health, token streams), goes wh
 serving process (``Forwarder``, a WSGI call there), which answers and counts it as it would
 alone.
 
-``NeedView`` and ``StaleView`` (handles.py) are caught here: the answer is learnt (RESOLVE,
-or the STALE reply) and the request decoded again, at most ``MAX_ATTEMPTS`` times.
+``NeedView`` and ``StaleView`` (handles.py) are caught here (``attempts``): the answer is
+learnt (RESOLVE, or the STALE reply) and the request decoded again.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ from appliance.api.auth import authorize
 from appliance.api.body import GzipBodies
 from appliance.api.errors import render_error, status_line
 from appliance.api.remote import messages as m
-from appliance.api.remote.handles import PREFERRED, Key, NeedView, RemoteCore, StaleView, resolved
+from appliance.api.remote.handles import RemoteCore, attempts, attempts_async
 from appliance.api.remote.link import Link
 from appliance.api.routes import Mount, normal, raw_path
 from appliance.core.errors import Unavailable
 
-MAX_ATTEMPTS = 4  # decodes of one request while versions with other signatures swap in
-CHANGED = "the model's versions changed with other signatures while this request was decoded; retry"
 Answer = tuple[str, list[tuple[str, str]], bytes]
 
 
@@ -98,19 +96,11 @@ class FrontApp:
         handler = self._hot(environ)
         if handler is None:
             return self.forward(environ, start_response)
-        learnt: dict[Key, Any] = {}
-        for _ in range(MAX_ATTEMPTS):
-            token = PREFERRED.set(learnt)
-            try:
-                return handler(environ, start_response)  # type: ignore[no-any-return]
-            except NeedView as need:
-                learnt = {**learnt, need.key: resolved(self.core.link.call(m.RESOLVE, list(need.key)))}
-            except StaleView as stale:
-                learnt = {**learnt, stale.key: stale.view}
-            finally:
-                PREFERRED.reset(token)
-            environ["wsgi.input"].seek(0)
-        return _error(Unavailable(CHANGED), start_response)
+        try:
+            return attempts(self.core.link, lambda: handler(environ, start_response),
+                            lambda: environ["wsgi.input"].seek(0))
+        except Unavailable as exc:
+            return _error(exc, start_response)
 
     def _hot(self, environ: dict[str, Any]) -> Callable[..., Any] | None:
         """The hot handler of a request whose token passes; None: forward it."""
@@ -142,20 +132,12 @@ class FrontApp:
 
     async def _answer_async(self, answer: Callable[[dict[str, Any]], Awaitable[Answer]],
                             environ: dict[str, Any]) -> Answer:
-        learnt: dict[Key, Any] = {}
-        for _ in range(MAX_ATTEMPTS):
-            token = PREFERRED.set(learnt)
-            try:
-                return await answer(environ)
-            except NeedView as need:
-                learnt = {**learnt, need.key: resolved(await self.core.link.acall(m.RESOLVE, list(need.key)))}
-            except StaleView as stale:
-                learnt = {**learnt, stale.key: stale.view}
-            finally:
-                PREFERRED.reset(token)
-            environ["wsgi.input"].seek(0)
-        status, headers, body = render_error(Unavailable(CHANGED), "the front worker")
-        return status_line(status), headers, body
+        try:
+            return await attempts_async(self.core.link, lambda: answer(environ),
+                                        lambda: environ["wsgi.input"].seek(0))
+        except Unavailable as exc:
+            status, headers, body = render_error(exc, "the front worker")
+            return status_line(status), headers, body
 
 
 def hot_mounts(core: RemoteCore) -> list[Mount]:

@@ -20,7 +20,7 @@ Thread-safety: a handle serves one request; the manager may be used from any thr
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 import numpy as np
 
@@ -29,9 +29,12 @@ from runtimes import SignatureInfo
 from appliance.api.remote import messages as m
 from appliance.api.remote.link import Link
 from appliance.core.config import Config
-from appliance.core.errors import InvalidArgument
+from appliance.core.errors import InvalidArgument, Unavailable
 from appliance.core.serving_view import ModelView, ServingView, VersionView
 
+T = TypeVar("T")
+MAX_ATTEMPTS = 4  # decodes of one request while versions with other signatures swap in
+CHANGED = "the model's versions changed with other signatures while this request was decoded; retry"
 Key = tuple[str, "int | None", "str | None"]  # (model, version, label) as the request names them
 # This request's answers learnt from the serving process: a view, or the error to raise.
 PREFERRED: contextvars.ContextVar[Mapping[Key, Any]] = contextvars.ContextVar("front_preferred", default={})
@@ -164,6 +167,43 @@ def resolved(reply: tuple[str, Any]) -> VersionView | BaseException:
     """What a ``RESOLVE`` reply teaches: the version's view, or the manager's error."""
     kind, payload = reply
     return m.version_from_plain(payload) if kind == m.DONE else m.error_from_plain(payload)
+
+
+def attempts(link: Link, run: Callable[[], T], again: Callable[[], None] = lambda: None) -> T:
+    """``run()`` (on a thread) until it needs no other view of the versions (module
+    docstring), ``again()`` before each new attempt; Unavailable after MAX_ATTEMPTS."""
+    learnt: dict[Key, Any] = {}
+    for attempt in range(MAX_ATTEMPTS):
+        if attempt:
+            again()
+        token = PREFERRED.set(learnt)
+        try:
+            return run()
+        except NeedView as need:
+            learnt = {**learnt, need.key: resolved(link.call(m.RESOLVE, list(need.key)))}
+        except StaleView as stale:
+            learnt = {**learnt, stale.key: stale.view}
+        finally:
+            PREFERRED.reset(token)
+    raise Unavailable(CHANGED)
+
+
+async def attempts_async(link: Link, run: Callable[[], Awaitable[T]], again: Callable[[], None] = lambda: None) -> T:
+    """``attempts`` on an event loop."""
+    learnt: dict[Key, Any] = {}
+    for attempt in range(MAX_ATTEMPTS):
+        if attempt:
+            again()
+        token = PREFERRED.set(learnt)
+        try:
+            return await run()
+        except NeedView as need:
+            learnt = {**learnt, need.key: resolved(await link.acall(m.RESOLVE, list(need.key)))}
+        except StaleView as stale:
+            learnt = {**learnt, stale.key: stale.view}
+        finally:
+            PREFERRED.reset(token)
+    raise Unavailable(CHANGED)
 
 
 class RemoteCore:

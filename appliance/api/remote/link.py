@@ -90,7 +90,16 @@ class Link:
 
     # -- requests ----------------------------------------------------------------------------
     async def acall(self, kind: str, payload: Any) -> Reply:
-        """(loop) Send a request and await its one reply: (kind, payload)."""
+        """Send a request and await its one reply: (kind, payload). On the link's loop without
+        a hand-off; on another loop (the gRPC server's) through the link's."""
+        if self.loop is not None and asyncio.get_running_loop() is not self.loop:
+            try:
+                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._acall(kind, payload), self.loop))
+            except RuntimeError:  # the link's loop is closed: the worker is stopping
+                return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
+        return await self._acall(kind, payload)
+
+    async def _acall(self, kind: str, payload: Any) -> Reply:
         if self.gone or self.channel is None:
             return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
         assert self.loop is not None
@@ -105,7 +114,7 @@ class Link:
         if not self._attached.wait(30) or self.loop is None:
             return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
         try:
-            return asyncio.run_coroutine_threadsafe(self.acall(kind, payload), self.loop).result()
+            return asyncio.run_coroutine_threadsafe(self._acall(kind, payload), self.loop).result()
         except RuntimeError:  # the loop is closed: the worker is stopping
             return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
 

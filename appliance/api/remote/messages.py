@@ -12,6 +12,9 @@ pushes). Worker -> serving:
 - ``WSGI``: (environ, body) of a request the worker forwards; replied ``ANSWER`` (status,
   headers, body) for a whole answer, or ``START`` (status, headers), ``CHUNK`` bytes...,
   ``END`` for a stream. ``CANCEL``: the client went away; the stream is closed.
+- ``GRPC``: [method, request bytes, metadata, seconds left] of a gRPC call the worker
+  forwards; replied ``DONE`` [response bytes] or ``STATUS`` [code name, details, trailing
+  metadata].
 - ``OBSERVE``: request metrics (a list of [model, api, status, seconds, entrypoint]), sent
   before the answer they describe leaves, so a client that reads the metrics next sees it.
 - ``STATS``: the worker's HTTP figures and memory, every second.
@@ -38,6 +41,7 @@ from appliance.core.serving_view import ModelView, ServingView, VersionView
 RUN, RESOLVE, DONE, FAIL, STALE = "run", "resolve", "done", "fail", "stale"
 WSGI, ANSWER, START, CHUNK, END, CANCEL = "wsgi", "answer", "start", "chunk", "end", "cancel"
 OBSERVE, STATS, VIEW, CONFIG, DRAIN = "observe", "stats", "view", "config", "drain"
+GRPC, STATUS = "grpc", "status"
 
 
 @dataclass(frozen=True)
