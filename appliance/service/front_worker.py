@@ -78,13 +78,16 @@ class Worker:
         Serving's and KServe v2's services, the token check, the ``[grpc]`` bounds shared out."""
         from appliance.api.auth import grpc_interceptor
         from appliance.api.remote.grpc_front import FrontGRPC
+        from appliance.service.grpc_port import connection_share
         from appliance.transport.grpc.h2_server import LeanServer
         from appliance.transport.grpc.limits import Limits
 
         config = core.config
         cfg = worker_grpc(config.grpc, workers)
+        rest = self.server.max_connections if self.server is not None else 0
         limits = Limits(max_concurrent_streams=cfg.max_concurrent_streams, max_metadata_size=cfg.max_metadata_size,
-                        max_connections=cfg.max_connections, handshake_timeout_s=cfg.handshake_timeout_s,
+                        max_connections=connection_share(cfg.max_connections, rest),
+                        handshake_timeout_s=cfg.handshake_timeout_s,
                         stall_timeout_s=cfg.stall_timeout_s,
                         max_connection_buffer_bytes=cfg.max_connection_buffer_bytes,
                         max_buffer_bytes=cfg.max_buffer_bytes)
@@ -161,7 +164,8 @@ class Worker:
         if server is not None:
             stats = {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(server.stats), "served": server.tracker.served}
             if grpc is not None:
-                stats["grpc"] = {"connections": len(grpc.connections), "held_bytes": grpc.held, **grpc.stats.copy()}
+                stats["grpc"] = {"connections": len(grpc.connections), "held_bytes": grpc.held,
+                                 "max_connections": grpc.limits.max_connections, **grpc.stats.copy()}
             self.link.send(m.STATS, stats)
 
 
