@@ -25,8 +25,9 @@ class ServerConfig:
     port: int = 8501
     threads: int = 32  # HTTP worker threads: must cover the concurrent clients batching can merge
     # Front worker processes that parse HTTP and decode/encode JSON on every core while the
-    # serving process batches (appliance/api/remote/): 0 = one per CPU; 1 (or a one-CPU
-    # device) = the single-process path, HTTP in the serving process itself.
+    # serving process batches (appliance/api/remote/): 0 = one per CPU (and per 512 MiB of
+    # memory at most); 1 (or a one-CPU device) = the single-process path, HTTP in the
+    # serving process itself.
     workers: int = 0
     max_body_bytes: int = 64 * 1024 * 1024
     drain_timeout_s: float = 20.0

@@ -32,7 +32,7 @@ from appliance.api.remote.front import FrontApp, hot_mounts
 from appliance.api.remote.handles import RemoteCore
 from appliance.api.remote.link import Link
 from appliance.core import logs, memory
-from appliance.service.fronts import worker_grpc, worker_limits
+from appliance.service.fronts import worker_grpc, worker_limits, workers_for
 from appliance.service.tls import tls_context
 from appliance.transport.channel import ChannelProtocol, Message, read_one
 from appliance.transport.http.server import HTTPServer, listen
@@ -62,7 +62,7 @@ class Worker:
         core = self.core = RemoteCore(config, self.link)
         app = FrontApp(core, hot_mounts(core))
         context = tls_context(config.security) if config.security.tls_cert_file else None
-        workers = self.workers = config.server.workers or (os.cpu_count() or 1)
+        workers = self.workers = workers_for(config)
         self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
                                  config.server.max_body_bytes, worker_limits(config.limits, workers), context,
                                  sock=listen(config.server.host, self.port, reuse_port=True), fast=app,

@@ -56,14 +56,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("appliance.workers")
 
 EXIT_GRACE_S = 5.0
+MEMORY_PER_WORKER = 512 << 20  # the default runs a worker per CPU, and per this much memory at most
 PART = "http workers"  # as the page and /readyz name it while some are still starting  # past the drain timeout, how long workers get to exit before they are killed
 
 
 def workers_for(config: Config) -> int:
-    """How many front workers to run: ``server.workers``, or one per CPU; 0 or 1 means none
-    (the single-process path)."""
-    wanted = config.server.workers or (os.cpu_count() or 1)
+    """How many front workers to run: ``server.workers``, or by default one per CPU but no
+    more than one per ``MEMORY_PER_WORKER`` of the device's memory (a worker costs ~45 MB,
+    bench/RESULTS.md); 0 or 1 means none (the single-process path)."""
+    wanted = config.server.workers or auto_workers()
     return wanted if wanted > 1 else 0
+
+
+def auto_workers() -> int:
+    cpus = os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # not a POSIX sysconf: by the CPUs alone
+        return cpus
+    return max(1, min(cpus, memory // MEMORY_PER_WORKER))
 
 
 def worker_limits(limits: LimitsConfig, workers: int) -> LimitsConfig:
