@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import orjson
@@ -24,7 +24,8 @@ from appliance.api import tensor_limits
 from appliance.api import json_arrays
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
-from appliance.core.handle import Steps, drive, drive_async
+from appliance.api.stepped import SteppedAPI
+from appliance.core.handle import Steps
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
@@ -49,7 +50,7 @@ Response = tuple[int, bytes, list[tuple[str, str]]]
 _EMPTY: list[tuple[str, str]] = []
 
 
-class V2API:
+class V2API(SteppedAPI):
     """The WSGI handler of the ``/v2`` mounts (appliance/api/routes.py).
 
     Like ``rest.V1API`` it bypasses Flask: ``dispatch`` maps (method, path, body) to
@@ -61,15 +62,6 @@ class V2API:
         self.core = core
         self.service = V2Service(core)
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        status, headers, body = self.answer(*self.dispatch(environ))
-        start_response(status, headers)
-        return [body]
-
-    async def answer_async(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
-        """The answer on an event loop: (status line, headers, body); the model runs awaited."""
-        return self.answer(*await drive_async(self.steps(environ)))
-
     @staticmethod
     def answer(status: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]], bytes]:
         if status >= 400:  # the renderer's headers are complete
@@ -77,9 +69,6 @@ class V2API:
         if not any(k == "Content-Type" for k, _ in headers):
             headers = [("Content-Type", JSON), *headers]
         return status_line(status), [*headers, ("Content-Length", str(len(body)))], body
-
-    def dispatch(self, environ: dict[str, Any]) -> Response:
-        return drive(self.steps(environ))
 
     def steps(self, environ: dict[str, Any]) -> Steps[Response]:
         """``dispatch`` as steps (appliance/core/handle.py ``Run``): on a thread or a loop."""

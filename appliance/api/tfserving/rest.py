@@ -29,7 +29,8 @@ from appliance.protos.tfserving import wire as pw
 from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
 from appliance.core.errors import InvalidArgument, NotFound
-from appliance.core.handle import Run, Steps, drive, drive_async
+from appliance.api.stepped import SteppedAPI
+from appliance.core.handle import Run, Steps
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -38,34 +39,22 @@ POST_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/
 GET_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
 JSON = "application/json"
 
-class V1API:
+
+class V1API(SteppedAPI):
     """The WSGI handler of the ``/v1`` mount (appliance/api/routes.py): TF Serving's REST API.
 
     The inference path is the hot path: skipping Flask's request context, routing and
-    response objects halves the Python work per request. ``dispatch`` is the whole API:
-    (method, raw path, body reader) -> (status, JSON bytes, extra headers); errors are
-    appliance/api/errors.py ``render_error``'s.
+    response objects halves the Python work per request. ``steps`` is the whole API
+    (appliance/api/stepped.py): (method, raw path, body reader) -> (status, JSON bytes,
+    extra headers); errors are appliance/api/errors.py ``render_error``'s.
     """
 
     def __init__(self, core: "Appliance"):
         self.core = core
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        status, headers, body = self.answer(*self.dispatch(environ))
-        start_response(status, headers)
-        return [body]
-
-    async def answer_async(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
-        """The answer on an event loop: (status line, headers, body); the model runs awaited."""
-        return self.answer(*await drive_async(self.steps(environ)))
-
     @staticmethod
     def answer(status: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]], bytes]:
         return status_line(status), headers or [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
-
-    def dispatch(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
-        """(status, body, headers); headers are empty for a 200 (JSON, its length)."""
-        return drive(self.steps(environ))
 
     def steps(self, environ: dict[str, Any]) -> Steps[tuple[int, bytes, list[tuple[str, str]]]]:
         """``dispatch`` as steps (appliance/core/handle.py ``Run``): on a thread or a loop."""
