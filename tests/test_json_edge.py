@@ -76,7 +76,8 @@ def test_nesting_at_the_limit_is_not_a_depth_error(server: Any) -> None:
 
 
 def test_500000_brackets_is_400_and_the_process_lives(server: Any) -> None:
-    for body in (b"[" * 500_000, b"[" * 250_000 + b"]" * 250_000, b'{"instances": ' + b"[" * 499_990):
+    for body in (b"[" * 500_000, b"[" * 250_000 + b"]" * 250_000, b'{"instances": ' + b"[" * 499_990,
+                 b'{"instances": ["\xff", ' + b"[" * 499_980):  # past orjson at the byte, into python-rapidjson
         refused(predict(server, "half_plus_two", body), 400, "max_json_depth")
     alive(server)
 
@@ -142,6 +143,16 @@ RAPIDJSON = [
     (b"\xef\xbb\xbf[1]", (3, 6)),  # a byte-order mark is skipped
     (b"[NaN, -Infinity, Inf]", (0, 21)),  # kParseNanAndInfFlag
     (b'["\xff"]', (0, 5)),  # strings are not checked for UTF-8
+    # What python-rapidjson (a later rapidjson, recursive, without TF Serving's flags) does not do
+    # itself and rapidjson_reader.py adds; each checked against rapidjson 1.1.0 as above:
+    (b"\xef\xbb\xbf[1 2]", "Missing a comma or ']' after an array element. at offset: 6"),  # offsets count the BOM
+    (b"\xbb\xbf[1]", (2, 5)),  # each byte of a byte-order mark is skipped on its own
+    (b"[1]  x", (0, 3)),  # the root ends before the whitespace that follows it
+    (b"[1]\x00x", (0, 3)),  # a NUL byte ends the body after the root too
+    (b"\t:", "The document is empty. at offset: 1"),  # the iterative parser's start state (recursive: "Invalid value.")
+    (b'"a\x1f"', "Invalid escape character in string. at offset: 2"),  # the later rapidjson: "Invalid encoding"
+    (b"[\xff]", "Invalid value. at offset: 1"),  # a byte that is not UTF-8, outside a string
+    (b'{"a": [1, 2], "b": "\xff\xfe"} {"c": 1', (0, 24)),
 ]
 
 
@@ -163,6 +174,16 @@ def test_rapidjson_reader_finds_the_fault_after_a_tensor_of_numbers() -> None:
     body = b'{"instances": [[' + numbers + b"], [" + numbers + b"}"
     assert rapidjson_reader.read(body).error == (  # type: ignore[union-attr]
         f"JSON Parse error: Missing a comma or ']' after an array element. at offset: {len(body) - 1}")
+
+
+def test_rapidjson_reader_leaves_a_body_past_1000_levels_to_the_depth_limit() -> None:
+    """TF Serving's iterative parser follows any depth; python-rapidjson stops at Python's
+    recursion limit (1000 levels), past any max_json_depth: the decoder names that limit."""
+    body = b'{"instances": ["\xff", ' + b"[" * 5000 + b"]" * 5000 + b"]}"  # orjson stops at the byte, not the depth
+    assert rapidjson_reader.read(body) is None
+    with pytest.raises(InvalidArgument) as err:
+        tfs_json.loads(body)
+    assert "max_json_depth" in err.value.message
 
 
 def test_bodies_tf_serving_reads_are_served(server: Any) -> None:

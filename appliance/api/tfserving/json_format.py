@@ -19,7 +19,7 @@ standard alphabet, padding optional (absl::Base64Unescape), URL-safe refused wit
 Like rapidjson, a byte-order mark is skipped and whatever follows the root value is ignored.
 
 Refusals are in TF Serving's words, worked out only once a body is refused: a parse error
-as rapidjson words it (rapidjson_reader.py), a tensor TF Serving would refuse as
+as rapidjson words it (python-rapidjson, rapidjson_reader.py), a tensor TF Serving would refuse as
 util/json_tensor.cc words it (json_tensor_errors.py); what only this decoder refuses (a limit,
 an integer past an int8's range, more than 64 dimensions) in its own words.
 """
@@ -74,17 +74,12 @@ def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
 def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: Any) -> Any:
     """A body orjson refused, as TF Serving's rapidjson reads it: NaN and Infinity taken, a
     byte-order mark skipped, anything after the root value ignored; else rapidjson's error
-    text and offset (appliance/api/tfserving/rapidjson_reader.py)."""
-    if _NONFINITE.search(body) is not None:
-        try:
-            return _loads_nonfinite(body, refused, limits)
-        except InvalidArgument:
-            pass  # rapidjson's verdict below says why, in its words
-    from appliance.api.tfserving.rapidjson_reader import read  # the error path only
+    text and offset (python-rapidjson, by appliance/api/tfserving/rapidjson_reader.py)."""
+    from appliance.api.tfserving.rapidjson_reader import read  # bodies orjson refused only
 
-    verdict = read(body)
-    if verdict is None:  # too long to walk in Python: orjson's words
-        raise InvalidArgument(f"JSON Parse error: {refused}") from refused
+    verdict = read(body)  # first: C, a tenth of the NaN pass below (which any string in a body sets off)
+    if verdict is None:  # deeper than python-rapidjson follows (1000 levels), so past max_json_depth too
+        raise _too_deep(limits) from refused
     if verdict.error is not None:
         raise InvalidArgument(verdict.error) from refused
     root = body[verdict.start:verdict.end]
