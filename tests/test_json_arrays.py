@@ -214,3 +214,46 @@ def test_escaped_keys_and_strings_leave_the_document_to_orjson():
     raw = json.dumps({'we"ird': 1, "instances": [1.5] * MIN_VALUES}).encode()
     assert loads(raw) is None
     assert orjson.loads(raw)['we"ird'] == 1
+
+
+def _int8_tflite(path):
+    """A LiteRT model whose int8 input ``x`` comes back as int32 ``y``: what the decoder made of it."""
+    import tensorflow as tf
+
+    class Widen(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int8, name="x")])
+        def serve(self, x):
+            return {"y": tf.cast(x, tf.int32)}
+
+    module = Widen()
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([module.serve.get_concrete_function()], module)
+    path.mkdir(parents=True)
+    (path / "model.tflite").write_bytes(converter.convert())
+
+
+def test_an_int8_input_takes_what_tf_serving_takes_as_list_or_numpy(start_server, tmp_path):
+    """Through the real server: int32 values wrapped into the int8 (TF Serving reads int32 and
+    TensorFlow casts), an empty list as an empty tensor, a boolean refused in TF Serving's words;
+    a big body (numpy from json_arrays.py) as a small one (lists)."""
+    import requests
+
+    _int8_tflite(tmp_path / "models" / "widen" / "1")
+    server = start_server("--models", str(tmp_path / "models"), "--backend", "tflite")
+
+    def post(body):
+        r = requests.post(f"{server.url}/v1/models/widen:predict", data=json.dumps(body), timeout=30)
+        return r.status_code, r.json()
+
+    small = [300, -129, 127, 2147483647, -2147483648]
+    wide = [v * 997 for v in range(-1000, 1000)]  # all int32, enough for the numpy path, at most 2048 rows
+    assert isinstance(loads(json.dumps({"inputs": wide}).encode())["inputs"], np.ndarray)
+    for values in (small, wide):
+        status, got = post({"inputs": values})
+        assert status == 200, got
+        assert got["outputs"] == np.array(values, np.int32).astype(np.int8).astype(np.int32).tolist()
+    assert post({"inputs": []}) == (200, {"outputs": []})
+    for values in (small + [True], wide + [False]):
+        status, got = post({"instances": values})
+        assert status == 400 and got["error"] == (
+            f"Failed to process element: {len(values) - 1} of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: "
+            f"{json.dumps(values[-1])} Type: {values[-1]} is not of expected type: int8"), got

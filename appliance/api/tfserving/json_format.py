@@ -14,14 +14,17 @@ nothing; the parsed document must nest no deeper than ``max_json_depth`` (``nest
 As TF Serving (rapidjson with kParseNanAndInfFlag): ``NaN``, ``Infinity`` and ``Inf``
 (signed) are accepted and non-finite outputs are written as ``NaN`` / ``Infinity`` /
 ``-Infinity``; a number past the double range is refused; a double past the float32 range
-becomes an infinity in a float input; integers must fit the input's type; ``b64`` is the
-standard alphabet, padding optional (absl::Base64Unescape), URL-safe refused with a hint.
+becomes an infinity in a float input; integers must fit the input's type, where an int8, uint8
+or int16 input takes any int32 and wraps it (util/json_tensor.cc reads them as int32, TensorFlow
+casts); booleans are no numbers, even among them; an empty list is an empty tensor of any
+dtype; ``b64`` is the standard alphabet, padding optional (absl::Base64Unescape), URL-safe
+refused with a hint.
 Like rapidjson, a byte-order mark is skipped and whatever follows the root value is ignored.
 
 Refusals are in TF Serving's words, worked out only once a body is refused: a parse error
-as rapidjson words it (rapidjson_reader.py), a tensor TF Serving would refuse as
+as rapidjson words it (python-rapidjson, rapidjson_reader.py), a tensor TF Serving would refuse as
 util/json_tensor.cc words it (json_tensor_errors.py); what only this decoder refuses (a limit,
-an integer past an int8's range, more than 64 dimensions) in its own words.
+more than 64 dimensions) in its own words.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextvars
+import itertools
 import json
 import re
 from typing import Any, Mapping
@@ -74,17 +78,12 @@ def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
 def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: Any) -> Any:
     """A body orjson refused, as TF Serving's rapidjson reads it: NaN and Infinity taken, a
     byte-order mark skipped, anything after the root value ignored; else rapidjson's error
-    text and offset (appliance/api/tfserving/rapidjson_reader.py)."""
-    if _NONFINITE.search(body) is not None:
-        try:
-            return _loads_nonfinite(body, refused, limits)
-        except InvalidArgument:
-            pass  # rapidjson's verdict below says why, in its words
-    from appliance.api.tfserving.rapidjson_reader import read  # the error path only
+    text and offset (python-rapidjson, by appliance/api/tfserving/rapidjson_reader.py)."""
+    from appliance.api.tfserving.rapidjson_reader import read  # bodies orjson refused only
 
-    verdict = read(body)
-    if verdict is None:  # too long to walk in Python: orjson's words
-        raise InvalidArgument(f"JSON Parse error: {refused}") from refused
+    verdict = read(body)  # first: C, a tenth of the NaN pass below (which any string in a body sets off)
+    if verdict is None:  # deeper than python-rapidjson follows (1000 levels), so past max_json_depth too
+        raise _too_deep(limits) from refused
     if verdict.error is not None:
         raise InvalidArgument(verdict.error) from refused
     root = body[verdict.start:verdict.end]
@@ -244,24 +243,42 @@ _KIND_NAMES = {"U": "String", "S": "String", "O": "Null or Object", "b": "Bool",
                "u": "Integer"}
 
 
+# AddValueToTensor reads an int8, uint8 or int16 input's values as int32 (rapidjson's IsInt) into
+# the TensorProto's int_val, and Tensor::FromProto narrows each with a C++ cast: 300 is 44 in an int8
+_READ_AS = {np.dtype(t): np.dtype(np.int32) for t in (np.int8, np.uint8, np.int16)}
+
+
 def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
     """Like TF Serving: numbers for numeric inputs (no numeric strings, booleans or nulls),
-    integers for integer inputs, booleans for bool inputs."""
+    integers for integer inputs, booleans for bool inputs; an empty list is an empty tensor."""
     if _TRUSTED.get() and spec.dtype.kind == "f":  # only numbers in the body: convert in one step
         with np.errstate(over="ignore"):  # a double past float32's range is an infinity, as in TF Serving
             return np.asarray(value, dtype=spec.dtype)
     arr = np.asarray(value)
+    if not arr.size:  # numpy makes [] float64; TF Serving takes it for any dtype
+        return arr.astype(spec.dtype)
     have, want = arr.dtype.kind, spec.dtype.kind
     fits = (have in "iu" and want in "iuf") or (have == want == "f") or (have == want == "b")
-    if not fits:
+    if not fits or have in "iuf" and _holds_bool(value, arr.ndim):  # numpy makes [true, 1.5] floats
         raise InvalidArgument(f"{where}: JSON Value of type {_KIND_NAMES.get(have, have)} "
                               f"is not of expected type: {data_type_string(spec.dtype)}")
     if arr.dtype == spec.dtype:
         return arr
-    if have in "iu" and want in "iu" and arr.size and not _fits(arr, spec.dtype):
+    if have in "iu" and want in "iu" and not _fits(arr, _READ_AS.get(spec.dtype, spec.dtype)):
         raise InvalidArgument(f"{where}: a value is out of the range of {data_type_string(spec.dtype)}")
     with np.errstate(over="ignore"):
-        return arr.astype(spec.dtype)
+        return arr.astype(spec.dtype)  # an integer wraps as in a C++ cast
+
+
+def _holds_bool(value: Any, ndim: int) -> bool:
+    """Whether nested lists of ``ndim`` levels hold a boolean among their numbers, counted at
+    C speed (json_arrays.py's arrays hold none: it takes numbers only)."""
+    if not isinstance(value, list):
+        return False
+    leaves: Any = value
+    for _ in range(ndim - 1):
+        leaves = itertools.chain.from_iterable(leaves)
+    return bool in set(map(type, leaves))
 
 
 def _fits(arr: np.ndarray, dtype: np.dtype) -> bool:
