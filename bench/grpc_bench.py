@@ -85,13 +85,16 @@ async def grpc_run(port: int, request: bytes, concurrency: int, duration: float,
             "p99_ms": round(loadgen.percentile(lat, 0.99) * 1000, 3)}
 
 
-def start(root: Path, base: Path, port: int, grpc_port: int, state: Path, transport: str) -> subprocess.Popen:
-    """The service of the checkout at ``root`` (the bench MLP on LiteRT, batching on, gRPC on)."""
+def start(root: Path, base: Path, port: int, grpc_port: int, state: Path, transport: str,
+          workers: int = 0) -> subprocess.Popen:
+    """The service of the checkout at ``root`` (the bench MLP on LiteRT, batching on, gRPC on;
+    ``workers``: ``[server] workers``, 0 the default)."""
     state.mkdir(parents=True, exist_ok=True)
     config = state / "bench.toml"
     config.write_text(f'models_dir = "{base}"\nstate_dir = "{state}"\npoll_interval_s = 60\n[runtime]\n'
                       f'backend = "tflite"\n[batching]\nenable_batching = true\n[discovery]\nenabled = false\n'
-                      f'[grpc]\nport = {grpc_port}\ntransport = "{transport}"\n')
+                      f'[grpc]\nport = {grpc_port}\ntransport = "{transport}"\n'
+                      + (f"[server]\nworkers = {workers}\n" if workers else ""))
     proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(config), "--host",
                              "127.0.0.1", "--port", str(port)], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
                             stdout=subprocess.DEVNULL, stderr=open(state / "server.log", "wb"))
@@ -111,6 +114,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="REST and gRPC alternated this many times per concurrency (this box is noisy)")
     ap.add_argument("--baseline-root", type=Path, help="also run gRPC on the service of this checkout")
+    ap.add_argument("--workers", type=int, default=0, help="[server] workers of this tree's service (0: default)")
     ap.add_argument("--json", help="write every figure here")
     a = ap.parse_args()
     base = bench_models()
@@ -121,17 +125,19 @@ def main() -> int:
         roots = {"after": ROOT, **({"before": a.baseline_root.resolve()} if a.baseline_root else {})}
         for label, root in roots.items():
             port, grpc_port = free_port(), free_port()
-            servers[label] = (start(root, base, port, grpc_port, state / label, a.transport), port, grpc_port)
+            servers[label] = (start(root, base, port, grpc_port, state / label, a.transport,
+                                    a.workers if label == "after" else 0), port, grpc_port)
         payload, request = body(a.model), predict_bytes(a.model)
         url = f"http://127.0.0.1:{servers['after'][1]}/v1/models/{a.model}:predict"
 
         def measured(run: Any, label: str = "after") -> dict[str, Any]:
             """The run's figures plus the server's CPU per request: what the API costs the
             device, whatever the load generator (Python on the same CPUs) costs itself."""
-            proc = psutil.Process(servers[label][0].pid)
-            before = sum(proc.cpu_times()[:2])
+            root = psutil.Process(servers[label][0].pid)
+            procs = [root, *root.children()]  # with its front workers
+            before = sum(sum(p.cpu_times()[:2]) for p in procs)
             result = asyncio.run(run)
-            spent = sum(proc.cpu_times()[:2]) - before
+            spent = sum(sum(p.cpu_times()[:2]) for p in procs) - before
             total = result["ok"] * (a.duration + a.warmup) / a.duration  # warm-up requests cost CPU too
             result["server_cpu_ms_per_request"] = round(1000 * spent / total, 3) if total else None
             return result

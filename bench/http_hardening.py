@@ -6,7 +6,8 @@
 1. ``--slow`` connections each hold a partial request (a header byte every 5 s) while one
    client sends normal predicts for ``--seconds``: their p50/p99 and errors.
 2. ``--idle`` keep-alive connections (each made one request, then says nothing): the
-   server's RSS before and with them, per connection, and a normal predict's latency.
+   server's RSS (its front workers' included) before and with them, per connection, and a
+   normal predict's latency.
 Bounded: every loop stops after ``--seconds`` or its count. ``--root``: serve another
 checkout's service (the baseline) instead of this tree's.
 """
@@ -49,6 +50,11 @@ def predicts(port: int, seconds: float) -> dict:
     return {"requests": len(lat), "errors": errors, "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
 
 
+def tree_rss(server: psutil.Process) -> int:
+    """The service's RSS with its front workers (where connections are held when it has some)."""
+    return sum(p.memory_info().rss for p in (server, *server.children()))
+
+
 def open_many(port: int, n: int, payload: bytes, seconds: float) -> list[socket.socket]:
     socks, deadline = [], time.monotonic() + seconds
     for _ in range(n):
@@ -75,7 +81,7 @@ def main() -> None:
     kind = "baseline" if args.root else "ours"
     proc = start(kind, base, args.port, work, args.root)
     server = psutil.Process(proc.pid)
-    out: dict = {"server": kind}
+    out: dict = {"server": kind, "workers": len(server.children())}
     try:
         out["alone"] = predicts(args.port, 2)
         slow = open_many(args.port, args.slow, b"POST /v1/models/mlp:predict HTTP/1.1\r\nHost: a\r\n", 60)
@@ -91,7 +97,7 @@ def main() -> None:
         for s in slow:
             s.close()
         time.sleep(1)
-        rss0 = server.memory_info().rss
+        rss0 = tree_rss(server)
         idle = open_many(args.port, args.idle, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n", 120)
         for s in idle:
             s.settimeout(10)
@@ -100,7 +106,7 @@ def main() -> None:
             except OSError:
                 pass
         time.sleep(1)
-        rss1 = server.memory_info().rss
+        rss1 = tree_rss(server)
         out["idle_opened"] = len(idle)
         out["rss_mb_before_idle"], out["rss_mb_with_idle"] = round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)
         out["rss_bytes_per_idle_connection"] = round((rss1 - rss0) / max(1, len(idle)))

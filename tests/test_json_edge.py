@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import requests
@@ -22,6 +23,7 @@ import requests
 from appliance.api.tfserving import json_format as tfs_json
 from appliance.api.tfserving import json_tensor_errors, rapidjson_reader
 from appliance.core.errors import InvalidArgument
+from runtimes import SignatureInfo, TensorSpec
 
 MAX_BODY = 1536 * 1024  # room for 500,000 brackets and a 10^6-digit number; small enough to bomb past
 NO_DISCOVERY = "[discovery]\nenabled = false\n"
@@ -76,7 +78,8 @@ def test_nesting_at_the_limit_is_not_a_depth_error(server: Any) -> None:
 
 
 def test_500000_brackets_is_400_and_the_process_lives(server: Any) -> None:
-    for body in (b"[" * 500_000, b"[" * 250_000 + b"]" * 250_000, b'{"instances": ' + b"[" * 499_990):
+    for body in (b"[" * 500_000, b"[" * 250_000 + b"]" * 250_000, b'{"instances": ' + b"[" * 499_990,
+                 b'{"instances": ["\xff", ' + b"[" * 499_980):  # past orjson at the byte, into python-rapidjson
         refused(predict(server, "half_plus_two", body), 400, "max_json_depth")
     alive(server)
 
@@ -142,6 +145,16 @@ RAPIDJSON = [
     (b"\xef\xbb\xbf[1]", (3, 6)),  # a byte-order mark is skipped
     (b"[NaN, -Infinity, Inf]", (0, 21)),  # kParseNanAndInfFlag
     (b'["\xff"]', (0, 5)),  # strings are not checked for UTF-8
+    # What python-rapidjson (a later rapidjson, recursive, without TF Serving's flags) does not do
+    # itself and rapidjson_reader.py adds; each checked against rapidjson 1.1.0 as above:
+    (b"\xef\xbb\xbf[1 2]", "Missing a comma or ']' after an array element. at offset: 6"),  # offsets count the BOM
+    (b"\xbb\xbf[1]", (2, 5)),  # each byte of a byte-order mark is skipped on its own
+    (b"[1]  x", (0, 3)),  # the root ends before the whitespace that follows it
+    (b"[1]\x00x", (0, 3)),  # a NUL byte ends the body after the root too
+    (b"\t:", "The document is empty. at offset: 1"),  # the iterative parser's start state (recursive: "Invalid value.")
+    (b'"a\x1f"', "Invalid escape character in string. at offset: 2"),  # the later rapidjson: "Invalid encoding"
+    (b"[\xff]", "Invalid value. at offset: 1"),  # a byte that is not UTF-8, outside a string
+    (b'{"a": [1, 2], "b": "\xff\xfe"} {"c": 1', (0, 24)),
 ]
 
 
@@ -165,6 +178,16 @@ def test_rapidjson_reader_finds_the_fault_after_a_tensor_of_numbers() -> None:
         f"JSON Parse error: Missing a comma or ']' after an array element. at offset: {len(body) - 1}")
 
 
+def test_rapidjson_reader_leaves_a_body_past_1000_levels_to_the_depth_limit() -> None:
+    """TF Serving's iterative parser follows any depth; python-rapidjson stops at Python's
+    recursion limit (1000 levels), past any max_json_depth: the decoder names that limit."""
+    body = b'{"instances": ["\xff", ' + b"[" * 5000 + b"]" * 5000 + b"]}"  # orjson stops at the byte, not the depth
+    assert rapidjson_reader.read(body) is None
+    with pytest.raises(InvalidArgument) as err:
+        tfs_json.loads(body)
+    assert "max_json_depth" in err.value.message
+
+
 def test_bodies_tf_serving_reads_are_served(server: Any) -> None:
     for body in (b'{"instances": [1.0, 2.0]} and then some text', b'\xef\xbb\xbf{"instances": [1.0, 2.0]}',
                  b'{"instances": [NaN, 2.0]}\n{"instances": [3.0]}'):
@@ -186,6 +209,60 @@ def test_bodies_tf_serving_reads_are_served(server: Any) -> None:
 ])
 def test_values_are_shown_as_tf_serving_shows_them(body: bytes, text: str) -> None:
     assert json_tensor_errors.debug_string(tfs_json.loads(body)) == text
+
+
+# --- TF Serving's values (util/json_tensor.cc AddValueToTensor, TensorFlow's Tensor::FromProto) ---
+def decoded(raw: bytes, dtype: Any, numpy: bool) -> Any:
+    """The input ``x`` of ``dtype`` that ``raw`` decodes to, or the refusal's text; ``numpy``:
+    whether json_arrays.py must have given the decoder the values as an array (else lists)."""
+    doc = tfs_json.loads(raw)
+    value = doc.get("inputs", doc.get("instances"))
+    assert isinstance(value, np.ndarray) == numpy, type(value)
+    spec = TensorSpec("x", np.dtype(dtype), None)
+    try:
+        return tfs_json.decode_predict(doc, SignatureInfo("serving_default", {"x": spec}, {"y": spec}), raw)[0]["x"]
+    except InvalidArgument as exc:
+        return exc.message
+
+
+WIDE = [v * 997 for v in range(-1000, 1000)]  # enough values for json_arrays.py's numpy path, all int32
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16])
+@pytest.mark.parametrize("values", [[300, -129, 127, 256, -1, 70000, 2147483647, -2147483648], WIDE], ids=len)
+def test_small_integer_inputs_take_any_int32_and_wrap_it_as_tf_serving_does(dtype: Any, values: list[int]) -> None:
+    """AddValueToTensor reads int8, uint8 and int16 values with rapidjson's IsInt (int32) into
+    int_val, and Tensor::FromProto narrows them with a C++ cast: 300 is 44 in an int8."""
+    got = decoded(json.dumps({"inputs": values}).encode(), dtype, numpy=values is WIDE)
+    assert isinstance(got, np.ndarray), got
+    assert got.dtype == dtype and got.tolist() == np.array(values, np.int32).astype(dtype).tolist()
+    for past in (2147483648, -2147483649):  # no int32: TF Serving's type error, in its words
+        name = np.dtype(dtype).name
+        raw = json.dumps({"inputs": values + [past]}).encode()
+        assert decoded(raw, dtype, numpy=values is WIDE) == \
+            f"JSON Value: {past} Type: Number is not of expected type: {name}"
+
+
+@pytest.mark.parametrize("dtype, name", [(np.float32, "float"), (np.float64, "double"), (np.int32, "int32"),
+                                         (np.int64, "int64"), (np.uint8, "uint8")])
+def test_a_boolean_among_numbers_is_refused_as_tf_serving_refuses_it(dtype: Any, name: str) -> None:
+    """numpy makes [true, 1.5] floats and [1, true] integers; TF Serving's IsNumber and IsInt
+    are false for a boolean."""
+    assert decoded(b'{"inputs": [[1, 2], [3, false]]}', dtype, numpy=False) == \
+        f"JSON Value: false Type: False is not of expected type: {name}"
+    rows = json.dumps({"instances": [1] * 2000 + [True]}).encode()  # big, but json_arrays.py takes numbers only
+    assert decoded(rows, dtype, numpy=False) == ("Failed to process element: 2000 of 'instances' list. Error: "
+                                                 f"INVALID_ARGUMENT: JSON Value: true Type: True is not of expected "
+                                                 f"type: {name}")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.int64, np.bool_, np.float32])
+@pytest.mark.parametrize("body, shape", [(b'{"inputs": []}', (0,)), (b'{"inputs": {"x": [[], []]}}', (2, 0)),
+                                         (b'{"instances": [[]]}', (1, 0))])
+def test_an_empty_list_is_an_empty_tensor_of_any_dtype(dtype: Any, body: bytes, shape: tuple[int, ...]) -> None:
+    """numpy makes [] float64; TF Serving fills a tensor of the input's dtype with no values."""
+    got = decoded(body, dtype, numpy=False)
+    assert isinstance(got, np.ndarray) and got.dtype == dtype and got.shape == shape, got
 
 
 # --- shapes no memory can hold --------------------------------------------------------------------

@@ -6,8 +6,9 @@ TF Serving's exact message for a structural fault (util/json_tensor.cc: no
 ``instances``/``inputs``, both, an empty or non-list ``instances``, an unknown or missing
 input ...), and for a value that does not convert, TF Serving's wording for the part of the
 request it is in (an element of ``instances``, or ``inputs``) followed by one of the reasons
-json_tensor.cc gives, or one of our own where TF Serving would take the value (an integer past
-an int8's range, more than 64 dimensions). A well-formed tensor is never refused."""
+json_tensor.cc gives, or one of our own where TF Serving would take the value (more than 64
+dimensions). A well-formed tensor is never refused, a body TF Serving refuses is never taken
+(json_tensor_errors.predict_error says so), and a tensor taken holds TF Serving's values."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from appliance.api.tfserving import json_format as tfs_json
+from appliance.api.tfserving.json_tensor_errors import predict_error
 from appliance.core.errors import InvalidArgument
 from runtimes import SignatureInfo, TensorSpec
 
@@ -40,10 +42,7 @@ TFS_REASONS = (r"JSON Value: .* Type: (Null|False|True|Object|Array|String|Numbe
                r"JSON Value: .* not formatted correctly for base64 data",
                r"Unable to base64 decode( \(URL-safe base64 .+\))?")
 # ... and ours, where TF Serving takes the value but this decoder does not, after "<where>: "
-OUR_REASONS = (r"a value is out of the range of {dtype}",
-               r"JSON Value of type Decimal is not of expected type: \w+",  # an empty list for an integer or bool
-               # input: numpy makes it float64; TF Serving takes it (an empty tensor), so should the numeric decoder
-               r"a tensor has at most 64 dimensions",
+OUR_REASONS = (r"a tensor has at most 64 dimensions",
                r"cannot be converted to a {dtype} tensor \(is it ragged, or of the wrong type\?\)")
 ROW = r"Failed to process element: \d+ (key: x )?of 'instances' list\. Error: INVALID_ARGUMENT: "
 
@@ -159,14 +158,16 @@ def check_refusal(message: str, body: Any, dtype: np.dtype, well_formed: bool) -
 
 def expected(value: Any, dtype: np.dtype) -> np.ndarray:
     """The JSON value as TF Serving converts it: doubles to float32 (past its range: inf),
-    integers and booleans unchanged."""
+    integers and booleans unchanged, save that an int8 or uint8 input reads an int32 and
+    narrows it with a C++ cast (AddValueToTensor, Tensor::FromProto)."""
     if dtype == object:
         return np.array(_strings(value), dtype=object)
-    if dtype.kind in "iub":  # integers and booleans exactly: no wrapping, no rounding
+    if dtype.kind in "iub":  # integers and booleans exactly as read: no rounding
         exact = np.asarray(value, dtype=object)
-        converted = exact.astype(dtype)
-        assert np.array_equal(converted.astype(object), exact), f"{value!r} changed on its way to {dtype}"
-        return converted
+        read_as = np.dtype(np.int32) if dtype in (np.int8, np.uint8) else dtype
+        converted = exact.astype(read_as)
+        assert np.array_equal(converted.astype(object), exact), f"{value!r} changed on its way to {read_as}"
+        return converted.astype(dtype)
     with np.errstate(over="ignore"):
         return np.asarray(value).astype(dtype)
 
@@ -230,6 +231,8 @@ def test_json_to_tensor_and_back_or_a_400_naming_the_problem(dtype: Any, shape: 
         return
     accepted = expectation[0] == "inputs" or expectation[0] == "rows" and not expectation[1][1]
     assert accepted, f"accepted, but {expectation[1]!r} was expected: {doc!r}"
+    refusal = predict_error(doc, sig)  # booleans among numbers, say
+    assert refusal is None, f"accepted, but TF Serving refuses it: {refusal} ({doc!r})"
     arr = inputs["x"]
     assert arr.dtype == want
     assert same(arr, expected(input_value(body), want)), (body, arr)

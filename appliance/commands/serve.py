@@ -51,6 +51,8 @@ def add_commands(sub: Any) -> None:
     serve.add_argument("--channel", help="bucket channel to follow (default: the newest committed version)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8500, TF Serving's; 0: no gRPC)")
     serve.add_argument("--no-discovery", action="store_true", help="do not announce the service with mDNS")
+    serve.add_argument("--workers", type=int,
+                       help="front worker processes for HTTP and JSON (default 0: one per CPU; 1: one process)")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -59,6 +61,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "server.host": args.host,
         "server.port": args.port,
+        "server.workers": args.workers,
         "runtime.backend": args.backend,
         "models_dir": args.models,
         "model_name": args.model_name,

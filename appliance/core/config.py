@@ -24,6 +24,11 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 8501
     threads: int = 32  # HTTP worker threads: must cover the concurrent clients batching can merge
+    # Front worker processes that parse HTTP and decode/encode JSON on every core while the
+    # serving process batches (appliance/api/remote/): 0 = one per CPU (and per 512 MiB of
+    # memory at most); 1 (or a one-CPU device) = the single-process path, HTTP in the
+    # serving process itself.
+    workers: int = 0
     max_body_bytes: int = 64 * 1024 * 1024
     drain_timeout_s: float = 20.0
 
@@ -433,9 +438,16 @@ def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
     return obj
 
 
+def from_dict(data: dict[str, Any]) -> Config:
+    """A ``Config`` from ``dataclasses.asdict`` of one (how a config crosses to a front worker)."""
+    return _build(Config, data, "")
+
+
 def validate(config: Config) -> Config:
     if not 0 < config.server.port < 65536:
         raise ConfigError("server.port", f"{config.server.port} is not a TCP port")
+    if config.server.workers < 0:
+        raise ConfigError("server.workers", "must be 0 (one per CPU) or a number of processes")
     if config.runtime.backend not in BACKEND_CHOICES:
         raise ConfigError("runtime.backend", f"must be one of {', '.join(BACKEND_CHOICES)}")
     if config.poll_interval_s < 0:

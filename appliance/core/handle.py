@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generator, Mapping, TypeVar
 
 import numpy as np
 
@@ -34,6 +35,58 @@ from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
 if TYPE_CHECKING:
     from appliance.core.manager import Manager, VersionSlot
     from appliance.core.rollout import Route
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Run:
+    """The step of a request that runs a model: ``handle.run(signature, inputs)``.
+
+    API code written as steps (a generator that yields a ``Run`` and receives its outputs,
+    then returns the request's answer) runs on a thread (``drive``) and on an event loop
+    (``drive_async``) alike: one copy of each API's decode, error and encode logic for both."""
+
+    handle: Any
+    signature: str
+    inputs: Mapping[str, np.ndarray]
+
+
+Steps = Generator[Run, "dict[str, np.ndarray]", T]
+
+
+def drive(steps: "Steps[T]") -> T:
+    """Carry out ``steps``: each ``Run`` through ``handle.run``. A run's error is raised in
+    the steps, where the request's own ``except`` and ``with`` blocks see it."""
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.throw(error) if error is not None else steps.send(reply)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        reply, error = None, None
+        try:
+            reply = step.handle.run(step.signature, step.inputs)
+        except BaseException as exc:
+            error = exc
+
+
+async def drive_async(steps: "Steps[T]") -> T:
+    """``drive`` on an event loop: each ``Run`` through ``await handle.run_async``."""
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.throw(error) if error is not None else steps.send(reply)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        reply, error = None, None
+        try:
+            reply = await step.handle.run_async(step.signature, step.inputs)
+        except BaseException as exc:
+            error = exc
 
 
 def shape_error(arr: np.ndarray, spec: TensorSpec, where: str) -> str | None:

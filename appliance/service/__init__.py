@@ -35,6 +35,7 @@ from appliance.api.app import Appliance, create_app
 from appliance.core.config import Config
 from appliance.core.config import load as load_config
 from appliance.core.errors import ConfigError
+from appliance.service.fronts import Fronts, workers_for
 from appliance.service.state_lock import StateDirBusy, lock_state_dir
 from appliance.service.tls import tls_context
 from sync.store import check_version
@@ -58,7 +59,7 @@ class Service:
         self.core = Appliance(config, backends, version_check=check_version)
         self.core.config_applier = self.apply_config  # gRPC's reload goes the same way as SIGHUP
         self.app = create_app(config, self.core)
-        self.server: HTTPServer | None = None
+        self.server: HTTPServer | Fronts | None = None
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._toggle_freeze = threading.Event()
@@ -77,9 +78,14 @@ class Service:
         self.core.start()
         c, security = self.config.server, self.config.security
         context = tls_context(security) if security.tls_cert_file else None  # before binding: fail early
-        self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context)
-        stats = self.server.stats
-        self.core.add_status("http", lambda: stats)  # live connection and shedding figures
+        workers = workers_for(self.config)
+        if workers:  # HTTP and JSON in front worker processes, batches here (appliance/service/fronts.py)
+            fronts = self.server = Fronts(self.core, self.app, self.config, workers)
+            self.core.add_status("workers", fronts.workers_status)
+        else:
+            self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context)
+        server = self.server
+        self.core.add_status("http", lambda: server.stats)  # live connection and shedding figures
 
     def serve_http(self) -> None:
         assert self.server is not None
@@ -146,6 +152,8 @@ class Service:
         self._warn_restart_only(config)
         self.config, self.reload_error = config, ""
         self.core.apply_config(config, why)
+        if isinstance(self.server, Fronts):
+            self.server.apply_config(config)
         self._emit("reloaded")
 
     def _warn_restart_only(self, new: Config) -> None:

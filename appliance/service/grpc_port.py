@@ -33,6 +33,7 @@ gRPC port can never take the descriptors REST and /healthz need.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -43,6 +44,7 @@ from appliance.api.auth import grpc_interceptor
 from appliance.api.kserve import grpc_service as v2_grpc
 from appliance.api.tfserving import grpc_service as tfs_grpc
 from appliance.core.batcher import LONE_CALL
+from appliance.service.fronts import Fronts
 from appliance.transport.grpc.aio_server import AioServer
 from appliance.transport.grpc.h2_server import LeanServer
 from appliance.transport.grpc.limits import Limits
@@ -59,8 +61,12 @@ def attach(service: Any) -> "GRPCServer | None":
     cfg = service.config.grpc
     if not cfg.port and not cfg.socket_path:
         return None
+    if isinstance(service.server, Fronts) and cfg.port and _to_workers(service, cfg):
+        if not cfg.socket_path:
+            return None
+        cfg = dataclasses.replace(cfg, port=0)  # the Unix socket stays here
     try:
-        return _bind(service)
+        return _bind(service, cfg)
     except OSError as exc:
         if not cfg.bind_retry:
             raise
@@ -70,8 +76,28 @@ def attach(service: Any) -> "GRPCServer | None":
         return None
 
 
-def _bind(service: Any) -> "GRPCServer":
-    server = GRPCServer(service)
+def _to_workers(service: Any, cfg: Any) -> bool:
+    """The TCP port to the front workers (appliance/service/fronts.py); False when it is busy
+    and ``bind_retry`` says to retry here, OSError when busy without it."""
+    host = service.config.server.host or "0.0.0.0"
+    try:
+        port = service.server.serve_grpc(host, cfg.port)
+    except OSError as exc:
+        if cfg.bind_retry:
+            return False
+        address = f"[{host}]:{cfg.port}" if ":" in host else f"{host}:{cfg.port}"
+        raise OSError(f"cannot listen for gRPC on {address}: {(exc.strerror or str(exc)).lower()}") from exc
+    services = [tfs_grpc.PREDICTION_SERVICE, tfs_grpc.MODEL_SERVICE, v2_grpc.SERVICE_NAME]
+    section = {"addresses": [f"{host}:{port}"], "transport": "lean", "served_by": "front workers",
+               "max_message_bytes": cfg.max_message_bytes, "services": services}
+    fronts = service.server
+    service.core.add_status("grpc", lambda: {**section, **fronts.grpc_stats()})
+    log.info("gRPC served by the front workers on %s:%d", host, port)
+    return True
+
+
+def _bind(service: Any, cfg: Any = None) -> "GRPCServer":
+    server = GRPCServer(service, cfg)
     server.start()
     service.hooks.append(server.on_hook)
     return server
@@ -110,10 +136,10 @@ def connection_share(wanted: int, rest_connections: int) -> int:
 
 
 class GRPCServer:
-    def __init__(self, service: Any):
+    def __init__(self, service: Any, cfg: Any = None):
         self.service = service
         self.core = service.core
-        cfg = service.config.grpc
+        cfg = cfg or service.config.grpc
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # a second server on the same port fails instead of sharing it

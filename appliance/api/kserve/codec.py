@@ -101,7 +101,7 @@ def from_json(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> n
     """``data`` (flat or nested, row-major) as an array of ``shape`` and ``datatype``."""
     dtype = dtype_of(datatype, where)
     count = math.prod(shape)
-    if not isinstance(data, list):
+    if not isinstance(data, (list, np.ndarray)):  # an array: appliance/api/json_arrays.py decoded it
         data = [data]  # a scalar for a one-element tensor, as some clients send it
     try:
         arr = _json_strings(data, where) if dtype.kind == "O" else _json_numbers(data, dtype, datatype, where)

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import orjson
 
 from appliance.api import tensor_limits
+from appliance.api import json_arrays
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
+from appliance.api.stepped import SteppedAPI
+from appliance.core.handle import Steps
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
@@ -47,7 +50,7 @@ Response = tuple[int, bytes, list[tuple[str, str]]]
 _EMPTY: list[tuple[str, str]] = []
 
 
-class V2API:
+class V2API(SteppedAPI):
     """The WSGI handler of the ``/v2`` mounts (appliance/api/routes.py).
 
     Like ``rest.V1API`` it bypasses Flask: ``dispatch`` maps (method, path, body) to
@@ -59,23 +62,22 @@ class V2API:
         self.core = core
         self.service = V2Service(core)
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        status, body, headers = self.dispatch(environ)
+    @staticmethod
+    def answer(status: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]], bytes]:
         if status >= 400:  # the renderer's headers are complete
-            start_response(status_line(status), headers)
-            return [body]
+            return status_line(status), headers, body
         if not any(k == "Content-Type" for k, _ in headers):
             headers = [("Content-Type", JSON), *headers]
-        start_response(status_line(status), [*headers, ("Content-Length", str(len(body)))])
-        return [body]
+        return status_line(status), [*headers, ("Content-Length", str(len(body)))], body
 
-    def dispatch(self, environ: dict[str, Any]) -> Response:
+    def steps(self, environ: dict[str, Any]) -> Steps[Response]:
+        """``dispatch`` as steps (appliance/core/handle.py ``Run``): on a thread or a loop."""
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ).partition("?")[0]
         try:
             route, model, version = _route(path)
             if route == "infer":
-                return self._infer(environ, method, model, version)
+                return (yield from self._infer(environ, method, model, version))
             if method != "GET":
                 raise MethodNotAllowed(f"method {method} not allowed on {path}")
             return self._get(route, model, version)
@@ -94,7 +96,7 @@ class V2API:
             return (200 if service.model_ready(model, version) else 400), b"", _EMPTY
         return 200, orjson.dumps(service.model_metadata(model, version)), _EMPTY
 
-    def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Response:
+    def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Steps[Response]:
         if method != "POST":
             raise MethodNotAllowed(f"method {method} not allowed on /v2/models/{model}/infer; use POST")
         started, status = time.perf_counter(), 200
@@ -102,14 +104,19 @@ class V2API:
             body = _read_body(environ, self.core.config.server.max_body_bytes)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
                                           environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits)
-            result = self.service.infer(model, version, request.inputs, request.outputs, request.parameters,
-                                        request.binary_default, route_key(environ))
+            result = yield from self.service.infer_steps(model, version, request.inputs, request.outputs,
+                                                         request.parameters, request.binary_default,
+                                                         route_key(environ))
             return render_infer_response(result, request.id)
         except Exception as exc:
             status = exc.http_status if isinstance(exc, ApplianceError) else 500
             raise
+        except BaseException:  # a front worker decodes the request again: this was not its end
+            status = 0
+            raise
         finally:
-            self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
+            if status:
+                self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
 
 
 def mounts(core: "Appliance") -> list[Mount]:
@@ -164,7 +171,7 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
     text = body if length is None else body[:length]
     tensor_limits.check_body_values(text, limits, ENVELOPE_VALUES)
     try:
-        header = json_object(text)
+        header = json_object(text, arrays=True)
     except InvalidArgument as exc:
         if length is None and b'"binary_data_size"' in body:  # binary tensors, but no header length
             raise InvalidArgument(f"{exc.message}; the request sets binary_data_size but has no {HEADER_LENGTH} "
@@ -187,14 +194,18 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
     return InferRequest(request_id, inputs, outputs, parameters, binary_default)
 
 
-def json_object(data: bytes, what: str = "inference request") -> dict[str, Any]:
-    """A JSON object body (v2 and :generate), or a 400 that says what is wrong with it."""
+def json_object(data: bytes, what: str = "inference request", arrays: bool = False) -> dict[str, Any]:
+    """A JSON object body (v2 and :generate), or a 400 that says what is wrong with it.
+    ``arrays``: big numeric arrays come as numpy (appliance/api/json_arrays.py; the tensors'
+    ``data``), else everything is Python values."""
     if not data.strip():
         raise InvalidArgument(f"the request body is empty; expected an {what} JSON object")
-    try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"the request is not valid JSON: {exc}") from None
+    value = json_arrays.loads(data) if arrays else None
+    if value is None:
+        try:
+            value = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgument(f"the request is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"the {what} must be a JSON object")
     return value

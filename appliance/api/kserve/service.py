@@ -21,7 +21,7 @@ from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 from appliance import __version__
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument
-from appliance.core.handle import Handle, shape_error
+from appliance.core.handle import Handle, Run, Steps, drive, shape_error
 from appliance.core.policy import State
 
 if TYPE_CHECKING:
@@ -107,6 +107,12 @@ class V2Service:
               route_key: Callable[[str], str | None] | None = None) -> InferResult:
         """Check the decoded inputs against the signature, run them through the batcher and
         pick the requested outputs (all of them, in signature order, when none is named)."""
+        return drive(self.infer_steps(name, version, inputs, requested, parameters, binary_default, route_key))
+
+    def infer_steps(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
+                    parameters: dict[str, Any], binary_default: bool = False,
+                    route_key: Callable[[str], str | None] | None = None) -> Steps[InferResult]:
+        """``infer`` as steps (appliance/core/handle.py ``Run``): on a thread or an event loop."""
         signature_name = parameters.get("signature_name")
         if signature_name is not None and not isinstance(signature_name, str):
             raise InvalidArgument("parameter 'signature_name' must be a string")
@@ -115,7 +121,7 @@ class V2Service:
                          else _default_signature(held))
             feeds = _feeds(signature, inputs, name)
             wanted = _wanted(signature, requested, name)
-            outputs = held.run(signature.name, feeds)
+            outputs = yield Run(held, signature.name, feeds)
             served = held.version
         result = []
         for want in wanted:

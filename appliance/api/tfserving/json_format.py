@@ -14,14 +14,17 @@ nothing; the parsed document must nest no deeper than ``max_json_depth`` (``nest
 As TF Serving (rapidjson with kParseNanAndInfFlag): ``NaN``, ``Infinity`` and ``Inf``
 (signed) are accepted and non-finite outputs are written as ``NaN`` / ``Infinity`` /
 ``-Infinity``; a number past the double range is refused; a double past the float32 range
-becomes an infinity in a float input; integers must fit the input's type; ``b64`` is the
-standard alphabet, padding optional (absl::Base64Unescape), URL-safe refused with a hint.
+becomes an infinity in a float input; integers must fit the input's type, where an int8, uint8
+or int16 input takes any int32 and wraps it (util/json_tensor.cc reads them as int32, TensorFlow
+casts); booleans are no numbers, even among them; an empty list is an empty tensor of any
+dtype; ``b64`` is the standard alphabet, padding optional (absl::Base64Unescape), URL-safe
+refused with a hint.
 Like rapidjson, a byte-order mark is skipped and whatever follows the root value is ignored.
 
 Refusals are in TF Serving's words, worked out only once a body is refused: a parse error
-as rapidjson words it (rapidjson_reader.py), a tensor TF Serving would refuse as
+as rapidjson words it (python-rapidjson, rapidjson_reader.py), a tensor TF Serving would refuse as
 util/json_tensor.cc words it (json_tensor_errors.py); what only this decoder refuses (a limit,
-an integer past an int8's range, more than 64 dimensions) in its own words.
+more than 64 dimensions) in its own words.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextvars
+import itertools
 import json
 import re
 from typing import Any, Mapping
@@ -38,6 +42,7 @@ import orjson
 
 from runtimes import SignatureInfo, TensorSpec
 
+from appliance.api import json_arrays
 # the element limit is shared with KServe v2; ENVELOPE_VALUES and count_values named here for callers
 from appliance.api.tensor_limits import ENVELOPE_VALUES, check_body_values, check_elements, count_values  # noqa: F401
 from appliance.api.tfserving.service import data_type_string
@@ -57,12 +62,14 @@ def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
     if not body:  # TF Serving's own check, before rapidjson sees the body
         raise InvalidArgument("JSON Parse error: The document is empty")
     check_body_values(body, limits)
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        if "depth" in str(exc):  # orjson's own cap (1024 levels) keeps 500,000 brackets harmless
-            raise _too_deep(limits) from None
-        doc = _as_rapidjson_reads(body, exc, limits)
+    doc = json_arrays.loads(body)  # big numeric arrays straight into numpy, when it can
+    if doc is None:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            if "depth" in str(exc):  # orjson's own cap (1024 levels) keeps 500,000 brackets harmless
+                raise _too_deep(limits) from None
+            doc = _as_rapidjson_reads(body, exc, limits)
     if nesting(doc, limits.max_json_depth) > limits.max_json_depth:
         raise _too_deep(limits)
     return doc
@@ -71,17 +78,12 @@ def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
 def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: Any) -> Any:
     """A body orjson refused, as TF Serving's rapidjson reads it: NaN and Infinity taken, a
     byte-order mark skipped, anything after the root value ignored; else rapidjson's error
-    text and offset (appliance/api/tfserving/rapidjson_reader.py)."""
-    if _NONFINITE.search(body) is not None:
-        try:
-            return _loads_nonfinite(body, refused, limits)
-        except InvalidArgument:
-            pass  # rapidjson's verdict below says why, in its words
-    from appliance.api.tfserving.rapidjson_reader import read  # the error path only
+    text and offset (python-rapidjson, by appliance/api/tfserving/rapidjson_reader.py)."""
+    from appliance.api.tfserving.rapidjson_reader import read  # bodies orjson refused only
 
-    verdict = read(body)
-    if verdict is None:  # too long to walk in Python: orjson's words
-        raise InvalidArgument(f"JSON Parse error: {refused}") from refused
+    verdict = read(body)  # first: C, a tenth of the NaN pass below (which any string in a body sets off)
+    if verdict is None:  # deeper than python-rapidjson follows (1000 levels), so past max_json_depth too
+        raise _too_deep(limits) from refused
     if verdict.error is not None:
         raise InvalidArgument(verdict.error) from refused
     root = body[verdict.start:verdict.end]
@@ -115,6 +117,8 @@ def nesting(doc: Any, limit: int) -> int:
             level += 1
             if value:
                 stack.append((value[0], level))
+        elif isinstance(value, np.ndarray):  # a numeric array json_arrays.py made: regular
+            level += value.ndim
         elif isinstance(value, dict):
             level += 1
             stack.extend((v, level) for v in value.values())
@@ -239,24 +243,42 @@ _KIND_NAMES = {"U": "String", "S": "String", "O": "Null or Object", "b": "Bool",
                "u": "Integer"}
 
 
+# AddValueToTensor reads an int8, uint8 or int16 input's values as int32 (rapidjson's IsInt) into
+# the TensorProto's int_val, and Tensor::FromProto narrows each with a C++ cast: 300 is 44 in an int8
+_READ_AS = {np.dtype(t): np.dtype(np.int32) for t in (np.int8, np.uint8, np.int16)}
+
+
 def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
     """Like TF Serving: numbers for numeric inputs (no numeric strings, booleans or nulls),
-    integers for integer inputs, booleans for bool inputs."""
+    integers for integer inputs, booleans for bool inputs; an empty list is an empty tensor."""
     if _TRUSTED.get() and spec.dtype.kind == "f":  # only numbers in the body: convert in one step
         with np.errstate(over="ignore"):  # a double past float32's range is an infinity, as in TF Serving
             return np.asarray(value, dtype=spec.dtype)
     arr = np.asarray(value)
+    if not arr.size:  # numpy makes [] float64; TF Serving takes it for any dtype
+        return arr.astype(spec.dtype)
     have, want = arr.dtype.kind, spec.dtype.kind
     fits = (have in "iu" and want in "iuf") or (have == want == "f") or (have == want == "b")
-    if not fits:
+    if not fits or have in "iuf" and _holds_bool(value, arr.ndim):  # numpy makes [true, 1.5] floats
         raise InvalidArgument(f"{where}: JSON Value of type {_KIND_NAMES.get(have, have)} "
                               f"is not of expected type: {data_type_string(spec.dtype)}")
     if arr.dtype == spec.dtype:
         return arr
-    if have in "iu" and want in "iu" and arr.size and not _fits(arr, spec.dtype):
+    if have in "iu" and want in "iu" and not _fits(arr, _READ_AS.get(spec.dtype, spec.dtype)):
         raise InvalidArgument(f"{where}: a value is out of the range of {data_type_string(spec.dtype)}")
     with np.errstate(over="ignore"):
-        return arr.astype(spec.dtype)
+        return arr.astype(spec.dtype)  # an integer wraps as in a C++ cast
+
+
+def _holds_bool(value: Any, ndim: int) -> bool:
+    """Whether nested lists of ``ndim`` levels hold a boolean among their numbers, counted at
+    C speed (json_arrays.py's arrays hold none: it takes numbers only)."""
+    if not isinstance(value, list):
+        return False
+    leaves: Any = value
+    for _ in range(ndim - 1):
+        leaves = itertools.chain.from_iterable(leaves)
+    return bool in set(map(type, leaves))
 
 
 def _fits(arr: np.ndarray, dtype: np.dtype) -> bool:
@@ -308,7 +330,7 @@ def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes
     except InvalidArgument as exc:
         from appliance.api.tfserving.json_tensor_errors import predict_error  # the error path only
 
-        worded = predict_error(body, signature)  # TF Serving's text, where TF Serving refuses the body too
+        worded = predict_error(as_lists(body), signature)  # TF Serving's text, where TF Serving refuses it too
         if worded is None:
             raise
         raise InvalidArgument(worded) from exc
@@ -316,6 +338,17 @@ def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes
         _TRUSTED.reset(token)
     check_elements(inputs, limits)
     return inputs, row_format
+
+
+def as_lists(value: Any) -> Any:
+    """``value`` with json_arrays.py's numpy arrays as the lists they were in the body."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: as_lists(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_lists(v) for v in value]
+    return value
 
 
 def check_rows(count: int, what: str, limits: Any = DEFAULT_LIMITS) -> None:
@@ -337,12 +370,12 @@ def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
             return _named(signature, value, "inputs", ignore_extra=True), False
         return _single(signature, value, "inputs"), False
     instances = body["instances"]
-    if not isinstance(instances, list):
+    if not isinstance(instances, (list, np.ndarray)):
         raise InvalidArgument("'instances' must be a list, one entry per instance")
-    if not instances:
+    if not len(instances):
         raise InvalidArgument("JSON Value: No values in 'instances' array")
     check_rows(len(instances), "instances", limits)
-    if instances and isinstance(instances[0], dict) and not _is_b64(instances[0]):
+    if len(instances) and isinstance(instances[0], dict) and not _is_b64(instances[0]):
         return _rows_named(signature, instances), True
     return _single(signature, instances, "instances"), True
 

@@ -5,8 +5,8 @@ it accepts. When it refuses one, ``predict_error(doc, signature)`` walks the par
 as TF Serving's ``FillPredictRequestFromJson`` does (``FillTensorMapFromInstancesList``,
 ``FillTensorMapFromInputsMap``, ``AddInstanceItem``, ``FillTensorProto``,
 ``AddValueToTensor``) and returns the first error TF Serving would report, word for word;
-None when TF Serving would take the body (the refusal is then one of ours: a limit, a
-value past an integer input's range, more than 64 dimensions).
+None when TF Serving would take the body (the refusal is then one of ours: a limit, more
+than 64 dimensions).
 
 Values are shown as TF Serving shows them (``JsonValueToDebugString``): rapidjson's
 PrettyWriter with single-line arrays, four-space indents in objects, doubles as rapidjson's

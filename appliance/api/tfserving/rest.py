@@ -29,6 +29,8 @@ from appliance.protos.tfserving import wire as pw
 from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
 from appliance.core.errors import InvalidArgument, NotFound
+from appliance.api.stepped import SteppedAPI
+from appliance.core.handle import Run, Steps
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -37,25 +39,25 @@ POST_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/
 GET_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
 JSON = "application/json"
 
-class V1API:
+
+class V1API(SteppedAPI):
     """The WSGI handler of the ``/v1`` mount (appliance/api/routes.py): TF Serving's REST API.
 
     The inference path is the hot path: skipping Flask's request context, routing and
-    response objects halves the Python work per request. ``dispatch`` is the whole API:
-    (method, raw path, body reader) -> (status, JSON bytes, extra headers); errors are
-    appliance/api/errors.py ``render_error``'s.
+    response objects halves the Python work per request. ``steps`` is the whole API
+    (appliance/api/stepped.py): (method, raw path, body reader) -> (status, JSON bytes,
+    extra headers); errors are appliance/api/errors.py ``render_error``'s.
     """
 
     def __init__(self, core: "Appliance"):
         self.core = core
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        status, body, headers = self.dispatch(environ)
-        start_response(status_line(status), headers or [("Content-Type", JSON), ("Content-Length", str(len(body)))])
-        return [body]
+    @staticmethod
+    def answer(status: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]], bytes]:
+        return status_line(status), headers or [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
 
-    def dispatch(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
-        """(status, body, headers); headers are empty for a 200 (JSON, its length)."""
+    def steps(self, environ: dict[str, Any]) -> Steps[tuple[int, bytes, list[tuple[str, str]]]]:
+        """``dispatch`` as steps (appliance/core/handle.py ``Run``): on a thread or a loop."""
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ)
         verb, name, started = "", "", time.perf_counter()
@@ -69,8 +71,8 @@ class V1API:
                 name = model
                 raw = read_body(environ, self.core.config.server.max_body_bytes)
                 limits = self.core.config.limits
-                body = VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label, raw, limits,
-                                   route_key(environ))
+                body = yield from VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label,
+                                              raw, limits, route_key(environ))
                 self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
                 return 200, body, []
             match = GET_RE.fullmatch(path) if method == "GET" else None
@@ -160,12 +162,12 @@ def _signature_name(body: dict[str, Any]) -> str:
 
 
 def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS, route_key: Any = None) -> bytes:
+             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS, route_key: Any = None) -> Steps[bytes]:
     signature_name = _signature_name(body)
     with service.handle(manager, name, version, label, route_key) as handle:
         signature = handle.signature(signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
         inputs, row_format = tfs_json.decode_predict(body, signature, raw, limits)
-        outputs = handle.run(signature.name, inputs)
+        outputs = yield Run(handle, signature.name, inputs)
     return tfs_json.encode_predict(outputs, row_format)
 
 
@@ -193,6 +195,8 @@ def _examples(body: dict[str, Any], method: str, limits: Any) -> np.ndarray:
 def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in example.items():
+        if isinstance(value, np.ndarray):  # a big numeric feature (json_arrays.py): its values
+            value = value.ravel().tolist()
         values = value if isinstance(value, list) else [value]
         decoded = []
         for v in values:
@@ -206,11 +210,11 @@ def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
 
 
 def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-                      method: str, limits: Any, route_key: Any) -> bytes:
+                      method: str, limits: Any, route_key: Any) -> Steps[bytes]:
     signature_name = _signature_name(body)
     serialized = _examples(body, method, limits)
-    _, signature, outputs = service.run_examples(manager, serialized, name, version, label, signature_name, method,
-                                                 route_key)
+    _, signature, outputs = yield from service.examples_steps(manager, serialized, name, version, label,
+                                                              signature_name, method, route_key)
     return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
 
 
@@ -229,7 +233,7 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
     return results
 
 
-VERBS: dict[str, Callable[..., bytes]] = {
+VERBS: dict[str, Callable[..., Steps[bytes]]] = {
     "predict": _predict,
     "classify": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "classify", limits, key),
     "regress": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "regress", limits, key),

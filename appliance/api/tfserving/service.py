@@ -13,7 +13,7 @@ import numpy as np
 from runtimes import SignatureInfo
 
 from appliance.core.errors import InvalidArgument, Unimplemented
-from appliance.core.handle import Handle
+from appliance.core.handle import Handle, Run, Steps, drive
 from appliance.protos.tfserving import wire as pw
 
 CLASSIFY_METHOD = "tensorflow/serving/classify"
@@ -36,8 +36,15 @@ def handle(manager: Any, name: str, version: int | None, label: str | None,
 def run_examples(manager: Any, serialized: np.ndarray, name: str, version: int | None, label: str | None,
                  signature_name: str, method: str,
                  route_key: Any = None) -> tuple[int, SignatureInfo, dict[str, np.ndarray]]:
-    """Run serialized tf.Examples through a classify or regress signature (REST and gRPC):
-    (the version that answered, its signature, the outputs)."""
+    """Run serialized tf.Examples through a classify or regress signature (gRPC): (the
+    version that answered, its signature, the outputs)."""
+    return drive(examples_steps(manager, serialized, name, version, label, signature_name, method, route_key))
+
+
+def examples_steps(manager: Any, serialized: np.ndarray, name: str, version: int | None, label: str | None,
+                   signature_name: str, method: str,
+                   route_key: Any = None) -> Steps[tuple[int, SignatureInfo, dict[str, np.ndarray]]]:
+    """``run_examples`` as steps (appliance/core/handle.py ``Run``), for REST on threads or a loop."""
     with handle(manager, name, version, label, route_key) as held:
         signature = held.signature(signature_name, f"No signature was found with the name: {signature_name}")
         if "inputs" not in signature.inputs or len(signature.inputs) != 1:
@@ -48,7 +55,7 @@ def run_examples(manager: Any, serialized: np.ndarray, name: str, version: int |
                     else "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
             raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend, "
                                 f"but {name} version {held.version} is served by {held.platform}; {hint}")
-        outputs = held.run(signature.name, {"inputs": serialized})
+        outputs = yield Run(held, signature.name, {"inputs": serialized})
         return held.version, signature, outputs
 
 

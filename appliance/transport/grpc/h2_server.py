@@ -52,8 +52,11 @@ class LeanServer(LoopThread):
     methods written as plain functions run on a pool of ``threads``."""
 
     def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = (),
-                 alone_var: "contextvars.ContextVar[Any] | None" = None, limits: Limits | None = None):
-        super().__init__(threads, loop_factory=new_event_loop)
+                 alone_var: "contextvars.ContextVar[Any] | None" = None, limits: Limits | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None):
+        """``loop``: serve on that loop as a guest (appliance/transport/loop_thread.py), not on
+        one of its own; ``start`` is then called in that loop's thread."""
+        super().__init__(threads, loop_factory=new_event_loop, loop=loop)
         # Set to ``self.alone`` in each call's context, so what the call runs (the batcher)
         # can ask whether it is the only call in flight; the server knows nothing of batching.
         self.alone_var = alone_var
@@ -92,8 +95,10 @@ class LeanServer(LoopThread):
         self.handlers.extend(handlers)
         self._cache.clear()
 
-    def add_insecure_port(self, address: str) -> int:
-        """``host:port`` or ``[v6]:port`` (port 0: any free one) or ``unix:PATH``; the port bound."""
+    def add_insecure_port(self, address: str, reuse_port: bool = False) -> int:
+        """``host:port`` or ``[v6]:port`` (port 0: any free one) or ``unix:PATH``; the port bound.
+        ``reuse_port``: one of several processes' listeners on a port held for them
+        (appliance/transport/http/server.py ``reserve_port``; SO_REUSEPORT)."""
         try:
             if address.startswith("unix:"):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -109,7 +114,7 @@ class LeanServer(LoopThread):
                 host, _, port = address.rpartition(":")
                 host = host.strip("[]")
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                sock = socket.create_server((host, int(port)), family=family, backlog=BACKLOG)
+                sock = socket.create_server((host, int(port)), family=family, backlog=BACKLOG, reuse_port=reuse_port)
                 bound = int(sock.getsockname()[1])
         except OSError as exc:  # "[Errno 98] address already in use", as asyncio and TF Serving say it
             reason = OSError(exc.errno, (exc.strerror or str(exc)).lower())
@@ -119,10 +124,17 @@ class LeanServer(LoopThread):
         return bound
 
     def start(self) -> None:
-        async def serve() -> None:
+        """Take connections. A guest calls this in its loop's thread (running or about to)."""
+        def serve() -> None:
             self._resume_accepting()
             self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
-        self.run(serve())
+        if self.guest:
+            serve()
+            return
+
+        async def serving() -> None:
+            serve()
+        self.run(serving())
 
     def stop(self, grace: float | None) -> None:
         """Stop taking connections and calls (GOAWAY), let in-flight calls finish for up to

@@ -52,14 +52,30 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from appliance.transport.http.connection import LINGER_S, Connection, Reject, Request, error_response
 from appliance.transport.http.queue_delay import SHORT_FRACTION, QueueDelay
 from appliance.transport.http.workers import WorkerPool
+from appliance.transport.loop_thread import new_event_loop
 from appliance.transport.http.wsgi import Responder, environ_for
 
 log = logging.getLogger("appliance.http")
+
+
+Answer = tuple[str, list[tuple[str, str]], bytes]  # status line, headers, body: a whole answer
+FastHandler = Callable[[dict[str, Any]], Awaitable[Answer]]
+
+
+class FastRoutes(Protocol):
+    """Requests answered on the event loop itself, by a coroutine: ``route(environ)`` names
+    the coroutine for a request, or None (the WSGI app on a worker thread answers it). For
+    an app whose work per request is mostly waiting on another process (a front worker,
+    appliance/api/remote/): no thread hand-off in and out of the loop per request. The
+    coroutine must not block: what it computes it computes quickly, what it waits for it
+    awaits."""
+
+    def route(self, environ: dict[str, Any]) -> FastHandler | None: ...
 
 
 class Limits(Protocol):
@@ -110,6 +126,50 @@ class InFlight:
             self.last_done = time.monotonic()
 
 
+def initial_stats(limits: Limits, tls: bool, max_connections: int) -> dict[str, Any]:
+    """The figures a server shows under ``/api/status`` ``http``, before it has served anything."""
+    return {
+        "server": "httptools+" + _loop_name(), "tls": tls,
+        "max_connections": max_connections, "header_timeout_s": limits.header_timeout_s,
+        "request_timeout_s": limits.request_timeout_s, "idle_timeout_s": limits.idle_timeout_s,
+        "max_queue_wait_s": limits.max_queue_wait_s, "max_header_bytes": limits.max_header_bytes,
+        "max_buffered_bytes": limits.max_buffered_bytes, "connections": 0, "buffered_bytes": 0,
+        "cut_header_timeout": 0, "cut_request_timeout": 0, "cut_idle": 0, "cut_tls_handshake_timeout": 0,
+        "tls_handshake_failed": 0, "shed_overload": 0, "shed_memory": 0, "too_large": 0, "bad_request": 0,
+        "bad_host": 0, "evicted_idle": 0, "queued": 0, "peak_queued": 0, "queue_standing": False}
+
+
+def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The listening socket of ``host:port`` (a deep accept queue: bursts wait in the kernel).
+    ``reuse_port``: one of several processes' sockets on the port, the kernel spreading new
+    connections over them (SO_REUSEPORT; the port is held by ``reserve_port``)."""
+    return socket.create_server((host, port), family=_family(host), backlog=1024, reuse_port=reuse_port)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Hold ``host:port`` for processes that will ``listen(..., reuse_port=True)`` on it: bound
+    (so a busy port fails here, and port 0 gets its number), never listening, so the kernel
+    gives it no connections. Only processes of this user can join the port, and a port
+    where any socket listens (another service's workers among them) is refused first."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as probe:  # EADDRINUSE if anyone listens there,
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # however it joined the port
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def connection_cap(wanted: int) -> int:
     """``wanted``, or fewer when the descriptor limit is lower (raised to its hard limit first)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -130,11 +190,17 @@ class HTTPServer:
     """A WSGI app served on ``host:port`` with ``threads`` workers, ``limits`` enforced, and
     TLS when ``ssl_context`` is given (made by the caller before binding, so a bad
     certificate fails start-up with its config key: appliance/service/tls.py). The
-    constructor binds the port and starts nothing."""
+    constructor binds the port (or takes ``sock``, a listening socket it may share with
+    other processes serving the same port) and starts nothing."""
 
     def __init__(self, app: Callable[..., Any], host: str, port: int, threads: int,
-                 max_body_bytes: int, limits: Limits, ssl_context: ssl.SSLContext | None = None):
+                 max_body_bytes: int, limits: Limits, ssl_context: ssl.SSLContext | None = None,
+                 sock: socket.socket | None = None, fast: FastRoutes | None = None,
+                 on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None):
+        """``fast``: requests answered on the loop (``FastRoutes``); ``on_loop(loop)``: called in
+        ``serve_forever`` once the loop exists, before the first connection."""
         self.app, self.limits, self.ssl_context = app, limits, ssl_context
+        self.fast, self.on_loop = fast, on_loop
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = limits.max_header_bytes
         self.max_connections = connection_cap(limits.max_connections)
@@ -142,8 +208,7 @@ class HTTPServer:
         self.tracker = InFlight()
         self.pool = WorkerPool(threads)
         self.queue_delay = QueueDelay(limits.max_queue_wait_s) if limits.max_queue_wait_s else None
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                         backlog=1024, reuse_port=False)
+        self.sock = sock or listen(host, port)
         self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
         self.conns: dict[Connection, None] = {}  # insertion order: oldest first
@@ -154,21 +219,15 @@ class HTTPServer:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # made by serve_forever
         self._closed = threading.Event()
         self._started = threading.Event()
-        self.stats: dict[str, Any] = {
-            "server": "httptools+" + _loop_name(), "tls": ssl_context is not None,
-            "max_connections": self.max_connections, "header_timeout_s": limits.header_timeout_s,
-            "request_timeout_s": limits.request_timeout_s, "idle_timeout_s": limits.idle_timeout_s,
-            "max_queue_wait_s": limits.max_queue_wait_s, "max_header_bytes": limits.max_header_bytes,
-            "max_buffered_bytes": limits.max_buffered_bytes, "connections": 0, "buffered_bytes": 0,
-            "cut_header_timeout": 0, "cut_request_timeout": 0, "cut_idle": 0, "cut_tls_handshake_timeout": 0,
-            "tls_handshake_failed": 0, "shed_overload": 0, "shed_memory": 0, "too_large": 0, "bad_request": 0,
-            "bad_host": 0, "evicted_idle": 0, "queued": 0, "peak_queued": 0, "queue_standing": False}
+        self.stats: dict[str, Any] = initial_stats(limits, ssl_context is not None, self.max_connections)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Run the loop in this thread until ``close``."""
-        self.loop = _new_loop()
+        self.loop = new_event_loop()
         self.loop.set_exception_handler(_quiet_handler)
+        if self.on_loop is not None:
+            self.on_loop(self.loop)
         self.pool.start()
         self.accepting = True
         self.loop.add_reader(self.sock.fileno(), self._accept)
@@ -368,7 +427,30 @@ class HTTPServer:
             self.count("shed_overload")
             conn.worker_done(error_response(503, error, close=False, retry_after=True), not request.keep_alive)
             return
+        if self.fast is not None:
+            environ = environ_for(request, conn, self)
+            handler = self.fast.route(environ)
+            if handler is not None:
+                self.tracker.enter()
+                task = self.loop.create_task(handler(environ))
+                task.add_done_callback(partial(self._fast_done, conn, request))
+                return
         self.pool.submit(partial(self._serve, conn, request))
+
+    def _fast_done(self, conn: Connection, request: Request, task: "asyncio.Task[Answer]") -> None:
+        """(loop) A fast route's answer, framed as a WSGI app's would be."""
+        self.tracker.leave()
+        responder = Responder(conn, request)
+        try:
+            status, headers, body = task.result()
+        except Exception:
+            log.exception("the fast route failed on %s %s", request.method.decode("latin-1"),
+                          request.url.decode("latin-1"))
+            conn.worker_done(error_response(500, "internal error: see the service log", close=True), True)
+            return
+        responder.start_response(status, headers)
+        head, _ = responder.head(len(body))
+        conn.worker_done(head + (b"" if request.method == b"HEAD" else body), responder.close)
 
     # -- a worker thread -----------------------------------------------------------------------
     def _serve(self, conn: Connection, request: Request, queued_at: float) -> None:
@@ -446,14 +528,6 @@ def _overload_error(waited: float, delay: QueueDelay, allowed: float) -> str:
     else:
         why = f"over limits.max_queue_wait_s = {delay.limit:g}"
     return f"overloaded: requests wait {waited:.1f} s for a worker, {why}; retry later"
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # the standard loop does the same work, slower
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def _loop_name() -> str:

@@ -1,0 +1,164 @@
+"""JSON documents whose big numeric arrays arrive as numpy arrays, without a Python number each.
+
+A general JSON parser (orjson) builds a Python float per value, and the decoders then
+copy those into numpy: for a 96x96x3 image request, 27,648 objects and about 3 ms, most of
+a request's CPU. simdjson (pysimdjson) parses the document once and hands an array's
+numbers over as one buffer (``Array.as_buffer``), so ``loads`` returns the document with
+every numeric array of ``MIN_VALUES`` or more as an ``np.ndarray`` and everything else as
+the usual Python values. The result is what ``np.asarray`` would have made of orjson's
+lists, or nothing:
+
+- every value an integer (within int64): int64; any other number among them: float64;
+- nested arrays must be rectangular: the shape is read along first elements, the count
+  of numbers must match it, and the array's skeleton (its brackets and commas, read off the
+  raw bytes) must be exactly the rectangle's, so ``[[1, 2], [3], [4, 5, 6]]`` is never
+  taken for a 3x2 array;
+- anything else (booleans, strings, nulls, objects or ``NaN`` among the numbers, ragged
+  nesting, an array whose key is not found exactly once in the bytes, a document with an
+  escaped character or a duplicate key, one simdjson refuses) is left to the caller: ``loads`` returns None for a document it cannot take,
+  and an array it cannot take stays a Python list, so the decoders' own checks and error
+  texts apply unchanged.
+
+Measured (bench/RESULTS.md, "Every core"): the image request decodes in about a third of
+orjson's time, the skeleton check included.
+
+Thread-safety: one simdjson parser per thread; ``loads`` keeps no proxy past its return.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+try:
+    import simdjson
+except ImportError:  # the decoders' orjson path does everything, a little slower
+    simdjson = None
+
+MIN_VALUES = 1024  # smaller arrays are cheaper as lists than the skeleton check
+MIN_BODY = 2 * MIN_VALUES  # bytes: a body shorter than this holds no array worth it ("1," a value at least)
+_NOT_SKELETON = b"0123456789.eE+- \t\r\n"
+_WHITESPACE = b" \t\r\n"
+_local = threading.local()
+
+
+def loads(raw: bytes) -> Any | None:
+    """``raw`` parsed, big numeric arrays as numpy (module docstring); None when this path
+    does not apply (the caller parses it its own way)."""
+    if simdjson is None or len(raw) < MIN_BODY or b"\\" in raw:
+        return None  # (an escape: simdjson finds members by their raw key, so "a\"b" would not be found)
+    parser = getattr(_local, "parser", None)
+    if parser is None:
+        parser = _local.parser = simdjson.Parser()
+    try:
+        doc = parser.parse(raw)
+    except (ValueError, TypeError, RuntimeError):  # not JSON simdjson takes: NaN, depth, bad bytes
+        return None
+    try:
+        return _convert(doc, None, raw)
+    except (_Duplicate, KeyError):  # a key twice, or one simdjson cannot look up as decoded
+        return None
+    finally:
+        del doc  # the parser may be reused only once no proxy of this document is alive
+
+
+class _Duplicate(Exception):
+    """A key twice in one object: orjson keeps the last, simdjson finds the first."""
+
+
+def _convert(value: Any, key: str | None, raw: bytes) -> Any:
+    if isinstance(value, simdjson.Object):
+        keys = list(value.keys())
+        if len(set(keys)) != len(keys):
+            raise _Duplicate(keys)
+        return {k: _convert(value[k], k, raw) for k in keys}  # items() would convert every value
+    if isinstance(value, simdjson.Array):
+        if not len(value):
+            return []
+        first = value[0]
+        if isinstance(first, simdjson.Object):
+            return [_convert(v, None, raw) for v in value]
+        if key is not None and _numeric_leaf(first):
+            arr = _numbers(value, key, raw)
+            if arr is not None:
+                return arr
+        return value.as_list()
+    return value
+
+
+def _numeric_leaf(value: Any) -> bool:
+    while isinstance(value, simdjson.Array):
+        if not len(value):
+            return False
+        value = value[0]
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numbers(array: Any, key: str, raw: bytes) -> np.ndarray | None:
+    shape = _shape(array)
+    count = math.prod(shape)
+    if count < MIN_VALUES:
+        return None
+    flat = _buffer(array)
+    if flat is None or flat.size != count or not _rectangular(raw, key, shape):
+        return None
+    return flat.reshape(shape)
+
+
+def _shape(array: Any) -> tuple[int, ...]:
+    shape = []
+    while isinstance(array, simdjson.Array):
+        shape.append(len(array))
+        if not len(array):
+            break
+        array = array[0]
+    return tuple(shape)
+
+
+def _buffer(array: Any) -> np.ndarray | None:
+    """The numbers, flattened: int64 when every one is an integer, uint64 when they are but
+    some exceed int64 (as numpy reads them), else float64."""
+    for of_type, dtype in (("i", np.int64), ("u", np.uint64), ("d", np.float64)):
+        try:
+            return np.frombuffer(array.as_buffer(of_type=of_type), dtype=dtype)
+        except (TypeError, ValueError, OverflowError):  # INCORRECT_TYPE: not all of that kind
+            continue
+    return None
+
+
+def _rectangular(raw: bytes, key: str, shape: tuple[int, ...]) -> bool:
+    """Whether the array under ``key`` in ``raw`` has exactly the rectangle's skeleton."""
+    quoted = b'"' + key.encode() + b'"'
+    at = raw.find(quoted)
+    if at < 0 or raw.find(quoted, at + 1) >= 0:  # escaped, or the key twice: which array is it?
+        return False
+    at = _skip(raw, at + len(quoted))
+    if raw[at:at + 1] != b":":
+        return False
+    at = _skip(raw, at + 1)
+    if raw[at:at + 1] != b"[":
+        return False
+    # The array holds only numbers (its buffer was read), so deleting number characters and
+    # whitespace leaves its skeleton, then the rest of the document's. Both the array's and
+    # the rectangle's skeletons are balanced, so the one starts with the other only if equal.
+    return raw[at:].translate(None, _NOT_SKELETON).startswith(skeleton(shape))
+
+
+def _skip(raw: bytes, at: int) -> int:
+    """The first position from ``at`` that is not JSON whitespace."""
+    while at < len(raw) and raw[at] in _WHITESPACE:
+        at += 1
+    return at
+
+
+@lru_cache(maxsize=64)
+def skeleton(shape: tuple[int, ...]) -> bytes:
+    """The brackets and commas of a rectangular nested array of ``shape``."""
+    inner = b"[" + b"," * max(0, shape[-1] - 1) + b"]" if shape[-1] else b"[]"
+    for size in reversed(shape[:-1]):
+        inner = b"[" + b",".join([inner] * size) + b"]"
+    return inner

@@ -1,0 +1,95 @@
+"""What serves, as plain data: the view a front worker decodes requests against.
+
+A front worker (appliance/api/remote/) parses and decodes requests in a process of its
+own, so it needs, for every model, the signatures of the versions a request may reach and
+which version an unversioned or labelled request gets; it never holds a version. This is
+that view, built from the manager's public read side and small enough to send on every
+change. It is advice, not authority: the serving process resolves every request again
+through ``manager.handle`` and refuses to run inputs decoded against a signature that is
+not the answering version's (``fingerprint``), so a stale view costs a retry, never a
+wrong answer.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from runtimes import SignatureInfo, TensorSpec
+
+from appliance.core.policy import State
+
+if TYPE_CHECKING:
+    from appliance.core.manager import Manager
+
+
+@dataclass(frozen=True)
+class VersionView:
+    version: int
+    path: str
+    platform: str
+    reads_examples: bool
+    signatures: Mapping[str, SignatureInfo]
+    fingerprints: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class ModelView:
+    labels: Mapping[str, int]
+    versions: Mapping[int, VersionView]  # AVAILABLE ones
+    serving: int | None  # what an unversioned request gets (None: nothing AVAILABLE)
+    route_headers: tuple[str, ...] = ()  # headers a canary rollout routes on (sticky keys)
+
+
+@dataclass(frozen=True)
+class ServingView:
+    generation: int
+    models: Mapping[str, ModelView] = field(default_factory=dict)
+
+
+def fingerprint(signature: SignatureInfo) -> int:
+    """Equal for signatures that decode a request alike: the inputs' names, dtypes and
+    shapes, and the outputs' names in order (what a v2 answer lists); not the framework's
+    tensor names, which two builds of one model may well number differently."""
+    inputs = [(k, v.dtype.str, v.shape) for k, v in signature.inputs.items()]
+    return zlib.crc32(repr((signature.name, signature.method_name, inputs, list(signature.outputs))).encode())
+
+
+def _plain(signature: SignatureInfo) -> SignatureInfo:
+    return SignatureInfo(signature.name, {k: _spec(v) for k, v in signature.inputs.items()},
+                         {k: _spec(v) for k, v in signature.outputs.items()}, signature.method_name)
+
+
+def _spec(spec: TensorSpec) -> TensorSpec:
+    return TensorSpec(spec.name, spec.dtype, None if spec.shape is None else tuple(spec.shape), spec.tensor_name)
+
+
+def version_view(version: int, path: str, platform: str, reads_examples: bool,
+                 signatures: Mapping[str, SignatureInfo]) -> VersionView:
+    plain = {k: _plain(v) for k, v in signatures.items()}
+    return VersionView(version, path, platform, reads_examples, plain, {k: fingerprint(v) for k, v in plain.items()})
+
+
+def build(manager: "Manager", generation: int) -> ServingView:
+    """The view of what ``manager`` serves now."""
+    models = {}
+    for name in manager.models():
+        try:
+            entry = manager.entry(name)
+        except Exception:  # removed meanwhile
+            continue
+        versions = {}
+        for slot in list(entry.versions.values()):
+            servable = slot.servable
+            if slot.state != State.AVAILABLE or servable is None:
+                continue
+            versions[slot.version] = version_view(
+                slot.version, slot.path, str(getattr(servable, "platform", "") or getattr(servable, "backend", "")),
+                bool(servable.reads_examples), servable.signatures)
+        serving = entry.serving if entry.serving in versions else max(versions, default=None)
+        policy = manager.rollout_policy(name)
+        headers = (policy.sticky_header,) if policy is not None and policy.mode == "canary" and policy.sticky_header \
+            else ()
+        models[name] = ModelView(dict(entry.config.labels), versions, serving, headers)
+    return ServingView(generation, models)

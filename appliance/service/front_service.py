@@ -1,0 +1,298 @@
+"""The serving process's side of the handle across processes (appliance/api/remote/).
+
+``FrontService`` talks to every front worker over its channel, on one event loop of its
+own (``start``):
+
+- ``RUN``: ``manager.handle`` resolves the request as the client named it (rollouts route
+  it here, exactly as in one process), then ``await handle.run_async``: the model's one
+  batch queue takes requests from every worker. Inputs decoded against a signature that is
+  not the answering version's are refused with ``STALE`` and the worker decodes again.
+- ``RESOLVE``: what the worker's serving view cannot answer, with the manager's errors.
+- ``WSGI``: a forwarded request runs through the service's own app on a thread of
+  ``threads`` (``server.threads``), answered whole, or streamed chunk by chunk.
+- ``GRPC``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
+  and KServe v2's, on this process's core) with a context of the lean server's kind.
+- ``OBSERVE``: the workers' request metrics join the core's (one registry, one page).
+- ``STATS``: each worker's HTTP figures and memory, merged by ``http_stats``.
+
+It pushes the serving view (appliance/core/serving_view.py) to every worker when it changes
+(checked every ``VIEW_EVERY_S``: a stale view costs a worker a retry, never a wrong answer)
+and a new config after a reload.
+
+Thread-safety: ``attach``, ``broadcast`` and ``close`` from any thread; messages are
+handled on the loop, forwarded requests on the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+import grpc
+
+from appliance.api.remote import messages as m
+from appliance.core import serving_view
+from appliance.core.errors import Unavailable
+from appliance.core.serving_view import ServingView, fingerprint, version_view
+from appliance.transport.channel import ChannelProtocol, Message
+from appliance.transport.grpc.calls import Abort, CallDetails, Context
+from appliance.transport.loop_thread import LoopThread, new_event_loop
+
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
+    from appliance.core.handle import Handle
+
+log = logging.getLogger("appliance.front")
+
+VIEW_EVERY_S = 0.1
+# Figures of the workers' HTTP servers that are settings, not counts: shown once, not summed
+# (the shared-out limits, max_connections and max_buffered_bytes, add up to the port's).
+SETTINGS = frozenset({"server", "tls", "header_timeout_s", "request_timeout_s", "idle_timeout_s",
+                      "max_queue_wait_s", "max_header_bytes", "max_connections", "max_buffered_bytes"})
+
+
+class FrontService:
+    def __init__(self, core: "Appliance", app: Callable[..., Any], threads: int,
+                 on_listening: Callable[[int], None] = lambda index: None):
+        """``on_listening(index)``: a worker's first figures arrived: it listens on the port."""
+        self.core, self.app, self.threads, self.on_listening = core, app, threads, on_listening
+        self.links: dict[int, ChannelProtocol] = {}  # worker index -> its channel
+        self.stats: dict[int, dict[str, Any]] = {}  # worker index -> its last STATS
+        self.view = ServingView(0, {})
+        self._streams: dict[tuple[int, int], threading.Event] = {}  # (worker, id) -> cancelled
+        self._loop: LoopThread | None = None
+        self._grpc_handlers: list[Any] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = LoopThread(self.threads, name="front", loop_factory=new_event_loop)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="front-wsgi")
+        self._loop.loop.call_soon_threadsafe(self._watch_view)
+
+    def close(self) -> None:
+        """Close every worker's channel (they exit on EOF) and stop the loop."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.loop.call_soon_threadsafe(self._close_links)
+            loop.close_loop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def attach(self, index: int, sock: socket.socket) -> None:
+        """A new worker's channel (the supervisor's ``on_start``)."""
+        assert self._loop is not None
+        self._loop.run(self._connect(index, sock))
+
+    async def _connect(self, index: int, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        _, proto = await loop.connect_accepted_socket(
+            lambda: ChannelProtocol(self._on_message, self._on_lost, index), sock)
+        self.links[index] = proto
+        proto.send((m.CONFIG, 0, m.config_plain(self.core.config)))
+        proto.send((m.VIEW, 0, m.view_plain(self.view)))
+
+    def broadcast(self, kind: str, payload: Any) -> None:
+        """Send a push (plain data) to every worker."""
+        for proto in list(self.links.values()):
+            proto.send_threadsafe((kind, 0, payload))
+
+    def push_config(self, config: Any) -> None:
+        self.broadcast(m.CONFIG, m.config_plain(config))
+
+    def _close_links(self) -> None:
+        for proto in list(self.links.values()):
+            proto.shut()
+
+    # -- messages (loop thread) --------------------------------------------------------------
+    def _on_message(self, proto: ChannelProtocol, message: Message) -> None:
+        kind, ident, payload = message
+        if kind == m.RUN:
+            asyncio.get_running_loop().create_task(self._run(proto, ident, m.RunRequest.from_plain(payload)))
+        elif kind == m.RESOLVE:
+            proto.send(self._resolve(ident, *payload))
+        elif kind == m.WSGI:
+            cancelled = self._streams[(proto.index, ident)] = threading.Event()
+            assert self._pool is not None
+            self._pool.submit(self._wsgi, proto, ident, payload, cancelled)
+        elif kind == m.GRPC:
+            asyncio.get_running_loop().create_task(self._grpc(proto, ident, *payload))
+        elif kind == m.CANCEL:
+            flag = self._streams.get((proto.index, payload))
+            if flag is not None:
+                flag.set()
+        elif kind == m.OBSERVE:
+            observe = self.core.metrics.observe_request
+            for observation in payload:
+                observe(*observation)
+        elif kind == m.STATS:
+            first = proto.index not in self.stats
+            self.stats[proto.index] = payload
+            if first:
+                self.on_listening(proto.index)
+
+    def _on_lost(self, proto: ChannelProtocol) -> None:
+        index = proto.index
+        if self.links.get(index) is proto:
+            del self.links[index]
+            self.stats.pop(index, None)
+        for (worker, _), flag in list(self._streams.items()):
+            if worker == index:
+                flag.set()
+
+    async def _run(self, proto: ChannelProtocol, ident: int, request: m.RunRequest) -> None:
+        manager = self.core.manager
+        try:
+            if manager is None:
+                raise Unavailable("the service is stopping")
+            route_key = request.route_headers.get if request.route_headers else None
+            held = manager.handle(request.model, request.version, request.label, route_key)
+        except BaseException as exc:  # the manager's own errors, to the client as they are
+            proto.send((m.FAIL, ident, m.error_to_plain(exc)))
+            return
+        with held:
+            if held.version != request.decoded_version:
+                sig = held.signatures.get(request.signature)
+                if sig is not None and fingerprint(sig) != request.decoded_fingerprint:
+                    proto.send((m.STALE, ident, m.version_plain(_view_of(held))))
+                    return
+            try:
+                outputs = await held.run_async(request.signature, request.inputs)
+            except BaseException as exc:
+                proto.send((m.FAIL, ident, m.error_to_plain(exc)))
+                return
+            proto.send((m.DONE, ident, [held.version, outputs]))
+
+    async def _grpc(self, proto: ChannelProtocol, ident: int, method: str, request: bytes,
+                    metadata: list[list[Any]], seconds_left: float | None) -> None:
+        """A gRPC call a worker forwarded, answered by this process's handler for it."""
+        pairs = tuple((k, v) for k, v in metadata)
+        deadline = None if seconds_left is None else time.monotonic() + seconds_left
+        context = Context(pairs, deadline, "front worker")
+        handler = self._grpc_handler(method, pairs)
+        try:
+            if handler is None:
+                raise Abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+            message = handler.request_deserializer(request) if handler.request_deserializer else request
+            fn = handler.unary_unary
+            if asyncio.iscoroutinefunction(fn):
+                response = await fn(message, context)
+            else:
+                response = await asyncio.get_running_loop().run_in_executor(self._pool, fn, message, context)
+            if context.code not in (None, grpc.StatusCode.OK):
+                raise Abort(context.code, context.details)
+            proto.send((m.DONE, ident, [handler.response_serializer(response) if handler.response_serializer
+                                        else response]))
+        except Abort as exc:
+            proto.send((m.STATUS, ident, [exc.code.name, exc.details, [list(kv) for kv in context.trailing]]))
+        except Exception:  # a handler's own bug: logged here, INTERNAL there
+            log.exception("forwarded gRPC %s failed", method)
+            proto.send((m.STATUS, ident, [grpc.StatusCode.INTERNAL.name, "internal error: see the service log", []]))
+
+    def _grpc_handler(self, method: str, metadata: tuple[tuple[str, Any], ...]) -> Any:
+        if self._grpc_handlers is None:  # built on first use: a service without gRPC never imports it
+            from appliance.api.kserve.grpc_service import V2GRPC
+            from appliance.api.tfserving.grpc_service import TFServingGRPC
+
+            self._grpc_handlers = [*TFServingGRPC(self.core).handlers(), V2GRPC(self.core).handler()]
+        details = CallDetails(method, metadata)
+        for generic in self._grpc_handlers:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+    def _resolve(self, ident: int, name: str, version: int | None, label: str | None) -> Message:
+        manager = self.core.manager
+        try:
+            if manager is None:
+                raise Unavailable("the service is stopping")
+            with manager.handle(name, version, label, judged=False) as held:
+                return (m.DONE, ident, m.version_plain(_view_of(held)))
+        except BaseException as exc:
+            return (m.FAIL, ident, m.error_to_plain(exc))
+
+    # -- forwarded requests (pool threads) -----------------------------------------------------
+    def _wsgi(self, proto: ChannelProtocol, ident: int, payload: tuple[dict[str, str], bytes],
+              cancelled: threading.Event) -> None:
+        env, body = payload
+        environ: dict[str, Any] = {**env, "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr,
+                                   "wsgi.version": (1, 0), "wsgi.multithread": True, "wsgi.multiprocess": True,
+                                   "wsgi.run_once": False}
+        started: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            started[:] = [status, list(headers)]
+            return None
+
+        result: Any = None
+        try:
+            result = self.app(environ, start_response)
+            if isinstance(result, (list, tuple)):
+                proto.send_threadsafe((m.ANSWER, ident, [started[0], started[1], b"".join(result)]))
+                return
+            self._stream(proto, ident, result, started, cancelled)
+        except Exception as exc:  # the app's own failure: logged here, a 500 there
+            log.exception("forwarded %s %s failed", env.get("REQUEST_METHOD"), env.get("PATH_INFO"))
+            proto.send_threadsafe((m.FAIL, ident, m.error_to_plain(exc)))
+        finally:
+            self._streams.pop((proto.index, ident), None)
+            closer = getattr(result, "close", None)
+            if closer is not None:
+                closer()
+
+    @staticmethod
+    def _stream(proto: ChannelProtocol, ident: int, result: Any, started: list[Any],
+                cancelled: threading.Event) -> None:
+        sent = False
+        for chunk in result:
+            if cancelled.is_set():
+                return
+            if not sent:  # start_response may come with the first chunk (PEP 3333)
+                proto.send_threadsafe((m.START, ident, [started[0], started[1]]))
+                sent = True
+            if chunk:
+                proto.send_threadsafe((m.CHUNK, ident, bytes(chunk)))
+        if not sent:
+            proto.send_threadsafe((m.START, ident, [started[0], started[1]]))
+        proto.send_threadsafe((m.END, ident, None))
+
+    # -- the serving view ---------------------------------------------------------------------
+    def _watch_view(self) -> None:
+        """(loop, every VIEW_EVERY_S) Rebuild the view; send it when it changed."""
+        loop = self._loop
+        if loop is None:
+            return
+        manager = self.core.manager
+        if manager is not None:
+            view = serving_view.build(manager, self.view.generation + 1)
+            if view.models != self.view.models:
+                self.view = view
+                plain = m.view_plain(view)
+                for proto in list(self.links.values()):
+                    proto.send((m.VIEW, 0, plain))
+        loop.loop.call_later(VIEW_EVERY_S, self._watch_view)
+
+    # -- status ---------------------------------------------------------------------------------
+    def http_stats(self, base: dict[str, Any]) -> dict[str, Any]:
+        """The workers' HTTP figures together, over ``base`` (the figures of none): counts
+        summed, settings shown once (a limit shared out among workers: the port's total)."""
+        merged = dict(base)
+        reported = [stats.get("http", {}) for stats in list(self.stats.values())]
+        for key, value in base.items():
+            if key in SETTINGS or not reported:
+                continue
+            values = [r.get(key, value) for r in reported]
+            merged[key] = any(values) if isinstance(value, bool) else sum(values)
+        return merged
+
+
+def _view_of(held: "Handle") -> serving_view.VersionView:
+    return version_view(held.version, held.path, held.platform, held.reads_examples, held.signatures)

@@ -1,0 +1,191 @@
+"""A front worker process: the REST port's HTTP and JSON on a core of its own.
+
+    python -m appliance.service.front_worker PORT GRPC_PORT INDEX CHANNEL_FD
+
+Started only by appliance/service/fronts.py, which holds the port (and the gRPC port, 0
+for none) and passes its end of a private channel; the worker listens on them with
+SO_REUSEPORT beside the others. gRPC runs on the lean server's own loop thread
+(appliance/api/remote/grpc_front.py's services). The
+first message on the channel is the service's config, read before anything starts; the
+worker then serves appliance/api/remote/front.py's ``FrontApp`` on appliance/transport/http/
+server.py's server (hot requests on its event loop, the rest on its threads), with its
+share of the port's limits, the channel on the same loop, until the serving process says
+``DRAIN`` (finish what is held, then exit 0) or goes away (EOF, or this process handed to
+init: close everything, exit 1). Ctrl-C in a terminal and systemd's stop reach the whole
+process group: a worker ignores SIGINT and SIGTERM and waits for the serving process's word,
+so the drain happens in its order (the workers, then the models).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from appliance.api.remote import messages as m
+from appliance.api.remote.front import FrontApp, hot_mounts
+from appliance.api.remote.handles import RemoteCore
+from appliance.api.remote.link import Link
+from appliance.core import logs, memory
+from appliance.service.fronts import worker_grpc, worker_limits, workers_for
+from appliance.service.tls import tls_context
+from appliance.transport.channel import ChannelProtocol, Message, read_one
+from appliance.transport.http.server import HTTPServer, listen
+
+log = logging.getLogger("appliance.workers")
+
+REPORT_EVERY_S = 1.0  # HTTP figures and memory to the serving process
+
+
+class Worker:
+    def __init__(self, index: int, port: int, grpc_port: int, sock: socket.socket):
+        self.index, self.port, self.grpc_port, self.sock = index, port, grpc_port, sock
+        self.grpc: Any = None
+        self.workers = 1
+        self.link = Link(self.on_push)
+        self.core: RemoteCore | None = None
+        self.server: HTTPServer | None = None
+        self.done = threading.Event()
+        self.exit_code = 0
+
+    def run(self) -> int:
+        first = read_one(self.sock)
+        if first is None or first[0] != m.CONFIG:
+            return 1
+        config = m.config_from_plain(first[2])
+        logs.setup(config.log_level)
+        core = self.core = RemoteCore(config, self.link)
+        app = FrontApp(core, hot_mounts(core))
+        context = tls_context(config.security) if config.security.tls_cert_file else None
+        workers = self.workers = workers_for(config)
+        self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
+                                 config.server.max_body_bytes, worker_limits(config.limits, workers), context,
+                                 sock=listen(config.server.host, self.port, reuse_port=True), fast=app,
+                                 on_loop=self.open_channel)
+        threading.Thread(target=self.report, name="report", daemon=True).start()
+        memory.tune_gc()
+        self.server.serve_forever()
+        return self.exit_code
+
+    def start_grpc(self, core: RemoteCore, workers: int, loop: asyncio.AbstractEventLoop) -> Any:
+        """The gRPC port's share of this worker, on the HTTP server's loop (so a call's model
+        run is awaited on the loop the link lives on: no hand-off between threads): TF
+        Serving's and KServe v2's services, the token check, the ``[grpc]`` bounds shared out."""
+        from appliance.api.auth import grpc_interceptor
+        from appliance.api.remote.grpc_front import FrontGRPC
+        from appliance.service.grpc_port import connection_share
+        from appliance.transport.grpc.h2_server import LeanServer
+        from appliance.transport.grpc.limits import Limits
+
+        config = core.config
+        cfg = worker_grpc(config.grpc, workers)
+        rest = self.server.max_connections if self.server is not None else 0
+        limits = Limits(max_concurrent_streams=cfg.max_concurrent_streams, max_metadata_size=cfg.max_metadata_size,
+                        max_connections=connection_share(cfg.max_connections, rest),
+                        handshake_timeout_s=cfg.handshake_timeout_s,
+                        stall_timeout_s=cfg.stall_timeout_s,
+                        max_connection_buffer_bytes=cfg.max_connection_buffer_bytes,
+                        max_buffer_bytes=cfg.max_buffer_bytes)
+        options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                   ("grpc.max_send_message_length", cfg.max_message_bytes)]
+        server = LeanServer(config.server.threads, options, [grpc_interceptor(core)], limits=limits, loop=loop)
+        server.add_generic_rpc_handlers([FrontGRPC(core)])
+        host = config.server.host or "0.0.0.0"
+        server.add_insecure_port(f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}",
+                                 reuse_port=True)
+        server.start()
+        return server
+
+    def open_channel(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(the HTTP server's loop, before it serves) The channel, and the gRPC port, join the loop."""
+        if self.grpc_port and self.core is not None:
+            self.grpc = self.start_grpc(self.core, self.workers, loop)
+
+        async def connect() -> None:
+            self.sock.setblocking(False)
+            _, proto = await loop.connect_accepted_socket(
+                lambda: ChannelProtocol(self.link.on_message, self.link.on_lost, self.index), self.sock)
+            self.link.attach(loop, proto)
+            self.send_stats()  # listening: the serving process counts this worker in
+        loop.create_task(connect())
+
+    def on_push(self, message: Message) -> None:
+        """(the loop) What the serving process says unasked."""
+        kind, _, payload = message
+        assert self.core is not None
+        if kind == m.CONFIG:
+            self.core.config = m.config_from_plain(payload)
+        elif kind == m.VIEW:
+            self.core.manager.view = m.view_from_plain(payload)
+        elif kind == m.DRAIN:
+            threading.Thread(target=self.drain, args=(payload,), name="drain", daemon=True).start()
+        elif kind == "eof":  # the serving process is gone: nothing here can be answered any more
+            self.gone()
+
+    def drain(self, timeout: float) -> None:
+        grpc_stop = None
+        if self.grpc is not None:  # both ports drain together
+            grpc_stop = threading.Thread(target=self.grpc.stop, args=(timeout,), name="grpc-drain", daemon=True)
+            grpc_stop.start()
+        if self.server is not None:
+            self.server.drain(timeout)
+        if grpc_stop is not None:
+            grpc_stop.join(timeout + 5)
+        self.done.set()
+
+    def gone(self) -> None:
+        """Stop: the serving process is gone (EOF, or this process was handed to init)."""
+        self.exit_code = 1
+        self.done.set()
+        server = self.server
+        if server is not None:
+            threading.Thread(target=server.close, name="close", daemon=True).start()
+        if self.grpc is not None:
+            threading.Thread(target=self.grpc.stop, args=(0,), name="grpc-close", daemon=True).start()
+
+    def report(self) -> None:
+        """HTTP figures and memory every REPORT_EVERY_S (``/api/status`` ``workers``); and a
+        check that the serving process is still this one's parent, should its EOF be missed."""
+        parent = os.getppid()
+        while not self.done.wait(REPORT_EVERY_S):
+            if os.getppid() != parent:
+                log.error("front worker %d: the serving process (pid %d) is gone; exiting", self.index, parent)
+                self.gone()
+                return
+            self.send_stats()
+
+    def send_stats(self) -> None:
+        server, grpc = self.server, self.grpc
+        if server is not None:
+            stats = {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(server.stats), "served": server.tracker.served}
+            if grpc is not None:
+                stats["grpc"] = {"connections": len(grpc.connections), "held_bytes": grpc.held,
+                                 "max_connections": grpc.limits.max_connections, **grpc.stats.copy()}
+            self.link.send(m.STATS, stats)
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    memory.limit_arenas()
+    port, grpc_port, index, channel_fd = (int(a) for a in argv[-4:])
+    sock = socket.socket(fileno=channel_fd)
+    sock.setblocking(True)
+    return Worker(index, port, grpc_port, sock).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
