@@ -217,7 +217,7 @@ def http_servers() -> Iterator[Any]:
     """``start(app, threads=2, limits=None, security=None)``: appliance.transport.http.server's real
     server on a free loopback port, its loop in a thread; closed and joined at teardown."""
     from appliance.core.config import LimitsConfig
-    from appliance.service.tls import tls_context
+    from appliance.core.tls import tls_context
     from appliance.transport.http.server import HTTPServer
 
     servers: list[tuple[Any, threading.Thread]] = []

@@ -1,5 +1,5 @@
 """Front worker processes (``[server] workers``): inference decoded on every core, batched in
-the one serving process (appliance/service/fronts.py, appliance/api/remote/).
+the one serving process (appliance/fronts/pool.py, appliance/fronts/).
 
 Every server here names ``--workers`` itself: the default (one per CPU) would make these
 tests single-process on a one-CPU machine and prove nothing there.
@@ -230,13 +230,13 @@ def test_a_stale_view_is_decoded_again(models_dir: Path, tmp_path: Path) -> None
     import asyncio
 
     from appliance.api.app import create_app
-    from appliance.api.remote.front import FrontApp, hot_mounts
-    from appliance.api.remote.handles import RemoteCore
-    from appliance.api.remote.link import Link
+    from appliance.fronts.app import FrontApp, hot_mounts
+    from appliance.fronts.remote import RemoteCore
+    from appliance.fronts.link import Link
     from appliance.core.appliance import Appliance
     from appliance.core.config import Config
-    from appliance.core.serving_view import ModelView, ServingView, version_view
-    from appliance.service.front_service import FrontService
+    from appliance.fronts.view import ModelView, ServingView, version_view
+    from appliance.fronts.serving import FrontService
     from appliance.transport.channel import ChannelProtocol
     from runtimes import SignatureInfo
 

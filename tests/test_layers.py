@@ -9,7 +9,8 @@ also those inside functions. The layers, lowest first:
     appliance.core                     runtimes, protos
     appliance.api                      core, protos, ui (the page's blueprint)
     appliance.parts                    core, api, sync
-    appliance.service                  parts, api, transport, core, sync (its load-time checks)
+    appliance.fronts                   api, transport, core (the front workers, one feature)
+    appliance.service                  fronts, parts, api, transport, core, sync (its load-time checks)
     appliance.commands, appliance.cli  everything
 """
 
@@ -33,8 +34,9 @@ ALLOWED: dict[str, set[str]] = {
     "appliance.core": {"runtimes", "appliance.protos"},
     "appliance.api": {"appliance.core", "appliance.protos", "runtimes", "ui"},
     "appliance.parts": {"appliance.core", "appliance.api", "appliance.protos", "sync", "runtimes"},
-    "appliance.service": {"appliance.parts", "appliance.api", "appliance.transport", "appliance.core",
-                          "appliance.protos", "runtimes", "ui", "sync"},
+    "appliance.fronts": {"appliance.api", "appliance.transport", "appliance.core", "appliance.protos", "runtimes"},
+    "appliance.service": {"appliance.fronts", "appliance.parts", "appliance.api", "appliance.transport",
+                          "appliance.core", "appliance.protos", "runtimes", "ui", "sync"},
     "appliance.commands": {"*"},
     "appliance.cli": {"*"},
     "appliance": {"*"},  # the package face: __version__, and lazy re-exports inside __getattr__

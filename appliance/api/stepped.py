@@ -5,7 +5,7 @@
 frames that as (status line, headers, body). ``SteppedAPI`` gives such a family its three
 faces: a WSGI app (``__call__``, the runs on the calling thread), ``dispatch`` (the same,
 unframed) and ``answer_async`` (the runs awaited on an event loop: a front worker's fast
-path, appliance/api/remote/front.py).
+path, appliance/fronts/app.py).
 """
 
 from __future__ import annotations

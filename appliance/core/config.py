@@ -25,7 +25,7 @@ class ServerConfig:
     port: int = 8501
     threads: int = 32  # HTTP worker threads: must cover the concurrent clients batching can merge
     # Front worker processes that parse HTTP and decode/encode JSON on every core while the
-    # serving process batches (appliance/api/remote/): 0 = one per CPU (and per 512 MiB of
+    # serving process batches (appliance/fronts/): 0 = one per CPU (and per 512 MiB of
     # memory at most); 1 (or a one-CPU device) = the single-process path, HTTP in the
     # serving process itself.
     workers: int = 0

@@ -35,9 +35,9 @@ from appliance.api.app import Appliance, create_app
 from appliance.core.config import Config
 from appliance.core.config import load as load_config
 from appliance.core.errors import ConfigError
-from appliance.service.fronts import Fronts, workers_for
+from appliance.fronts.pool import Fronts, workers_for
 from appliance.service.state_lock import StateDirBusy, lock_state_dir
-from appliance.service.tls import tls_context
+from appliance.core.tls import tls_context
 from sync.store import check_version
 from appliance.transport.http.server import HTTPServer
 
@@ -79,7 +79,7 @@ class Service:
         c, security = self.config.server, self.config.security
         context = tls_context(security) if security.tls_cert_file else None  # before binding: fail early
         workers = workers_for(self.config)
-        if workers:  # HTTP and JSON in front worker processes, batches here (appliance/service/fronts.py)
+        if workers:  # HTTP and JSON in front worker processes, batches here (appliance/fronts/pool.py)
             fronts = self.server = Fronts(self.core, self.app, self.config, workers)
             self.core.add_status("workers", fronts.workers_status)
         else:
@@ -177,9 +177,6 @@ class Service:
     def request_reload(self) -> None:
         """What SIGHUP does: the main loop re-reads the config (never a request thread)."""
         self._reload.set()
-
-    def request_stop(self) -> None:
-        self._stop.set()
 
 
 def url_for(config: Config, port: int) -> str:

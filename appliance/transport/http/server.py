@@ -71,7 +71,7 @@ class FastRoutes(Protocol):
     """Requests answered on the event loop itself, by a coroutine: ``route(environ)`` names
     the coroutine for a request, or None (the WSGI app on a worker thread answers it). For
     an app whose work per request is mostly waiting on another process (a front worker,
-    appliance/api/remote/): no thread hand-off in and out of the loop per request. The
+    appliance/fronts/): no thread hand-off in and out of the loop per request. The
     coroutine must not block: what it computes it computes quickly, what it waits for it
     awaits."""
 
@@ -189,7 +189,7 @@ def connection_cap(wanted: int) -> int:
 class HTTPServer:
     """A WSGI app served on ``host:port`` with ``threads`` workers, ``limits`` enforced, and
     TLS when ``ssl_context`` is given (made by the caller before binding, so a bad
-    certificate fails start-up with its config key: appliance/service/tls.py). The
+    certificate fails start-up with its config key: appliance/core/tls.py). The
     constructor binds the port (or takes ``sock``, a listening socket it may share with
     other processes serving the same port) and starts nothing."""
 

@@ -2,7 +2,7 @@
 
 ``FrontApp`` serves a front worker's port. TF Serving's predict/classify/regress and KServe
 v2's infer (``hot_mounts``: the requests whose JSON is the work) are decoded and encoded
-here by the API families' own code on a ``RemoteCore`` (appliance/api/remote/handles.py),
+here by the API families' own code on a ``RemoteCore`` (appliance/fronts/remote.py),
 after the same token check the serving process makes. On the event loop (``route``, the
 HTTP server's fast path: no thread hand-off per request) when the family can answer
 asynchronously, else as WSGI on a worker thread. A request they refuse the token, and every
@@ -22,9 +22,9 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 from appliance.api.auth import authorize
 from appliance.api.body import GzipBodies
 from appliance.api.errors import render_error, status_line
-from appliance.api.remote import messages as m
-from appliance.api.remote.handles import RemoteCore, attempts, attempts_async
-from appliance.api.remote.link import Link
+from appliance.fronts import messages as m
+from appliance.fronts.remote import RemoteCore, attempts, attempts_async
+from appliance.fronts.link import Link
 from appliance.api.routes import Mount, normal, raw_path
 from appliance.core.errors import Unavailable
 

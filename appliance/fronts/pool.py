@@ -1,11 +1,11 @@
 """The REST port served by front worker processes: HTTP and JSON on every core.
 
 With ``[server] workers`` resolving to two or more (``workers_for``), the serving process
-holds the port and starts that many front workers (appliance/service/front_worker.py),
+holds the port and starts that many front workers (appliance/fronts/worker.py),
 each listening on it with SO_REUSEPORT (the kernel spreads new connections over them; one
 shared accept queue would let the first worker to wake take every connection of a burst)
 and answering inference itself (parse, decode, encode) while the serving process runs the
-batches (appliance/api/remote/). It
+batches (appliance/fronts/). It
 stays the one process systemd, sd_notify, ``/api/status``, the page and the metrics see:
 every other request is forwarded to its app, the workers' request metrics join its
 registry, their HTTP figures and memory show under ``/api/status`` ``workers``, and a
@@ -28,7 +28,7 @@ so the configured totals hold.
 
 The gRPC TCP port is the workers' too when it can be held at start-up (``serve_grpc``,
 called by appliance/service/grpc_port.py): inference is answered there, every other
-method forwarded (appliance/api/remote/grpc_front.py). A gRPC Unix socket, and a TCP port
+method forwarded (appliance/fronts/grpc_front.py). A gRPC Unix socket, and a TCP port
 that is retried (``[grpc] bind_retry``), stay with the serving process.
 """
 
@@ -44,11 +44,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from appliance.api.remote import messages as m
+from appliance.fronts import messages as m
 from appliance.core.config import Config, GRPCConfig, LimitsConfig
-from appliance.service.front_service import FrontService
+from appliance.fronts.serving import FrontService
 from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
-from appliance.transport.supervisor import Supervisor
+from appliance.fronts.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -114,7 +114,7 @@ class Fronts:
         self._serving = False
 
     def _argv(self) -> list[str]:
-        return [sys.executable, "-m", "appliance.service.front_worker", str(self.port), str(self.grpc_port)]
+        return [sys.executable, "-m", "appliance.fronts.worker", str(self.port), str(self.grpc_port)]
 
     def serve_grpc(self, host: str, port: int) -> int:
         """Have the workers serve gRPC on ``port`` too (before ``serve_forever``): held here

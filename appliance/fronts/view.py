@@ -1,6 +1,6 @@
 """What serves, as plain data: the view a front worker decodes requests against.
 
-A front worker (appliance/api/remote/) parses and decodes requests in a process of its
+A front worker (appliance/fronts/) parses and decodes requests in a process of its
 own, so it needs, for every model, the signatures of the versions a request may reach and
 which version an unversioned or labelled request gets; it never holds a version. This is
 that view, built from the manager's public read side and small enough to send on every

@@ -1,4 +1,4 @@
-"""The serving process's side of the handle across processes (appliance/api/remote/).
+"""The serving process's side of the handle across processes (appliance/fronts/).
 
 ``FrontService`` talks to every front worker over its channel, on one event loop of its
 own (``start``):
@@ -15,7 +15,7 @@ own (``start``):
 - ``OBSERVE``: the workers' request metrics join the core's (one registry, one page).
 - ``STATS``: each worker's HTTP figures and memory, merged by ``http_stats``.
 
-It pushes the serving view (appliance/core/serving_view.py) to every worker when it changes
+It pushes the serving view (appliance/fronts/view.py) to every worker when it changes
 (checked every ``VIEW_EVERY_S``: a stale view costs a worker a retry, never a wrong answer)
 and a new config after a reload.
 
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
-from appliance.api.remote import messages as m
-from appliance.core import serving_view
+from appliance.fronts import messages as m
+from appliance.fronts import view as serving_view
 from appliance.core.errors import Unavailable
-from appliance.core.serving_view import ServingView, fingerprint, version_view
+from appliance.fronts.view import ServingView, fingerprint, version_view
 from appliance.transport.channel import ChannelProtocol, Message
 from appliance.transport.grpc.calls import Abort, CallDetails, Context
 from appliance.transport.loop_thread import LoopThread, new_event_loop

@@ -3,7 +3,7 @@
 ``RemoteCore`` has what the hot API handlers read of ``Appliance``: ``config``, ``metrics``
 (each request's observation sent to the serving process, which counts it, before the
 answer leaves, so the next scrape sees it) and ``manager``. ``RemoteManager.handle``
-answers from the serving view (appliance/core/serving_view.py) without a round trip and
+answers from the serving view (appliance/fronts/view.py) without a round trip and
 hands out ``RemoteHandle``s, with the face of appliance/core/handle.py's ``Handle``, whose
 ``run``/``run_async`` go through the serving process's batch queues.
 
@@ -26,11 +26,11 @@ import numpy as np
 
 from runtimes import SignatureInfo
 
-from appliance.api.remote import messages as m
-from appliance.api.remote.link import Link
+from appliance.fronts import messages as m
+from appliance.fronts.link import Link
 from appliance.core.config import Config
 from appliance.core.errors import InvalidArgument, Unavailable
-from appliance.core.serving_view import ModelView, ServingView, VersionView
+from appliance.fronts.view import ModelView, ServingView, VersionView
 
 T = TypeVar("T")
 MAX_ATTEMPTS = 4  # decodes of one request while versions with other signatures swap in

@@ -36,7 +36,7 @@ from runtimes import SignatureInfo, TensorSpec
 from appliance.core import config as config_mod
 from appliance.core import errors
 from appliance.core.config import Config
-from appliance.core.serving_view import ModelView, ServingView, VersionView
+from appliance.fronts.view import ModelView, ServingView, VersionView
 
 RUN, RESOLVE, DONE, FAIL, STALE = "run", "resolve", "done", "fail", "stale"
 WSGI, ANSWER, START, CHUNK, END, CANCEL = "wsgi", "answer", "start", "chunk", "end", "cancel"

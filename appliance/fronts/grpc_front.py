@@ -9,7 +9,7 @@ repository) goes whole to the serving process, which runs its own handler for it
 answers, so what those report is always the serving process's state.
 
 ``FrontGRPC`` is the generic handler; ``NeedView``/``StaleView`` of a hot method are handled
-as for REST (appliance/api/remote/handles.py ``attempts``).
+as for REST (appliance/fronts/remote.py ``attempts``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import grpc
 
 from appliance.api.kserve.grpc_service import SERVICE_NAME, V2GRPC
-from appliance.api.remote import messages as m
-from appliance.api.remote.handles import RemoteCore, attempts, attempts_async
-from appliance.api.remote.link import Link
+from appliance.fronts import messages as m
+from appliance.fronts.remote import RemoteCore, attempts, attempts_async
+from appliance.fronts.link import Link
 from appliance.api.tfserving.grpc_service import PREDICTION_SERVICE, TFServingGRPC
 from appliance.core.errors import Unavailable
 

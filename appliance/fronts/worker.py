@@ -1,13 +1,13 @@
 """A front worker process: the REST port's HTTP and JSON on a core of its own.
 
-    python -m appliance.service.front_worker PORT GRPC_PORT INDEX CHANNEL_FD
+    python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD
 
-Started only by appliance/service/fronts.py, which holds the port (and the gRPC port, 0
+Started only by appliance/fronts/pool.py, which holds the port (and the gRPC port, 0
 for none) and passes its end of a private channel; the worker listens on them with
 SO_REUSEPORT beside the others. gRPC runs on the lean server's own loop thread
-(appliance/api/remote/grpc_front.py's services). The
+(appliance/fronts/grpc_front.py's services). The
 first message on the channel is the service's config, read before anything starts; the
-worker then serves appliance/api/remote/front.py's ``FrontApp`` on appliance/transport/http/
+worker then serves appliance/fronts/app.py's ``FrontApp`` on appliance/transport/http/
 server.py's server (hot requests on its event loop, the rest on its threads), with its
 share of the port's limits, the channel on the same loop, until the serving process says
 ``DRAIN`` (finish what is held, then exit 0) or goes away (EOF, or this process handed to
@@ -27,13 +27,13 @@ import sys
 import threading
 from typing import Any
 
-from appliance.api.remote import messages as m
-from appliance.api.remote.front import FrontApp, hot_mounts
-from appliance.api.remote.handles import RemoteCore
-from appliance.api.remote.link import Link
+from appliance.fronts import messages as m
+from appliance.fronts.app import FrontApp, hot_mounts
+from appliance.fronts.remote import RemoteCore
+from appliance.fronts.link import Link
 from appliance.core import logs, memory
-from appliance.service.fronts import worker_grpc, worker_limits, workers_for
-from appliance.service.tls import tls_context
+from appliance.fronts.pool import worker_grpc, worker_limits, workers_for
+from appliance.core.tls import tls_context
 from appliance.transport.channel import ChannelProtocol, Message, read_one
 from appliance.transport.http.server import HTTPServer, listen
 
@@ -77,8 +77,8 @@ class Worker:
         run is awaited on the loop the link lives on: no hand-off between threads): TF
         Serving's and KServe v2's services, the token check, the ``[grpc]`` bounds shared out."""
         from appliance.api.auth import grpc_interceptor
-        from appliance.api.remote.grpc_front import FrontGRPC
-        from appliance.service.grpc_port import connection_share
+        from appliance.fronts.grpc_front import FrontGRPC
+        from appliance.transport.grpc.limits import connection_share
         from appliance.transport.grpc.h2_server import LeanServer
         from appliance.transport.grpc.limits import Limits
 

@@ -24,7 +24,7 @@ import queue
 import threading
 from typing import Any, Callable, Protocol
 
-from appliance.api.remote import messages as m
+from appliance.fronts import messages as m
 from appliance.core.errors import Unavailable
 
 log = logging.getLogger("appliance.front")
