@@ -67,9 +67,11 @@ limit_args() {
 
 # --- the Debian base images --------------------------------------------------------------------
 debian_mirror() {  # this host's own Debian mirror (its apt sources); else deb.debian.org
-  { sed -n 's/^URIs: *\([^ ]*\/debian\)\/*$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null
-    awk '$1 == "deb" && $2 ~ /\/debian\/?$/ {print $2}' /etc/apt/sources.list 2>/dev/null
-    echo http://deb.debian.org/debian; } | head -n1
+  local found
+  found=$({ sed -n 's/^URIs: *\([^ ]*\/debian\)\/*$/\1/p' /etc/apt/sources.list.d/*.sources
+            awk '$1 == "deb" && $2 ~ /\/debian\/?$/ {print $2}' /etc/apt/sources.list; } 2>/dev/null || true)
+  found=${found%%$'\n'*}
+  echo "${found:-http://deb.debian.org/debian}"
 }
 # What each base holds. runtime: Python 3.11 and what the wheels need from the system (libstdc++
 # for grpcio and LiteRT, CA certificates for https/S3 buckets, time zones), no pip, no apt.
@@ -87,11 +89,15 @@ build_base() {  # build_base runtime|builder ARCH
   local kind=$1 arch=$2 tag pkgs mirror out
   tag=$(base_tag "$kind" "$arch")
   if [ "${EDGE_IMAGE_REFRESH_BASE:-0}" != 1 ] && "$ENGINE" image exists "$tag" 2>/dev/null; then echo "$tag"; return; fi
-  command -v mmdebstrap >/dev/null || {
-    [ "$(id -u)" = 0 ] || die "mmdebstrap is missing: apt-get install mmdebstrap (or EDGE_IMAGE_BASE=official)"
-    log "installing mmdebstrap"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null || die "apt-get install mmdebstrap"
-  }
+  local need=()
+  command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
+  [ "$arch" = "$(host_arch)" ] || command -v arch-test >/dev/null || need+=(arch-test)  # mmdebstrap's check of a foreign arch
+  if [ ${#need[@]} -gt 0 ]; then
+    [ "$(id -u)" = 0 ] || die "missing ${need[*]}: apt-get install ${need[*]} (or EDGE_IMAGE_BASE=official)"
+    log "installing ${need[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null \
+      || die "apt-get install ${need[*]}"
+  fi
   pkgs=$RUNTIME_PKGS; [ "$kind" = builder ] && pkgs=$BUILDER_PKGS
   mirror=$(debian_mirror)
   out=$(mktemp -d)
