@@ -161,8 +161,10 @@ cmd_build() {
   case "$arch" in amd64|x86_64) arch=amd64;; arm64|aarch64) arch=arm64;; *) die "unsupported --arch $arch (amd64 or arm64)";; esac
   tag=$REPO:$flavor; [ "$arch" = "$(host_arch)" ] || tag=$REPO:$flavor-$arch
   base=docker.io/library/python:3.11-slim-bookworm; builder=$base
+  local pull=()
   if [ "${EDGE_IMAGE_BASE:-$(command -v apt-get >/dev/null && echo debian || echo official)}" = debian ]; then
     base=$(build_base runtime "$arch"); builder=$(build_base builder "$(host_arch)")
+    pull=(--pull=never)  # local images; podman 4.3 would look for an arm64 builder, not $BUILDPLATFORM's
   fi
   ctx=$(mktemp -d); pipconf=$(mktemp)
   CLEANUP+=("$ctx" "$pipconf")
@@ -171,9 +173,9 @@ cmd_build() {
   revision=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)
   [ -z "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] || revision="$revision-dirty"
   source=$(git -C "$ROOT" remote get-url origin 2>/dev/null || echo unknown)
-  local args=(build --layers --network host -f "$ROOT/deploy/Containerfile" -t "$tag" --platform "linux/$arch"
+  local args=(build "${pull[@]}" --layers --network host -f "$ROOT/deploy/Containerfile" -t "$tag" --platform "linux/$arch"
     --build-arg "BASE_IMAGE=$base" --build-arg "BUILDER_IMAGE=$builder" --build-arg "EXTRAS=$extras"
-    --build-arg "FLAVOR=$flavor" --build-arg "VERSION=$version" --build-arg "REVISION=$revision"
+    --build-arg "BUILDPLATFORM=linux/$(host_arch)" --build-arg "FLAVOR=$flavor" --build-arg "VERSION=$version" --build-arg "REVISION=$revision"
     --build-arg "SOURCE=$source" --build-arg "CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)")
   # shellcheck disable=SC2207
   [ "$ENGINE" = podman ] && args+=(--format docker $(limit_args) $(pip_volumes "$pipconf"))
