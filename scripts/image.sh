@@ -191,8 +191,12 @@ image_size() { "$ENGINE" image inspect --format '{{.Size}}' "$1" | awk '{printf 
 cmd_layers() {  # the image's layers, largest first, with the step that made each
   local tag=${1:-$REPO:lite}
   echo "$tag: $(image_size "$tag") MB, $("$ENGINE" image inspect --format '{{.Os}}/{{.Architecture}}' "$tag")"
-  "$ENGINE" history --no-trunc --format '{{.Size}}\t{{.CreatedBy}}' "$tag" \
-    | awk -F'\t' '$1 != "0B" && $1 != "0 B"' | sort -h -r | cut -c1-220
+  "$ENGINE" history --no-trunc --format json "$tag" | python3 -c '
+import json, sys
+for layer in sorted(json.load(sys.stdin), key=lambda l: -(l.get("size") or 0)):
+    by = (layer.get("createdBy") or layer.get("CreatedBy") or "")[:200]
+    if layer.get("size"):
+        print("%8.1f MB  %s" % (layer["size"] / 1e6, by))' 
 }
 
 [ $# -ge 1 ] || usage

@@ -90,7 +90,7 @@ def test_the_lite_image_is_small_non_root_and_says_what_it_is(lite: str) -> None
 
 def test_the_embedded_default_answers_as_a_non_root_user_with_json_logs(container: Any) -> None:
     c = container()
-    started = c.run()
+    started = c.run(extra=("--read-only",))  # as compose.yaml, the Quadlet unit and the DaemonSet run it
     assert started.returncode == 0, started.stderr
     c.wait_ready()
     r = requests.post(c.url("/v1/models/half_plus_two:predict"), json=PREDICT, timeout=10)
