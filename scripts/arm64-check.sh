@@ -202,7 +202,7 @@ lines = [
     f"The image built by `scripts/image.sh build lite --arch arm64`, run by podman with {qemu_v} registered in a "
     f"private binfmt_misc (scripts/emulate-aarch64.sh), `--network none`, as uid 10001; scripts/arm64_smoke.py "
     f"device ran inside with the image's Python. Command: `scripts/arm64-check.sh --image --record`, {wall_s} s "
-    "wall time in all. **Emulated times are not device times** (see the section above).\n",
+    "wall time in all. **Emulated times are not device times** (see \"aarch64 under emulation\" above).\n",
     "| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows],
 ]
 text = "\n".join(lines) + "\n"
