@@ -23,8 +23,9 @@ import subprocess
 import sys
 
 OURS = {"appliance", "runtimes", "sync", "ui"}
-TEST_DIRS = {"tests", "test", "testing"}
-KEEP = {"numpy/testing"}  # numpy imports numpy.testing from some public modules
+# Only "tests": "testing" and "test" are often real modules (absl.testing, which TensorFlow imports
+# at load time; numpy.testing).
+TEST_DIRS = {"tests"}
 NOT_AT_RUN_TIME = ("pip",)  # whole distributions (see the module docstring)
 STRIP = {b"\x3e\x00": "x86_64-linux-gnu-strip", b"\xb7\x00": "aarch64-linux-gnu-strip"}  # ELF e_machine
 
@@ -36,8 +37,7 @@ def prune_tests(site: str) -> int:
             continue
         for root, dirs, _ in os.walk(os.path.join(site, top)):
             for d in list(dirs):
-                rel = os.path.relpath(os.path.join(root, d), site)
-                if d in TEST_DIRS and rel not in KEEP:
+                if d in TEST_DIRS:
                     freed += _remove(os.path.join(root, d))
                     dirs.remove(d)
     return freed
