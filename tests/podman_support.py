@@ -111,8 +111,16 @@ class Container:
                    f"{self.name} /readyz 200", context=self.log_text, alive=self.exited)
 
     def remove(self) -> None:
-        if self.started:
-            podman("rm", "--force", "--volumes", "--time", "5", self.name, timeout=60)
+        """The container and its anonymous volumes (the image's VOLUMEs it was not given):
+        ``rm --volumes`` leaves some behind when the container ended at once, so they are named
+        and removed here too."""
+        if not self.started:
+            return
+        mounts = podman("inspect", "--format", "{{range .Mounts}}{{.Name}} {{end}}", self.name).stdout.split()
+        podman("rm", "--force", "--volumes", "--time", "5", self.name, timeout=60)
+        anonymous = [m for m in mounts if len(m) == 64 and all(c in "0123456789abcdef" for c in m)]
+        if anonymous:
+            podman("volume", "rm", "--force", *anonymous, timeout=60)
 
 
 def wait_exit(container: Container, timeout: float = 60) -> int:
