@@ -17,7 +17,8 @@ from appliance.core.errors import ConfigError
 
 # In the order ``appliance --help`` lists them.
 COMMAND_MODULES = ("appliance.commands.serve", "appliance.commands.probe", "appliance.commands.discover",
-                   "appliance.commands.fleet", "appliance.commands.tfs", "appliance.commands.rollout")
+                   "appliance.commands.fleet", "appliance.commands.tfs", "appliance.commands.rollout",
+                   "appliance.commands.health")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 #
 #   scripts/arm64-check.sh             # as root on a Debian x86-64 host
 #   scripts/arm64-check.sh --record    # ... and append the figures to bench/RESULTS.md
+#   scripts/arm64-check.sh --image [--record]  # the arm64 OCI image (scripts/image.sh), its smoke run in podman
 #   ARM64=1 scripts/test.sh            # the x86-64 suite, then this
 #
 # 1. An aarch64 Debian bookworm userland (Python 3.11) built with Debian's own tools:
@@ -133,8 +134,91 @@ pip_config() {
   cp /etc/hosts "$ROOTFS/etc/hosts" 2>/dev/null || true
 }
 
-record=0
-[ "${1:-}" = --record ] && record=1
+smoke_models() {  # sets $models: the smoke suite's models, built on the host with TensorFlow (cached)
+  hostvenv=${PYTHON:-$ROOT/.venv/bin/python}
+  if ! "$hostvenv" -c 'import tensorflow' 2>/dev/null; then
+    log "no TensorFlow in $hostvenv: setting up .venv with the tf,tflite extras"
+    "$ROOT/scripts/setup-venv.sh" tf,tflite
+    hostvenv=$ROOT/.venv/bin/python
+  fi
+  models_key=$( { cat "$ROOT/tests/modelgen.py"; sed -n '/^def prepare/,/^# ---/p' "$ROOT/scripts/arm64_smoke.py"; } \
+    | sha256sum | cut -c1-12)
+  models=$CACHE/models-$models_key
+  if [ ! -f "$models/.complete" ]; then
+    log "building the smoke models with $hostvenv"
+    rm -rf "$models.tmp"
+    (cd "$ROOT" && "$hostvenv" scripts/arm64_smoke.py prepare "$models.tmp") > "$CACHE/prepare.log" 2>&1 \
+      || { tail -30 "$CACHE/prepare.log" >&2; die "building the smoke models"; }
+    touch "$models.tmp/.complete"; rm -rf "$models"; mv "$models.tmp" "$models"
+  fi
+}
+
+# --- --image: the arm64 OCI image (issue 32), its smoke run under emulation -------------------
+# scripts/image.sh builds localhost/edge-appliance:lite-arm64 without emulation (its runtime
+# stage only copies); here podman runs it in scripts/emulate-aarch64.sh's private namespace
+# (qemu registered there only), with no network (a network namespace of its own: the smoke
+# suite talks to the service on the container's own loopback), as uid 10001, and
+# scripts/arm64_smoke.py device runs inside with the image's own Python and `appliance`.
+image_check() {
+  local tag out t0 build_s smoke_s
+  mkdir -p "$CACHE"
+  QEMU=$(choose_qemu)
+  log "emulator: $("$QEMU" --version | head -n1)"
+  smoke_models
+  t0=$(date +%s.%N)
+  tag=$("$ROOT/scripts/image.sh" build lite --arch arm64) || die "scripts/image.sh build lite --arch arm64"
+  build_s=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.0f", b - a}')
+  out=$(mktemp -d); chmod 0777 "$out"
+  log "smoke suite in $tag under emulation (podman run --network none, scripts/arm64_smoke.py device)"
+  t0=$(date +%s.%N)
+  # shellcheck disable=SC2046
+  ARM64_QEMU=$QEMU "$ROOT/scripts/emulate-aarch64.sh" podman run --rm --network none \
+    $("$ROOT/scripts/image.sh" podman-args) -v "$models:/smoke/models:ro" -v "$out:/smoke/out" \
+    -v "$ROOT/scripts/arm64_smoke.py:/smoke/arm64_smoke.py:ro" --entrypoint /opt/edge-appliance/venv/bin/python \
+    "$tag" /smoke/arm64_smoke.py device /smoke/models /smoke/out/results.json \
+    || die "the aarch64 smoke suite in $tag (see above)"
+  smoke_s=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.0f", b - a}')
+  "$(command -v python3)" - "$out/results.json" "$QEMU" "$tag" "$build_s" "$smoke_s" "$(( $(date +%s) - t_start ))" \
+    "$record" "$ROOT/bench/RESULTS.md" "$("$ROOT/scripts/image.sh" layers "$tag" | head -n1)" <<'PY'
+import json, os, platform, subprocess, sys, time
+results, qemu, tag, build_s, smoke_s, wall_s, record, results_md, size_line = sys.argv[1:]
+r = json.load(open(results))
+qemu_v = subprocess.run([qemu, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+rows = [
+    ("image", f"`{tag}`: {size_line.split(': ', 1)[1]}"),
+    ("LiteRT in the image", r["litert"]),
+    ("`scripts/image.sh build lite --arch arm64`, s (no emulation: the runtime stage only copies; layers cached)", build_s),
+    ("smoke suite in the container, s", smoke_s),
+    ("first start to /readyz 200, s (embedded default: publish, sync, select, load)", r["first_start_s"]),
+    (f"cold start to /readyz 200, s (restart, decision cached; median of {len(r['restarts_s'])})", r["cold_start_s"]),
+    ("RSS idle, MB: embedded default (half_plus_two)", r["rss_idle_mb"]),
+    ("hot swap: `appliance publish` of v2 to v2 answering, s",
+     f"{r['swap_s']} ({r['swap_requests']} requests across it: {r['swap_answers']['v1']} answered by v1, "
+     f"{r['swap_answers']['v2']} by v2, none failed)"),
+]
+lines = [
+    f"\n## The arm64 OCI image under emulation, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n",
+    f"Host: {platform.machine()}, {os.cpu_count()} CPUs, shared (load average {os.getloadavg()[0]:.1f} at the end). "
+    f"The image built by `scripts/image.sh build lite --arch arm64`, run by podman with {qemu_v} registered in a "
+    f"private binfmt_misc (scripts/emulate-aarch64.sh), `--network none`, as uid 10001; scripts/arm64_smoke.py "
+    f"device ran inside with the image's Python. Command: `scripts/arm64-check.sh --image --record`, {wall_s} s "
+    "wall time in all. **Emulated times are not device times** (see \"aarch64 under emulation\" above).\n",
+    "| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows],
+]
+text = "\n".join(lines) + "\n"
+print(text)
+if record == "1":
+    with open(results_md, "a") as f:
+        f.write(text)
+PY
+  rm -rf "$out"
+  log "PASSED in $(( $(date +%s) - t_start )) s"
+}
+
+record=0 image=0
+while [ $# -gt 0 ]; do
+  case "$1" in --record) record=1; shift;; --image) image=1; shift;; *) break;; esac
+done
 [ "$(id -u)" = 0 ] || die "run as root (debootstrap, chroot and namespaces need it)"
 BINDS=$(mktemp); PIP_CACHE=$CACHE/pip-cache
 trap 'rm -f "$BINDS"' EXIT
@@ -144,6 +228,7 @@ if [ "${1:-}" = --run ]; then  # --run CMD...: run CMD in the cached userland (t
 fi
 [ "$(uname -m)" = x86_64 ] || log "host is $(uname -m), not x86_64: this still emulates aarch64"
 t_start=$(date +%s)
+if [ "$image" = 1 ]; then image_check; exit; fi
 
 need=()
 command -v debootstrap >/dev/null || need+=(debootstrap)
@@ -177,22 +262,7 @@ in_chroot python3 -c 'import platform, sys; assert platform.machine() == "aarch6
   || die "python3 in the chroot is not an aarch64 Python"
 
 # --- 2. test models, built on the host with TensorFlow -------------------------------------
-hostvenv=${PYTHON:-$ROOT/.venv/bin/python}
-if ! "$hostvenv" -c 'import tensorflow' 2>/dev/null; then
-  log "no TensorFlow in $hostvenv: setting up .venv with the tf,tflite extras"
-  "$ROOT/scripts/setup-venv.sh" tf,tflite
-  hostvenv=$ROOT/.venv/bin/python
-fi
-models_key=$( { cat "$ROOT/tests/modelgen.py"; sed -n '/^def prepare/,/^# ---/p' "$ROOT/scripts/arm64_smoke.py"; } \
-  | sha256sum | cut -c1-12)
-models=$CACHE/models-$models_key
-if [ ! -f "$models/.complete" ]; then
-  log "building the smoke models with $hostvenv"
-  rm -rf "$models.tmp"
-  (cd "$ROOT" && "$hostvenv" scripts/arm64_smoke.py prepare "$models.tmp") > "$CACHE/prepare.log" 2>&1 \
-    || { tail -30 "$CACHE/prepare.log" >&2; die "building the smoke models"; }
-  touch "$models.tmp/.complete"; rm -rf "$models"; mv "$models.tmp" "$models"
-fi
+smoke_models
 rm -rf "$ROOTFS$DEV"; mkdir -p "$ROOTFS$DEV/src" "$ROOTFS$DEV/out"
 (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 tar -c --ignore-failed-read -f - 2>/dev/null) \
   | tar -x -C "$ROOTFS$DEV/src"

@@ -11,6 +11,11 @@ command -v chromium >/dev/null || need+=(chromium)
 command -v systemd-analyze >/dev/null || need+=(systemd)
 command -v ip >/dev/null || need+=(iproute2)
 command -v h2load >/dev/null || need+=(nghttp2-client)  # nghttp2's h2load: an HTTP/2 client for the gRPC port's interop test
+# The OCI image's tests (tests/test_image.py): podman with runc, and mmdebstrap for the Debian
+# base images (scripts/image.sh); their caches (base images, layers, pip downloads) live in
+# podman's storage, outside the checkout, so a later run on this machine reuses them.
+command -v podman >/dev/null || need+=(podman runc conmon catatonit uidmap containernetworking-plugins)
+command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
@@ -25,6 +30,24 @@ if command -v npm >/dev/null && [ ! -d "$GRPC_JS_DIR/node_modules/@grpc/grpc-js"
   mkdir -p "$GRPC_JS_DIR"
   npm install --no-audit --no-fund --silent --prefix "$GRPC_JS_DIR" "@grpc/grpc-js@^1.14" >/dev/null \
     || echo "could not install @grpc/grpc-js into $GRPC_JS_DIR; the grpc-js test will try again" >&2
+fi
+# podman's Quadlet generator for tests/test_deploy.py: Debian's podman 4.3 has none (Quadlet came
+# with 4.4), so it is taken from Debian's newer podman package (trixie) into a cache, with a
+# private apt state: nothing is installed or changed on the host.
+QUADLET_DIR="$HOME/.cache/edge-appliance/quadlet"
+if [ ! -x /usr/libexec/podman/quadlet ] && [ ! -x "$QUADLET_DIR/usr/libexec/podman/quadlet" ]; then
+  apt_dir=$(mktemp -d)
+  mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$QUADLET_DIR"
+  echo "deb http://deb.debian.org/debian trixie main" > "$apt_dir/sources.list"
+  apt_opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
+            -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o APT::Sandbox::User=root)
+  if apt-get "${apt_opts[@]}" update -qq >/dev/null 2>&1 \
+      && (cd "$apt_dir" && apt-get "${apt_opts[@]}" download -qq podman >/dev/null 2>&1); then
+    dpkg-deb --fsys-tarfile "$apt_dir"/podman_*.deb | tar -x -C "$QUADLET_DIR" ./usr/libexec/podman/quadlet
+  else
+    echo "could not fetch podman's Quadlet generator; its test will skip" >&2
+  fi
+  rm -rf "$apt_dir"
 fi
 # ARM64=1: then the aarch64 check (scripts/arm64-check.sh: the LiteRT-only install served
 # under qemu-user emulation). Opt-in: it takes longer than CI's whole budget.

@@ -75,14 +75,17 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def uses_embedded_default(config: Config) -> bool:
+    """No bucket, no models: ``embedded_default`` will serve the bundled sample."""
+    return not (config.sync.bucket or config.models or config.models_dir)
+
+
 def embedded_default(config: Config) -> bool:
     """A configured bucket serves its synced store ``<state>/models``. With no models and no
     bucket: publish the bundled sample into a local-folder bucket ``<state>/bucket`` and
     follow it, so the first run exercises the same path a fleet device does. True when the
     embedded default is in use."""
-    if config.sync.bucket:  # the sync part serves its store <state>/models (appliance/parts/sync_loop.py)
-        return False
-    if config.models or config.models_dir:
+    if not uses_embedded_default(config):  # a bucket's synced store, or the models configured
         return False
     from sync.publisher import publish
     from sync.source import open_source
@@ -135,10 +138,12 @@ def quick_start_lines(config: Config, url: str, status: dict[str, Any]) -> list[
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.core.config_file import load as load_config
-    from appliance.service import main
+    from appliance.service import main, state_check
 
     overrides = serve_overrides(args)
     config = load_config(args.config, overrides)
+    if state_check.required(uses_embedded_default(config)):
+        state_check.require_writable(config.state_dir)  # ConfigError: said, exit 2, nothing bound yet
     banner = (lambda url, status: quick_start_lines(config, url, status)) if embedded_default(config) else None
     return main(config, args.config, overrides, banner)
 

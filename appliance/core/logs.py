@@ -1,5 +1,9 @@
 """Structured logs to stderr: one JSON object per line, journald-friendly.
 
+``EDGE_APPLIANCE_LOG_STREAM=stdout`` sends them to stdout instead: the OCI image sets it, since
+a container's log collector reads JSON lines from stdout (the few plain lines for a person,
+"listening on", "ready", a start-up error, stay on stderr).
+
 Under systemd (``JOURNAL_STREAM`` set) no timestamp is written, since journald adds its
 own; elsewhere each line carries ``ts``. Extra fields given with ``extra=`` (model,
 version, event, request id) become keys of the object.
@@ -34,8 +38,11 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(data, default=str)
 
 
+STREAM_ENV = "EDGE_APPLIANCE_LOG_STREAM"
+
+
 def setup(level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(sys.stdout if os.environ.get(STREAM_ENV) == "stdout" else sys.stderr)
     handler.setFormatter(JSONFormatter(with_time=not os.environ.get("JOURNAL_STREAM")))
     root = logging.getLogger()
     root.handlers[:] = [handler]
