@@ -42,7 +42,7 @@ def service_url(args: argparse.Namespace) -> str:
     """Where the service listens, as the module docstring says."""
     if args.url:
         return str(args.url).rstrip("/")
-    from appliance.core.config import load as load_config
+    from appliance.core.config_file import load as load_config
 
     config = load_config(args.config, {"state_dir": args.state})
     try:
