@@ -46,3 +46,4 @@ class Refused(SyncError):
         self.key = key  # the object judged ("" when the refusal is about no single object)
         self.etag = etag  # its ETag when the source saw one; None: unknown
         self.version: int | None = None  # the version refused, where the follower knows it
+        self.fresh = False  # the follower fetched and judged the objects now (not a standing refusal)

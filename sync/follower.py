@@ -101,7 +101,8 @@ class Follower:
     def _note_refusal(self, model: str, exc: Refused) -> None:
         """Keep the model's refusal with its original reason; an event only when it is new."""
         standing = self.refused.get(model)
-        if standing is not None and standing["reason"] == str(exc) and standing["version"] == exc.version:
+        if standing is not None and standing["reason"] == str(exc) and standing["version"] == exc.version \
+                and not exc.fresh:
             return
         self.refused = {**self.refused, model: {"version": exc.version, "reason": str(exc), "since": time.time()}}
         what = f"{model} version {exc.version}" if exc.version is not None else model
@@ -134,6 +135,7 @@ class Follower:
         except Refused as exc:
             if exc.etag:
                 self._cache[key] = (exc.etag, exc)
+            exc.fresh = True
             raise
         if fetched.status == NOT_MODIFIED and key in self._cache:
             if isinstance(cached, Refused):
@@ -146,10 +148,12 @@ class Follower:
             doc = parse(fetched.data)
         except Refused as exc:
             self._cache[key] = (fetched.etag, exc)
+            exc.fresh = True
             raise
         except (ValueError, AttributeError, TypeError) as exc:
             refusal = Refused(f"{key} is malformed: {exc}")
             self._cache[key] = (fetched.etag, refusal)
+            refusal.fresh = True
             raise refusal from exc
         self._cache[key] = (fetched.etag, doc)
         return doc
@@ -169,7 +173,7 @@ class Follower:
             return int(index), None
         listed = sorted((int(v) for v in self.source.list_dirs(model) if is_version_name(v)), reverse=True)
         for version in listed:  # no index (hand-made bucket): the newest version with a manifest
-            if version in self.store.versions(model) or self.source.read(f"{model}/{version}/{MANIFEST}").status != MISSING:
+            if version in self.store.versions(model) or self.source.head(f"{model}/{version}/{MANIFEST}").status != MISSING:
                 return version, None
         return None, None
 
@@ -293,6 +297,7 @@ class Follower:
         except Refused as exc:
             self._refusals.record(model, version, str(exc), objects_judged(key, exc.etag if exc.key == key else etag, exc),
                                   created)
+            exc.fresh = True
             raise _about(exc, version)
         self._refusals.clear(model, version)
         faults.point("before_commit")

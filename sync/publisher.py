@@ -40,7 +40,7 @@ def committed_versions(source: Any, model: str) -> list[int]:
     if index.status != MISSING:
         return sorted(int(v) for v in json.loads(index.data).get("versions", []) if is_version_name(str(v)))
     listed = [int(v) for v in source.list_dirs(model) if is_version_name(v)]
-    return sorted(v for v in listed if source.read(f"{model}/{v}/{MANIFEST}").status != MISSING)
+    return sorted(v for v in listed if source.head(f"{model}/{v}/{MANIFEST}").status != MISSING)
 
 
 def next_version(source: Any, model: str) -> int:
@@ -59,7 +59,7 @@ def publish(source: Any, model: str, directory: str, version: int | None = None,
     if getattr(source, "root", None):  # a new folder bucket: the publisher creates it
         os.makedirs(source.root, exist_ok=True)
     version = next_version(source, model) if version is None else check_version_number(version, f"{model} --version")
-    if source.read(f"{model}/{version}/{MANIFEST}").status != MISSING:
+    if source.head(f"{model}/{version}/{MANIFEST}").status != MISSING:
         raise Refused(f"{model} version {version} is already published; versions are immutable")
     expires = time.time() + expires_days * DAY_S if expires_days else 0
     doc = build(model, version, directory, publisher or _whoami(), expires, compat)
@@ -119,7 +119,7 @@ def set_channel(source: Any, model: str, channel: str, version: int, sign_key: A
     if not MODEL_NAME.match(channel):
         raise Refused(f"channel name {channel!r}: use letters, digits, '.', '_' and '-'")
     version = check_version_number(version, f"{model} channel {channel}")
-    if source.read(f"{model}/{version}/{MANIFEST}").status == MISSING:
+    if source.head(f"{model}/{version}/{MANIFEST}").status == MISSING:
         raise Refused(f"{model} version {version} is not published (no {MANIFEST})")
     doc = channel_doc(model, channel, version, time.time() + expires_days * DAY_S if expires_days else 0)
     if waves:
@@ -129,7 +129,7 @@ def set_channel(source: Any, model: str, channel: str, version: int, sign_key: A
         doc["failure_threshold"] = check_failure_threshold(failure_threshold, f"{model} channel {channel}")
     if candidate is not None:
         candidate = check_version_number(candidate, f"{model} channel {channel} candidate")
-        if source.read(f"{model}/{candidate}/{MANIFEST}").status == MISSING:
+        if source.head(f"{model}/{candidate}/{MANIFEST}").status == MISSING:
             raise Refused(f"candidate {model} version {candidate} is not published (no {MANIFEST})")
         if candidate <= version:
             raise Refused(f"candidate version {candidate} must be above the channel's version {version}")

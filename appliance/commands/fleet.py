@@ -106,7 +106,9 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
     source = bucket(args)
     also = (args.model, args.channel) if args.model and args.channel else None
-    view = snapshot(source, report_cache(args), args.workers, also=also)
+    cache = report_cache(args)
+    view = snapshot(source, cache, args.workers, also=also)
+    cache.save()
     if args.register_keys:
         register(source, view)
     rows = [r for r in view["devices"] if row_matches(r, args)]

@@ -69,6 +69,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     bucket, cache, last = source(args), report_cache(args), ""
     while True:
         round_ = watch_round(bucket, args.model, args.channel, cache, signing_key(args.sign_key))
+        cache.save()
         text = "\n".join(progress_lines(round_.progress))
         if text != last:
             print(time.strftime("%Y-%m-%d %H:%M:%S %z ") + text, flush=True)

@@ -146,21 +146,24 @@ class Reporter:
         snapshot = manager.snapshot() if manager is not None else {}
         return any(v.get("state") in ("NEW", "LOADING") for m in snapshot.values() for v in m.get("versions", []))
 
-    def _note_health(self) -> None:
-        """A flip of health or a change of the problems is a change to report."""
+    def _health_now(self) -> tuple[Any, ...] | None:
         try:
-            health = (bool(self.core.ready()), tuple(map(str, self.core.problems())))
+            return bool(self.core.ready()), tuple(map(str, self.core.problems()))
         except Exception:  # the core closing under us
-            return
-        if self._health is not None and health != self._health:
+            return None
+
+    def _note_health(self) -> None:
+        """Health or problems other than the last report said: a change to report."""
+        health = self._health_now()
+        if health is not None and self._health is not None and health != self._health:
             with self._cond:
                 self._dirty.add("health")
-        self._health = health
 
     # -- writing ---------------------------------------------------------------------------
     def _write(self, trigger: str) -> None:
         with self._cond:
             taken, self._dirty = self._dirty, set()
+        health = self._health_now()
         try:
             doc = self.build(trigger)
             if self._key is not None:
@@ -175,6 +178,7 @@ class Reporter:
         else:
             self.last_error = ""
             self.writes += 1
+            self._health = health
             self._written_at = self.clock()
             self._heartbeat = self._jittered(self.cfg.report_interval_s)
         self._tried_at = self.clock()
