@@ -202,3 +202,59 @@ def test_an_idle_poll_of_every_model_is_one_conditional_request(tmp_path: Path) 
     for _ in range(3):
         assert device.follower.sync_once().requests == 1  # the channel pointer, answered "not modified"
     assert device.follower.sync_once(force=True).requests == 2  # appliance sync: the list of models too
+
+
+def test_the_loop_backs_off_only_when_the_bucket_says_slow_down(tmp_path: Path) -> None:
+    """A real HTTP bucket answering 503 + Retry-After (what S3's SlowDown is): the loop waits
+    as long as it asks, up to sync.max_backoff_s. The same bucket unreachable: the loop tries
+    again at the poll interval, so a device is back within an interval of the bucket's return."""
+    import http.server
+    import threading
+    import types
+
+    from appliance.core.config import Config
+    from appliance.core.metrics import Metrics
+    from appliance.core.state import StateDB
+    from appliance.parts.sync_loop import SyncLoop
+
+    class SlowDown(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(503)
+            self.send_header("Retry-After", "7")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowDown)
+    thread = threading.Thread(target=server.serve_forever, name="slow-down")
+    thread.start()
+
+    def stop() -> None:
+        if thread.is_alive():
+            server.shutdown()
+            server.server_close()
+            thread.join(10)
+
+    config = Config()
+    config.state_dir = str(tmp_path / "state")
+    config.sync.bucket = f"http://127.0.0.1:{server.server_address[1]}"
+    config.sync.models, config.sync.poll_interval_s, config.sync.max_backoff_s, config.sync.jitter = ["m"], 0.5, 5.0, 0.0
+    db = StateDB(":memory:").open()
+    core = types.SimpleNamespace(device={}, db=db, manager=None, device_id="test", add_status=lambda *a: None,
+                                 metrics=Metrics(), add_source=lambda *a: types.SimpleNamespace(scan=lambda: None))
+    loop = SyncLoop(types.SimpleNamespace(config=config, core=core))
+    try:
+        assert loop._poll() == pytest.approx(5.0)  # Retry-After 7, capped at max_backoff_s
+        assert "HTTP 503" in loop.status["last_error"]
+        stop()
+        for _ in range(4):  # unreachable now: the interval every time, however many failures
+            assert loop._poll() == pytest.approx(0.5)
+        assert loop.status["failures"] == 5
+        kinds = [e["message"] for e in db.recent(10) if e["kind"] == "sync_error"]
+        assert any("backing off" in m for m in kinds) and any("retrying at the poll interval" in m for m in kinds)
+    finally:
+        stop()
+        loop.source.close()
+        db.close()
