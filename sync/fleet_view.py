@@ -139,8 +139,8 @@ def rollout_progress(entries: list[Entry], rows: list[dict[str, Any]], model: st
     on_target = sorted(d for d, s in states.items() if s["state"] == "on-target")
     failing = [{"device_id": d, "state": s["state"], "version": target, "reason": s["reason"]}
                for d, s in sorted(states.items()) if s["state"] in ("refused", "failed")]
-    others = Counter(str(s["serving"]) for s in states.values() if s["state"] != "on-target")
-    serving = Counter(str(s["serving"]) for s in states.values())
+    others = Counter(_version_key(s["serving"]) for s in states.values() if s["state"] != "on-target")
+    serving = Counter(_version_key(s["serving"]) for s in states.values())
     waves = _waves(members, states, pointer, target, now)
     return {"model": model, "channel": channel, "target_version": target,
             "candidate_version": (pointer or {}).get("candidate"), "pointer_created": (pointer or {}).get("created"),
@@ -155,6 +155,10 @@ def rollout_progress(entries: list[Entry], rows: list[dict[str, Any]], model: st
             "failing": failing, "waves": waves, "threshold": _threshold(pointer, waves),
             "unreadable_reports": sorted(e.device_id for e in entries if e.report is None),
             **_decisions(reports, members, model)}
+
+
+def _version_key(version: Any) -> str:
+    return "none" if version is None else str(version)
 
 
 def _waves(members: list[dict[str, Any]], states: dict[str, dict[str, Any]], pointer: dict[str, Any] | None,
