@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from . import faults
 from .errors import Refused, SourceError, Throttled
 from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, Listed, Pacer, copy_limited, join, read_limited
 
@@ -138,9 +139,14 @@ class S3Source:
         with open(path, "r+b" if offset else "wb") as f:
             f.seek(offset)
             f.truncate()
+            first = [True]
+
             def write(block: bytes) -> None:
                 f.write(block)
                 f.flush()  # what arrived is on disk: a resume after a kill or stall starts there
+                if first[0]:
+                    first[0] = False
+                    faults.point("mid_download")  # the kill -9 tests and the fleet benchmark stop here
 
             try:
                 copy_limited(obj["Body"].read, write, room, key, Pacer(f"GET {key}", self.limits))

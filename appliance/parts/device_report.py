@@ -10,7 +10,9 @@ what it refused and why, following the device's state.
   events in ``QUIET_EVENTS`` announce work in progress and wait for its outcome), a flip of
   the device's health, or a change of its problems;
 * coalesced: at most one write per poll interval (jittered like the polls), so a burst of
-  changes is one write and a fleet does not write in lockstep;
+  changes is one write and a fleet does not write in lockstep; a change is written once no
+  version is loading or unloading (a swap's "loaded" and the old version's "unloaded" are
+  one write, not two a window apart), or ``SETTLE_S`` after it at the latest;
 * and as a heartbeat every ``sync.report_interval_s`` (jittered), so a report older than
   three heartbeats means the device is gone: the fleet view shows it as stale.
 
@@ -41,6 +43,8 @@ log = logging.getLogger("appliance.report")
 QUIET_EVENTS = frozenset({"load_start", "unload_start", "sync_fetch", "sync_committed", "sync_config", "sync_error",
                           "report_failed", "service_start", "service_stop", "warmup_warning"})
 MAX_PROBLEMS = 50
+SETTLE_S = 2.0  # the longest a change waits for the versions in motion to settle before it is written
+TRANSIENT_STATES = ("NEW", "LOADING", "UNLOADING")
 
 
 class Reporter:
@@ -53,6 +57,7 @@ class Reporter:
         self._cond = threading.Condition()
         self._stop = False
         self._dirty: set[str] = {"start"}
+        self._dirty_since: float | None = None  # when the first change not yet written came
         self._tried_at: float | None = None  # monotonic time of the last attempt: the coalescing window
         self._written_at: float | None = None  # ... of the last write that reached the bucket: the heartbeat
         self._gap = self._jittered(self.cfg.poll_interval_s)
@@ -90,6 +95,8 @@ class Reporter:
             return
         with self._cond:
             self._dirty.add(kind)
+            if self._dirty_since is None:
+                self._dirty_since = self.clock()
             self._cond.notify_all()
 
     def poll_done(self) -> None:
@@ -123,7 +130,7 @@ class Reporter:
         if self._tried_at is not None:
             window = self._tried_at + self._gap - now
             beat = (self._written_at if self._written_at is not None else self._tried_at) + self._heartbeat - now
-            wait = min(wait, max(window, beat if not self._dirty else window))
+            wait = min(wait, max(window, 0.1) if self._dirty else max(window, beat))  # 0.1: settling
         return max(0.01, wait)
 
     def _due(self) -> str:
@@ -132,19 +139,21 @@ class Reporter:
         with self._cond:
             dirty = sorted(self._dirty)
         if self._tried_at is None:
-            settled = self.loop.polls_done > 0 and not self._loading()
+            settled = self.loop.polls_done > 0 and not self._in_motion(("NEW", "LOADING"))
             return "start" if settled or now - self._started >= self.cfg.poll_interval_s else ""
         if now - self._tried_at < self._gap:
             return ""
         if dirty:
-            return "change: " + ", ".join(dirty)
+            since = self._dirty_since if self._dirty_since is not None else now
+            return "change: " + ", ".join(dirty) if now - since >= SETTLE_S or not self._in_motion() else ""
         last = self._written_at if self._written_at is not None else self._tried_at
         return "heartbeat" if now - last >= self._heartbeat else ""
 
-    def _loading(self) -> bool:
+    def _in_motion(self, states: tuple[str, ...] = TRANSIENT_STATES) -> bool:
+        """Some version is in one of ``states`` (being loaded or unloaded)."""
         manager = self.core.manager
         snapshot = manager.snapshot() if manager is not None else {}
-        return any(v.get("state") in ("NEW", "LOADING") for m in snapshot.values() for v in m.get("versions", []))
+        return any(v.get("state") in states for m in snapshot.values() for v in m.get("versions", []))
 
     def _health_now(self) -> tuple[Any, ...] | None:
         try:
@@ -162,7 +171,7 @@ class Reporter:
     # -- writing ---------------------------------------------------------------------------
     def _write(self, trigger: str) -> None:
         with self._cond:
-            taken, self._dirty = self._dirty, set()
+            taken, self._dirty, self._dirty_since = self._dirty, set(), None
         health = self._health_now()
         try:
             doc = self.build(trigger)
@@ -172,6 +181,7 @@ class Reporter:
         except Exception as exc:  # the bucket down, the core closing: retried at the next window
             with self._cond:
                 self._dirty |= taken or {"retry"}
+                self._dirty_since = self._dirty_since or self.clock()
             if str(exc) != self.last_error:
                 self.loop._event("report_failed", f"could not write the device report: {exc}")
             self.last_error = str(exc)

@@ -179,7 +179,7 @@ class SyncLoop:
         bucket requests made by the polls and by the report writer."""
         reports = self.reporter.source.requests if self.reporter is not None else 0
         return {**self.status, "refused": dict(self.follower.refused), "waves": dict(self.follower.waves),
-                "requests": {"polls": self.source.requests, "reports": reports},
+                "polls": self.polls_done, "requests": {"polls": self.source.requests, "reports": reports},
                 "report_error": self.reporter.last_error if self.reporter is not None else ""}
 
     def on_hook(self, what: str, service: Any) -> None:
