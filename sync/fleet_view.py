@@ -50,7 +50,8 @@ def device_row(entry: Entry, registry: dict[str, str], now: float | None = None)
            "problems": [p if isinstance(p, str) else p.get("message", str(p)) if isinstance(p, dict) else str(p)
                         for p in (report.get("problems") or [])],
            "last_error": report.get("last_error") or "", "error": entry.error,
-           "trust": trust_mark(report, registry.get(entry.device_id)) if entry.report is not None else UNSIGNED,
+           "trust": trust_mark(report, registry.get(entry.device_id), entry.signature_holds)
+           if entry.report is not None else UNSIGNED,
            "anomalies": _anomalies(entry, report)}
     row["status"] = _status(row, entry, now - written > STALE_HEARTBEATS * interval)
     return row

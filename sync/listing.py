@@ -8,8 +8,8 @@ many requests in flight.
 2. a report whose ETag the cache already holds is taken from the cache: a repeated view
    (``appliance fleet`` again, the fleet page's refresh, ``rollout watch``) reads only the
    reports written since, where a conditional GET per report would still cost a request each;
-3. the rest are read with ``workers`` requests in flight. On S3, botocore presigns each GET
-   and urllib3 (botocore's own HTTP library) moves the bytes over one connection pool: a
+3. the rest are read with ``workers`` requests in flight. On S3, botocore signs each GET
+   (SigV4 headers) and urllib3 (botocore's own HTTP library) moves the bytes over one pool: a
    third of a boto3 ``get_object``'s CPU, and the CPU is what bounds a 10,000-report view on
    a small machine (bench/RESULTS.md: 17 s one GET after another, under 10 s this way).
    Other sources read with their own ``read``.
@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable
 from urllib.parse import urlparse
 
 from .errors import Refused, SourceError
+from .report import signature_holds
 from .source import MISSING, Listed
 
 PREFIX = "_devices"
@@ -49,6 +50,7 @@ class Entry:
     size: int
     report: dict[str, Any] | None = None
     error: str = ""
+    signature_holds: bool | None = None  # sync/report.py's check, made once per ETag
 
 
 @dataclass
@@ -66,16 +68,17 @@ class ReportCache:
 
     def __init__(self, path: str = "", bucket: str = ""):
         self.path, self.bucket = path, bucket
-        self._by_name: dict[str, tuple[str, dict[str, Any] | None, str]] = {}
+        self._by_name: dict[str, tuple[str, dict[str, Any] | None, str, bool | None]] = {}
         if path:
             self._load()
 
-    def get(self, name: str, etag: str) -> tuple[dict[str, Any] | None, str] | None:
+    def get(self, name: str, etag: str) -> tuple[dict[str, Any] | None, str, bool | None] | None:
+        """(report, error, signature holds) of ``name`` if the cache has it at ``etag``."""
         hit = self._by_name.get(name)
-        return (hit[1], hit[2]) if hit is not None and etag and hit[0] == etag else None
+        return (hit[1], hit[2], hit[3]) if hit is not None and etag and hit[0] == etag else None
 
-    def put(self, name: str, etag: str, report: dict[str, Any] | None, error: str) -> None:
-        self._by_name[name] = (etag, report, error)
+    def put(self, name: str, etag: str, report: dict[str, Any] | None, error: str, holds: bool | None) -> None:
+        self._by_name[name] = (etag, report, error, holds)
 
     def keep_only(self, names: Iterable[str]) -> None:
         """Forget reports no longer in the bucket (a retired device)."""
@@ -87,7 +90,7 @@ class ReportCache:
             with open(self.path) as f:
                 doc = json.load(f)
             if doc.get("bucket") == self.bucket:
-                self._by_name = {k: (v[0], v[1], v[2]) for k, v in doc.get("reports", {}).items()}
+                self._by_name = {k: (v[0], v[1], v[2], v[3]) for k, v in doc.get("reports", {}).items()}
         except (OSError, ValueError, TypeError, IndexError, AttributeError):
             self._by_name = {}
 
@@ -124,10 +127,11 @@ def list_reports(source: Any, cache: ReportCache | None = None, workers: int = D
             missing.append(obj)
             continue
         listing.cached += 1
-        listing.entries.append(Entry(obj.name[:-5], obj.etag, obj.modified, obj.size, hit[0], hit[1]))
+        listing.entries.append(Entry(obj.name[:-5], obj.etag, obj.modified, obj.size, *hit))
     for obj, (report, error) in zip(missing, _read_all(source, [f"{PREFIX}/{o.name}" for o in missing], workers)):
-        cache.put(obj.name, obj.etag, report, error)
-        listing.entries.append(Entry(obj.name[:-5], obj.etag, obj.modified, obj.size, report, error))
+        holds = signature_holds(report) if report is not None and report.get("signature") else None
+        cache.put(obj.name, obj.etag, report, error, holds)
+        listing.entries.append(Entry(obj.name[:-5], obj.etag, obj.modified, obj.size, report, error, holds))
     listing.fetched = len(missing)
     cache.keep_only(o.name for o in objects)
     listing.entries.sort(key=lambda e: e.device_id)
@@ -139,8 +143,8 @@ def list_reports(source: Any, cache: ReportCache | None = None, workers: int = D
 def _read_all(source: Any, keys: list[str], workers: int) -> list[tuple[dict[str, Any] | None, str]]:
     if not keys:
         return []
-    if hasattr(source, "presigned_get") and not _proxied(source):
-        return _read_presigned(source, keys, workers)
+    if hasattr(source, "get_signer") and not _proxied(source):
+        return _read_signed(source, keys, workers)
     if getattr(source, "root", None):  # a local folder: reading is cheaper than any thread hand-off
         return [_parse(_read_one(source, key)) for key in keys]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fleet-read") as pool:
@@ -170,32 +174,34 @@ def _parse(data: bytes | str) -> tuple[dict[str, Any] | None, str]:
 
 def _proxied(source: Any) -> bool:
     """True when an HTTP(S) proxy applies to the bucket's endpoint (botocore would use it;
-    the presigned path does not, so such setups read through boto3 instead)."""
+    the signed path does not, so such setups read through boto3 instead)."""
     url = urlparse(getattr(source, "endpoint_url", "") or "https://s3.amazonaws.com")
     proxies = urllib.request.getproxies()
     return url.scheme in proxies and not urllib.request.proxy_bypass(url.hostname or "")
 
 
-def _read_presigned(source: Any, keys: list[str], workers: int) -> list[tuple[dict[str, Any] | None, str]]:
+def _read_signed(source: Any, keys: list[str], workers: int) -> list[tuple[dict[str, Any] | None, str]]:
+    """GETs signed by botocore (SigV4 headers), sent by urllib3, ``workers`` at a time."""
     import urllib3
 
     timeout = urllib3.Timeout(connect=5.0, read=source.limits.stall_timeout_s)
     pool = urllib3.PoolManager(maxsize=workers, block=True, timeout=timeout, retries=urllib3.Retry(2, redirect=0))
-    get = _presigned_getter(source, pool)
+    get = _getter(source.get_signer(), pool)
     try:
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fleet-read") as executor:
             return list(executor.map(lambda key: _parse(get(key)), keys))
     finally:
-        source.requests += len(keys)  # the presigned GETs count as the source's own would
+        source.requests += len(keys)  # counted as the source's own GETs would be
         pool.clear()
 
 
-def _presigned_getter(source: Any, pool: Any) -> Callable[[str], bytes | str]:
+def _getter(sign: Callable[[str], tuple[str, dict[str, str]]], pool: Any) -> Callable[[str], bytes | str]:
     import urllib3
 
     def get(key: str) -> bytes | str:
+        url, headers = sign(key)
         try:
-            response = pool.request("GET", source.presigned_get(key), preload_content=False)
+            response = pool.request("GET", url, headers=headers, preload_content=False)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             return f"GET {key}: {exc}"
         try:

@@ -12,7 +12,7 @@ slow-retrieval check runs between 64 KiB chunks.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from . import faults
 from .errors import Refused, SourceError, Throttled
@@ -196,17 +196,42 @@ class S3Source:
                 return entries
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
-    def presigned_get(self, key: str, expires_s: int = 900) -> str:
-        """A URL that GETs ``key`` without further signing (botocore builds and signs it:
-        endpoint, addressing style, region, session token). No request is made."""
+    def get_signer(self) -> Callable[[str], tuple[str, dict[str, str]]]:
+        """A function giving the URL and SigV4 headers of a GET of a key: botocore's
+        ``S3SigV4Auth`` signs, and the URL's form (endpoint, addressing style) is botocore's
+        own, taken from one presigned URL. For reading thousands of small objects (device
+        reports) over a plain HTTP pool: a third of a ``get_object``'s CPU. No request is made."""
+        from urllib.parse import quote
+
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
         from botocore.exceptions import BotoCoreError
 
+        sentinel = "_devices/--sentinel--"
         try:
-            return str(self._s3().generate_presigned_url("get_object", Params={"Bucket": self.bucket,
-                                                                               "Key": self._key(key)},
-                                                         ExpiresIn=expires_s))
+            client = self._s3()
+            template = str(client.generate_presigned_url("get_object", Params={
+                "Bucket": self.bucket, "Key": self._key(sentinel)})).split("?", 1)[0]
+            credentials = self._credentials()
+            auth = S3SigV4Auth(credentials.get_frozen_credentials(), "s3", client.meta.region_name or "us-east-1")
         except BotoCoreError as exc:  # no credentials, a bad endpoint: the bucket cannot be read
-            raise SourceError(f"GET {key}: {exc}") from exc
+            raise SourceError(f"signing GETs for {self.url}: {exc}") from exc
+        quoted = quote(self._key(sentinel), safe="/~")
+
+        def sign(key: str) -> tuple[str, dict[str, str]]:
+            request = AWSRequest("GET", template.replace(quoted, quote(self._key(key), safe="/~")), headers={})
+            auth.add_auth(request)
+            return str(request.url), dict(request.headers.items())
+        return sign
+
+    def _credentials(self) -> Any:
+        """The credentials the client was made with (the same default chain, resolved again)."""
+        import boto3
+
+        credentials = boto3.session.Session().get_credentials()
+        if credentials is None:
+            raise SourceError(f"no AWS credentials for {self.url} (AWS_ACCESS_KEY_ID, a profile or a role)")
+        return credentials
 
     def close(self) -> None:
         if self._shared is not None:
