@@ -87,7 +87,14 @@ class Follower:
         result = PollResult()
         before = self.source.requests
         local = self.local()
-        for model in self._models(force):
+        try:
+            models = self._models(force)
+        except Refused as exc:  # the bucket's list of models itself (_models.json) is malformed
+            result.refused.append(str(exc))
+            self._note_refusal("", exc)
+            return result
+        self._clear_refusal("")
+        for model in models:
             try:
                 self._follow(model, local.get(model, LocalModel()), result)
             except Refused as exc:
@@ -105,7 +112,7 @@ class Follower:
                 and not exc.fresh:
             return
         self.refused = {**self.refused, model: {"version": exc.version, "reason": str(exc), "since": time.time()}}
-        what = f"{model} version {exc.version}" if exc.version is not None else model
+        what = f"{model} version {exc.version}" if exc.version is not None else model or "the list of models"
         self.event("sync_refused", f"refused {what}: {exc}", model=model, version=exc.version, reason=str(exc))
 
     def _clear_refusal(self, model: str) -> None:

@@ -104,6 +104,11 @@ class ReportCache:
         os.replace(tmp, self.path)
 
 
+def cache_for(bucket_url: str, enabled: bool = True) -> ReportCache:
+    """The operator's cache of ``bucket_url``'s reports (an empty one when not ``enabled``)."""
+    return ReportCache(default_cache_path(bucket_url), bucket_url) if enabled else ReportCache()
+
+
 def default_cache_path(bucket_url: str) -> str:
     """``$XDG_CACHE_HOME/edge-appliance/fleet/<hash of the bucket URL>.json``."""
     import hashlib

@@ -258,3 +258,16 @@ def test_the_loop_backs_off_only_when_the_bucket_says_slow_down(tmp_path: Path) 
         stop()
         loop.source.close()
         db.close()
+
+
+def test_a_malformed_list_of_models_is_one_event_not_a_failing_poll(tmp_path: Path) -> None:
+    folder = tmp_path / "bucket"
+    source = open_source(f"file://{folder}")
+    publish(source, "m", str(version_dir(tmp_path, "one")), 1)
+    (folder / "_models.json").write_text("{not json")
+    device = Device(tmp_path, open_source(f"file://{folder}"), models=[])
+    for _ in range(3):
+        assert "_models.json is malformed" in device.follower.sync_once(force=True).refused[0]
+    assert len(device.refusals()) == 1 and "the list of models" in device.refusals()[0][0]
+    (folder / "_models.json").write_text(json.dumps({"models": ["m"]}))
+    assert device.follower.sync_once(force=True).changed == ["m:1"] and device.follower.refused == {}

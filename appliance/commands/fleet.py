@@ -106,7 +106,9 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
     source = bucket(args)
     also = (args.model, args.channel) if args.model and args.channel else None
-    cache = report_cache(args)
+    from sync.listing import cache_for
+
+    cache = cache_for(args.bucket, not args.no_cache)
     view = snapshot(source, cache, args.workers, also=also)
     cache.save()
     if args.register_keys:
@@ -120,13 +122,6 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         return 0
     print_fleet(view, rows, rollouts, args)
     return 0
-
-
-def report_cache(args: argparse.Namespace) -> Any:
-    """The listing's ETag cache: the operator's cache folder, unless --no-cache."""
-    from sync.listing import ReportCache, default_cache_path
-
-    return ReportCache() if args.no_cache else ReportCache(default_cache_path(args.bucket), args.bucket)
 
 
 def row_matches(row: dict[str, Any], args: argparse.Namespace) -> bool:

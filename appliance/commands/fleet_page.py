@@ -62,10 +62,10 @@ class Snapshots:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from appliance.commands.fleet import report_cache
+    from sync.listing import cache_for
     from ui.fleet import FleetPage, FleetView
 
-    snapshots = Snapshots(bucket(args), report_cache(args), args.workers)
+    snapshots = Snapshots(bucket(args), cache_for(args.bucket, not args.no_cache), args.workers)
     snapshots.refresh()
     page = FleetPage(FleetView(snapshots.fleet, snapshots.device), args.host, args.port).start()
     print(f"fleet page: {page.url}/ (read-only; Ctrl-C stops it)", flush=True)

@@ -62,11 +62,11 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Follow a rollout; halt its channel when the failure threshold is reached. Exit 0 when
     every device is on the target, 3 when this watch halted it (or found it halted)."""
-    from appliance.commands.fleet import report_cache
     from appliance.commands.fleet_text import progress_lines
+    from sync.listing import cache_for
     from sync.rollout_guard import watch_round
 
-    bucket, cache, last = source(args), report_cache(args), ""
+    bucket, cache, last = source(args), cache_for(args.bucket, not args.no_cache), ""
     while True:
         round_ = watch_round(bucket, args.model, args.channel, cache, signing_key(args.sign_key))
         cache.save()

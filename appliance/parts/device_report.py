@@ -219,7 +219,7 @@ class Reporter:
         follower = self.loop.follower
         targets, refused, waves = follower.targets, follower.refused, follower.waves
         pins = self.loop.store.pins()
-        names = sorted(set(snapshot) | set(targets) | set(refused))
+        names = sorted(set(snapshot) | set(targets) | {name for name in refused if name})
         return {name: model_view(snapshot.get(name, {}), targets.get(name), refused.get(name), waves.get(name),
                                  pins.get(name)) for name in names}
 
