@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any
 
 from appliance.commands.common import BUCKET_HELP, admin_token, error_text, guarded, signing_key
