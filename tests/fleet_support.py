@@ -60,7 +60,8 @@ def write_half_plus(path: Path, b: float, padding_bytes: int = 0) -> None:
 
 def lite_device(start_server: Any, tmp: Path, bucket: str, env: dict[str, str] | None = None, ready: bool = True,
                 port: int | None = None, **sync: Any) -> Any:
-    """A real service on LiteRT following ``bucket``'s channel ``stable`` (keys of ``sync`` override)."""
+    """A real service on LiteRT, in one process (``--workers 1``), following ``bucket``'s channel
+    ``stable`` (keys of ``sync`` override)."""
     port = port or free_port()
     state = tmp / f"state-{port}"
     settings = {"bucket": bucket, "channel": "stable", "poll_interval_s": 0.5, "jitter": 0.1,
@@ -69,7 +70,8 @@ def lite_device(start_server: Any, tmp: Path, bucket: str, env: dict[str, str] |
     lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
     config = tmp / f"device-{port}.toml"
     config.write_text("\n".join(lines) + "\n")
-    return start_server("--config", str(config), "--backend", "tflite", port=port, env=env, ready=ready)
+    return start_server("--config", str(config), "--backend", "tflite", "--workers", "1", port=port, env=env,
+                        ready=ready)
 
 
 def report_of(source: Any, device_id: str) -> dict[str, Any] | None:

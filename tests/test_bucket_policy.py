@@ -50,9 +50,9 @@ def test_a_device_reads_models_and_writes_only_its_own_report(start_server: Any,
     device_env = {**seaweed.env(), "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
     device = lite_device(start_server, tmp_path, "s3://fleet/prod", env=device_env, port=port, models=[])
     assert device.status()["service"]["device_id"] == DEVICE_ID
-    report = device.wait_for(lambda: (r := report_of(admin, DEVICE_ID)) and
+    report = device.wait_for(lambda: (r := report_of(admin, DEVICE_ID)) and r["healthy"] and
                              r["models"]["hpt"]["serving_version"] == 1 and r, 60, "the device's report")
-    assert report["healthy"] and device.status()["sync"]["last_error"] == ""
+    assert device.status()["sync"]["last_error"] == "" and report["device_key"].startswith("ed25519:")
     import boto3
     from botocore.config import Config
     from botocore.exceptions import ClientError

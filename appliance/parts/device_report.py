@@ -195,8 +195,13 @@ class Reporter:
         self._gap = self._jittered(self.cfg.poll_interval_s)
 
     def build(self, trigger: str = "requested") -> dict[str, Any]:
-        """The report (unsigned): see docs/fleet.md for every field."""
+        """The report (unsigned): see docs/fleet.md for every field. One snapshot of the
+        manager makes the models and ``healthy`` alike (a load finishing while the report is
+        built cannot give "healthy" beside "serving nothing")."""
         self._sequence += 1
+        manager = self.core.manager
+        snapshot = manager.snapshot() if manager is not None else {}
+        served = bool(snapshot) and all(m.get("serving_version") is not None for m in snapshot.values())
         status = self.loop.status
         now = time.time()
         return {
@@ -204,30 +209,23 @@ class Reporter:
             "software_version": __version__, "written_at": now, "updated": now, "sequence": self._sequence,
             "started_at": self.core.started_at, "trigger": trigger,
             "report_interval_s": self.cfg.report_interval_s, "poll_interval_s": self.cfg.poll_interval_s,
-            "healthy": bool(self.core.ready()), "channel": self.cfg.channel, "bucket": status.get("bucket"),
+            "healthy": served and bool(self.core.ready()), "channel": self.cfg.channel, "bucket": status.get("bucket"),
             "sync": {k: status.get(k) for k in ("last_poll", "last_success", "last_change", "failures", "last_error")},
             "last_sync": status.get("last_poll"), "last_change": status.get("last_change"),
             "last_error": status.get("last_error"),
-            "models": self._models(), "problems": self._problems(),
+            "models": self._models(snapshot), "problems": self._problems(),
             "rollouts": _jsonable(self.core.status_of("rollouts") or {}),
-            "backend_decisions": self._decisions(),
+            "backend_decisions": {name: next((v.get("decision") for v in m["versions"] if v.get("decision")), None)
+                                  for name, m in snapshot.items()},
         }
 
-    def _models(self) -> dict[str, Any]:
-        manager = self.core.manager
-        snapshot = manager.snapshot() if manager is not None else {}
+    def _models(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         follower = self.loop.follower
         targets, refused, waves = follower.targets, follower.refused, follower.waves
         pins = self.loop.store.pins()
         names = sorted(set(snapshot) | set(targets) | {name for name in refused if name})
         return {name: model_view(snapshot.get(name, {}), targets.get(name), refused.get(name), waves.get(name),
                                  pins.get(name)) for name in names}
-
-    def _decisions(self) -> dict[str, Any]:
-        manager = self.core.manager
-        snapshot = manager.snapshot() if manager is not None else {}
-        return {name: next((v.get("decision") for v in m["versions"] if v.get("decision")), None)
-                for name, m in snapshot.items()}
 
     def _problems(self) -> list[Any]:
         """``/api/status`` problems as the device states them (strings or objects), defensively."""
