@@ -182,6 +182,8 @@ class Fleet:
             r = session.post(d.url + "/v1/models/hpt:predict", json={"instances": [[2.0]]}, timeout=10)
             if d.down:
                 return
+            if r.status_code != 200:
+                raise ValueError(f"HTTP {r.status_code}: {r.text[:300]}")
             prediction = r.json()["predictions"][0]
             y = float(prediction["y"][0] if isinstance(prediction, dict) else prediction[0])
             version = round(y - 2.0)
@@ -442,5 +444,5 @@ def markdown(results: dict[str, Any], count: int, interval: float) -> list[str]:
         lines.append(f"| wave of 20 %, threshold 10 %, a version that fails to load: halted after | "
                      f"{w['halted_after_intervals']} intervals; {w['devices_that_tried_it']} devices tried it (wave 1: "
                      f"{json.dumps(w['wave_1'])}), {w['serving_the_good_version']}/{count} serve the last good version |")
-        lines.append(f"| the halt's reason in the pointer | {w['reason']} |")
+        lines.append(f"| the halt's reason in the pointer (first 300 characters) | {str(w['reason'])[:300]}... |")
     return lines

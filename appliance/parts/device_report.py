@@ -12,7 +12,7 @@ what it refused and why, following the device's state.
 * coalesced: at most one write per poll interval (jittered like the polls), so a burst of
   changes is one write and a fleet does not write in lockstep; a change is written once no
   version is loading or unloading (a swap's "loaded" and the old version's "unloaded" are
-  one write, not two a window apart), or ``SETTLE_S`` after it at the latest;
+  one write, not two a window apart), or a poll interval after it at the latest;
 * and as a heartbeat every ``sync.report_interval_s`` (jittered), so a report older than
   three heartbeats means the device is gone: the fleet view shows it as stale.
 
@@ -39,11 +39,15 @@ from appliance import __version__
 
 log = logging.getLogger("appliance.report")
 # Events that announce work in progress: the report waits for its outcome (a version
-# loaded or failed) instead of spending its one write per interval on "LOADING".
+# loaded or failed) instead of spending its one write per interval on "LOADING". A parked or
+# restored version (a channel move back) ends in "loaded"/"unloaded"; the bucket coming back
+# ("sync_recovered") changes nothing on the device by itself. Measured (bench/RESULTS.md): a
+# write spent on such a step delayed the one that mattered by a whole window.
 QUIET_EVENTS = frozenset({"load_start", "unload_start", "sync_fetch", "sync_committed", "sync_config", "sync_error",
-                          "report_failed", "service_start", "service_stop", "warmup_warning"})
+                          "sync_parked", "sync_restored", "sync_recovered", "report_failed", "service_start",
+                          "service_stop", "warmup_warning"})
 MAX_PROBLEMS = 50
-SETTLE_S = 2.0  # the longest a change waits for the versions in motion to settle before it is written
+SETTLE_S = 2.0  # a change waits for the versions in motion to settle: this long, or a poll interval if longer
 TRANSIENT_STATES = ("NEW", "LOADING", "UNLOADING")
 
 
@@ -145,7 +149,8 @@ class Reporter:
             return ""
         if dirty:
             since = self._dirty_since if self._dirty_since is not None else now
-            return "change: " + ", ".join(dirty) if now - since >= SETTLE_S or not self._in_motion() else ""
+            settle = max(SETTLE_S, self.cfg.poll_interval_s)
+            return "change: " + ", ".join(dirty) if now - since >= settle or not self._in_motion() else ""
         last = self._written_at if self._written_at is not None else self._tried_at
         return "heartbeat" if now - last >= self._heartbeat else ""
 
