@@ -110,6 +110,7 @@ class Fleet:
         self.devices = [self._device(i, report_interval) for i in range(count)]
         self.failures: list[str] = []
         self.answers = 0
+        self.shed = 0
         self.view_seen: dict[str, dict[int, float]] = {}  # device id -> version -> when its report began saying so
         self.view_serving: dict[str, int] = {}
         self.view_refused: dict[str, dict[int, float]] = {}
@@ -181,6 +182,9 @@ class Fleet:
         try:
             r = session.post(d.url + "/v1/models/hpt:predict", json={"instances": [[2.0]]}, timeout=10)
             if d.down:
+                return
+            if r.status_code == 503 and r.headers.get("Retry-After"):
+                self.shed += 1  # the device shedding load (the machine overloaded), not a wrong answer
                 return
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code}: {r.text[:300]}")
@@ -398,6 +402,7 @@ def run(tmp: Path, python: str, weed: Any, count: int, interval: float, report_i
         fleet.phase = "end"
     finally:
         results["answers"] = fleet.answers
+        results["shed"] = fleet.shed
         results["failed_answers"] = len(fleet.failures)
         results["failure_examples"] = fleet.failures[:5]
         fleet.close()
@@ -435,8 +440,8 @@ def markdown(results: dict[str, Any], count: int, interval: float) -> list[str]:
               f"({idle.get('polls')} polls; {idle.get('report_writes')} report writes in the same window) |",
               f"| memory per service (median RSS / PSS, max RSS) | {idle.get('rss_median_mb', 0):.0f} / "
               f"{idle.get('pss_median_mb', 0):.0f} / {idle.get('rss_max_mb', 0):.0f} MB |",
-              f"| predictions answered / failed (an error, or a value no version gives) | {results['answers']} / "
-              f"{results['failed_answers']} |"]
+              f"| predictions answered / failed (an error, or a value no version gives) / shed (503 + Retry-After: "
+              f"the machine overloaded) | {results['answers']} / {results['failed_answers']} / {results.get('shed', 0)} |"]
     if "kill_9" in results:
         lines.append(f"| partial files left in the killed devices' model stores | {results['kill_9']['partial_files_in_store']} |")
     if "wave_halt" in results:

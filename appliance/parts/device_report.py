@@ -11,8 +11,9 @@ what it refused and why, following the device's state.
   the device's health, or a change of its problems;
 * coalesced: at most one write per poll interval (jittered like the polls), so a burst of
   changes is one write and a fleet does not write in lockstep; a change is written once no
-  version is loading or unloading (a swap's "loaded" and the old version's "unloaded" are
-  one write, not two a window apart), or a poll interval after it at the latest;
+  poll is running and no version is loading or unloading (a poll's retention, a swap's
+  "loaded" and the old version's "unloaded" are one write, not three a window apart), or a
+  poll interval after it at the latest;
 * and as a heartbeat every ``sync.report_interval_s`` (jittered), so a report older than
   three heartbeats means the device is gone: the fleet view shows it as stale.
 
@@ -155,7 +156,10 @@ class Reporter:
         return "heartbeat" if now - last >= self._heartbeat else ""
 
     def _in_motion(self, states: tuple[str, ...] = TRANSIENT_STATES) -> bool:
-        """Some version is in one of ``states`` (being loaded or unloaded)."""
+        """A poll is running (what it commits is loaded right after it), or some version is
+        in one of ``states`` (being loaded or unloaded)."""
+        if self.loop.polling:
+            return True
         manager = self.core.manager
         snapshot = manager.snapshot() if manager is not None else {}
         return any(v.get("state") in states for m in snapshot.values() for v in m.get("versions", []))

@@ -145,6 +145,7 @@ class SyncLoop:
         self._failures = 0
         self._throttled: Throttled | None = None
         self.polls_done = 0
+        self.polling = False  # a poll is running (read by the report writer, any thread)
         self._thread: threading.Thread | None = None
         self.versions: Any = None  # the store's DirectorySource, from start()
         self.reporter: Reporter | None = None  # from start(), when the bucket takes writes
@@ -223,6 +224,7 @@ class SyncLoop:
     def _poll(self, force: bool = False) -> float:
         self.status["last_poll"] = time.time()
         started, outcome = time.monotonic(), "error"
+        self.polling = True  # the report waits: what this poll commits is about to load
         try:
             result = self.follower.sync_once(force)
         except Exception as exc:  # the bucket (SourceError) or a local fault: never fatal
@@ -235,6 +237,7 @@ class SyncLoop:
             if result.changed:
                 self.status["last_change"] = time.time()
                 self.versions.scan()  # push the store's new set of versions
+        self.polling = False
         self.core.metrics.observe_sync(outcome, time.monotonic() - started)
         self.status["targets"] = dict(self.follower.targets)
         self.status["problems"] = list(self.store.problems)
