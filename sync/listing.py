@@ -9,7 +9,8 @@ many requests in flight.
    (``appliance fleet`` again, the fleet page's refresh, ``rollout watch``) reads only the
    reports written since, where a conditional GET per report would still cost a request each;
 3. the rest are read with ``workers`` requests in flight. On S3, botocore signs each GET
-   (SigV4 headers) and urllib3 (botocore's own HTTP library) moves the bytes over one pool: a
+   (SigV4 headers) and the standard library's http.client sends it, one keep-alive
+   connection per thread (sync/keepalive.py): a
    third of a boto3 ``get_object``'s CPU, and the CPU is what bounds a 10,000-report view on
    a small machine (bench/RESULTS.md: 17 s one GET after another, under 10 s this way).
    Other sources read with their own ``read``.
@@ -21,6 +22,7 @@ error, never dropped (the view shows it). Thread-safety: a call uses its own poo
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import tempfile
@@ -186,37 +188,24 @@ def _proxied(source: Any) -> bool:
 
 
 def _read_signed(source: Any, keys: list[str], workers: int) -> list[tuple[dict[str, Any] | None, str]]:
-    """GETs signed by botocore (SigV4 headers), sent by urllib3, ``workers`` at a time."""
-    import urllib3
+    """GETs signed by botocore (SigV4 headers), sent over keep-alive connections, ``workers``
+    at a time (sync/keepalive.py)."""
+    from .keepalive import KeepAlive
 
-    timeout = urllib3.Timeout(connect=5.0, read=source.limits.stall_timeout_s)
-    pool = urllib3.PoolManager(maxsize=workers, block=True, timeout=timeout, retries=urllib3.Retry(2, redirect=0))
-    get = _getter(source.get_signer(), pool)
+    sign = source.get_signer()
+    connections = KeepAlive(sign(keys[0])[0], source.limits.stall_timeout_s, MAX_REPORT_BYTES)
+
+    def get(key: str) -> bytes | str:
+        url, headers = sign(key)
+        try:
+            status, body = connections.get(url, headers)
+        except (OSError, http.client.HTTPException) as exc:
+            return f"GET {key}: {exc}"
+        return body if status == 200 else f"GET {key}: HTTP {status}"
+
     try:
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fleet-read") as executor:
             return list(executor.map(lambda key: _parse(get(key)), keys))
     finally:
         source.requests += len(keys)  # counted as the source's own GETs would be
-        pool.clear()
-
-
-def _getter(sign: Callable[[str], tuple[str, dict[str, str]]], pool: Any) -> Callable[[str], bytes | str]:
-    import urllib3
-
-    def get(key: str) -> bytes | str:
-        url, headers = sign(key)
-        try:
-            response = pool.request("GET", url, headers=headers, preload_content=False)
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            return f"GET {key}: {exc}"
-        try:
-            data = b"" if response.status != 200 else response.read(MAX_REPORT_BYTES + 1)
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            response.close()
-            return f"GET {key}: {exc}"
-        if response.status != 200 or len(data) > MAX_REPORT_BYTES:
-            response.close()  # never hand a connection with an unread body back to the pool
-            return f"GET {key}: HTTP {response.status}" if response.status != 200 else data
-        response.release_conn()
-        return data
-    return get
+        connections.close()
