@@ -192,7 +192,7 @@ class Reporter:
                 self._dirty |= taken or {"retry"}
                 self._dirty_since = self._dirty_since or self.clock()
             if str(exc) != self.last_error:
-                self.loop._event("report_failed", f"could not write the device report: {exc}")
+                self.loop.event("report_failed", f"could not write the device report: {exc}")
             self.last_error = str(exc)
         else:
             self.last_error = ""

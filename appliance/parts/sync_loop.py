@@ -136,7 +136,7 @@ class SyncLoop:
                           public_key=load_public_key(cfg.public_key) if cfg.public_key else None,
                           device_tags=device_tags(self.core.device), retain=max(1, cfg.retain),
                           on_rollout=self._push_rollout, models_refresh_s=cfg.models_refresh_s)
-        self.follower = Follower(self.source, self.store, options, self._event, self._local)
+        self.follower = Follower(self.source, self.store, options, self.event, self._local)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._force = False  # the next poll reads the list of models again (appliance sync)
@@ -168,7 +168,7 @@ class SyncLoop:
         faults.configure(self.store.state_dir)
         for model, record in rollout_policies(self.store.state_dir).items():  # what the last run was told
             self._push_rollout(model, record)
-        self._event("sync_config", f"serving the synced store {self.store.models_dir}")
+        self.event("sync_config", f"serving the synced store {self.store.models_dir}")
         if self.source.writable:
             self.reporter = Reporter(self)
             self.reporter.start()
@@ -252,12 +252,12 @@ class SyncLoop:
         self._throttled = exc if isinstance(exc, Throttled) else None
         if message != self.status["last_error"]:
             what = "backing off" if self._throttled else "retrying at the poll interval"
-            self._event("sync_error", f"bucket poll failed (attempt {self._failures}, {what}): {message}")
+            self.event("sync_error", f"bucket poll failed (attempt {self._failures}, {what}): {message}")
         self.status.update(last_error=message, failures=self._failures)
 
     def _succeeded(self, refused: list[str]) -> None:
         if self._failures:
-            self._event("sync_recovered", f"bucket reachable again after {self._failures} failed polls")
+            self.event("sync_recovered", f"bucket reachable again after {self._failures} failed polls")
         self._failures, self._throttled = 0, None
         self.status.update(last_error="; ".join(refused), failures=0, last_success=time.time())
 
@@ -279,7 +279,8 @@ class SyncLoop:
         return {name: LocalModel(m.get("serving_version"), frozenset(int(v) for v in m.get("quarantined", {})))
                 for name, m in manager.snapshot().items()}
 
-    def _event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
+    def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
+        """Record a sync event (state.db, logs, the page); never raises (any thread)."""
         try:
             self.core.db.event(kind, message, model=model, version=version, **detail)
         except Exception:  # the database closing under us at shutdown
@@ -339,6 +340,6 @@ def rollback_to(loop: SyncLoop, model: str, body: dict[str, Any]) -> Response:
     if version not in on_disk:
         return _error(409, f"{model} version {version} is not on disk (have: {on_disk or 'none'})")
     set_pin(state_dir, model, version)
-    loop._event("rollback", f"{model} pinned to version {version} (POST /api/models/{model}/rollback)",
+    loop.event("rollback", f"{model} pinned to version {version} (POST /api/models/{model}/rollback)",
                 model=model, version=version)
     return jsonify({"model": model, "pinned": version, "sync": loop.sync_now()})
