@@ -94,7 +94,7 @@ def main() -> None:
         elif args.mode == "listing":
             from bench import fleet_listing
 
-            lines = fleet_listing.run(f"s3://fleet/listing", args.reports)
+            lines = fleet_listing.run("s3://fleet/listing", args.reports, weed.proc.pid)
             append(f"Listing {args.reports} device reports from SeaweedFS", args, load_before, lines)
         else:
             devices(tmp, weed, args, load_before)
