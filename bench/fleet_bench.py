@@ -1,17 +1,24 @@
-"""Fleet-scale sync benchmark: N simulated devices (the real ``sync.follower`` code, each with
-its own state directory and S3 client) following one channel on a SeaweedFS bucket on
-loopback. Appends a section to bench/RESULTS.md.
+"""Fleet benchmarks on a SeaweedFS bucket on loopback. Each mode appends a section to
+bench/RESULTS.md (machine, date, command, load average before and after).
 
-    .venv/bin/python -m bench.fleet_bench [--devices 200] [--interval 2]
+    # real devices: LiteRT-only services, one process each, converging (bench/fleet_devices.py);
+    # PYTHON is a LiteRT-only install with the s3 extra:
+    #   python3 -m venv /tmp/lite-s3 && /tmp/lite-s3/bin/pip install -e '.[tflite,s3]'
+    .venv/bin/python -m bench.fleet_bench --mode devices --python /tmp/lite-s3/bin/python [--devices 50] [--interval 5]
+    # 10,000 reports listed (bench/fleet_listing.py)
+    .venv/bin/python -m bench.fleet_bench --mode listing [--reports 10000]
+    # many simulated followers in one process (the real sync.follower code, one S3 client each)
+    .venv/bin/python -m bench.fleet_bench --mode followers [--devices 200] [--interval 2]
 
-Figures: bucket requests per device per idle poll; seconds from a channel move until 95 %
-and 100 % of devices hold the new version (verified and committed); bytes fetched per
-device when a new version changes one file of ten; CPU and RSS of the sync loops.
+Followers' figures: bucket requests per device per idle poll; seconds from a channel move
+until 95 % and 100 % of devices hold the new version (verified and committed); bytes fetched
+per device when a new version changes one file of ten; CPU and RSS of the sync loops.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -67,18 +74,57 @@ def poll_forever(devices: list[Device], interval: float, stop: threading.Event) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--devices", type=int, default=200)
-    ap.add_argument("--interval", type=float, default=2.0)
+    ap.add_argument("--mode", choices=("devices", "listing", "followers"), default="devices")
+    ap.add_argument("--devices", type=int, default=None, help="devices: 50 real services; followers: 200")
+    ap.add_argument("--interval", type=float, default=None, help="poll interval (devices: 5 s; followers: 2 s)")
+    ap.add_argument("--report-interval", type=float, default=60.0, help="devices: the reports' heartbeat")
+    ap.add_argument("--python", default=sys.executable, help="devices: the interpreter of a LiteRT-only install")
+    ap.add_argument("--reports", type=int, default=10_000, help="listing: how many reports")
     ap.add_argument("--threads", type=int, default=20)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
+    load_before = os.getloadavg()
     weed = SeaweedS3.start(tmp)
     try:
         weed.make_bucket("fleet")
         os.environ.update(weed.env())
-        run(tmp, args)
+        if args.mode == "followers":
+            args.devices, args.interval = args.devices or 200, args.interval or 2.0
+            run(tmp, args)
+        elif args.mode == "listing":
+            from bench import fleet_listing
+
+            lines = fleet_listing.run("s3://fleet/listing", args.reports, weed.proc.pid)
+            append(f"Listing {args.reports} device reports from SeaweedFS", args, load_before, lines)
+        else:
+            devices(tmp, weed, args, load_before)
     finally:
         weed.stop()
+
+
+def devices(tmp: Path, weed: Any, args: argparse.Namespace, load_before: tuple[float, float, float]) -> None:
+    from bench import fleet_devices
+
+    count, interval = args.devices or 50, args.interval or 5.0
+    results = fleet_devices.run(tmp, args.python, weed, count, interval, args.report_interval,
+                                lambda line: print(time.strftime("%H:%M:%S"), line, flush=True))
+    (tmp / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    append(f"Fleet convergence: {count} real devices on one SeaweedFS bucket (issue 36)", args, load_before,
+           fleet_devices.markdown(results, count, interval) + (
+               [f"", f"Failed answers (first 5): {results['failure_examples']}"] if results["failed_answers"] else []))
+
+
+def append(title: str, args: argparse.Namespace, load_before: tuple[float, float, float], lines: list[str]) -> None:
+    """A section of bench/RESULTS.md: what ran, where, how loaded, then the figures."""
+    load_after = os.getloadavg()
+    header = ["", f"## {title}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+              f"Command: `{' '.join(sys.argv)}`. Machine: {os.cpu_count()} CPUs, "
+              f"{psutil.virtual_memory().total / 2**30:.0f} GiB, shared with other work: load average "
+              f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min). SeaweedFS (`weed server -s3`) and every "
+              "client on the same machine.", ""]
+    with open(Path(__file__).with_name("RESULTS.md"), "a") as out:
+        out.write("\n".join(header + lines) + "\n")
+    print("\n".join(header + lines))
 
 
 def run(tmp: Path, args: argparse.Namespace) -> None:

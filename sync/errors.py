@@ -1,12 +1,18 @@
 """Errors of the sync side, drawn in one place.
 
     SyncError
-    ├── SourceError      the bucket could not be reached or answered an error: retry with backoff,
-    │                    serving is unaffected
+    ├── SourceError      the bucket could not be reached or answered an error: retry at the poll
+    │   │                interval, serving is unaffected
+    │   ├── Throttled    the bucket said "slow down" (429, 503 SlowDown): back off exponentially,
+    │   │                up to sync.max_backoff_s (or its Retry-After)
     │   └── ReadOnlySource   a write to a source that cannot take one (https)
-    └── Refused          a version or channel pointer failed verification (hash, size, signature,
-                         path, expiry, compatibility, rollback): never committed; not retried until
-                         the bucket object changes
+    └── Refused          a version, channel pointer or index failed verification (hash, size,
+                         signature, path, expiry, compatibility, rollback, version bounds): never
+                         committed; not fetched again until a bucket object it judged changes
+
+``Refused`` may name the bucket object it judged (``key``) and that object's ETag as the
+bucket gave it (``etag``; "" when the object is missing or the source could not tell), so the
+follower can ask the bucket "changed?" instead of fetching the object again.
 """
 
 from __future__ import annotations
@@ -17,7 +23,15 @@ class SyncError(Exception):
 
 
 class SourceError(SyncError):
-    """The bucket is unreachable or failed a request (transient: back off and retry)."""
+    """The bucket is unreachable or failed a request (transient: retry at the poll interval)."""
+
+
+class Throttled(SourceError):
+    """The bucket asked us to slow down; ``retry_after`` seconds when it said how long (else 0)."""
+
+    def __init__(self, message: str, retry_after: float = 0.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ReadOnlySource(SourceError):
@@ -26,3 +40,10 @@ class ReadOnlySource(SourceError):
 
 class Refused(SyncError):
     """A bucket object failed verification; the reason is the message."""
+
+    def __init__(self, message: str, key: str = "", etag: str | None = None):
+        super().__init__(message)
+        self.key = key  # the object judged ("" when the refusal is about no single object)
+        self.etag = etag  # its ETag when the source saw one; None: unknown
+        self.version: int | None = None  # the version refused, where the follower knows it
+        self.fresh = False  # the follower fetched and judged the objects now (not a standing refusal)

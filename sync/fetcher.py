@@ -147,23 +147,27 @@ def _matches(path: str, entry: FileEntry) -> bool:
 
 
 def _download(source: Any, manifest: Manifest, entry: FileEntry, dest: str, stats: FetchStats) -> None:
+    """One file into ``<dest>.part`` (resumed from what is there), checked, renamed. A wrong
+    size or sha256 is ``Refused`` naming the object and the ETag the bucket served it with."""
     part = dest + ".part"
     offset = _size(part)
     if offset >= entry.size:  # a stale or over-long partial: start again
         offset = 0
     key = join(manifest.model, str(manifest.version), entry.path)
     if "limit" in inspect.signature(source.download).parameters:
-        source.download(key, part, offset, limit=entry.size)  # SourceError leaves the partial for a resume
+        etag = source.download(key, part, offset, limit=entry.size)  # SourceError leaves the partial for a resume
     else:  # a source without caps (an old test double): the size check below still refuses
-        source.download(key, part, offset)
+        etag = source.download(key, part, offset)
     got = _size(part)
     stats.downloaded_bytes += got - offset
     stats.downloaded_files += 1
     what = f"{manifest.model} version {manifest.version}: {entry.path}"
+    etag = etag if isinstance(etag, str) else None
     if got != entry.size:
         os.unlink(part)
-        raise Refused(f"{what} has {got} bytes, the manifest says {entry.size} (truncated or replaced object)")
+        raise Refused(f"{what} has {got} bytes, the manifest says {entry.size} (truncated or replaced object)",
+                      key=key, etag=etag)
     if sha256_file(part) != entry.sha256:
         os.unlink(part)
-        raise Refused(f"{what} does not match its sha256 (corrupt object)")
+        raise Refused(f"{what} does not match its sha256 (corrupt object)", key=key, etag=etag)
     os.replace(part, dest)

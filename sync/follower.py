@@ -5,25 +5,32 @@ version index when no channel is configured) with a conditional request; check i
 (signature, expiry, replay, rollback); if the target version is not in the store, fetch
 and verify it into staging and commit it with one rename; move newer versions aside when
 the target is older (a channel move back or a pin); record the trust; apply retention.
-An idle poll with nothing new is one conditional request per model and no writes.
+An idle poll with nothing new is one conditional request per followed model and no writes:
+the list of models (``_models.json``, or a folder listing) is read again only every
+``models_refresh_s`` and on a forced poll (``appliance sync``).
 
-Errors: ``SourceError`` (bucket down) aborts the poll and propagates (the caller backs
-off); ``Refused`` is per model: recorded as an event once, and not retried until the
-bucket object changes. Every step calls ``event(kind, message, model=, version=, **detail)``.
-Not thread-safe: one thread runs ``sync_once``.
+Errors: ``SourceError`` (bucket down) aborts the poll and propagates (the caller retries);
+``Refused`` is per model: an event when it is new (another version or reason), kept with its
+original reason in ``refused`` (what the device report carries), and a refused version is
+not fetched again until an object it was judged on changes (sync/refusals.py). Every step
+calls ``event(kind, message, model=, version=, **detail)``.
+Not thread-safe: one thread runs ``sync_once``; other threads may read ``targets``,
+``refused`` and ``waves`` (whole values are replaced, never mutated in place).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from . import faults
 from .errors import Refused
 from .fetcher import fetch
-from .manifest import MANIFEST, verify, verify_channel
+from .manifest import MANIFEST, MAX_VERSION, check_version_number, is_version_name, verify, verify_channel
+from .refusals import Refusals, objects_judged
 from .source import MISSING, NOT_MODIFIED, Fetched
 from .store import Store, set_rollout_policy
 from .waves import admission, check_rollout_policy
@@ -40,6 +47,7 @@ class Options:
     device_tags: frozenset[str] = frozenset()
     retain: int = 2
     device_id: str = ""  # decides wave membership (sync/waves.py)
+    models_refresh_s: float = 300.0  # how often the list of models is read again (models empty)
     # Called with (model, {"candidate": N | None, "policy": {...} | None} | None) whenever the
     # channel's rollout entry changes: the source pushes it to the model manager.
     on_rollout: Callable[[str, dict[str, Any] | None], None] | None = None
@@ -66,36 +74,76 @@ class Follower:
         self.source, self.store, self.options, self.event = source, store, options, event
         self.local = local or (lambda: {})
         self._cache: dict[str, tuple[str, Any]] = {}  # key -> (etag, parsed doc or Refused)
-        self._refused: dict[tuple[str, int], str] = {}  # (model, version) -> manifest etag
+        self._refusals = Refusals()  # refused versions and the objects they were judged on
         self._pin_noted: dict[str, int] = {}
         self._wave_noted: dict[str, str] = {}
+        self._models_listed: tuple[float, list[str]] | None = None  # (when, names)
         self.targets: dict[str, int] = {}
+        self.refused: dict[str, dict[str, Any]] = {}  # model -> its standing refusal {version, reason, since}
+        self.waves: dict[str, dict[str, Any]] = {}  # model -> this device's place in the channel's waves
 
-    def sync_once(self) -> PollResult:
+    def sync_once(self, force: bool = False) -> PollResult:
+        """One poll of every followed model; ``force`` also reads the list of models again."""
         result = PollResult()
         before = self.source.requests
         local = self.local()
-        for model in self._models():
+        try:
+            models = self._models(force)
+        except Refused as exc:  # the bucket's list of models itself (_models.json) is malformed
+            result.refused.append(str(exc))
+            self._note_refusal("", exc)
+            return result
+        self._clear_refusal("")
+        for model in models:
             try:
                 self._follow(model, local.get(model, LocalModel()), result)
             except Refused as exc:
                 result.refused.append(f"{model}: {exc}")
+                self._note_refusal(model, exc)
+            else:
+                self._clear_refusal(model)
         result.requests = self.source.requests - before
         return result
 
+    def _note_refusal(self, model: str, exc: Refused) -> None:
+        """Keep the model's refusal with its original reason; an event only when it is new."""
+        standing = self.refused.get(model)
+        if standing is not None and standing["reason"] == str(exc) and standing["version"] == exc.version \
+                and not exc.fresh:
+            return
+        self.refused = {**self.refused, model: {"version": exc.version, "reason": str(exc), "since": time.time()}}
+        what = f"{model} version {exc.version}" if exc.version is not None else model or "the list of models"
+        self.event("sync_refused", f"refused {what}: {exc}", model=model, version=exc.version, reason=str(exc))
+
+    def _clear_refusal(self, model: str) -> None:
+        if model in self.refused:
+            self.refused = {k: v for k, v in self.refused.items() if k != model}
+
     # -- which models, which version ---------------------------------------------------
-    def _models(self) -> list[str]:
+    def _models(self, force: bool = False) -> list[str]:
         if self.options.models:
             return list(self.options.models)
+        now = time.monotonic()
+        if not force and self._models_listed is not None and now - self._models_listed[0] < self.options.models_refresh_s:
+            return self._models_listed[1]
         doc = self._read_cached("_models.json", lambda data: json.loads(data).get("models", []))
         names = doc if doc is not None else self.source.list_dirs("")
-        return [n for n in names if isinstance(n, str) and MODEL_NAME.match(n)]
+        models = [n for n in names if isinstance(n, str) and MODEL_NAME.match(n)]
+        self._models_listed = (now, models)
+        return models
 
     def _read_cached(self, key: str, parse: Callable[[bytes], Any]) -> Any:
         """A conditional read; the parsed document (cached on 304), or None when missing.
-        A document that failed to parse raises the same ``Refused`` until it changes."""
+        A document that failed to parse, or that the source refused to read (over its cap),
+        raises the same ``Refused`` until its ETag changes: it is not read again till then."""
         etag, cached = self._cache.get(key, ("", None))
-        fetched: Fetched = self.source.read(key, etag)
+        try:
+            fetched: Fetched = self.source.read(key, etag)
+        except Refused as exc:
+            if exc.etag:
+                self._cache[key] = (exc.etag, exc)
+            exc.fresh = True
+            raise
         if fetched.status == NOT_MODIFIED and key in self._cache:
             if isinstance(cached, Refused):
                 raise Refused(str(cached))
@@ -107,10 +155,12 @@ class Follower:
             doc = parse(fetched.data)
         except Refused as exc:
             self._cache[key] = (fetched.etag, exc)
+            exc.fresh = True
             raise
         except (ValueError, AttributeError, TypeError) as exc:
             refusal = Refused(f"{key} is malformed: {exc}")
             self._cache[key] = (fetched.etag, refusal)
+            refusal.fresh = True
             raise refusal from exc
         self._cache[key] = (fetched.etag, doc)
         return doc
@@ -124,12 +174,13 @@ class Follower:
             if pointer is None:
                 raise Refused(f"{model} has no channel {channel!r} in the bucket")
             return int(pointer["version"]), pointer
-        index = self._read_cached(f"{model}/versions.json", lambda d: int(json.loads(d)["latest"]))
+        index = self._read_cached(f"{model}/versions.json", lambda d: check_version_number(
+            json.loads(d)["latest"], f"{model}/versions.json latest"))
         if index is not None:
             return int(index), None
-        listed = sorted((int(v) for v in self.source.list_dirs(model) if v.isdigit()), reverse=True)
+        listed = sorted((int(v) for v in self.source.list_dirs(model) if is_version_name(v)), reverse=True)
         for version in listed:  # no index (hand-made bucket): the newest version with a manifest
-            if version in self.store.versions(model) or self.source.read(f"{model}/{version}/{MANIFEST}").status != MISSING:
+            if version in self.store.versions(model) or self.source.head(f"{model}/{version}/{MANIFEST}").status != MISSING:
                 return version, None
         return None, None
 
@@ -146,7 +197,7 @@ class Follower:
         self._check_rollback(model, target, pointer)
         if pointer is not None and not self._admitted(model, target, pointer):
             return
-        self.targets[model] = target
+        self.targets = {**self.targets, model: target}
         candidate = self._candidate(model, target, pointer)
         self._rollout_policy(model, pointer, candidate)
         if target not in self.store.versions(model):
@@ -155,10 +206,10 @@ class Follower:
                 self.event("sync_restored", f"{model} version {target} moved back into the store",
                            model=model, version=target)
             else:
-                self._install(model, target)
+                self._install(model, target, pointer)
             result.changed.append(f"{model}:{target}")
         if candidate is not None and candidate not in self.store.versions(model):
-            self._install(model, candidate)  # judged on the device when its rollout mode is on
+            self._install(model, candidate, pointer)  # judged on the device when its rollout mode is on
             result.changed.append(f"{model}:{candidate} (candidate)")
         if self._park_newer(model, target, keep=candidate):
             result.changed.append(f"{model}:{target} (newer versions set aside)")
@@ -170,8 +221,12 @@ class Follower:
         has. One with nothing of this model yet, or already on the target, is never held."""
         have = self.store.versions(model)
         if target in have or not have:
+            self._set_wave(model, None)
             return True
         verdict = admission(self.options.device_id, pointer, f"{model} channel {self.options.channel}")
+        self._set_wave(model, {"version": target, "wave": verdict.wave + 1 if verdict.wave >= 0 else None,
+                               "admitted": verdict.admitted, "opens_at": verdict.opens_at or None,
+                               "reason": verdict.reason})
         if verdict.admitted:
             self._wave_noted.pop(model, None)
             return True
@@ -181,6 +236,10 @@ class Follower:
                        f"device ({verdict.reason})", model=model, version=target, wave=verdict.wave,
                        opens_at=verdict.opens_at)
         return False
+
+    def _set_wave(self, model: str, state: dict[str, Any] | None) -> None:
+        if self.waves.get(model) != state:
+            self.waves = {k: v for k, v in {**self.waves, model: state}.items() if v is not None}
 
     def _rollout_policy(self, model: str, pointer: dict[str, Any] | None, candidate: int | None) -> None:
         """The channel's candidate and rollout policy (the central team's, for the whole
@@ -202,18 +261,18 @@ class Follower:
         value = (pointer or {}).get("candidate")
         if value is None:
             return None
-        if type(value) is not int or value <= target:
+        if type(value) is not int or not target < value <= MAX_VERSION:
             raise Refused(f"{model} channel pointer: candidate must be a version above {target}, got {value!r}")
         return value
 
     def _check_rollback(self, model: str, target: int, pointer: dict[str, Any] | None) -> None:
         trust = self.store.trust(model)
         if pointer is not None and float(pointer.get("created") or 0) < float(trust.get("pointer_created", 0)):
-            raise Refused(f"{model} channel pointer is older than one already seen (a replayed pointer?)")
+            raise _about(Refused(f"{model} channel pointer is older than one already seen (a replayed pointer?)"), target)
         highest = int(trust.get("version", -1))
         if target < highest and pointer is None:
-            raise Refused(f"{model}: the newest listed version {target} is below the highest trusted version "
-                          f"{highest}; going back needs a channel move or `appliance rollback`")
+            raise _about(Refused(f"{model}: the newest listed version {target} is below the highest trusted version "
+                                 f"{highest}; going back needs a channel move or `appliance rollback`"), target)
 
     def _record_trust(self, model: str, target: int, pointer: dict[str, Any] | None) -> None:
         trust = self.store.trust(model)
@@ -223,25 +282,31 @@ class Follower:
         if record != trust:
             self.store.set_trust(model, record)
 
-    def _install(self, model: str, version: int) -> None:
+    def _install(self, model: str, version: int, pointer: dict[str, Any] | None = None) -> None:
+        """Fetch, verify and commit ``version``; ``Refused`` (with ``version`` set) when it
+        fails verification, or while an earlier refusal of it stands (nothing fetched then)."""
+        created = (pointer or {}).get("created") if pointer is not None else None
+        standing = self._refusals.standing(self.source, model, version, created)
+        if standing is not None:
+            raise _about(Refused(standing.reason), version)
         key = f"{model}/{version}/{MANIFEST}"
-        known = self._refused.get((model, version))
-        fetched = self.source.read(key, known or "")
-        if known is not None and fetched.status == NOT_MODIFIED:
-            raise Refused(f"{model} version {version} was refused before and has not changed")
-        if fetched.status == MISSING:
-            if known == "missing":
-                raise Refused(f"{model} version {version} is still not committed (no {MANIFEST})")
-            raise self._refuse(model, version, "", f"{model} version {version} is not committed (no {MANIFEST})")
+        etag: str | None = None
         try:
+            fetched = self.source.read(key)
+            etag = fetched.etag if fetched.status != MISSING else ""
+            if fetched.status == MISSING:
+                raise Refused(f"{model} version {version} is not committed (no {MANIFEST})", key=key, etag="")
             manifest = verify(fetched.data, model, version, self.options.public_key, self.options.device_tags)
             self.event("sync_fetch", f"fetching {model} version {version} ({manifest.total_bytes} bytes, "
                        f"{len(manifest.files)} files)", model=model, version=version)
             stats = fetch(self.source, manifest, fetched.data, self.store.stage_dir(model, version),
                           self.store.reuse_index(model))
         except Refused as exc:
-            raise self._refuse(model, version, fetched.etag, str(exc)) from exc
-        self._refused.pop((model, version), None)
+            self._refusals.record(model, version, str(exc), objects_judged(key, exc.etag if exc.key == key else etag, exc),
+                                  created)
+            exc.fresh = True
+            raise _about(exc, version)
+        self._refusals.clear(model, version)
         faults.point("before_commit")
         self.store.commit(self.store.stage_dir(model, version), model, version)
         self.event("sync_committed", f"{model} version {version} verified and committed "
@@ -249,12 +314,6 @@ class Follower:
                    model=model, version=version, downloaded_bytes=stats.downloaded_bytes,
                    downloaded_files=stats.downloaded_files, reused_files=stats.reused_files)
         faults.point("after_commit")
-
-    def _refuse(self, model: str, version: int, etag: str, reason: str) -> Refused:
-        self._refused[(model, version)] = etag or "missing"
-        self.event("sync_refused", f"refused {model} version {version}: {reason}", model=model, version=version,
-                   reason=reason)
-        return Refused(reason)
 
     def _park_newer(self, model: str, target: int, keep: int | None = None) -> bool:
         newer = sorted(v for v in self.store.versions(model) if v > target and v != keep)
@@ -288,3 +347,8 @@ class Follower:
             self.event("sync_retention", f"{model}: deleted old versions {deleted} (keeping {self.options.retain})",
                        model=model, deleted=deleted)
 
+
+def _about(exc: Refused, version: int) -> Refused:
+    """``exc`` marked as the refusal of ``version`` (the report and the event name it)."""
+    exc.version = version
+    return exc

@@ -22,6 +22,25 @@ from typing import Any, Iterable
 from .errors import Refused
 
 MANIFEST = "MANIFEST.json"
+# TF Serving's version numbers are int64 (a folder name beyond it is ignored there); so are
+# ours wherever a number enters through the bucket: publish, manifests, pointers, indexes.
+MAX_VERSION = 2**63 - 1
+
+
+def check_version_number(value: Any, what: str) -> int:
+    """``value`` as a version number, or ``Refused`` naming ``what`` and the bound."""
+    if type(value) is str and value.isascii() and value.isdigit():
+        value = int(value)
+    if type(value) is not int or not 0 <= value <= MAX_VERSION:
+        shown = value if len(repr(value)) < 40 else repr(value)[:40] + "..."
+        raise Refused(f"{what}: version {shown!r} is not a whole number from 0 to {MAX_VERSION} "
+                      "(versions are int64, as in TF Serving)")
+    return value
+
+
+def is_version_name(name: str) -> bool:
+    """A folder name that is a version number within bounds (others are ignored, as TF Serving does)."""
+    return name.isdigit() and name.isascii() and int(name) <= MAX_VERSION
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,7 @@ def safe_path(path: Any) -> str:
 def build(model: str, version: int, directory: str, publisher: str, expires: float = 0,
           compat: Iterable[str] = ()) -> dict[str, Any]:
     """The manifest of a local version directory; symbolic links are refused."""
+    check_version_number(version, f"{model} version")
     files = []
     for root, dirs, names in os.walk(directory):
         dirs.sort()
@@ -170,6 +190,8 @@ def verify(data: bytes, model: str, version: int, public_key: Any, device_tags: 
     check_signature(doc, public_key, what)
     # The signature covers model, version, compat and every file: a signed manifest copied
     # to another model or version number (replay, mix-and-match) fails here.
+    if type(doc.get("version")) is int:
+        check_version_number(doc["version"], what)
     if doc.get("model") != model or type(doc.get("version")) is not int or doc.get("version") != version:
         raise Refused(f"{what} names {doc.get('model')!r} version {doc.get('version')!r}")
     check_expiry(doc, what, now)
@@ -212,6 +234,9 @@ def verify_channel(data: bytes, model: str, channel: str, public_key: Any, now: 
     if public_key is not None and (doc.get("model") != model or doc.get("channel") != channel):
         raise Refused(f"{what} pointer names {doc.get('model')!r}/{doc.get('channel')!r}")
     check_expiry(doc, what, now)
-    if type(doc.get("version")) is not int or doc["version"] < 0:
+    if type(doc.get("version")) is not int:
         raise Refused(f"{what} pointer has no integer version")
+    check_version_number(doc["version"], f"{what} pointer")
+    if doc.get("candidate") is not None:
+        check_version_number(doc["candidate"], f"{what} pointer's candidate")
     return doc

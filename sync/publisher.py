@@ -3,7 +3,10 @@
 ``publish`` uploads every file of a version directory, then ``MANIFEST.json`` **last**
 (its presence commits the version), then the index files a read-only (https) mirror
 needs: ``<model>/versions.json`` and ``_models.json``. Versions are immutable: publishing
-over a committed version is refused. Two publishers racing on one model may both pick
+over a committed version is refused; ``repair`` re-uploads the files of a committed version
+from a directory that matches its manifest (a corrupted object fixed in place: devices that
+refused it try again when they see its ETag change). Version numbers are int64, as in TF
+Serving: a bigger one is refused here, before any device sees it. Two publishers racing on one model may both pick
 the same next version number; the second one's manifest upload is then refused only if
 it sees the first one's manifest (S3 has no compare-and-swap here) — publish from one
 place per model.
@@ -20,9 +23,9 @@ from typing import Any, Iterable
 
 from .errors import Refused
 from .follower import MODEL_NAME
-from .manifest import MANIFEST, build, channel_doc, dumps, sign
+from .manifest import MANIFEST, build, channel_doc, check_version_number, dumps, is_version_name, parse_json, sha256_file, sign
 from .source import MISSING, join
-from .waves import check_rollout_policy, parse_waves
+from .waves import check_failure_threshold, check_rollout_policy, parse_waves
 
 DAY_S = 86400.0
 
@@ -35,15 +38,16 @@ def _check_name(model: str) -> None:
 def committed_versions(source: Any, model: str) -> list[int]:
     index = source.read(f"{model}/versions.json")
     if index.status != MISSING:
-        return sorted(int(v) for v in json.loads(index.data).get("versions", []))
-    listed = [int(v) for v in source.list_dirs(model) if v.isdigit()]
-    return sorted(v for v in listed if source.read(f"{model}/{v}/{MANIFEST}").status != MISSING)
+        return sorted(int(v) for v in json.loads(index.data).get("versions", []) if is_version_name(str(v)))
+    listed = [int(v) for v in source.list_dirs(model) if is_version_name(v)]
+    return sorted(v for v in listed if source.head(f"{model}/{v}/{MANIFEST}").status != MISSING)
 
 
 def next_version(source: Any, model: str) -> int:
-    """One above every version in the bucket (committed or a leftover partial upload)."""
-    listed = [int(v) for v in source.list_dirs(model) if v.isdigit()] if source.writable else []
-    return max(committed_versions(source, model) + listed, default=0) + 1
+    """One above every version in the bucket (committed or a leftover partial upload);
+    folder names beyond int64 are ignored, as devices ignore them."""
+    listed = [int(v) for v in source.list_dirs(model) if is_version_name(v)] if source.writable else []
+    return check_version_number(max(committed_versions(source, model) + listed, default=0) + 1, f"next {model} version")
 
 
 def publish(source: Any, model: str, directory: str, version: int | None = None, channel: str = "",
@@ -54,8 +58,8 @@ def publish(source: Any, model: str, directory: str, version: int | None = None,
         raise Refused(f"{directory} is not a directory")
     if getattr(source, "root", None):  # a new folder bucket: the publisher creates it
         os.makedirs(source.root, exist_ok=True)
-    version = next_version(source, model) if version is None else int(version)
-    if source.read(f"{model}/{version}/{MANIFEST}").status != MISSING:
+    version = next_version(source, model) if version is None else check_version_number(version, f"{model} --version")
+    if source.head(f"{model}/{version}/{MANIFEST}").status != MISSING:
         raise Refused(f"{model} version {version} is already published; versions are immutable")
     expires = time.time() + expires_days * DAY_S if expires_days else 0
     doc = build(model, version, directory, publisher or _whoami(), expires, compat)
@@ -71,6 +75,27 @@ def publish(source: Any, model: str, directory: str, version: int | None = None,
     return doc
 
 
+def repair(source: Any, model: str, version: int, directory: str) -> list[str]:
+    """Re-upload every file of committed ``model``/``version`` from ``directory``, which must
+    hold exactly what its manifest lists (same paths, sizes and sha256): the fix for objects
+    corrupted or lost in the bucket. The manifest (and its signature) is left as it is.
+    Returns the paths uploaded."""
+    check_version_number(version, f"{model} --version")
+    fetched = source.read(f"{model}/{version}/{MANIFEST}")
+    if fetched.status == MISSING:
+        raise Refused(f"{model} version {version} is not published (no {MANIFEST}); publish it instead")
+    files = parse_json(fetched.data, f"{model} version {version} manifest").get("files") or []
+    for entry in files:
+        local = os.path.join(directory, *str(entry["path"]).split("/"))
+        if not os.path.isfile(local) or os.path.getsize(local) != entry["size"] or sha256_file(local) != entry["sha256"]:
+            raise Refused(f"{local} is not the file {model} version {version} signed ({entry['path']}: size "
+                          f"{entry['size']}, sha256 {entry['sha256'][:12]}...); nothing uploaded")
+    for entry in files:
+        with open(os.path.join(directory, *str(entry["path"]).split("/")), "rb") as f:
+            source.put(join(model, str(version), entry["path"]), f.read())
+    return [str(entry["path"]) for entry in files]
+
+
 def _update_indexes(source: Any, model: str, version: int) -> None:
     versions = sorted(set(committed_versions(source, model)) | {version})
     source.put(f"{model}/versions.json", dumps({"model": model, "versions": versions, "latest": versions[-1],
@@ -83,21 +108,28 @@ def _update_indexes(source: Any, model: str, version: int) -> None:
 
 def set_channel(source: Any, model: str, channel: str, version: int, sign_key: Any = None,
                 expires_days: float = 365, waves: list[dict[str, Any]] | None = None,
-                candidate: int | None = None, rollout: dict[str, Any] | None = None) -> dict[str, Any]:
+                candidate: int | None = None, rollout: dict[str, Any] | None = None,
+                failure_threshold: dict[str, Any] | None = None) -> dict[str, Any]:
     """Point ``channel`` at a committed version (signed when a key is given), optionally in
     staged ``waves`` and with a ``candidate`` for devices to judge (sync/waves.py) under the
-    ``rollout`` policy (the keys of a model's [models.rollout]; devices validate them)."""
+    ``rollout`` policy (the keys of a model's [models.rollout]; devices validate them).
+    ``failure_threshold`` (``{"percent": P, "min_devices": N}``) is the share of devices in
+    the open waves failing the version at which ``appliance rollout watch`` halts the channel."""
     _check_name(model)
     if not MODEL_NAME.match(channel):
         raise Refused(f"channel name {channel!r}: use letters, digits, '.', '_' and '-'")
-    if source.read(f"{model}/{version}/{MANIFEST}").status == MISSING:
+    version = check_version_number(version, f"{model} channel {channel}")
+    if source.head(f"{model}/{version}/{MANIFEST}").status == MISSING:
         raise Refused(f"{model} version {version} is not published (no {MANIFEST})")
     doc = channel_doc(model, channel, version, time.time() + expires_days * DAY_S if expires_days else 0)
     if waves:
         parse_waves({"waves": waves}, f"{model} channel {channel}")  # refuse a bad plan before devices see it
         doc["waves"] = waves
+    if failure_threshold is not None:
+        doc["failure_threshold"] = check_failure_threshold(failure_threshold, f"{model} channel {channel}")
     if candidate is not None:
-        if source.read(f"{model}/{candidate}/{MANIFEST}").status == MISSING:
+        candidate = check_version_number(candidate, f"{model} channel {channel} candidate")
+        if source.head(f"{model}/{candidate}/{MANIFEST}").status == MISSING:
             raise Refused(f"candidate {model} version {candidate} is not published (no {MANIFEST})")
         if candidate <= version:
             raise Refused(f"candidate version {candidate} must be above the channel's version {version}")
@@ -107,16 +139,22 @@ def set_channel(source: Any, model: str, channel: str, version: int, sign_key: A
     return _put_channel(source, model, channel, doc, sign_key)
 
 
-def halt_channel(source: Any, model: str, channel: str, sign_key: Any = None, halt: bool = True) -> dict[str, Any]:
-    """Set (or clear) ``halt`` in a channel pointer: no device moves while it is set."""
+def halt_channel(source: Any, model: str, channel: str, sign_key: Any = None, halt: bool = True,
+                 reason: str = "", by: str = "") -> dict[str, Any]:
+    """Set (or clear) ``halt`` in a channel pointer: no device moves while it is set. The
+    pointer keeps its ``created`` (devices do not read a halt as a new rollout) and records
+    why, when and by whom in ``halted``."""
     fetched = source.read(f"{model}/channels/{channel}.json")
     if fetched.status == MISSING:
         raise Refused(f"{model} has no channel {channel!r} in the bucket")
     doc = {k: v for k, v in json.loads(fetched.data).items() if k != "signature"}
     if halt:
         doc["halt"] = True
+        doc["halted"] = {"reason": reason or "halted by hand (appliance rollout halt)", "at": time.time(),
+                         "by": by or _whoami()}
     else:
         doc.pop("halt", None)
+        doc.pop("halted", None)
     return _put_channel(source, model, channel, doc, sign_key)
 
 
@@ -125,20 +163,6 @@ def _put_channel(source: Any, model: str, channel: str, doc: dict[str, Any], sig
         doc = sign(doc, sign_key)
     source.put(f"{model}/channels/{channel}.json", dumps(doc))
     return doc
-
-
-def fleet(source: Any) -> list[dict[str, Any]]:
-    """Every device report under ``_devices/`` (unreadable ones listed with their error)."""
-    reports = []
-    for key in source.list_keys("_devices"):
-        if not key.endswith(".json"):
-            continue
-        fetched = source.read(f"_devices/{key}")
-        try:
-            reports.append(json.loads(fetched.data))
-        except ValueError as exc:
-            reports.append({"device_id": key[:-5], "error": f"unreadable report: {exc}"})
-    return sorted(reports, key=lambda r: str(r.get("device_id")))
 
 
 def _whoami() -> str:

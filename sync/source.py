@@ -4,7 +4,9 @@ A source is a flat key space under the bucket URL's prefix (keys are ``/``-joine
 relative). Every method counts the requests it makes in ``requests`` (the fleet
 benchmark reads it). Methods raise ``SourceError`` when the bucket cannot answer;
 ``read`` of a key that does not exist returns ``Fetched(status=404)``, not an error.
-Thread-safety: one source per sync loop; the publisher makes its own.
+Thread-safety: one source per sync loop; the publisher makes its own. ``sibling()`` gives a
+source over the same bucket with its own request counter (the device report's writer), sharing
+what is costly to make (an S3 client, which boto3 documents as thread-safe).
 
 Limits (the endless-data and slow-retrieval threats of The Update Framework): ``read``
 returns at most ``max_document_bytes`` (manifests, channel pointers, indexes) and refuses a
@@ -46,19 +48,35 @@ class Fetched:
     etag: str = ""
 
 
+@dataclass(frozen=True, order=True)
+class Listed:
+    """One object of a listing: its name under the prefix, ETag, size and when the bucket
+    last wrote it (epoch seconds, the bucket's clock)."""
+
+    name: str
+    etag: str
+    size: int
+    modified: float
+
+
 class Source(Protocol):
     url: str
     requests: int
     writable: bool
 
     def read(self, key: str, etag: str = "") -> Fetched:
-        """The object, ``NOT_MODIFIED`` when ``etag`` still matches, or ``MISSING``."""
+        """The object, ``NOT_MODIFIED`` when ``etag`` still matches, or ``MISSING``. An object
+        over ``max_document_bytes`` is ``Refused`` carrying its ETag (so a caller can ask
+        "changed?" next time with a conditional request instead of reading it again)."""
 
-    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> None:
-        """Append the object's bytes from ``offset`` to ``path`` (a ranged GET when > 0).
-        A source that cannot resume rewrites ``path`` from the start. ``limit``: the most
-        bytes ``path`` may hold (the signed size); an object longer than that is cut off
-        there and ``Refused``."""
+    def head(self, key: str) -> Fetched:
+        """The object's ETag without its bytes (``OK``), or ``MISSING``."""
+
+    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> str:
+        """Append the object's bytes from ``offset`` to ``path`` (a ranged GET when > 0);
+        returns the object's ETag. A source that cannot resume rewrites ``path`` from the
+        start. ``limit``: the most bytes ``path`` may hold (the signed size); an object
+        longer than that is cut off there and ``Refused``."""
 
     def put(self, key: str, data: bytes) -> None:
         """Write one object (atomically for readers where the store allows)."""
@@ -68,6 +86,13 @@ class Source(Protocol):
 
     def list_keys(self, prefix: str) -> list[str]:
         """Names of the objects directly under ``prefix``."""
+
+    def list_objects(self, prefix: str) -> list[Listed]:
+        """The objects directly under ``prefix`` with their ETags, sizes and times (one
+        listing: ListObjectsV2 pages carry them, a folder gives them by ``stat``)."""
+
+    def sibling(self) -> "Source":
+        """The same bucket, its own ``requests`` counter, costly parts shared."""
 
     def close(self) -> None: ...
 
@@ -135,11 +160,13 @@ def copy_limited(read: Callable[[int], bytes], write: Callable[[bytes], Any], ro
         copied += len(block)
 
 
-def read_limited(read: Callable[[int], bytes], limit: int, what: str, pacer: Pacer | None = None) -> bytes:
-    """A whole document of at most ``limit`` bytes (``Refused`` past it)."""
+def read_limited(read: Callable[[int], bytes], limit: int, what: str, pacer: Pacer | None = None,
+                 etag: str | None = None) -> bytes:
+    """A whole document of at most ``limit`` bytes (``Refused`` past it, carrying ``etag``)."""
     parts: list[bytes] = []
     try:
         copy_limited(read, parts.append, limit, what, pacer)
     except Refused as exc:
-        raise Refused(f"{exc} (sync.max_manifest_bytes)") from None
+        raise Refused(f"{exc} (sync.max_manifest_bytes)", key=what, etag=etag) from None
     return b"".join(parts)
+

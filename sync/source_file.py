@@ -17,7 +17,12 @@ from typing import BinaryIO
 
 from . import faults
 from .errors import Refused, SourceError
-from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, copy_limited, read_limited
+from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, Listed, copy_limited, read_limited
+
+
+def _tag(st: os.stat_result) -> str:
+    """The folder's ETag of a file: its mtime and size (a stat, never a read)."""
+    return f"{st.st_mtime_ns:x}-{st.st_size:x}"
 
 
 class FileSource:
@@ -64,21 +69,33 @@ class FileSource:
         self._check_root()
         try:
             with self._open_object(key) as f:
-                st = os.fstat(f.fileno())
-                tag = f"{st.st_mtime_ns:x}-{st.st_size:x}"
+                tag = _tag(os.fstat(f.fileno()))
                 if etag and tag == etag:
                     return Fetched(NOT_MODIFIED, etag=tag)
-                return Fetched(OK, read_limited(f.read, self.limits.max_document_bytes, key), tag)
+                return Fetched(OK, read_limited(f.read, self.limits.max_document_bytes, key, etag=tag), tag)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return Fetched(MISSING)
         except OSError as exc:
             raise SourceError(f"reading {key}: {exc.strerror}") from exc
 
-    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> None:
+    def head(self, key: str) -> Fetched:
         self.requests += 1
         self._check_root()
         try:
+            st = os.lstat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return Fetched(MISSING)
+        except OSError as exc:
+            raise SourceError(f"stat {key}: {exc.strerror}") from exc
+        return Fetched(OK, etag=_tag(st)) if stat.S_ISREG(st.st_mode) else Fetched(MISSING)
+
+    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> str:
+        self.requests += 1
+        self._check_root()
+        tag = None
+        try:
             with self._open_object(key) as src, open(path, "r+b" if offset else "wb") as dst:
+                tag = _tag(os.fstat(src.fileno()))
                 src.seek(offset)
                 dst.seek(offset)
                 dst.truncate()
@@ -93,8 +110,11 @@ class FileSource:
                         first = False
 
                 copy_limited(src.read, write, None if limit is None else max(0, limit - offset), key)
+                return tag
+        except Refused as exc:
+            raise Refused(str(exc), key=key, etag=tag) from None
         except FileNotFoundError as exc:
-            raise Refused(f"{key} is listed in the manifest but missing from the bucket") from exc
+            raise Refused(f"{key} is listed in the manifest but missing from the bucket", key=key, etag="") from exc
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) or (os.path.exists(path) and exc.filename == path):
                 raise  # the local disk, not the bucket: the fetcher wipes the stage (DiskFull)
@@ -134,6 +154,20 @@ class FileSource:
                 return sorted(e.name for e in it if e.is_file() and not e.name.startswith("."))
         except FileNotFoundError:
             return []
+
+    def list_objects(self, prefix: str) -> list[Listed]:
+        self.requests += 1
+        self._check_root()
+        try:
+            with os.scandir(self._path(prefix)) as it:
+                entries = [(e.name, e.stat(follow_symlinks=False)) for e in it
+                           if e.is_file(follow_symlinks=False) and not e.name.startswith(".")]
+        except FileNotFoundError:
+            return []
+        return sorted(Listed(name, _tag(st), st.st_size, st.st_mtime) for name, st in entries)
+
+    def sibling(self) -> "FileSource":
+        return FileSource(self.url, self.root, self.limits)
 
     def close(self) -> None:
         pass

@@ -19,8 +19,8 @@ import urllib.request
 from typing import Any
 from urllib.parse import quote
 
-from .errors import ReadOnlySource, Refused, SourceError
-from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, Pacer, copy_limited, read_limited
+from .errors import ReadOnlySource, Refused, SourceError, Throttled
+from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, Listed, Pacer, copy_limited, read_limited
 
 TRANSFER_ERRORS = (OSError, http.client.HTTPException, urllib.error.URLError)  # socket.timeout is an OSError
 
@@ -35,25 +35,37 @@ class HTTPSource:
         self.requests = 0
         self._modified: dict[str, str] = {}
 
-    def _open(self, key: str, headers: dict[str, str]) -> Any:
+    def sibling(self) -> "HTTPSource":
+        return HTTPSource(self.url, self.limits)
+
+    def _open(self, key: str, headers: dict[str, str], method: str = "GET") -> Any:
         self.requests += 1
-        request = urllib.request.Request(f"{self.base}/{quote(key)}", headers=headers)
+        request = urllib.request.Request(f"{self.base}/{quote(key)}", headers=headers, method=method)
         try:
             return urllib.request.urlopen(request, timeout=self.limits.stall_timeout_s)
         except urllib.error.HTTPError as exc:
             exc.close()
             if exc.code in (NOT_MODIFIED, MISSING, 416):
                 return exc.code
-            raise SourceError(f"GET {key}: HTTP {exc.code} {exc.reason}") from exc
+            if exc.code in (429, 503):
+                raise Throttled(f"{method} {key}: HTTP {exc.code} {exc.reason}",
+                                _seconds(exc.headers.get("Retry-After", ""))) from exc
+            raise SourceError(f"{method} {key}: HTTP {exc.code} {exc.reason}") from exc
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            raise SourceError(f"GET {key}: {_why(exc, self.limits)}") from exc
+            raise SourceError(f"{method} {key}: {_why(exc, self.limits)}") from exc
 
-    def _announced(self, response: Any, key: str, room: int | None) -> None:
+    @staticmethod
+    def _tag(response: Any) -> str:
+        modified = response.headers.get("Last-Modified")
+        return response.headers.get("ETag") or (f"lm:{modified}" if modified else "")
+
+    def _announced(self, response: Any, key: str, room: int | None, hint: str = "") -> None:
         """Refuse a body whose Content-Length already says it is over its cap."""
         length = response.headers.get("Content-Length")
         if room is not None and length is not None and length.isdigit() and int(length) > room:
             response.close()
-            raise Refused(f"{key}: the server announces {length} bytes, over the {room}-byte limit")
+            raise Refused(f"{key}: the server announces {length} bytes, over the {room}-byte limit{hint}",
+                          key=key, etag=self._tag(response))
 
     def read(self, key: str, etag: str = "") -> Fetched:
         headers = {}
@@ -64,25 +76,33 @@ class HTTPSource:
         response = self._open(key, headers)
         if isinstance(response, int):
             return Fetched(NOT_MODIFIED, etag=etag) if response == NOT_MODIFIED else Fetched(MISSING)
-        self._announced(response, key, self.limits.max_document_bytes)
+        self._announced(response, key, self.limits.max_document_bytes, " (sync.max_manifest_bytes)")
+        tag = self._tag(response)
         with response:
             try:
-                data = read_limited(response.read1, self.limits.max_document_bytes, key, Pacer(f"GET {key}", self.limits))
+                data = read_limited(response.read1, self.limits.max_document_bytes, key, Pacer(f"GET {key}", self.limits),
+                                    etag=tag)
             except TRANSFER_ERRORS as exc:
                 raise SourceError(f"GET {key} broke off: {_why(exc, self.limits)}") from exc
-            tag = response.headers.get("ETag") or ("lm:" + response.headers.get("Last-Modified", "")
-                                                   if response.headers.get("Last-Modified") else "")
         return Fetched(OK, data, tag)
 
-    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> None:
+    def head(self, key: str) -> Fetched:
+        response = self._open(key, {}, "HEAD")
+        if isinstance(response, int):
+            return Fetched(MISSING)
+        with response:
+            return Fetched(OK, etag=self._tag(response))
+
+    def download(self, key: str, path: str, offset: int = 0, limit: int | None = None) -> str:
         response = self._open(key, {"Range": f"bytes={offset}-"} if offset else {})
         if response == 416 and offset:
             return self.download(key, path, 0, limit)
         if isinstance(response, int):
-            raise Refused(f"{key} is listed in the manifest but missing from the bucket")
+            raise Refused(f"{key} is listed in the manifest but missing from the bucket", key=key, etag="")
         start = offset if offset and response.status == 206 else 0
         room = None if limit is None else max(0, limit - start)
         self._announced(response, key, room)
+        tag = self._tag(response)
         with response, open(path, "r+b" if start else "wb") as f:
             f.seek(start)
             f.truncate()
@@ -96,10 +116,13 @@ class HTTPSource:
 
             try:
                 copy_limited(response.read1, write, room, key, Pacer(f"GET {key}", self.limits))
+            except Refused as exc:
+                raise Refused(str(exc), key=key, etag=tag) from None
             except _LocalWriteError as local:
                 raise local.error from None
             except TRANSFER_ERRORS as exc:
                 raise SourceError(f"GET {key} broke off: {_why(exc, self.limits)}") from exc
+        return tag
 
     def put(self, key: str, data: bytes) -> None:
         raise ReadOnlySource(f"{self.url} is read-only (https); publish to the bucket behind it")
@@ -110,6 +133,9 @@ class HTTPSource:
     def list_keys(self, prefix: str) -> list[str]:
         raise SourceError(f"{self.url} cannot list objects (https); read the reports from the bucket itself")
 
+    def list_objects(self, prefix: str) -> list[Listed]:
+        return [Listed(name, "", 0, 0.0) for name in self.list_keys(prefix)]  # raises: nothing to list
+
     def close(self) -> None:
         pass
 
@@ -118,6 +144,14 @@ class _LocalWriteError(Exception):
     def __init__(self, error: OSError):
         super().__init__(str(error))
         self.error = error
+
+
+def _seconds(value: str) -> float:
+    """Retry-After as seconds (the HTTP-date form counts as "not said")."""
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return 0.0
 
 
 def _why(exc: BaseException, limits: Limits) -> str:

@@ -33,7 +33,7 @@ import uuid
 from typing import Any, Iterable
 
 from .errors import Refused
-from .manifest import MANIFEST, sha256_file
+from .manifest import MANIFEST, MAX_VERSION, sha256_file
 
 log = logging.getLogger("sync.store")
 PRIVATE = 0o700
@@ -298,6 +298,8 @@ class Store:
         on disk (served or parked): a lost, deleted or corrupt ``trust.json`` cannot make
         an older version acceptable again while a newer one is still here."""
         record = dict(self._trust_doc().get(model) or {})
+        if not isinstance(record.get("version", -1), int) or record.get("version", -1) > MAX_VERSION:
+            record.pop("version", None)  # a number beyond int64 (trusted before versions were bounded): void
         floor = self._committed_floor(model)
         if floor > int(record.get("version", -1)):
             record["version"] = floor
@@ -335,7 +337,7 @@ class Store:
     def _committed_floor(self, model: str) -> int:
         """The newest version on disk that sync committed (it has a manifest), or -1."""
         committed = [v for v, path in {**self.versions(model), **self.parked(model)}.items()
-                     if os.path.isfile(os.path.join(path, MANIFEST))]
+                     if v <= MAX_VERSION and os.path.isfile(os.path.join(path, MANIFEST))]
         return max(committed, default=-1)
 
     def pins(self) -> dict[str, int]:

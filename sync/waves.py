@@ -7,6 +7,13 @@ once the holds of the waves before it have passed. A device belongs to the first
 whose percent exceeds its *share*: a stable hash of its device id and the version, so the
 answer is the same after every restart and differs from one version to the next (the
 same devices are not always first). ``"halt": true`` stops every further move.
+
+``"failure_threshold": {"percent": 10, "min_devices": 1}`` is the share of the devices in the
+open waves that may report a refusal or a failed load of the version before the rollout is
+halted (by ``appliance rollout watch``, which reads the reports: devices cannot read each
+other's). ``min_devices``: how many devices must have reported on the version before the
+share is judged (AWS IoT Jobs' ``minNumberOfExecutedThings``), so one early failure of a
+tiny first wave does not halt a fleet by itself unless asked.
 """
 
 from __future__ import annotations
@@ -75,6 +82,43 @@ def admission(device_id: str, pointer: dict[str, Any], what: str = "channel", no
                                                   f"{(opens - now) / 60:.1f} min")
         opens += hold
     raise AssertionError("unreachable: the last wave covers 100%")
+
+
+@dataclass(frozen=True)
+class WaveState:
+    """Where a rollout stands in time: waves open now, the share of the fleet they cover,
+    and when the next one opens (None: all open, or none declared)."""
+
+    open_waves: int
+    total_waves: int
+    open_percent: float
+    next_opens_at: float | None
+
+
+def wave_state(pointer: dict[str, Any], now: float | None = None) -> WaveState:
+    """The channel's waves at ``now`` (a pointer without waves: one wave, all open)."""
+    waves = parse_waves(pointer, "channel")
+    if not waves:
+        return WaveState(1, 1, 100.0, None)
+    now = time.time() if now is None else now
+    opens = float(pointer.get("waves_start") or pointer.get("created") or 0)
+    for index, (percent, hold) in enumerate(waves):
+        if now < opens:
+            return WaveState(index, len(waves), waves[index - 1][0] if index else 0.0, opens)
+        opens += hold
+    return WaveState(len(waves), len(waves), 100.0, None)
+
+
+def check_failure_threshold(threshold: Any, where: str) -> dict[str, Any]:
+    """``{"percent": (0, 100], "min_devices": >= 1}``, checked (``Refused`` with the reason)."""
+    if not isinstance(threshold, dict) or set(threshold) - {"percent", "min_devices"}:
+        raise Refused(f"{where}: failure_threshold must be {{\"percent\": P, \"min_devices\": N}}, got {threshold!r}")
+    percent, minimum = threshold.get("percent"), threshold.get("min_devices", 1)
+    if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 100:
+        raise Refused(f"{where}: failure_threshold.percent must lie in (0, 100], got {percent!r}")
+    if type(minimum) is not int or minimum < 1:
+        raise Refused(f"{where}: failure_threshold.min_devices must be a whole number >= 1, got {minimum!r}")
+    return {"percent": float(percent), "min_devices": minimum}
 
 
 def check_rollout_policy(policy: Any, where: str) -> dict[str, Any]:

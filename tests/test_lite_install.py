@@ -76,3 +76,24 @@ def _served(server) -> bool:
         return m["mlp"]["serving_version"] == 1 and m["half_plus_two"]["versions"][0]["state"] == "END"
     except Exception:
         return False
+
+
+def test_lite_install_with_an_s3_bucket_names_the_missing_extra(lite_python: Path, tmp_path: Path) -> None:
+    """No boto3 in a LiteRT-only install: the device keeps serving what it has and says, in one
+    line, which extra an s3:// bucket needs; so does the CLI."""
+    assert subprocess.run([str(lite_python), "-c", "import boto3"], capture_output=True).returncode != 0
+    config = tmp_path / "device.toml"
+    config.write_text('[sync]\nbucket = "s3://fleet/prod"\npoll_interval_s = 0.3\n')
+    server = launch(["--config", str(config)], tmp_path, ready=False, python=str(lite_python))
+    try:
+        error = server.wait_for(lambda: server.get("/api/status", timeout=2).json()["sync"]["last_error"], 60,
+                                "the sync error")
+        assert error == "s3:// buckets need the s3 extra, which this install lacks: pip install 'edge-appliance[s3]' (boto3)"
+        assert "ModuleNotFoundError" not in server.log_text() and "Traceback" not in server.log_text()
+    finally:
+        assert server.stop() == 0
+    cli = subprocess.run([str(lite_python), "-m", "appliance.cli", "fleet", "--bucket", "s3://fleet/prod"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert cli.returncode == 1 and cli.stderr.strip().splitlines() == [
+        "appliance fleet: error: s3:// buckets need the s3 extra, which this install lacks: "
+        "pip install 'edge-appliance[s3]' (boto3)"], cli.stderr

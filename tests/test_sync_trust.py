@@ -434,13 +434,15 @@ def test_trickling_transfer_is_a_stall_too(tmp_path: Path, bucket: Path, mirror:
 @pytest.mark.timeout(90)
 def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: Path, mirror: Mirror) -> None:
     """The real SyncLoop (in-process, no model manager): a stalled transfer is an event and
-    the status' last error, and the loop waits longer after each failure."""
+    the status' last error, reported once; the loop tries again at the poll interval (a stall
+    is not the bucket asking for less, so there is nothing to back off from), resuming."""
     from appliance.core.config import Config
     from appliance.core.state import StateDB
     from appliance.parts.sync_loop import SyncLoop, source_limits
 
     publish(open_source(f"file://{bucket}"), "m", str(make_version(tmp_path, "v", {"model.tflite": b"s" * 5000})), 1)
     mirror.stall.add("m/1/model.tflite")
+    mirror.stall_after = 0  # nothing at all: no attempt makes progress
     config = Config()
     config.state_dir = str(tmp_path / "state")
     config.sync.bucket, config.sync.poll_interval_s, config.sync.max_backoff_s = mirror.url, 0.05, 0.8
@@ -466,6 +468,8 @@ def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: P
     attempts = [k for k, _ in mirror.gets].count("m/1/model.tflite")
     assert attempts <= status["failures"] + 1  # one transfer per poll, no retry loop inside a poll
     assert len(errors) == 1 and "stalled" in errors[0]["message"]  # reported once, not once per retry
+    assert "retrying at the poll interval" in errors[0]["message"]
+    assert loop._next_delay() == pytest.approx(0.05)  # jitter 0: the interval, however many failures
 
 
 # -- the bytes verified are the bytes that load -------------------------------------------------

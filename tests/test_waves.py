@@ -142,10 +142,11 @@ def test_fleet_summary_and_halt_through_the_cli(tmp_path: Path) -> None:
         report = {"device_id": device, "models": {"m": {"serving_version": 2 if i < 4 else 1}},
                   "rollouts": {"m": {"decisions": [aborted if i == 5 else {"action": "promote", "candidate_version": 2}]}}}
         source.put(f"_devices/{device}.json", json.dumps(report).encode())
-    out = appliance("fleet", "--bucket", f"file://{bucket}", "--model", "m", "--json")
+    out = appliance("fleet", "--bucket", f"file://{bucket}", "--model", "m", "--channel", "stable", "--json")
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    assert summary["devices_per_version"] == {"2": 4, "1": 2} and sum(summary["devices_per_wave"].values()) == 6
+    summary = json.loads(out.stdout)["rollouts"][0]
+    assert summary["devices_per_version"] == {"2": 4, "1": 2} and summary["on_target"] == 4
+    assert sum(w["devices"] for w in summary["waves"]["per_wave"].values()) == 6
     assert len(summary["promotions"]) == 5 and summary["aborts"][0]["device_id"] == DEVICES[5]
     assert "p99 latency" in summary["aborts"][0]["reason"]
     assert appliance("fleet", "--bucket", f"file://{bucket}").returncode == 0  # the plain device list still works

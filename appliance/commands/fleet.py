@@ -3,7 +3,9 @@
 Added to ``appliance`` by ``add_commands(subparsers)``. Each command imports what it needs
 (boto3 only through the S3 source, urllib's HTTP client only for ``sync``) when it runs;
 the helpers shared with ``appliance rollout`` are in appliance/commands/common.py.
-``appliance fleet --model M`` is the rollout summary of appliance/commands/rollout.py.
+``appliance fleet`` prints the snapshot of sync/fleet.py (devices, rollouts; ``--json`` as
+is), filtered; ``--model M`` adds that model's rollout progress; ``--serve`` runs the
+read-only fleet page (appliance/commands/fleet_page.py).
 """
 
 from __future__ import annotations
@@ -12,16 +14,46 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any
 
 from appliance.commands.common import BUCKET_HELP, admin_token, error_text, guarded, signing_key
 from appliance.commands.common import source as bucket
 
 
-def cmd_publish(args: argparse.Namespace) -> int:
-    from sync.publisher import publish
+def version_number(text: str) -> int:
+    """argparse type of ``--version``: an int64 version number, as TF Serving's."""
+    from sync.errors import Refused
+    from sync.manifest import check_version_number
 
+    try:
+        return check_version_number(text.strip(), "--version")
+    except Refused as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def waves_arg(text: str) -> list[dict[str, float]]:
+    """``--waves 5:30,25:60,100``: cumulative percent and hold in minutes per wave."""
+    waves = []
+    for part in text.split(","):
+        percent, _, hold = part.strip().partition(":")
+        try:
+            waves.append({"percent": float(percent), **({"hold_minutes": float(hold)} if hold else {})})
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wave {part!r}: write PERCENT[:HOLD_MINUTES], e.g. 5:30,25:60,100") from None
+    return waves
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from sync.publisher import publish, repair
+
+    if args.repair:
+        if args.version is None:
+            print("appliance publish --repair needs --version (the committed version to repair)", file=sys.stderr)
+            return 1
+        fixed = repair(bucket(args), args.model, args.version, args.directory)
+        print(f"re-uploaded {len(fixed)} files of {args.model} version {args.version}; devices that refused it "
+              "try again when they see the objects change")
+        return 0
     doc = publish(bucket(args), args.model, args.directory, args.version, args.channel or "",
                   signing_key(args.sign_key), args.publisher or "", args.expires_days, args.compat or [])
     size = sum(f["size"] for f in doc["files"])
@@ -33,9 +65,20 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_channel_set(args: argparse.Namespace) -> int:
     from sync.publisher import set_channel
 
+    threshold = None
+    if args.failure_threshold is not None:
+        threshold = {"percent": args.failure_threshold, "min_devices": args.min_devices}
     doc = set_channel(bucket(args), args.model, args.channel, args.version, signing_key(args.sign_key),
-                      args.expires_days)
-    print(f"{args.model} channel {args.channel} -> version {doc['version']}{' (signed)' if 'signature' in doc else ''}")
+                      args.expires_days, waves=args.waves, failure_threshold=threshold)
+    plan = ""
+    if args.waves:
+        plan = " in waves " + ", ".join(f"{w['percent']:g}%" + (f" (hold {w['hold_minutes']:g} min)"
+                                                                 if w.get("hold_minutes") else "") for w in args.waves)
+    print(f"{args.model} channel {args.channel} -> version {doc['version']}{plan}"
+          f"{' (signed)' if 'signature' in doc else ''}")
+    if threshold is not None:
+        print(f"halts at {threshold['percent']:g}% failing devices in the open waves while `appliance rollout watch "
+              f"--bucket {args.bucket} --model {args.model} --channel {args.channel}` runs")
     return 0
 
 
@@ -53,24 +96,66 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    if getattr(args, "model", None):  # one model's rollout: versions, waves, promotions, aborts
-        from appliance.commands import rollout
+    """The fleet from the bucket's reports: filtered rows, rollout progress, or the page."""
+    if args.serve:
+        from appliance.commands.fleet_page import serve
 
-        return rollout.cmd_fleet(args)
-    from sync.publisher import fleet
+        return serve(args)
+    from sync.fleet import snapshot, without_reports
 
-    reports = fleet(bucket(args))
+    source = bucket(args)
+    also = (args.model, args.channel) if args.model and args.channel else None
+    from sync.listing import cache_for
+
+    cache = cache_for(args.bucket, not args.no_cache)
+    view = snapshot(source, cache, args.workers, also=also)
+    cache.save()
+    if args.register_keys:
+        register(source, view)
+    rows = [r for r in view["devices"] if row_matches(r, args)]
+    rollouts = [p for p in view["rollouts"] if (not args.model or p["model"] == args.model)
+                and (not args.channel or p["channel"] == args.channel)]
     if args.json:
-        print(json.dumps(reports, indent=2))
+        # compact: json's C encoder (an indent falls back to the pure-Python one: seconds at 10,000 rows)
+        print(json.dumps({**without_reports(view), "devices": rows, "rollouts": rollouts}, default=str))
         return 0
-    for r in reports:
-        models = ", ".join(f"{n}:{m.get('serving_version')}" for n, m in (r.get("models") or {}).items())
-        age = time.time() - float(r.get("last_sync") or 0)
-        print(f"{r.get('device_id', '?'):24} {'healthy' if r.get('healthy') else 'UNHEALTHY':9} "
-              f"v{r.get('software_version', '?'):8} synced {age:6.0f} s ago  {models or '-'}"
-              f"{'  error: ' + r['last_error'] if r.get('last_error') else ''}")
-    print(f"{len(reports)} devices")
+    print_fleet(view, rows, rollouts, args)
     return 0
+
+
+def row_matches(row: dict[str, Any], args: argparse.Namespace) -> bool:
+    from sync.fleet_view import matches
+
+    return matches(row, args.model or "", args.channel or "", args.version, args.stale, args.unhealthy)
+
+
+def register(source: Any, view: dict[str, Any]) -> None:
+    """Trust on first use, on the operator's word: record the keys of unregistered reports."""
+    from sync.report import UNREGISTERED, register_keys
+
+    keys = {r["device_id"]: view["reports"][r["device_id"]]["device_key"] for r in view["devices"]
+            if r["trust"] == UNREGISTERED}
+    added = register_keys(source, keys)
+    for row in view["devices"]:
+        if row["device_id"] in keys:
+            row["trust"] = "signed"
+    print(f"registered the keys of {added} devices in _fleet/device-keys.json", file=sys.stderr)
+
+
+def print_fleet(view: dict[str, Any], rows: list[dict[str, Any]], rollouts: list[dict[str, Any]],
+                args: argparse.Namespace) -> None:
+    from appliance.commands.fleet_text import counts_line, device_line, progress_lines
+    from sync.fleet_view import counts
+
+    if args.model:
+        for progress in rollouts:
+            print("\n".join(progress_lines(progress)))
+    for row in rows:
+        print(device_line(row))
+    listing = view["listing"]
+    print(counts_line(counts(rows)) + (f" (of {view['counts']['devices']})" if len(rows) != view["counts"]["devices"]
+                                       else "") + f"; listed in {listing['seconds']:.2f} s, {listing['fetched']} read, "
+          f"{listing['cached']} unchanged")
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
@@ -126,7 +211,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("directory", help="the version directory (saved_model.pb + variables/ and/or model.tflite)")
     p.add_argument("--bucket", required=True, help=bucket_help)
     p.add_argument("--model", required=True)
-    p.add_argument("--version", type=int, help="integer version (default: the next one)")
+    p.add_argument("--version", type=version_number, help="integer version, 0 to 2^63-1 (default: the next one)")
+    p.add_argument("--repair", action="store_true",
+                   help="re-upload the files of committed --version from DIRECTORY (which must match its manifest)")
     p.add_argument("--channel", help="also point this channel at the new version")
     p.add_argument("--sign-key", help="Ed25519 private key (appliance keygen) to sign the manifest")
     p.add_argument("--publisher", help="recorded in the manifest (default user@host)")
@@ -140,7 +227,14 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--bucket", required=True, help=bucket_help)
     c.add_argument("--model", required=True)
     c.add_argument("--channel", required=True)
-    c.add_argument("--version", type=int, required=True)
+    c.add_argument("--version", type=version_number, required=True)
+    c.add_argument("--waves", type=waves_arg, help="staged rollout: cumulative PERCENT[:HOLD_MINUTES] per wave, "
+                                                   "e.g. 5:30,25:60,100 (docs/rollouts.md)")
+    c.add_argument("--failure-threshold", type=float, metavar="PERCENT",
+                   help="halt the rollout when this share of the devices in the open waves refuse or fail the "
+                        "version (judged by `appliance rollout watch`)")
+    c.add_argument("--min-devices", type=int, default=1,
+                   help="with --failure-threshold: devices that must have reported on the version first (default 1)")
     c.add_argument("--sign-key", help="Ed25519 private key; needed when devices have sync.public_key")
     c.add_argument("--expires-days", type=float, default=365)
     c.add_argument("--s3-endpoint-url")
@@ -151,12 +245,23 @@ def add_commands(sub: Any) -> None:
     k.add_argument("--force", action="store_true")
     k.set_defaults(func=guarded(cmd_keygen))
 
-    f = sub.add_parser("fleet", help="list the devices' reports in the bucket")
+    f = sub.add_parser("fleet", help="the devices' reports in the bucket: status, rollouts, the fleet page")
     f.add_argument("--bucket", required=True, help=bucket_help)
-    f.add_argument("--json", action="store_true")
+    f.add_argument("--json", action="store_true", help="the snapshot as JSON (schema: docs/fleet.md)")
     f.add_argument("--s3-endpoint-url")
-    f.add_argument("--model", help="summarise this model's rollout (versions, waves, aborts)")
-    f.add_argument("--channel", default="stable", help="with --model: the channel to read")
+    f.add_argument("--model", help="devices with this model, and its rollout's progress")
+    f.add_argument("--channel", help="devices following this channel (with --model: that channel's rollout)")
+    f.add_argument("--version", type=version_number, help="devices serving this version (of --model, or of any model)")
+    f.add_argument("--stale", action="store_true", help="devices whose last report is older than three heartbeats")
+    f.add_argument("--unhealthy", action="store_true", help="devices unhealthy, degraded or unreadable")
+    f.add_argument("--register-keys", action="store_true",
+                   help="trust the keys of signed reports whose device has none registered yet")
+    f.add_argument("--workers", type=int, default=16, help="reports read at once (default 16)")
+    f.add_argument("--no-cache", action="store_true", help="read every report (not only those changed since the last run)")
+    f.add_argument("--serve", action="store_true", help="serve the read-only fleet page (Ctrl-C stops it)")
+    f.add_argument("--host", default="127.0.0.1", help="with --serve: the address (default loopback only)")
+    f.add_argument("--port", type=int, default=8600, help="with --serve: the port (0: any free one)")
+    f.add_argument("--refresh", type=float, default=10.0, help="with --serve: seconds between reads of the bucket")
     f.set_defaults(func=guarded(cmd_fleet))
 
     s = sub.add_parser("sync", help="make the running service poll the bucket now")

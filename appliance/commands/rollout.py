@@ -1,17 +1,17 @@
-"""``appliance rollout promote|abort|halt|resume|fleet`` (and ``appliance fleet --model M``,
-which appliance/commands/fleet.py hands to ``cmd_fleet`` here).
+"""``appliance rollout promote|abort|halt|resume|watch|fleet``.
 
 promote / abort talk to the running service's admin endpoints (the admin token comes from
 --token-file or the config's [security]). halt / resume write the channel pointer in the
-bucket. fleet summarises the device reports under ``_devices/`` for one model.
+bucket. watch follows a rollout from the device reports and halts it at the channel's
+failure threshold (sync/rollout_guard.py). fleet is ``appliance fleet --model M --channel C``.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
+import time
 from typing import Any
 
 from appliance.commands.common import BUCKET_HELP, admin_token, guarded, signing_key, source
@@ -49,55 +49,36 @@ def cmd_halt(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarise(reports: list[dict[str, Any]], model: str, pointer: dict[str, Any] | None) -> dict[str, Any]:
-    """Devices per serving version and wave, promotions, aborts with their figures."""
-    from sync.waves import admission
-
-    versions: collections.Counter[str] = collections.Counter()
-    waves: collections.Counter[str] = collections.Counter()
-    promotions: list[dict[str, Any]] = []
-    aborts: list[dict[str, Any]] = []
-    unreadable: list[str] = []
-    for report in reports:
-        device = str(report.get("device_id", "?"))
-        if "error" in report:
-            unreadable.append(device)
-            continue
-        state = (report.get("models") or {}).get(model)
-        if state is None:
-            continue
-        versions[str(state.get("serving_version"))] += 1
-        if pointer is not None and pointer.get("waves"):
-            waves[str(admission(device, pointer).wave + 1)] += 1
-        for decision in ((report.get("rollouts") or {}).get(model) or {}).get("decisions", []):
-            row = {"device_id": device, **decision}
-            (promotions if decision.get("action") == "promote" else aborts).append(row)
-    return {"model": model, "channel_version": (pointer or {}).get("version"), "halted": bool((pointer or {}).get("halt")),
-            "devices_per_version": dict(versions), "devices_per_wave": dict(waves),
-            "promotions": promotions, "aborts": aborts, "unreadable_reports": unreadable}
-
-
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from sync.publisher import fleet
-    from sync.source import MISSING
+    """``appliance fleet --model M --channel C``: the rollout's progress and its devices."""
+    from appliance.commands.fleet import cmd_fleet as fleet
 
-    bucket = source(args)
-    fetched = bucket.read(f"{args.model}/channels/{args.channel}.json")
-    pointer = json.loads(fetched.data) if fetched.status != MISSING else None
-    summary = summarise(fleet(bucket), args.model, pointer)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    print(f"{args.model}: channel {args.channel} -> version {summary['channel_version']}"
-          f"{' (HALTED)' if summary['halted'] else ''}")
-    for version, count in sorted(summary["devices_per_version"].items()):
-        print(f"  serving version {version}: {count} devices")
-    for wave, count in sorted(summary["devices_per_wave"].items()):
-        print(f"  wave {wave}: {count} devices")
-    print(f"  promotions: {len(summary['promotions'])}")
-    for row in summary["aborts"]:
-        print(f"  ABORTED on {row['device_id']}: version {row.get('candidate_version')}: {row.get('reason')}")
-    return 0
+    for name, default in (("version", None), ("stale", False), ("unhealthy", False), ("register_keys", False),
+                          ("workers", 16), ("no_cache", False), ("serve", False)):
+        setattr(args, name, getattr(args, name, default))
+    return fleet(args)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Follow a rollout; halt its channel when the failure threshold is reached. Exit 0 when
+    every device is on the target, 3 when this watch halted it (or found it halted)."""
+    from appliance.commands.fleet_text import progress_lines
+    from sync.listing import cache_for
+    from sync.rollout_guard import watch_round
+
+    bucket, cache, last = source(args), cache_for(args.bucket, not args.no_cache), ""
+    while True:
+        round_ = watch_round(bucket, args.model, args.channel, cache, signing_key(args.sign_key))
+        cache.save()
+        text = "\n".join(progress_lines(round_.progress))
+        if text != last:
+            print(time.strftime("%Y-%m-%d %H:%M:%S %z ") + text, flush=True)
+            last = text
+        if round_.progress["halted"]:
+            return 3
+        if args.once or (round_.done and not args.follow):
+            return 0
+        time.sleep(args.interval)
 
 
 def add_commands(sub: Any) -> None:
@@ -119,10 +100,21 @@ def add_commands(sub: Any) -> None:
         p.add_argument("--sign-key", help="Ed25519 private key; needed when devices have sync.public_key")
         p.add_argument("--s3-endpoint-url")
         p.set_defaults(func=guarded(cmd_halt), command=f"rollout {action}")
-    f = commands.add_parser("fleet", help="summarise one model's rollout from the device reports")
+    f = commands.add_parser("fleet", help="one model's rollout from the device reports (appliance fleet --model)")
     f.add_argument("--bucket", required=True, help=BUCKET_HELP)
     f.add_argument("--model", required=True)
     f.add_argument("--channel", default="stable")
     f.add_argument("--json", action="store_true")
     f.add_argument("--s3-endpoint-url")
     f.set_defaults(func=guarded(cmd_fleet), command="rollout fleet")
+    w = commands.add_parser("watch", help="follow a rollout and halt it at its channel's failure threshold")
+    w.add_argument("--bucket", required=True, help=BUCKET_HELP)
+    w.add_argument("--model", required=True)
+    w.add_argument("--channel", default="stable")
+    w.add_argument("--sign-key", help="Ed25519 private key to sign the halt; needed when devices have sync.public_key")
+    w.add_argument("--interval", type=float, default=10.0, help="seconds between looks (default 10)")
+    w.add_argument("--once", action="store_true", help="look once (for a timer or CI) and exit")
+    w.add_argument("--follow", action="store_true", help="keep watching after every device is on the target")
+    w.add_argument("--no-cache", action="store_true")
+    w.add_argument("--s3-endpoint-url")
+    w.set_defaults(func=guarded(cmd_watch), command="rollout watch")

@@ -94,7 +94,8 @@ class SyncConfig:
     models: list[str] = field(default_factory=list)  # models to follow; empty: every model in the bucket
     poll_interval_s: float = 30.0
     jitter: float = 0.2  # +-20 % on each interval so a fleet does not poll in lockstep
-    max_backoff_s: float = 600.0
+    max_backoff_s: float = 600.0  # the longest wait after the bucket says "slow down" (429, 503 SlowDown)
+    models_refresh_s: float = 300.0  # with models empty: how often the bucket's list of models is read again
     public_key: str = ""  # Ed25519 public key file; when set, unsigned or mis-signed versions are refused
     retain: int = 2  # good versions kept on disk per model
     report_interval_s: float = 300.0
@@ -108,6 +109,9 @@ class SyncConfig:
             raise ConfigError(f"{key}.max_manifest_bytes", "must be at least 4096")
         if not self.stall_timeout_s > 0:
             raise ConfigError(f"{key}.stall_timeout_s", "must be positive")
+        if not self.report_interval_s > 0:
+            raise ConfigError(f"{key}.report_interval_s", "must be positive (the fleet view calls a device "
+                              "stale after three of them without a report)")
 
 
 @dataclass

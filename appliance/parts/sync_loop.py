@@ -4,9 +4,16 @@
 (``POST /api/reload`` always; the sync ones need ``sync.bucket``). Without a bucket that is
 all it does. Otherwise it points the manager at ``<state>/models``, empties
 ``<state>/staging``, starts one daemon thread that polls the bucket every
-``sync.poll_interval_s`` (+- ``sync.jitter``; doubling up to ``sync.max_backoff_s`` while the
-bucket errors), registers ``POST /api/sync`` and writes ``_devices/<device-id>.json``
-after each change and every ``sync.report_interval_s``. It stops on the "stopping" hook.
+``sync.poll_interval_s`` (+- ``sync.jitter``), registers ``POST /api/sync`` and starts the
+device report's writer (appliance/parts/device_report.py: ``_devices/<device-id>.json``
+after each change, coalesced, plus a heartbeat). It stops on the "stopping" hook.
+
+Retries: a bucket that cannot be reached, or that fails a request, is tried again at the
+poll interval: an unreachable bucket costs it nothing, and a device is back within an
+interval of the bucket's return (measured in bench/RESULTS.md; an exponential backoff to
+600 s kept devices minutes behind a 30 s outage). A bucket that asks for less (429, 503
+SlowDown: ``Throttled``) gets exponential backoff from the poll interval up to
+``sync.max_backoff_s``, or its Retry-After when longer.
 
 Nothing here can stop serving: every failure is caught, recorded as an event and shown
 in ``/api/status`` under ``sync``.
@@ -35,15 +42,15 @@ from flask import Blueprint, Response, jsonify, request
 
 
 from sync import faults
-from sync.errors import ReadOnlySource, SourceError
+from sync.errors import SourceError, Throttled
 from sync.follower import Follower, LocalModel, Options
-from sync.manifest import dumps, load_public_key
+from sync.manifest import load_public_key
 from sync.source import Limits, open_source
 from sync.store import Store, rollout_policies, set_pin
 
-from appliance.version import __version__
 from appliance.api.errors import flask_error
 from appliance.api.routes import ADMIN
+from appliance.parts.device_report import Reporter
 
 log = logging.getLogger("appliance.sync")
 RELOAD_WAIT_S = 120.0
@@ -128,21 +135,25 @@ class SyncLoop:
         options = Options(models=list(cfg.models), channel=cfg.channel, device_id=self.core.device_id,
                           public_key=load_public_key(cfg.public_key) if cfg.public_key else None,
                           device_tags=device_tags(self.core.device), retain=max(1, cfg.retain),
-                          on_rollout=self._push_rollout)
-        self.follower = Follower(self.source, self.store, options, self._event, self._local)
+                          on_rollout=self._push_rollout, models_refresh_s=cfg.models_refresh_s)
+        self.follower = Follower(self.source, self.store, options, self.event, self._local)
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._force = False  # the next poll reads the list of models again (appliance sync)
         self._polled = threading.Condition()
         self._started = self._finished = 0
         self._failures = 0
-        self._last_report = 0.0
-        self._report_error = ""
+        self._throttled: Throttled | None = None
+        self.polls_done = 0
+        self.polling = False  # a poll is running (read by the report writer, any thread)
         self._thread: threading.Thread | None = None
         self.versions: Any = None  # the store's DirectorySource, from start()
+        self.reporter: Reporter | None = None  # from start(), when the bucket takes writes
         self.status: dict[str, Any] = {"bucket": public_bucket_url(cfg.bucket), "channel": cfg.channel,
-                                       "last_poll": None, "last_change": None, "next_poll": None,
-                                       "last_error": "", "failures": 0, "targets": {}}
-        self.core.add_status("sync", lambda: self.status)
+                                       "last_poll": None, "last_success": None, "last_change": None,
+                                       "next_poll": None, "last_error": "", "failures": 0, "targets": {},
+                                       "refused": {}, "requests": {"polls": 0, "reports": 0}}
+        self.core.add_status("sync", self._status)
 
     def _push_rollout(self, model: str, record: dict[str, Any] | None) -> None:
         """The channel's candidate and rollout policy, pushed to the model manager."""
@@ -157,9 +168,20 @@ class SyncLoop:
         faults.configure(self.store.state_dir)
         for model, record in rollout_policies(self.store.state_dir).items():  # what the last run was told
             self._push_rollout(model, record)
-        self._event("sync_config", f"serving the synced store {self.store.models_dir}")
+        self.event("sync_config", f"serving the synced store {self.store.models_dir}")
+        if self.source.writable:
+            self.reporter = Reporter(self)
+            self.reporter.start()
         self._thread = threading.Thread(target=self._run, name="sync-loop", daemon=True)
         self._thread.start()
+
+    def _status(self) -> dict[str, Any]:
+        """``/api/status`` ``sync``: the loop's figures, each model's standing refusal, and the
+        bucket requests made by the polls and by the report writer."""
+        reports = self.reporter.source.requests if self.reporter is not None else 0
+        return {**self.status, "refused": dict(self.follower.refused), "waves": dict(self.follower.waves),
+                "polls": self.polls_done, "requests": {"polls": self.source.requests, "reports": reports},
+                "report_error": self.reporter.last_error if self.reporter is not None else ""}
 
     def on_hook(self, what: str, service: Any) -> None:
         if what == "stopping":
@@ -170,23 +192,28 @@ class SyncLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.reporter is not None:
+            self.reporter.close()
         self.source.close()
 
     def sync_now(self, timeout: float = 120) -> dict[str, Any]:
-        """Run a poll now and wait for it (one that started after this call)."""
+        """Run a poll now (reading the list of models again too) and wait for it (one that
+        started after this call)."""
         with self._polled:
             wanted = self._started + 1
+            self._force = True
         self._wake.set()
         with self._polled:
             self._polled.wait_for(lambda: self._finished >= wanted or self._stop.is_set(), timeout)
-        return dict(self.status)
+        return self._status()
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._polled:
                 self._started += 1
-            delay = self._poll()
+                force, self._force = self._force, False
+            delay = self._poll(force)
             with self._polled:
                 self._finished += 1
                 self._polled.notify_all()
@@ -194,45 +221,53 @@ class SyncLoop:
             self._wake.wait(delay)
             self._wake.clear()
 
-    def _poll(self) -> float:
+    def _poll(self, force: bool = False) -> float:
         self.status["last_poll"] = time.time()
         started, outcome = time.monotonic(), "error"
-        changed = False
+        self.polling = True  # the report waits: what this poll commits is about to load
         try:
-            result = self.follower.sync_once()
+            result = self.follower.sync_once(force)
         except Exception as exc:  # the bucket (SourceError) or a local fault: never fatal
             if not isinstance(exc, SourceError):
                 log.exception("sync poll failed")
-            self._failed(f"{type(exc).__name__}: {exc}" if not isinstance(exc, SourceError) else str(exc))
+            self._failed(exc)
         else:
-            changed = bool(result.changed)
-            outcome = "updated" if changed else ("refused" if result.refused else "unchanged")
+            outcome = "updated" if result.changed else ("refused" if result.refused else "unchanged")
             self._succeeded(result.refused)
-            if changed:
+            if result.changed:
                 self.status["last_change"] = time.time()
                 self.versions.scan()  # push the store's new set of versions
+        self.polling = False
         self.core.metrics.observe_sync(outcome, time.monotonic() - started)
         self.status["targets"] = dict(self.follower.targets)
         self.status["problems"] = list(self.store.problems)
-        self._maybe_report(changed)
+        self.polls_done += 1
+        if self.reporter is not None:
+            self.reporter.poll_done()
         return self._next_delay()
 
-    def _failed(self, message: str) -> None:
+    def _failed(self, exc: Exception) -> None:
+        message = str(exc) if isinstance(exc, SourceError) else f"{type(exc).__name__}: {exc}"
         self._failures += 1
+        self._throttled = exc if isinstance(exc, Throttled) else None
         if message != self.status["last_error"]:
-            self._event("sync_error", f"bucket poll failed (attempt {self._failures}, backing off): {message}")
+            what = "backing off" if self._throttled else "retrying at the poll interval"
+            self.event("sync_error", f"bucket poll failed (attempt {self._failures}, {what}): {message}")
         self.status.update(last_error=message, failures=self._failures)
 
     def _succeeded(self, refused: list[str]) -> None:
         if self._failures:
-            self._event("sync_recovered", f"bucket reachable again after {self._failures} failed polls")
-        self._failures = 0
-        self.status.update(last_error="; ".join(refused), failures=0)
+            self.event("sync_recovered", f"bucket reachable again after {self._failures} failed polls")
+        self._failures, self._throttled = 0, None
+        self.status.update(last_error="; ".join(refused), failures=0, last_success=time.time())
 
     def _next_delay(self) -> float:
+        """The poll interval (+- jitter); after "slow down" answers, doubling up to
+        ``max_backoff_s`` (or the bucket's Retry-After). See the module docstring."""
         base = max(0.05, self.cfg.poll_interval_s)
-        if self._failures:
-            base = min(self.cfg.max_backoff_s, base * 2 ** min(self._failures, 30))
+        if self._throttled is not None:
+            backoff = min(self.cfg.max_backoff_s, base * 2 ** min(self._failures, 30))
+            base = max(base, backoff, min(self._throttled.retry_after, self.cfg.max_backoff_s))
         jitter = max(0.0, min(self.cfg.jitter, 0.9))
         return base * random.uniform(1 - jitter, 1 + jitter)
 
@@ -244,42 +279,12 @@ class SyncLoop:
         return {name: LocalModel(m.get("serving_version"), frozenset(int(v) for v in m.get("quarantined", {})))
                 for name, m in manager.snapshot().items()}
 
-    def _event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
+    def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
+        """Record a sync event (state.db, logs, the page); never raises (any thread)."""
         try:
             self.core.db.event(kind, message, model=model, version=version, **detail)
         except Exception:  # the database closing under us at shutdown
             log.warning("%s: %s", kind, message)
-
-    # -- device reports ------------------------------------------------------------------
-    def _maybe_report(self, changed: bool) -> None:
-        due = time.time() - self._last_report >= self.cfg.report_interval_s
-        if not (changed or due or self._failures == 1) or not self.source.writable:
-            return
-        self._last_report = time.time()
-        try:
-            self.source.put(f"_devices/{self.core.device_id}.json", dumps(self.report()))
-            self._report_error = ""
-        except ReadOnlySource:
-            pass
-        except Exception as exc:  # a report never matters more than serving
-            if str(exc) != self._report_error:
-                self._event("report_failed", f"could not write the device report: {exc}")
-            self._report_error = str(exc)
-
-    def report(self) -> dict[str, Any]:
-        manager = self.core.manager
-        snapshot = manager.snapshot() if manager is not None else {}
-        models = {name: {"serving_version": m["serving_version"], "quarantined": m["quarantined"],
-                         "versions": [{k: v.get(k) for k in ("version", "state", "error", "backend")}
-                                      for v in m["versions"]]} for name, m in snapshot.items()}
-        decisions = {name: next((v.get("decision") for v in m["versions"] if v.get("decision")), None)
-                     for name, m in snapshot.items()}
-        return {"device_id": self.core.device_id, "hostname": self.core.device.get("hostname"),
-                "software_version": __version__, "updated": time.time(),
-                "healthy": bool(manager and manager.ready()), "channel": self.cfg.channel,
-                "last_sync": self.status["last_poll"], "last_change": self.status["last_change"],
-                "last_error": self.status["last_error"], "models": models, "backend_decisions": decisions,
-                "rollouts": self.core.status_of("rollouts") or {}}
 
 
 def _error(status: int, message: str) -> Response:
@@ -335,6 +340,6 @@ def rollback_to(loop: SyncLoop, model: str, body: dict[str, Any]) -> Response:
     if version not in on_disk:
         return _error(409, f"{model} version {version} is not on disk (have: {on_disk or 'none'})")
     set_pin(state_dir, model, version)
-    loop._event("rollback", f"{model} pinned to version {version} (POST /api/models/{model}/rollback)",
+    loop.event("rollback", f"{model} pinned to version {version} (POST /api/models/{model}/rollback)",
                 model=model, version=version)
     return jsonify({"model": model, "pinned": version, "sync": loop.sync_now()})
