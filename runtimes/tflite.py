@@ -38,6 +38,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import mmap
 import os
 import queue
 import struct
@@ -117,10 +118,59 @@ class TFLiteBackend:
         return path if os.path.isfile(path) else None
 
     def load(self, version_dir: str, options: Mapping[str, Any]) -> "TFLiteServable":
+        """Option ``max_tensor_bytes``: refuse (RESOURCE_EXHAUSTED) a model one of whose
+        tensors declares more bytes than that, before LiteRT allocates anything."""
         path = self.can_serve(version_dir)
         if path is None:
-            raise LoadFailure(f"no {ARTIFACT} in {version_dir}")
+            raise LoadFailure(f"no {ARTIFACT} in {version_dir}", "NOT_FOUND")
+        limit = options.get("max_tensor_bytes")
+        if limit:
+            check_declared_sizes(path, int(limit))
         return TFLiteServable(path, dict(options))
+
+
+# Bytes per element of TF Lite's TensorType (schema.fbs), by enum value; others count 4.
+_TYPE_BYTES = {0: 4, 1: 2, 2: 4, 3: 1, 4: 8, 6: 1, 7: 2, 8: 8, 9: 1, 10: 8, 11: 16, 12: 8, 15: 4, 16: 2}
+
+
+def check_declared_sizes(path: str, limit: int) -> None:
+    """``LoadFailure`` (RESOURCE_EXHAUSTED) when the tensors the model computes (its inputs,
+    outputs and intermediates, not its weights) declare more than ``limit`` bytes in all: a
+    1 KB file may declare an input of [1, 2^31-1] floats, 8 GiB that allocating, timing or
+    warming it up would try to take. Read from the flatbuffer (mapped, not read); skipped
+    where this LiteRT has no schema module or the file is no flatbuffer (the load says so)."""
+    try:
+        from ai_edge_litert import schema_py_generated as schema
+    except ImportError:
+        return
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            model = schema.Model.GetRootAsModel(data, 0)
+            sizes = [t for g in range(model.SubgraphsLength()) for t in _computed_tensors(model, model.Subgraphs(g))]
+        except (struct.error, IndexError, ValueError, TypeError):
+            return
+    total = sum(size for _, _, size in sizes)
+    if total > limit:
+        name, shape, size = max(sizes, key=lambda t: t[2])
+        raise LoadFailure(f"the tensors the model computes declare {total} bytes, more than the {limit} bytes a "
+                          f"load may take (runtime.load_memory_mb); the largest, {name!r}, declares shape "
+                          f"{_dims(shape)}: {size} bytes", "RESOURCE_EXHAUSTED")
+
+
+def _computed_tensors(model: Any, graph: Any) -> list[tuple[str, list[int], int]]:
+    """(name, shape, bytes) of each tensor of ``graph`` that holds no constant data."""
+    out = []
+    for i in range(graph.TensorsLength()):
+        tensor = graph.Tensors(i)
+        buffer = model.Buffers(tensor.Buffer()) if tensor.Buffer() else None
+        if buffer is not None and (buffer.DataLength() or buffer.Offset()):
+            continue  # weights: in the file, mapped, not allocated
+        shape = [int(d) for d in tensor.ShapeAsNumpy()] if tensor.ShapeLength() else []
+        size = _TYPE_BYTES.get(tensor.Type(), 4)
+        for d in shape:
+            size *= max(d, 1)
+        out.append((tensor.Name().decode("utf-8", "replace"), shape, size))
+    return out
 
 
 def _load_delegate(module: Any, kind: str, options: Mapping[str, Any]) -> tuple[Any, str]:
@@ -187,6 +237,22 @@ class _Program:
         except (ValueError, RuntimeError) as exc:
             raise _refused("Failed to invoke TfLite interpreter", exc) from exc
         return {name: w.GetTensor(idx, sg) for name, idx in self.outputs.items()}
+
+
+_SILENT = "LiteRT gave no reason (an allocation that failed, most often)"
+
+
+def _load_code(text: str) -> str:
+    """The canonical code of LiteRT's refusal to load, by cause (a model's status names it):
+    bytes that are no model are lost data, an op this LiteRT lacks is not found (TensorFlow's
+    "Op type not registered" is NOT_FOUND too), anything else a model it cannot take."""
+    if not text.strip():
+        return "RESOURCE_EXHAUSTED"  # LiteRT says nothing when an allocation fails
+    if "not a valid Flatbuffer" in text or "model identifier" in text:
+        return "DATA_LOSS"
+    if "unresolved custom op" in text or "Didn't find op" in text or "Op builtin_code out of range" in text:
+        return "NOT_FOUND"
+    return "INVALID_ARGUMENT"
 
 
 def _dims(shape: Any) -> str:
@@ -505,19 +571,25 @@ class TFLiteServable:
         self._sigdefs: _SignatureDefs | None = None  # read once LiteRT has accepted the file
         self._parser: _ExampleParser | None = None
         try:
-            first = self._new_interpreter()
+            first = self._first_interpreter()
+        except (RuntimeError, ValueError) as exc:  # allocating a signature-less model, say
+            raise LoadFailure(f"LiteRT could not load {path}: {exc or _SILENT}", _load_code(str(exc))) from exc
+        self.signatures = first.pop("__info__")
+        self._pool.put(first)
+
+    def _first_interpreter(self) -> dict[str, Any]:
+        try:
+            return self._new_interpreter()
         except (LoadFailure, RuntimeError, ValueError) as exc:
             if "unresolved custom op: ParseExample" not in str(exc):
                 raise
-            self._parser = _ExampleParser.read(path)  # TF Serving's session has this op: run it here
+            self._parser = _ExampleParser.read(self.path)  # TF Serving's session has this op: run it here
             if self._parser is None:
-                raise LoadFailure(f"LiteRT could not load {path}: {exc} (LiteRT's Python interpreter has no "
+                raise LoadFailure(f"LiteRT could not load {self.path}: {exc} (LiteRT's Python interpreter has no "
                                   "ParseExample op; a model of ParseExample ops alone is parsed here, this one has "
-                                  "other ops)") from exc
+                                  "other ops)", "NOT_FOUND") from exc
             self._created = 0
-            first = self._new_interpreter()
-        self.signatures = first.pop("__info__")
-        self._pool.put(first)
+            return self._new_interpreter()
 
     def _choose_delegates(self) -> list[Any]:
         choice = self.options.get("delegate", "auto")
@@ -547,7 +619,7 @@ class TFLiteServable:
             )
         except (ValueError, RuntimeError) as exc:
             if not self._delegates:
-                raise LoadFailure(f"LiteRT could not load {self.path}: {exc}") from exc
+                raise LoadFailure(f"LiteRT could not load {self.path}: {exc or _SILENT}", _load_code(str(exc))) from exc
             # A delegate that accepts the library but not the graph: serve on CPU, say why.
             self.delegate_reason += f"; delegate rejected the model ({exc}); XNNPACK on CPU"
             self._delegates = []
