@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "MANIFEST.json"  # sync/manifest.py's name; read here for the publisher's ``api_change``
 FEED_SHARE = 4  # a synthetic timing or warm-up call feeds at most this share of the memory limit
+LOAD_FAULT_ENV = "EDGE_APPLIANCE_LOAD_FAULT"  # tests only (``_fault_point``)
 
 
 class LoadError(Exception):
@@ -245,6 +247,7 @@ class Loader:
                           warnings=dict(verdict["warmup"]["warnings"]))
         name = str(verdict["backend"])
         self.env.ledger.loading(self.name, self.version, self.path)
+        _fault_point(self.name, self.version)
         try:
             return self._load_chosen(name, verdict, decision)
         finally:
@@ -266,6 +269,14 @@ class Loader:
                             failure_code(exc)) from exc
         return Loaded(servable, None, decision, verdict["api"], load_ms=load_ms,
                       warmup_ms=(time.perf_counter() - warm) * 1000, warnings=dict(verdict["warmup"]["warnings"]))
+
+
+def _fault_point(model: str, version: int) -> None:
+    """Tests only: with ``EDGE_APPLIANCE_LOAD_FAULT=<model>:<version>`` the process dies here, in
+    that version's in-process load, as an out-of-memory kill would (SIGKILL). Unset in
+    production, where this does nothing."""
+    if os.environ.get(LOAD_FAULT_ENV) == f"{model}:{version}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _as_cached(verdict: Mapping[str, Any]) -> dict[str, Any]:
