@@ -52,11 +52,15 @@ def memory_budget(configured_mb: int) -> int:
     return int(psutil.virtual_memory().available * AUTO_SHARE)
 
 
-def run_in_child(request: Mapping[str, Any], limits: Limits, cancel: threading.Event) -> dict[str, Any]:
+TRIAL = [sys.executable, "-m", "appliance.core.loader_child"]
+
+
+def run_in_child(request: Mapping[str, Any], limits: Limits, cancel: threading.Event,
+                 command: list[str] | None = None) -> dict[str, Any]:
     """The child's verdict on the version (see the module docstring); never raises for
-    anything the child does."""
+    anything the child does. ``command``: the child to run (the trial; tests pass their own)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "appliance.core.loader_child"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen(command or TRIAL, stdin=subprocess.PIPE,
                                 stdout=out, stderr=err, env=_child_env(), close_fds=True)
         try:
             assert proc.stdin is not None
