@@ -48,9 +48,13 @@ from bench.run_bench import bench_models, stop  # noqa: E402
 FULL = ROOT / ".venv"
 
 
-def pss_kb(pid: int) -> int:
+def memory_kb(pid: int) -> dict[str, int]:
+    """Rss, Pss and Uss (private pages) from smaps_rollup. PSS splits a shared page among every
+    process mapping it, on this shared machine other services of the same venv files too, so
+    USS and RSS are shown beside it."""
     with open(f"/proc/{pid}/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[-1:] == ["kB"]}
+    return {"rss": fields["Rss"], "pss": fields["Pss"], "uss": fields["Private_Clean"] + fields["Private_Dirty"]}
 
 
 def maps_tensorflow(pid: int) -> bool:
@@ -66,9 +70,12 @@ def tree(pid: int) -> list[psutil.Process]:
 
 def figures(pid: int) -> dict[str, Any]:
     procs = tree(pid)
-    per = [pss_kb(p.pid) for p in procs]
-    return {"processes": len(procs), "tree_pss_mb": round(sum(per) / 1024, 1), "serving_pss_mb": round(per[0] / 1024, 1),
-            "tensorflow_mapped": [p.pid for p in procs if maps_tensorflow(p.pid)]}
+    per = [memory_kb(p.pid) for p in procs]
+    out: dict[str, Any] = {"processes": len(procs), "tensorflow_mapped": [p.pid for p in procs if maps_tensorflow(p.pid)]}
+    for kind in ("rss", "pss", "uss"):
+        out[f"tree_{kind}_mb"] = round(sum(m[kind] for m in per) / 1024, 1)
+        out[f"serving_{kind}_mb"] = round(per[0][kind] / 1024, 1)
+    return out
 
 
 def get(port: int, path: str) -> Any:
@@ -76,20 +83,23 @@ def get(port: int, path: str) -> Any:
         return json.loads(r.read())
 
 
-def serve(python: Path, args: list[str], state: Path, port: int) -> subprocess.Popen:
+def serve(python: Path, args: list[str], state: Path, port: int, checkout: Path) -> tuple[subprocess.Popen, float]:
+    """The service started from ``checkout`` (its code: the working directory comes first on the
+    path) and the seconds it took to answer /readyz 200."""
     cmd = [str(python), "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--state", str(state), "--no-discovery", "--grpc-port", "0", "--poll-interval", "0.5", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
                 if r.status == 200:
-                    return proc
+                    return proc, round(time.perf_counter() - started, 2)
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError(f"{cmd} exited with {proc.returncode}")
-        time.sleep(0.1)
+        time.sleep(0.02)
     stop(proc)
     raise RuntimeError("the service did not become ready")
 
@@ -104,10 +114,12 @@ def settled(port: int, model: str, version: int) -> dict[str, Any]:
         time.sleep(0.2)
 
 
-def measured(python: Path, args: list[str], port: int, model: str, version: int,
+def measured(python: Path, args: list[str], port: int, model: str, version: int, checkout: Path,
              then: Any = None) -> dict[str, Any]:
+    """Figures of one service: started fresh (its trial runs), measured idle, stopped; then, for a
+    plain row, started again on the same state (the cached verdict: no trial) for the time to ready."""
     state = Path(tempfile.mkdtemp(prefix="edge-tf-footprint-"))
-    proc = serve(python, args, state, port)
+    proc, first_s = serve(python, args, state, port, checkout)
     try:
         record = settled(port, model, version)
         if then is not None:
@@ -116,19 +128,25 @@ def measured(python: Path, args: list[str], port: int, model: str, version: int,
         time.sleep(3)  # idle: the trial child has exited, the unloaded version is freed
         out = figures(proc.pid)
         out.update(backend=record["backend"], trial_ms=record.get("trial_ms"), load_ms=record["load_ms"],
-                   imported=get(port, "/api/status")["service"]["imported"])
-        return out
+                   imported=get(port, "/api/status")["service"]["imported"], first_start_s=first_s)
     finally:
         stop(proc)
-        shutil.rmtree(state, ignore_errors=True)
+    if then is None:
+        proc, out["restart_s"] = serve(python, args, state, port, checkout)
+        stop(proc)
+    shutil.rmtree(state, ignore_errors=True)
+    return out
 
 
-def bare_import(module: str) -> float:
-    """PSS (MB) of a Python process that imported ``module`` and nothing else."""
+def bare_import(module: str) -> dict[str, float]:
+    """RSS, PSS and USS (MB) of a Python process that imported ``module`` and nothing else."""
     code = (f"import os; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'; import {module}; "
-            "print(next(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('Pss:')))")
+            "print(open('/proc/self/smaps_rollup').read())")
     out = subprocess.run([str(FULL / "bin" / "python"), "-c", code], capture_output=True, text=True, check=True)
-    return round(int(out.stdout.strip().splitlines()[-1]) / 1024, 1)
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in out.stdout.splitlines()
+              if line.split()[-1:] == ["kB"]}
+    kb = {"rss": fields["Rss"], "pss": fields["Pss"], "uss": fields["Private_Clean"] + fields["Private_Dirty"]}
+    return {k: round(v / 1024, 1) for k, v in kb.items()}
 
 
 def ipc_round_trip_us(nbytes: int, rounds: int = 2000) -> float:
@@ -174,37 +192,45 @@ def run(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
     shutil.copytree(mlp, both / "mlp" / "1")
     shutil.copytree(mlp, tf_only / "mlp" / "1", ignore=shutil.ignore_patterns("model.tflite"))
     rows = []
-    port = args.port
+    port, checkout = args.port, Path(args.checkout)
     for workers in ("1", "default"):
         extra = ["--workers", "1"] if workers == "1" else []
         rows.append(("LiteRT-only venv, MLP .tflite", workers,
-                     measured(lite_venv() / "bin" / "python", ["--models", str(lite), *extra], port, "mlp", 1)))
+                     measured(lite_venv() / "bin" / "python", ["--models", str(lite), *extra], port, "mlp", 1,
+                              checkout)))
         rows.append(("TF venv, MLP saved_model.pb + .tflite (LiteRT wins)", workers,
-                     measured(FULL / "bin" / "python", ["--models", str(both), *extra], port, "mlp", 1)))
+                     measured(FULL / "bin" / "python", ["--models", str(both), *extra], port, "mlp", 1, checkout)))
         rows.append(("TF venv, embedded default (half_plus_two on tf-cpu)", workers,
-                     measured(FULL / "bin" / "python", extra, port, "half_plus_two", 1)))
+                     measured(FULL / "bin" / "python", extra, port, "half_plus_two", 1, checkout)))
         shutil.rmtree(tf_only / "mlp" / "2", ignore_errors=True)
         rows.append(("TF venv, MLP on tf-cpu, then replaced by a .tflite-only version", workers,
-                     measured(FULL / "bin" / "python", ["--models", str(tf_only), *extra], port, "mlp", 1,
+                     measured(FULL / "bin" / "python", ["--models", str(tf_only), *extra], port, "mlp", 1, checkout,
                               then=swap_to_litert(tf_only, mlp))))
     shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
-def report(rows: list[tuple[str, str, dict[str, Any]]], extra: dict[str, Any], argv: list[str]) -> str:
+def report(rows: list[tuple[str, str, dict[str, Any]]], extra: dict[str, Any], argv: list[str],
+           checkout: str) -> str:
     load = os.getloadavg()
     lines = [f"\n## What TensorFlow costs a device (issue 34), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} at the "
-             f"end. Command: `{' '.join(argv)}`. PSS from /proc/<pid>/smaps_rollup, idle, the model AVAILABLE. "
-             "'TF mapped': processes of the tree mapping TensorFlow's shared objects.\n",
-             "| install, models | workers | processes | tree PSS MB | serving process PSS MB | backend | TF mapped | "
-             "trial ms | load ms |", "|---|---|---|---|---|---|---|---|---|"]
+             f"end. Command: `{' '.join(argv)}` (code of {checkout}). From /proc/<pid>/smaps_rollup, idle, the model "
+             "AVAILABLE; tree = the serving process and its front workers. 'TF mapped': processes of the tree mapping "
+             "TensorFlow's shared objects. PSS splits shared pages with every process mapping them, other services "
+             "on this shared machine too: USS (private) and RSS say what a process holds alone.\n",
+             "| install, models | workers | processes | tree PSS MB | tree USS MB | tree RSS MB | serving PSS / USS / "
+             "RSS MB | backend | TF mapped | trial ms | load ms | first start to ready s | restart s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, workers, r in rows:
-        lines.append(f"| {name} | {workers} | {r['processes']} | {r['tree_pss_mb']} | {r['serving_pss_mb']} | "
-                     f"{r['backend']} | {len(r['tensorflow_mapped']) or 'none'} | {r['trial_ms']} | {r['load_ms']} |")
-    lines += ["", f"Beside them: a bare `import numpy` {extra['numpy_mb']} MB PSS, a bare `import tensorflow` "
-              f"{extra['tensorflow_mb']} MB PSS. A request's tensors to another process and back (socketpair): "
-              + ", ".join(f"{k} {v} µs" for k, v in extra["ipc_us"].items()) + " (median)."]
+        lines.append(f"| {name} | {workers} | {r['processes']} | {r['tree_pss_mb']} | {r['tree_uss_mb']} | "
+                     f"{r['tree_rss_mb']} | {r['serving_pss_mb']} / {r['serving_uss_mb']} / {r['serving_rss_mb']} | "
+                     f"{r['backend']} | {len(r['tensorflow_mapped']) or 'none'} | {r['trial_ms']} | {r['load_ms']} | "
+                     f"{r['first_start_s']} | {r.get('restart_s', '-')} |")
+    bare = lambda m: " / ".join(str(extra[m][k]) for k in ("pss", "uss", "rss"))  # noqa: E731
+    lines += ["", f"Beside them, bare imports in the TF venv (PSS / USS / RSS MB): `import numpy` {bare('numpy')}, "
+              f"`import tensorflow` {bare('tensorflow')}. A request's tensors to another process and back "
+              "(socketpair, median): " + ", ".join(f"{k} {v} µs" for k, v in extra["ipc_us"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -212,12 +238,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
     ap.add_argument("--port", type=int, default=18961)
+    ap.add_argument("--checkout", default=str(ROOT), help="run this checkout's code (a 'before' worktree, say)")
     args = ap.parse_args()
     rows = run(args)
-    extra = {"numpy_mb": bare_import("numpy"), "tensorflow_mb": bare_import("tensorflow"),
+    extra = {"numpy": bare_import("numpy"), "tensorflow": bare_import("tensorflow"),
              "ipc_us": {f"{n} B" if n < 1024 else f"{n >> 10} KiB": ipc_round_trip_us(n)
                         for n in (256, 110 << 10, 4 << 20)}}
-    text = report(rows, extra, sys.argv)
+    text = report(rows, extra, sys.argv, args.checkout)
     with open(args.out, "a") as f:
         f.write(text)
     print(text)

@@ -355,6 +355,19 @@ class Manager:
         release_freed_memory()  # else glibc keeps the old version's buffers: RSS grows per swap
         note = f" ({left} requests still in flight at the drain timeout)" if left else ""
         self._transition(slot, State.END, f"{slot.model} version {slot.version} unloaded{note}", "unloaded")
+        self._tensorflow_idle(slot)
+
+    def _tensorflow_idle(self, unloaded: VersionSlot) -> None:
+        """Say so when the last version on TensorFlow went: TensorFlow cannot be unloaded from
+        a process, so its ~600 MB stay mapped until the service restarts (bench/RESULTS.md)."""
+        if not str((unloaded.decision or {}).get("chosen") or "").startswith("tf-"):
+            return
+        with self._lock:
+            busy = any(str((s.decision or {}).get("chosen") or "").startswith("tf-") and s.servable is not None
+                       for e in self._models.values() for s in e.versions.values())
+        if not busy and not self._stop.is_set():
+            self.db.event("tensorflow_idle", "no version runs on TensorFlow any more; TensorFlow stays mapped in "
+                          "the serving process (about 600 MB) until the service restarts", model=unloaded.model)
 
     # -- request side ------------------------------------------------------------------
     def handle(self, name: str, version: int | None = None, label: str | None = None,
