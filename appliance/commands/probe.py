@@ -42,7 +42,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
     for name, b in backends.items():
         print(f"  {name:8} {'available' if b['available'] else 'unavailable':12} {b['reason']}")
     for model, decision in result.get("decisions", {}).items():
-        print(f"model {model}: {decision['chosen'] or 'NONE'} ({decision['how']}): {decision['reason']}")
+        print(f"model {model} version {decision['version']}: {decision['chosen'] or 'NONE'} ({decision['how']}): "
+              f"{decision['reason']}")
+        for artifact, error in decision["broken_artifacts"].items():
+            print(f"  not whole: {artifact} did not load ({error})")
     return 0
 
 
@@ -66,6 +69,7 @@ def probe_models(config: Config, info: dict[str, Any]) -> dict[str, Any]:
         version = max(versions)
         verdict = Loader(env, model, version, versions[version]).trial(fresh=True)
         decision = verdict.get("decision") or {"chosen": None, "how": "none", "reason": verdict.get("reason")}
-        out[model.name] = {**decision, "whole": verdict.get("ok", False),
-                           **{k: verdict[k] for k in ("code", "reason", "artifacts") if k in verdict}}
+        broken = {n: a.get("error") for n, a in (verdict.get("artifacts") or {}).items() if not a.get("ok")}
+        out[model.name] = {**decision, "version": version, "whole": bool(verdict.get("ok")) and not broken,
+                           "broken_artifacts": broken, **{k: verdict[k] for k in ("code", "artifacts") if k in verdict}}
     return out
