@@ -88,3 +88,28 @@ def test_a_shadow_copy_runs_on_the_candidate_after_the_serving_version_answered(
     f = poll_until(lambda: (f := figures(core))["compared"] >= 1 and f, 30, "the shadow copy to be compared")
     assert f["serving_requests"] == 1 and f["candidate_requests"] == 1 and f["candidate_errors"] == 0
     assert f["output_drift"] == 0.0  # the same model answered the copy
+
+
+def test_a_rollout_candidate_that_serves_less_is_refused_before_it_is_judged(models_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """The API check applies to rollouts alike: without ``accept_api_change`` the candidate
+    that lacks ``serving_default`` never loads, and no rollout starts."""
+    base = tmp_path / "models" / "m"
+    shutil.copytree(models_dir / "nosig_tflite" / "1", base / "1")
+    config = load_config(None, {"state_dir": str(tmp_path / "state"), "poll_interval_s": 0.2,
+                                "discovery.enabled": False})
+    config.models = [ModelConfig(name="m", base_path=str(base), rollout=RolloutConfig(mode="canary"))]
+    appliance = Appliance(config).start()
+    try:
+        manager = appliance.manager
+        assert manager is not None and appliance.rollouts is not None
+        poll_until(manager.ready, 120, "version 1 to serve")
+        shutil.copytree(models_dir / "multisig_tflite" / "1", tmp_path / "stage")
+        (tmp_path / "stage").rename(base / "2")
+        slot = poll_until(lambda: next((s for s in manager.version_states("m") if s.version == 2 and s.error), None),
+                          120, "version 2 refused")
+        assert slot.error_code == "FAILED_PRECONDITION" and "signature 'serving_default' is gone" in slot.error
+        assert appliance.rollouts.route("m", None) is None
+        assert manager.snapshot()["m"]["serving_version"] == 1
+    finally:
+        appliance.close()

@@ -60,8 +60,11 @@ def run_in_child(request: Mapping[str, Any], limits: Limits, cancel: threading.E
     """The child's verdict on the version (see the module docstring); never raises for
     anything the child does. ``command``: the child to run (the trial; tests pass their own)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(command or TRIAL, stdin=subprocess.PIPE,
-                                stdout=out, stderr=err, env=_child_env(), close_fds=True)
+        try:
+            proc = subprocess.Popen(command or TRIAL, stdin=subprocess.PIPE,
+                                    stdout=out, stderr=err, env=_child_env(), close_fds=True)
+        except OSError as exc:  # no process to run it in: the version cannot be tried, so it does not serve
+            return {"ok": False, "code": "INTERNAL", "reason": f"the trial process could not start: {exc}"}
         try:
             assert proc.stdin is not None
             body = {**request, "parent": os.getpid(), "memory_bytes": limits.memory_bytes}
