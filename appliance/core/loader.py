@@ -9,9 +9,9 @@ raises ``LoadError`` with a canonical error code and the reason:
    limits (appliance/core/loader_trial.py): every artifact loads, a backend is chosen by
    measurement, the choice is warmed up. Its verdict is cached per device and version
    directory, so a restart goes straight to step 5;
-3. **whole**: an artifact that did not load fails the version (FAILED_PRECONDITION... its own
-   code), unless ``allow_partial_versions`` is set: then it serves *degraded*, saying what is
-   missing;
+3. **whole**: an artifact that did not load fails the version, with that artifact's error
+   code (DATA_LOSS for a truncated ``saved_model.pb``), unless ``allow_partial_versions`` is
+   set: then it serves *degraded*, saying what is missing;
 4. **compatible**: a version newer than the ``reference`` (the serving version, or the last
    good one after a restart) serves at least its signatures, inputs and dtypes
    (appliance/core/loader_api.py), unless the publisher declared the change (``api_change``
