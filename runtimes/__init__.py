@@ -7,6 +7,7 @@ LiteRT and LiteRT-LM are imported by a backend when it loads a model.
 from __future__ import annotations
 
 from .base import (
+    CANONICAL_CODES,
     DEFAULT_SIGNATURE,
     Availability,
     Backend,
@@ -18,7 +19,7 @@ from .base import (
     SignatureInfo,
     TensorSpec,
 )
-from .select import Decision, select, synthetic_inputs
+from .select import Decision, select, synthetic_bytes, synthetic_inputs
 from .litertlm import LiteRTLMBackend, TextServable
 from .litertlm import Request as TextRequest
 from .tf_cpu import TFCPUBackend
@@ -41,6 +42,7 @@ def default_backends() -> dict[str, Backend]:
 __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
+    "CANONICAL_CODES",
     "DEFAULT_SIGNATURE",
     "Availability",
     "Backend",
@@ -56,5 +58,6 @@ __all__ = [
     "TextServable",
     "default_backends",
     "select",
+    "synthetic_bytes",
     "synthetic_inputs",
 ]

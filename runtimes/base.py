@@ -24,19 +24,42 @@ import numpy as np
 
 
 class RuntimeFailure(Exception):
-    """Base of the errors a backend raises."""
+    """Base of the errors a backend raises. ``code`` is the canonical error code of the
+    cause, as TF Serving reports a failed load in a model's status (``DATA_LOSS`` for an
+    artifact that does not parse, ``NOT_FOUND`` for one that is missing...); a backend that
+    knows the cause passes it, else the class's default stands."""
+
+    code = "UNKNOWN"
+
+    def __init__(self, message: str = "", code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
 
 
 class LoadFailure(RuntimeFailure):
     """A version directory could not be loaded or warmed up by this backend."""
 
+    code = "INVALID_ARGUMENT"
+
 
 class InputFailure(RuntimeFailure):
     """The inputs handed to ``run`` do not fit the signature (a client's mistake)."""
 
+    code = "INVALID_ARGUMENT"
+
 
 class MissingDependency(RuntimeFailure):
     """A feature needs a library this device does not have; the message names the extra."""
+
+    code = "FAILED_PRECONDITION"
+
+
+# TensorFlow's canonical error codes (tensorflow/core/protobuf/error_codes.proto), by number.
+CANONICAL_CODES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                   "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                   "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+                   "UNAUTHENTICATED")
 
 
 @dataclass(frozen=True)

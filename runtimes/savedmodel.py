@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .base import InputFailure, LoadFailure, MissingDependency, SignatureInfo, TensorSpec
+from .base import CANONICAL_CODES, InputFailure, LoadFailure, MissingDependency, SignatureInfo, TensorSpec
 
 ARTIFACTS = ("saved_model.pb", "saved_model.pbtxt")
 INSTALL_HINT = "install the TensorFlow extra: pip install 'edge-appliance[tf]'"
@@ -94,7 +94,8 @@ class SessionServable:
                 meta = tf.compat.v1.saved_model.loader.load(self._session, tags, export_dir)
         except Exception as exc:  # TensorFlow raises many types for a bad export
             self._session.close()
-            raise LoadFailure(f"TensorFlow could not load the SavedModel in {export_dir}: {exc}") from exc
+            raise LoadFailure(f"TensorFlow could not load the SavedModel in {export_dir}: {exc}",
+                              _load_code(exc)) from exc
         self.signatures: dict[str, SignatureInfo] = {}
         self._defs = meta.signature_def
         for key, sig in meta.signature_def.items():
@@ -143,6 +144,19 @@ class SessionServable:
         if not self._closed:
             self._closed = True
             self._session.close()
+
+
+def _load_code(exc: Exception) -> str:
+    """The canonical code of a failed SavedModel load, as TF Serving's status carries it:
+    TensorFlow's own for its errors ("Op type not registered": NOT_FOUND), DATA_LOSS for a
+    ``saved_model.pb`` that does not parse (TF Serving: "Can't parse saved_model.pb as binary
+    proto"), INVALID_ARGUMENT for any other export TensorFlow refuses."""
+    number = getattr(exc, "error_code", None)
+    if isinstance(number, int) and 0 < number < len(CANONICAL_CODES):
+        return CANONICAL_CODES[number]
+    if "Cannot parse file" in str(exc) or "Error parsing message" in str(exc):
+        return "DATA_LOSS"
+    return "INVALID_ARGUMENT"
 
 
 def _short_tf_error(exc: Exception) -> str:

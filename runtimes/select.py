@@ -64,15 +64,31 @@ def synthetic_inputs(signature: SignatureInfo, batch: int) -> dict[str, np.ndarr
     return feeds
 
 
-def time_servable(servable: Servable, batch_n: int = TIMING_BATCH) -> tuple[float | None, float | None]:
+def synthetic_bytes(signature: SignatureInfo, batch: int) -> int:
+    """Bytes the synthetic inputs of ``signature`` at ``batch`` would hold, from the declared
+    shapes alone (nothing allocated): a model declaring an input of [1, 2^31-1] floats asks for
+    8 GiB, which no synthetic call may allocate."""
+    total = 0
+    for spec in signature.inputs.values():
+        shape = list(spec.shape) if spec.shape is not None else [batch]
+        dims = [batch if i == 0 and spec.batched else (d if d and d > 0 else 1) for i, d in enumerate(shape)]
+        total += int(np.prod(dims, dtype=object)) * (spec.dtype.itemsize if not spec.is_string else 8)
+    return total
+
+
+def time_servable(servable: Servable, batch_n: int = TIMING_BATCH,
+                  max_feed_bytes: int | None = None) -> tuple[float | None, float | None]:
     """Median milliseconds of a batch-1 and a batch-N call, on the default signature or, when
     a synthetic call of it fails, on the first signature whose call works (a signature TF
     Serving would serve need not take zeros: a regress SignatureDef declaring a float input
-    for a string placeholder). (None, None) when no signature takes a synthetic call."""
+    for a string placeholder). (None, None) when no signature takes a synthetic call.
+    Signatures whose synthetic batch-N inputs would pass ``max_feed_bytes`` are not timed."""
     for sig in _timing_order(servable):
+        if max_feed_bytes is not None and synthetic_bytes(sig, batch_n) > max_feed_bytes:
+            continue
         try:
             return _time_signature(servable, sig, batch_n)
-        except RuntimeFailure:
+        except (RuntimeFailure, MemoryError):
             continue
     return None, None
 
@@ -98,7 +114,8 @@ def _time_signature(servable: Servable, sig: SignatureInfo, batch_n: int) -> tup
     return figures[0], figures[1]
 
 
-def _consider(backends: Mapping[str, Backend], device: Mapping[str, Any], version_dir: str) -> list[Considered]:
+def consider(backends: Mapping[str, Backend], device: Mapping[str, Any], version_dir: str) -> list[Considered]:
+    """Every backend, with whether it can run here and which artifact of the version it serves."""
     out = []
     for name, backend in backends.items():
         availability = backend.probe(device)
@@ -125,7 +142,8 @@ def select(
     """Pick and load a backend for one version directory (see module docstring).
 
     ``load(name)`` loads the version with the named backend (the caller supplies options);
-    ``policy``: ``backend`` (auto or a name), ``prefer_tflite_below_mb`` (int).
+    ``policy``: ``backend`` (auto or a name), ``prefer_tflite_below_mb`` (int),
+    ``max_feed_bytes`` (int: no timing call feeds more than this, from the declared shapes).
     """
     decision, servable = _select(backends, device, version_dir, load, policy, cache, cache_key)
     if servable is None:
@@ -142,7 +160,7 @@ def select(
 def _select(backends: Mapping[str, Backend], device: Mapping[str, Any], version_dir: str, load: Loader,
             policy: Mapping[str, Any], cache: MutableMapping[str, Any] | None,
             cache_key: str) -> tuple[Decision, Servable | None]:
-    considered = _consider(backends, device, version_dir)
+    considered = consider(backends, device, version_dir)
     possible = [c for c in considered if c.available]
     pinned = policy.get("backend", "auto")
     if pinned != "auto":
@@ -165,7 +183,7 @@ def _select(backends: Mapping[str, Backend], device: Mapping[str, Any], version_
         _restore_figures(considered, cached)
         order = sorted(possible, key=lambda c: c.backend != cached["chosen"])
         return _load_in_order(order, considered, load, "cached", f"{cached.get('reason', '')} (measured earlier, cached)")
-    decision, servable = _measure(possible, considered, load)
+    decision, servable = _measure(possible, considered, load, policy.get("max_feed_bytes"))
     if cache is not None and cache_key and servable is not None:
         cache[cache_key] = decision.to_dict()
     return decision, servable
@@ -192,7 +210,7 @@ def _load_in_order(order: list[Considered], considered: list[Considered], load: 
     return Decision(None, how, "; ".join(failures) or reason, considered), None
 
 
-def _measure(possible: list[Considered], considered: list[Considered], load: Loader):
+def _measure(possible: list[Considered], considered: list[Considered], load: Loader, max_feed_bytes: int | None):
     loaded: list[tuple[float, Considered, Servable]] = []
     for c in possible:
         try:
@@ -200,7 +218,7 @@ def _measure(possible: list[Considered], considered: list[Considered], load: Loa
         except RuntimeFailure as exc:
             c.load_error = str(exc)
             continue
-        c.batch1_ms, c.batch_n_ms = time_servable(servable)
+        c.batch1_ms, c.batch_n_ms = time_servable(servable, max_feed_bytes=max_feed_bytes)
         if c.batch1_ms is None or c.batch_n_ms is None:  # loaded, but nothing to time: ranked last
             c.reason += "; no signature takes a synthetic call, so not timed"
             loaded.append((float("inf"), c, servable))

@@ -27,7 +27,7 @@ class TFCPUBackend:
     def export_dir(self, version_dir: str) -> str:
         export_dir = self.can_serve(version_dir)
         if export_dir is None:
-            raise LoadFailure(f"no saved_model.pb in {version_dir}")
+            raise LoadFailure(f"no saved_model.pb in {version_dir}", "NOT_FOUND")
         return export_dir
 
     def load(self, version_dir: str, options: Mapping[str, Any]) -> SessionServable:

@@ -342,7 +342,7 @@ class Follower:
     def _retain(self, model: str, target: int, local: LocalModel, candidate: int | None = None) -> None:
         protect = {target} | ({local.serving} if local.serving is not None else set())
         protect |= {candidate} if candidate is not None else set()
-        deleted = self.store.retain(model, self.options.retain, protect, local.quarantined)
+        deleted = self.store.retain(model, self.options.retain, protect, local.quarantined, target, local.serving)
         if deleted:
             self.event("sync_retention", f"{model}: deleted old versions {deleted} (keeping {self.options.retain})",
                        model=model, deleted=deleted)

@@ -51,8 +51,11 @@ def next_version(source: Any, model: str) -> int:
 
 
 def publish(source: Any, model: str, directory: str, version: int | None = None, channel: str = "",
-            sign_key: Any = None, publisher: str = "", expires_days: float = 365, compat: Iterable[str] = ()) -> dict[str, Any]:
-    """Upload ``directory`` as ``model``/``version``; returns the manifest written."""
+            sign_key: Any = None, publisher: str = "", expires_days: float = 365, compat: Iterable[str] = (),
+            api_change: str = "") -> dict[str, Any]:
+    """Upload ``directory`` as ``model``/``version``; returns the manifest written. ``api_change``:
+    why this version may serve less than the one before (a signature, input or output dropped or
+    changed); without it, a device refuses such a version (appliance/core/loader_api.py)."""
     _check_name(model)
     if not os.path.isdir(directory):
         raise Refused(f"{directory} is not a directory")
@@ -63,6 +66,8 @@ def publish(source: Any, model: str, directory: str, version: int | None = None,
         raise Refused(f"{model} version {version} is already published; versions are immutable")
     expires = time.time() + expires_days * DAY_S if expires_days else 0
     doc = build(model, version, directory, publisher or _whoami(), expires, compat)
+    if api_change:
+        doc["api_change"] = api_change
     if sign_key is not None:
         doc = sign(doc, sign_key)
     for entry in doc["files"]:

@@ -13,6 +13,8 @@ Layout under the state directory::
                                Never lower than the newest committed version still on disk, so
                                losing or corrupting the file does not reopen old versions
     sync/pins.json             per model: the version ``appliance rollback`` pinned
+    sync/served.json           per model: the versions that served on this device (retention
+                               keeps the newest of them, ``appliance rollback`` goes back to them)
 
 Every change of ``models/`` is one ``rename()`` on the same filesystem after the files and
 the directories are fsynced, so a power cut leaves the old set of versions or the new one.
@@ -37,6 +39,8 @@ from .manifest import MANIFEST, MAX_VERSION, sha256_file
 
 log = logging.getLogger("sync.store")
 PRIVATE = 0o700
+MAX_VERSION = (1 << 63) - 1  # versions are int64, as TF Serving's
+KEEP_SERVED = 50  # versions remembered per model in sync/served.json
 SHARED_READ_ONLY = 0o755  # others may read and traverse, only the service writes
 
 
@@ -206,19 +210,28 @@ class Store:
     # -- versions ------------------------------------------------------------------------
     @staticmethod
     def _versions(base: str) -> dict[int, str]:
+        """Version directories under ``base``: ASCII-digit names within int64 (TF Serving's
+        versions; any other name is not a version, as TF Serving's source ignores it)."""
         try:
             names = os.listdir(base)
         except OSError:
             return {}
-        return {int(n): os.path.join(base, n) for n in names if n.isdigit() and os.path.isdir(os.path.join(base, n))}
+        return {int(n): os.path.join(base, n) for n in names
+                if n.isascii() and n.isdigit() and int(n) <= MAX_VERSION and os.path.isdir(os.path.join(base, n))}
 
     def versions(self, model: str) -> dict[int, str]:
         return self._versions(os.path.join(self.models_dir, model))
 
     def previous_version(self, model: str) -> int | None:
-        """The version before the newest one on disk: what a rollback goes back to."""
-        served = sorted(self.versions(model))
-        return served[-2] if len(served) >= 2 else None
+        """What ``appliance rollback`` goes back to: the newest version that served on this
+        device below the newest one on disk (else the newest that served at all), so there is a
+        target whenever one ever served; without that record, the version before the newest."""
+        on_disk = sorted(set(self.versions(model)) | set(self.parked(model)))
+        served = [v for v in self.served(model) if v in on_disk]
+        below = [v for v in served if on_disk and v < on_disk[-1]]
+        if below or served:
+            return max(below or served)
+        return on_disk[-2] if len(on_disk) >= 2 else None
 
     def parked(self, model: str) -> dict[int, str]:
         return self._versions(os.path.join(self.parked_dir, model))
@@ -275,22 +288,46 @@ class Store:
         fsync_dir(os.path.dirname(path))
         shutil.rmtree(trash, ignore_errors=True)
 
-    def retain(self, model: str, keep: int, protect: Iterable[int], bad: Iterable[int]) -> list[int]:
-        """Keep the ``keep`` newest good versions (plus ``protect``); returns those deleted.
+    def retain(self, model: str, keep: int, protect: Iterable[int], bad: Iterable[int], target: int | None = None,
+               serving: int | None = None) -> list[int]:
+        """Delete what cannot be rolled back to, keeping what can; returns the versions deleted.
 
-        Quarantined (``bad``) versions newer than every good one stay, so the manager does
-        not see them vanish and reappear; older bad ones go."""
-        protect, bad = set(protect), set(bad)
-        deleted = []
-        for where in (self.versions(model), self.parked(model)):
-            good = sorted((v for v in where if v not in bad), reverse=True)
-            newest_good = good[0] if good else -1
-            for version, path in where.items():
-                if version in protect or (version in good[:keep]) or (version in bad and version > newest_good):
-                    continue
-                self.remove(path)
-                deleted.append(version)
-        return sorted(deleted)
+        ``serving`` (the version the manager serves now) joins the durable record of versions
+        that served here (``served``). Then, over the served store and the parked versions:
+
+        - nothing is deleted while ``target`` has neither served nor failed: retention never
+          runs before the new version has loaded;
+        - kept: ``protect`` (target, serving, candidate), the newest version that ever served
+          (never deleted to make room), and up to ``keep`` versions by rank: those that served,
+          newest first, then those never loaded;
+        - so failed (``bad``, quarantined) and never-served versions go first."""
+        if serving is not None:
+            self.note_served(model, serving)
+        served, bad = self.served(model), set(bad)
+        if target is not None and target not in served and target not in bad:
+            return []
+        where = {**self.parked(model), **self.versions(model)}
+        keep_set = _kept(sorted(where), keep, set(protect), served, bad)
+        deleted = sorted(v for v in where if v not in keep_set)
+        for version in deleted:
+            self.remove(where[version])
+        return deleted
+
+    def note_served(self, model: str, version: int) -> None:
+        """Record that ``version`` of ``model`` served on this device (``sync/served.json``)."""
+        if version in self.served(model):
+            return
+        doc = read_json(self._served_path())
+        doc[model] = sorted({*doc.get(model, []), int(version)})[-KEEP_SERVED:]
+        write_json_atomic(self._served_path(), doc)
+
+    def served(self, model: str) -> set[int]:
+        """The versions of ``model`` that served on this device, as far as it recorded."""
+        values = read_json(self._served_path()).get(model, [])
+        return {int(v) for v in values if isinstance(v, int)} if isinstance(values, list) else set()
+
+    def _served_path(self) -> str:
+        return os.path.join(self.sync_dir, "served.json")
 
     # -- durable records -----------------------------------------------------------------
     def trust(self, model: str) -> dict[str, Any]:
@@ -342,6 +379,14 @@ class Store:
 
     def pins(self) -> dict[str, int]:
         return {k: int(v) for k, v in read_json(pins_path(self.state_dir)).items() if isinstance(v, int)}
+
+
+def _kept(versions: list[int], keep: int, protect: set[int], served: set[int], bad: set[int]) -> set[int]:
+    """What retention keeps of ``versions`` (``Store.retain``'s ranking)."""
+    ranked = [v for v in reversed(versions) if v in served] + \
+             [v for v in reversed(versions) if v not in served and v not in bad]
+    last_good = [v for v in ranked if v in served][:1]
+    return {v for v in versions if v in protect} | set(last_good) | set(ranked[:max(keep, 0)])
 
 
 def set_pin(state_dir: str, model: str, version: int | None) -> None:

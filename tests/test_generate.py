@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -170,28 +171,49 @@ def test_disconnect_cancels_a_running_stream(start_server: Any, gen_models: Path
 
 def test_hot_swap_mid_stream_finishes_on_the_old_version(start_server: Any, gen_models: Path,
                                                          tmp_path: Path) -> None:
+    """A new version becomes AVAILABLE while streams hold version 1: each of them finishes on
+    version 1, unbroken, and version 1 unloads once they end. A 60-token stream lasts ~5 s and
+    a new version's trial (TensorFlow imported in a child) may take longer, so streams are
+    started every 2 s, overlapping, until the swap is seen: one of them holds version 1 then."""
     base = model_copy(gen_models, tmp_path, "gen_slow")
     srv = start_server("--models", str(base), "--poll-interval", "0.2")
     old = generate(srv, "gen_slow", input_ids=[1, 2, 3], max_new_tokens=60).json()["tokens"]
-    with requests.post(f"{srv.url}/v1/models/gen_slow:generate", stream=True, timeout=120,
-                       data=json.dumps({"input_ids": [1, 2, 3], "max_new_tokens": 60, "stream": True})) as r:
-        events = sse(r)
-        first = next(events)
+    results: list[list[tuple[str, dict[str, Any]]]] = []
+    threads: list[threading.Thread] = []
+
+    def stream() -> None:
+        with requests.post(f"{srv.url}/v1/models/gen_slow:generate", stream=True, timeout=120,
+                           data=json.dumps({"input_ids": [1, 2, 3], "max_new_tokens": 60, "stream": True})) as r:
+            results.append(list(sse(r)))
+
+    def states() -> dict[int, str]:
+        return {v["version"]: v["state"] for v in srv.status()["models"]["gen_slow"]["versions"]}
+
+    def swapped() -> bool:
+        now = states()
+        if now.get(2) != "AVAILABLE" and (not threads or time.monotonic() - threads[-1].started > 2):
+            threads.append(threading.Thread(target=stream, name="stream"))
+            threads[-1].started = time.monotonic()  # type: ignore[attr-defined]
+            threads[-1].start()
+        return now.get(2) == "AVAILABLE" and now.get(1) == "UNLOADING"  # held by one of our streams
+
+    try:
+        stream_started = threading.Thread(target=stream)  # the first stream is under way before v2 appears
+        stream_started.started = time.monotonic()  # type: ignore[attr-defined]
+        threads.append(stream_started)
+        stream_started.start()
         shutil.copytree(gen_models / "gen_slow_v2" / "2", base / "gen_slow" / "2")  # a new version appears
-
-        def swapped() -> bool:
-            versions = {v["version"]: v["state"] for v in srv.status()["models"]["gen_slow"]["versions"]}
-            return versions.get(2) == "AVAILABLE" and versions.get(1) == "UNLOADING"  # held by our stream
-
-        srv.wait_for(swapped, 60, "version 2 to serve while version 1 drains")
+        srv.wait_for(swapped, 120, "version 2 to serve while version 1 drains")
         new = generate(srv, "gen_slow", input_ids=[1, 2, 3], max_new_tokens=5).json()
-        rest = list(events)
-    tokens = [first[1]["token"]] + [d["token"] for name, d in rest if name == "message"]
-    assert rest[-1][0] == "done" and rest[-1][1]["model_version"] == "1"
-    assert tokens == old  # finished on version 1, unbroken
+    finally:
+        for thread in threads:
+            thread.join(120)
+    on_v1 = [events for events in results if events[-1][0] == "done" and events[-1][1]["model_version"] == "1"]
+    assert on_v1 and len(results) == len(threads)
+    for events in on_v1:
+        assert [d["token"] for name, d in events if name == "message"] == old  # finished on version 1, unbroken
     assert new["model_version"] == "2" and new["tokens"] != old[:5]
-    srv.wait_for(lambda: {v["version"]: v["state"] for v in srv.status()["models"]["gen_slow"]["versions"]}
-                 .get(1) == "END", 30, "version 1 to unload once its stream ended")
+    srv.wait_for(lambda: states().get(1) == "END", 30, "version 1 to unload once its streams ended")
 
 
 @pytest.mark.parametrize(("body", "field"), [

@@ -224,5 +224,21 @@ def test_retention_keeps_k_good_and_never_the_serving_one(tmp_path: Path) -> Non
     store = Store(str(tmp_path)).open()
     for v in (1, 2, 3, 4, 5):
         (Path(store.models_dir) / "m" / str(v)).mkdir(parents=True)
-    deleted = store.retain("m", keep=2, protect={1}, bad={5})
-    assert deleted == [2] and sorted(store.versions("m")) == [1, 3, 4, 5]
+    deleted = store.retain("m", keep=2, protect={1}, bad={5}, serving=1)
+    assert deleted == [2, 3, 5] and sorted(store.versions("m")) == [1, 4]  # the failed one goes, whatever its age
+
+
+def test_retention_keeps_what_a_rollback_can_go_back_to(tmp_path: Path) -> None:
+    """Versions 1 and 3 served; 2 was skipped, 4 failed, 5 is the new target."""
+    store = Store(str(tmp_path)).open()
+    for v in (1, 2, 3, 4, 5):
+        (Path(store.models_dir) / "m" / str(v)).mkdir(parents=True)
+    store.note_served("m", 1)
+    assert store.retain("m", keep=2, protect={5, 3}, bad={4}, target=5, serving=3) == []  # 5 has not loaded yet
+    assert store.served("m") == {1, 3}
+    assert store.retain("m", keep=2, protect={5, 3}, bad={4, 5}, target=5, serving=3) == [2, 4]  # 5 failed
+    assert sorted(store.versions("m")) == [1, 3, 5] and store.previous_version("m") == 3
+    assert store.retain("m", keep=1, protect={5}, bad={4, 5}, target=5) == [1]  # the last good one stays
+    assert sorted(store.versions("m")) == [3, 5] and store.previous_version("m") == 3
+    (Path(store.models_dir) / "m" / "9223372036854775808").mkdir()  # past int64: not a version
+    assert sorted(store.versions("m")) == [3, 5]

@@ -348,9 +348,22 @@ def test_ModelConfigReload(run_server: Any, tmp_path: Path) -> None:
     verify_predict_request(address, model_name="half_plus_two", expected_output=3.0, specify_output=False,
                            expected_version=model_version(half_plus_two()))
     config_path.write_text(BASE_CONFIG.format(name="half_plus_three", model_path=half_plus_three()))
-    time.sleep(10)  # upstream: "Give modelserver time to poll and load the new config"
+    # upstream sleeps 10 s: "Give modelserver time to poll and load the new config". Here the new
+    # version's trial (a child importing TensorFlow) comes first: wait for the model, not a time.
+    poll_until(lambda: _serves(address, "half_plus_three"), 120, "half_plus_three to serve")
     verify_predict_request(address, model_name="half_plus_three", expected_output=4.0, specify_output=False,
                            expected_version=model_version(half_plus_three()))
+
+
+def _serves(address: str, model: str) -> bool:
+    request = get_model_status_pb2.GetModelStatusRequest()
+    request.model_spec.name = model
+    with grpc.insecure_channel(address) as channel:
+        try:
+            status = model_service_pb2_grpc.ModelServiceStub(channel).GetModelStatus(request, RPC_TIMEOUT)
+        except grpc.RpcError:  # not configured yet: NOT_FOUND
+            return False
+    return any(v.state == 30 for v in status.model_version_status)  # AVAILABLE
 
 
 def test_ModelConfigReloadWithZeroPollPeriod(run_server: Any, tmp_path: Path) -> None:
@@ -585,7 +598,7 @@ def test_a_failing_synthetic_warmup_is_a_warning_and_the_version_serves(every_mo
 def test_parse_example_tflite_parses_as_tf_servings_tflite_session(every_model: TFServer) -> None:
     """tflite_session_test.cc TestBatchParallelismForString, over REST and gRPC: x and y from
     each tf.Example, or the defaults (0.0, "missing") where they are absent; an Example whose x
-    is not a float list is refused with the session's text (runtimes/tflite.py _ExampleParser)."""
+    is not a float list is refused with the session's text (runtimes/tflite_examples.py ExampleParser)."""
     from tensorflow.core.example import example_pb2
 
     def example(x: float | None) -> bytes:
@@ -648,7 +661,7 @@ def test_tflite_shape_the_model_cannot_take_gets_tf_serving_text(run_server: Any
     """A [1,63] input into a [?,64] FullyConnected: TF Serving's session resizes, LiteRT
     refuses to allocate: "Failed to allocate tensors" (tflite_session.cc). TF Serving's code
     is INTERNAL; ours INVALID_ARGUMENT on purpose, and the text names the input after TF
-    Serving's words (runtimes/tflite.py ``_refused``)."""
+    Serving's words (runtimes/tflite_file.py ``refused``)."""
     server = run_server("mlp", models_dir / "keras_mlp_tflite", model_type="tflite")
     r = requests.post(f"http://{server.rest_address}/v1/models/mlp:predict", json={"instances": [[0.5] * 63]},
                       timeout=30)

@@ -55,7 +55,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
               "try again when they see the objects change")
         return 0
     doc = publish(bucket(args), args.model, args.directory, args.version, args.channel or "",
-                  signing_key(args.sign_key), args.publisher or "", args.expires_days, args.compat or [])
+                  signing_key(args.sign_key), args.publisher or "", args.expires_days, args.compat or [],
+                  args.api_change or "")
     size = sum(f["size"] for f in doc["files"])
     print(f"published {args.model} version {doc['version']} ({len(doc['files'])} files, {size} bytes"
           f"{', signed' if 'signature' in doc else ''}){f' on channel {args.channel}' if args.channel else ''}")
@@ -219,6 +220,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--publisher", help="recorded in the manifest (default user@host)")
     p.add_argument("--expires-days", type=float, default=365, help="devices refuse it after this (0: never)")
     p.add_argument("--compat", action="append", help="a tag the device must offer (tflite, x86_64, cuda...)")
+    p.add_argument("--api-change", metavar="WHY", help="this version may serve less than the one before it "
+                   "(a signature, input or output dropped or changed); devices refuse such a version without it")
     p.add_argument("--s3-endpoint-url", help="S3 endpoint (else AWS_ENDPOINT_URL / the AWS config)")
     p.set_defaults(func=guarded(cmd_publish))
 

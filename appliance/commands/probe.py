@@ -42,26 +42,34 @@ def cmd_probe(args: argparse.Namespace) -> int:
     for name, b in backends.items():
         print(f"  {name:8} {'available' if b['available'] else 'unavailable':12} {b['reason']}")
     for model, decision in result.get("decisions", {}).items():
-        print(f"model {model}: {decision['chosen'] or 'NONE'} ({decision['how']}): {decision['reason']}")
+        print(f"model {model} version {decision['version']}: {decision['chosen'] or 'NONE'} ({decision['how']}): "
+              f"{decision['reason']}")
+        for artifact, error in decision["broken_artifacts"].items():
+            print(f"  not whole: {artifact} did not load ({error})")
     return 0
 
 
 def probe_models(config: Config, info: dict[str, Any]) -> dict[str, Any]:
-    """Run the real selection (load and time each candidate) for each model's newest version."""
-    from appliance.core.manager import Manager
-    from appliance.core.sources import discover_models, versions_on_disk
-    from appliance.core.state import StateDB
+    """Run the real trial (load every artifact, time each candidate, warm the choice up, in a
+    child process as the service does) for each model's newest version: its decision record,
+    with whether the version is whole (``ok``, ``code``, ``reason``, ``artifacts``)."""
+    import runtimes
 
-    db = StateDB(":memory:").open()
-    manager = Manager(config, db, info)
+    from appliance.core import device
+    from appliance.core.ledger import Ledger
+    from appliance.core.loader import LoadEnv, Loader
+    from appliance.core.sources import discover_models, versions_on_disk
+
+    env = LoadEnv(config, info, runtimes.default_backends(), Ledger({}), device.fingerprint(info))
     out = {}
     for model in discover_models(config.models_dir, config.model_name):
         versions = versions_on_disk(model.base_path)
         if not versions:
             continue
         version = max(versions)
-        decision, servable = manager.select_backend(model.name, model, version, versions[version])
-        if servable is not None:
-            servable.close()
-        out[model.name] = decision.to_dict()
+        verdict = Loader(env, model, version, versions[version]).trial(fresh=True)
+        decision = verdict.get("decision") or {"chosen": None, "how": "none", "reason": verdict.get("reason")}
+        broken = {n: a.get("error") for n, a in (verdict.get("artifacts") or {}).items() if not a.get("ok")}
+        out[model.name] = {**decision, "version": version, "whole": bool(verdict.get("ok")) and not broken,
+                           "broken_artifacts": broken, **{k: verdict[k] for k in ("code", "artifacts") if k in verdict}}
     return out

@@ -81,6 +81,13 @@ class TFConfig:
 class RuntimeConfig:
     backend: str = "auto"
     prefer_tflite_below_mb: int = 0
+    # A new version is first loaded, measured and warmed up in a child process (its trial,
+    # appliance/core/loader_child.py): these bound it. 0 MB: 80 % of the memory available then.
+    load_memory_mb: int = 0
+    load_timeout_s: float = 600.0
+    # A version whose artifacts do not all load (a corrupt saved_model.pb beside a good
+    # model.tflite) fails; true: it serves from what loaded, shown as degraded.
+    allow_partial_versions: bool = False
     tflite: TFLiteConfig = field(default_factory=TFLiteConfig)
     tf: TFConfig = field(default_factory=TFConfig)
 
@@ -364,6 +371,11 @@ class ModelConfig:
     backend: str = ""  # empty: runtime.backend
     batching: dict[str, Any] = field(default_factory=dict)  # overrides of [batching]
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    allow_partial_versions: bool = False  # as [runtime]'s, for this model (either one allows)
+    # Versions that may serve less than the one before (a signature, input or output dropped or
+    # changed): the operator's way to declare an intended API change (a publisher's: api_change
+    # in the version's MANIFEST.json, `appliance publish --api-change WHY`).
+    accept_api_change: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -461,6 +473,10 @@ def validate(config: Config) -> Config:
         raise ConfigError("runtime.tflite.delegate", "must be auto, gpu, edgetpu or none")
     if config.runtime.tf.precision.upper() not in ("FP32", "FP16"):
         raise ConfigError("runtime.tf.precision", "must be FP32 or FP16")
+    if config.runtime.load_memory_mb < 0:
+        raise ConfigError("runtime.load_memory_mb", "must be 0 (80 % of the memory available) or a number of MB")
+    if config.runtime.load_timeout_s <= 0:
+        raise ConfigError("runtime.load_timeout_s", "must be positive")
     config.batching.validate("batching")
     if config.discovery.recheck_interval_s <= 0:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")

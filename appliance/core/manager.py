@@ -1,8 +1,18 @@
 """The model manager: the mechanism that loads, serves, swaps and unloads model versions.
 
-Sources say which versions exist (``ModelSource``: directories on disk, filled by hand or
-by ``sync``); ``policy`` says which to aspire to; this module carries it out. All version
-transitions happen in ``_transition`` and each is an event in the state database.
+TF Serving's seams: sources say which versions exist (``set_aspired``: directories on disk,
+filled by hand or by ``sync``, appliance/core/sources.py); ``policy`` says which to aspire to;
+a ``Loader`` makes one version ready (appliance/core/loader.py: a trial in a child process,
+whole and compatible, then the chosen backend in this process); this module carries it out.
+All version transitions happen in ``_transition`` and each is an event in the state database.
+Rollout state (a channel's candidate and policy, the serving pin) lives beside the rollout
+judge (appliance/core/rollout_state.py).
+
+GUARANTEES: a version that fails to load, or is not whole, or serves less than the version it
+would replace, is quarantined with its reason and error code, and whatever served keeps
+serving; the last AVAILABLE version is never unloaded for one that is not AVAILABLE yet
+(policy.py); a version whose load ended the process twice is quarantined at the next start
+(appliance/core/ledger.py).
 
 Requests hold a version through a handle (``with manager.handle("det") as slot:``). A swap
 replaces what new handles get; the old version moves to UNLOADING and is closed when its
@@ -14,95 +24,32 @@ Thread-safety: every public method may be called from any thread.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import numpy as np
-
 import runtimes
-from runtimes import Decision, RuntimeFailure, Servable, generative
 
 from appliance.core import device as device_mod
-from appliance.core.batcher import Batcher
 from appliance.core.config import Config, ModelConfig, RolloutConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable
 from appliance.core.handle import Handle
-from appliance.core.sources import Aspired
+from appliance.core.ledger import Ledger, mtime
+from appliance.core.loader import LoadEnv, LoadError, Loaded, Loader
+from appliance.core.loader_api import Api
 from appliance.core.memory import release_freed_memory
 from appliance.core.policy import State, aspired_versions, plan
+from appliance.core.rollout_state import ChannelRollouts, rollout_aspired, servable_versions
+from appliance.core.slots import ModelEntry, Quarantine, VersionSlot
+from appliance.core.sources import Aspired
 from appliance.core.state import StateDB
-from appliance.core.warmup import warmup_requests
 
 if TYPE_CHECKING:
     from appliance.core.metrics import Metrics
 
 log = logging.getLogger("appliance.manager")
-
-
-@dataclass
-class VersionSlot:
-    """One model version and everything loaded for it."""
-
-    model: str
-    version: int
-    path: str
-    state: State = State.START
-    error: str = ""
-    servable: Servable | None = None
-    batcher: Batcher | None = None
-    decision: dict[str, Any] | None = None
-    load_ms: float = 0.0
-    warmup_ms: float = 0.0
-    available_since: float = 0.0
-    # Signatures whose synthetic warm-up call failed: {signature: why}. Served all the same
-    # (TF Serving does no synthetic warm-up; the failure is shown, not held against the version).
-    warnings: dict[str, str] = field(default_factory=dict)
-    # Requests holding this version: one entry each. deque.append/pop are atomic under the
-    # GIL, so a request counts itself in and out without the manager's lock (Manager.handle).
-    inflight: collections.deque = field(default_factory=collections.deque, repr=False)
-
-    @property
-    def refs(self) -> int:
-        return len(self.inflight)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "state": self.state.value,
-            "error": self.error,
-            "backend": getattr(self.servable, "backend", None) or (self.decision or {}).get("chosen"),
-            "load_ms": round(self.load_ms, 1),
-            "warmup_ms": round(self.warmup_ms, 1),
-            "available_since": self.available_since or None,
-            "in_flight": self.refs,
-            "decision": self.decision,
-            "batching": self.batcher.snapshot() if self.batcher else None,
-            "warmup_warnings": dict(self.warnings),
-        }
-
-
-@dataclass
-class ModelEntry:
-    config: ModelConfig
-    versions: dict[int, VersionSlot] = field(default_factory=dict)
-    quarantined: dict[int, tuple[float, str]] = field(default_factory=dict)  # version -> (dir mtime, why)
-    # Rollouts (config rollout.mode shadow|canary): the version answering unversioned
-    # requests, and a newer one loaded next to it until appliance/core/rollout.py judges it.
-    serving: int | None = None
-    candidate: int | None = None
-    # The channel's rollout policy when a synced channel carries one (it replaces the
-    # model's own [models.rollout] in ``config``; ``own_rollout`` keeps the latter).
-    own_rollout: RolloutConfig | None = None
-    channel_policy: dict[str, Any] | None = None
-    channel_candidate: int | None = None  # judged only: never served as the newest version
-    source: str = ""  # the version source that named this model (appliance/core/sources.py)
-    on_disk: dict[int, str] = field(default_factory=dict)  # {version: directory}, as its source pushed
 
 
 class Manager:
@@ -113,8 +60,6 @@ class Manager:
         bytes changed since the bucket's manifest was verified: sync/store.py check_version);
         run right before each load."""
         self.config = config
-        self.version_check = version_check
-        self._channel: dict[str, dict[str, Any]] = {}  # model -> the channel's rollout record (pushed by sync)
         self._refused_sources: set[tuple[str, str]] = set()  # (model, source) told it is another's
         self.metrics = metrics
         self.db = db
@@ -134,8 +79,10 @@ class Manager:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._decisions = db.kv()
-        self._fingerprint = device_mod.fingerprint(self.device)
+        self.ledger = Ledger(db.kv())
+        self.channels = ChannelRollouts(db.event)
+        self.loads = LoadEnv(config, self.device, self.backends, self.ledger, device_mod.fingerprint(self.device),
+                             metrics, version_check, cancel=self._stop)
         self.last_poll = 0.0
         self.rollouts: Any = None  # appliance/core/rollout.py Rollouts, set by the core before start()
 
@@ -173,7 +120,7 @@ class Manager:
     def reload(self, config: Config) -> None:
         """Apply a changed configuration (SIGHUP): batching and the other settings read
         from ``config``; the sources push the models it names (appliance/core/appliance.py)."""
-        self.config = config
+        self.config = self.loads.config = config
         self.poll_now()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -183,7 +130,8 @@ class Manager:
             self._thread.start()
 
     def close(self, drain_timeout: float = 20.0) -> None:
-        """Stop polling, drain in-flight requests (bounded), unload everything. Idempotent."""
+        """Stop polling (a trial in progress is stopped), drain in-flight requests (bounded),
+        unload everything. Idempotent."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -211,45 +159,16 @@ class Manager:
         self.last_poll = time.time()
         with self._lock:
             entries = list(self._models.items())
-        self._apply_channel_policies(entries)
+        self.channels.apply(entries, self._lock)
         for name, entry in entries:
             if self._stop.is_set():
                 return
             self._reconcile_model(name, entry)
 
-    def _apply_channel_policies(self, entries: list[tuple[str, ModelEntry]]) -> None:
-        """A synced channel's rollout policy (pushed by sync: ``set_channel_rollout``) replaces the
-        model's own [models.rollout]: the central team sets it for the whole fleet. A policy
-        this device cannot take is refused once, with the reason, and the own one stays."""
-        policies = self._channel
-        for name, entry in entries:
-            record = policies.get(name) or {}
-            candidate, policy = record.get("candidate"), record.get("policy")
-            entry.channel_candidate = candidate if isinstance(candidate, int) else None
-            if policy == entry.channel_policy:
-                continue
-            entry.channel_policy = policy
-            own = entry.own_rollout if entry.own_rollout is not None else entry.config.rollout
-            rollout = own
-            if policy is not None:
-                try:
-                    rollout = RolloutConfig(**policy)
-                    rollout.validate("rollout")
-                except (TypeError, ApplianceError) as exc:
-                    self.db.event("rollout_policy_refused", f"{name}: the channel's rollout policy is refused, "
-                                  f"the device's own applies: {exc}", model=name)
-                    rollout = own
-            with self._lock:
-                entry.own_rollout = own
-                entry.config = dataclasses.replace(entry.config, rollout=rollout)
-
     def set_channel_rollout(self, name: str, record: dict[str, Any] | None) -> None:
         """(sync) The channel of ``name`` names a candidate and/or a rollout policy
         (``{"candidate": N | None, "policy": {...} | None}``; None: neither). Applied at once."""
-        if record:
-            self._channel[name] = dict(record)
-        else:
-            self._channel.pop(name, None)
+        self.channels.set(name, record)
         self.poll_now()
 
     def rollout_policy(self, name: str) -> RolloutConfig | None:
@@ -260,14 +179,13 @@ class Manager:
     def _reconcile_model(self, name: str, entry: ModelEntry) -> None:
         cfg = entry.config
         on_disk = dict(entry.on_disk)
-        self._forget_changed_quarantine(entry, on_disk)
-        servable = on_disk
-        if entry.channel_candidate is not None and cfg.rollout.mode == "off" and len(on_disk) > 1:
-            # a channel's candidate is there to be judged: without a rollout it is never served
-            servable = {v: p for v, p in on_disk.items() if v != entry.channel_candidate}
-        aspired = aspired_versions(cfg.version_policy, servable, cfg.latest, cfg.versions, entry.quarantined)
-        aspired = self._rollout_aspired(entry, aspired)
-        with self._lock:  # an unloaded version whose directory is gone has nothing left to show
+        self._update_quarantine(entry, on_disk)
+        aspired = aspired_versions(cfg.version_policy, servable_versions(entry, on_disk), cfg.latest, cfg.versions,
+                                   entry.quarantined)
+        with self._lock:
+            self._changed()  # the serving pin may move
+            aspired = rollout_aspired(entry, aspired)
+            # an unloaded version whose directory is gone has nothing left to show
             for version in [v for v, s in entry.versions.items() if s.state == State.END and v not in on_disk]:
                 del entry.versions[version]
             states = {v: s.state for v, s in entry.versions.items()}
@@ -283,23 +201,6 @@ class Manager:
             slot = entry.versions.get(version)
             if slot is not None and slot.state == State.AVAILABLE:
                 self._begin_unload(slot, f"superseded (aspired versions: {aspired})")
-
-    def _rollout_aspired(self, entry: ModelEntry, aspired: list[int]) -> list[int]:
-        """With a rollout mode, a newer version becomes the candidate beside the serving one
-        instead of replacing it; without one, the serving version follows the policy."""
-        with self._lock:
-            self._changed()  # the serving pin may move below
-            live = {v for v, s in entry.versions.items() if s.state == State.AVAILABLE}
-            if entry.serving not in live:
-                entry.serving = max(live, default=None)
-            if entry.config.rollout.mode == "off" or entry.config.version_policy != "latest":
-                entry.serving = entry.candidate = None  # no pin: the newest available version answers
-                return aspired
-            if entry.serving is None:
-                return aspired
-            newest = max(aspired, default=None)
-            entry.candidate = newest if newest is not None and newest > entry.serving else None
-            return sorted({entry.serving, *([entry.candidate] if entry.candidate is not None else [])})
 
     def rollout_versions(self, name: str) -> tuple[int | None, int | None]:
         """(serving, candidate) of a model; candidate only once it is AVAILABLE."""
@@ -322,6 +223,7 @@ class Manager:
             old = entry.versions.get(entry.serving) if entry.serving is not None else None
             entry.serving, entry.candidate = version, None
             self._changed()
+        self._record_good(slot)
         if old is not None and old.version != version:
             self._begin_unload(old, f"version {version} promoted")
         self.poll_now()
@@ -333,19 +235,24 @@ class Manager:
             slot = entry.versions.get(version)
             if entry.candidate == version:
                 entry.candidate = None
-            entry.quarantined[version] = (_mtime(slot.path if slot else os.path.join(entry.config.base_path,
-                                                                                   str(version))), reason)
+            path = slot.path if slot else entry.on_disk.get(version, "")
+            entry.quarantined[version] = Quarantine(mtime(path), reason, "ABORTED")
         if slot is not None:
             self._begin_unload(slot, f"quarantined: {reason}")
         self.poll_now()
 
-    @staticmethod
-    def _forget_changed_quarantine(entry: ModelEntry, on_disk: Mapping[int, str]) -> None:
-        """A quarantined version is retried only if its directory was replaced."""
-        for version, (mtime, _) in list(entry.quarantined.items()):
+    def _update_quarantine(self, entry: ModelEntry, on_disk: Mapping[int, str]) -> None:
+        """A quarantined version is retried only if its directory was replaced; one the ledger
+        quarantined in an earlier run (its load ended the process) stays quarantined."""
+        for version, q in list(entry.quarantined.items()):
             path = on_disk.get(version)
-            if path is None or _mtime(path) != mtime:
+            if path is None or mtime(path) != q.mtime:
                 entry.quarantined.pop(version, None)
+        for version, path in on_disk.items():
+            if version not in entry.quarantined and version not in entry.versions:
+                lasting = self.ledger.quarantined(entry.config.name, version, path)
+                if lasting is not None:
+                    entry.quarantined[version] = Quarantine(mtime(path), *lasting)
 
     def _changed(self) -> None:
         """Under the lock: ``handle``'s choices are void; tell the listeners."""
@@ -362,106 +269,58 @@ class Manager:
             self.rollouts.candidate_ready(slot.model)  # a candidate beside the serving version starts its rollout
 
     # -- loading -----------------------------------------------------------------------
-    def _backend_options(self, name: str, version: int) -> dict[str, dict[str, Any]]:
-        rt = self.config.runtime
-        threads = self.config.batching.num_batch_threads or self.device.get("cpu_count", 1)
-        cpus = self.device.get("cpu_count", 1)
-        tflite = {
-            # Batch slots run side by side: give each interpreter its share of the cores, not all of them.
-            "num_threads": rt.tflite.num_threads or max(1, cpus // threads),
-            "delegate": rt.tflite.delegate,
-            "gpu_delegate_path": rt.tflite.gpu_delegate_path,
-            "edgetpu_delegate_path": rt.tflite.edgetpu_delegate_path,
-            "gpu_present": self.device.get("delegates", {}).get("gpu", False),
-            "edgetpu_present": self.device.get("delegates", {}).get("edgetpu", False),
-            "pool_size": threads + 1,
-        }
-        tf = {
-            "intra_op_threads": rt.tf.intra_op_threads,
-            "inter_op_threads": rt.tf.inter_op_threads,
-            "tftrt": rt.tf.tftrt,
-            "precision": rt.tf.precision,
-            "cache_dir": os.path.join(self.config.state_dir, "cache"),
-            "model_name": name,
-            "version": version,
-            "device": self.device,
-        }
-        # LiteRT-LM (.litertlm bundles) keeps its compiled-model cache beside TensorFlow's
-        litertlm = {"cache_dir": os.path.join(self.config.state_dir, "cache")}
-        return {"tflite": tflite, "tf-cpu": tf, "tf-gpu": tf, "litertlm": litertlm}
-
     def _load(self, name: str, entry: ModelEntry, version: int, path: str) -> None:
         slot = VersionSlot(name, version, path)
         with self._lock:
             entry.versions[version] = slot
         self._transition(slot, State.LOADING, f"loading {name} version {version} from {path}", "load_start")
-        started = time.perf_counter()
         try:
-            if self.version_check is not None:  # the source's artifact checks, at load time (no TOCTOU)
-                self.version_check(path)
-            decision, servable = self.select_backend(name, entry.config, version, path)
-            slot.decision = decision.to_dict()
-            if servable is None:
-                raise RuntimeFailure(decision.reason)
-            slot.servable = servable
-            slot.load_ms = (time.perf_counter() - started) * 1000
-            warm = time.perf_counter()
-            self._warm_up(slot, servable, path)
-            slot.warmup_ms = (time.perf_counter() - warm) * 1000
-            if self.metrics is not None:
-                self.metrics.observe_warmup(path, slot.warmup_ms / 1000)
-        except Exception as exc:  # any failure quarantines this version; others keep serving
-            self._fail(entry, slot, exc)
+            loaded = Loader(self.loads, entry.config, version, path).load(self._reference(entry, version))
+        except LoadError as exc:  # refused: quarantined with its reason; others keep serving
+            self._fail(entry, slot, str(exc), exc.code, exc.decision)
             return
-        slot.batcher = self._make_batcher(name, entry.config, version, servable)
+        except Exception as exc:  # a library's surprise: this version fails, the others serve
+            log.exception("loading %s version %s failed unexpectedly", name, version)
+            self._fail(entry, slot, f"{type(exc).__name__}: {exc}", "INTERNAL", None)
+            return
+        self._available(entry, slot, loaded)
+
+    def _reference(self, entry: ModelEntry, version: int) -> tuple[int, Api] | None:
+        """What a new ``version`` must stay compatible with: the version answering unversioned
+        requests now, else the last one that served here (a restart); None for a version that
+        is not newer than it (a rollback, or an older one a policy also wants)."""
+        with self._lock:
+            live = {s.version: s for s in entry.versions.values()
+                    if s.state == State.AVAILABLE and s.api is not None and s.version != version}
+            current = live.get(entry.serving) if entry.serving is not None else None
+            current = current or (live[max(live)] if live else None)
+        reference: tuple[int, Api] | None = None
+        if current is not None and current.api is not None:
+            reference = (current.version, current.api)
+        elif good := self.ledger.good(entry.config.name):
+            reference = (max(good), good[max(good)]["api"])
+        return reference if reference is not None and version > reference[0] else None
+
+    def _available(self, entry: ModelEntry, slot: VersionSlot, loaded: Loaded) -> None:
+        slot.servable, slot.batcher, slot.decision, slot.api = loaded.servable, loaded.batcher, loaded.decision, \
+            loaded.api
+        slot.load_ms, slot.warmup_ms, slot.trial_ms = loaded.load_ms, loaded.warmup_ms, loaded.trial_ms
+        slot.degraded, slot.api_change = loaded.degraded, loaded.api_change
+        for signature, why in loaded.warnings.items():
+            self._warmup_warning(slot, signature, why)
+        if self.metrics is not None:
+            self.metrics.observe_warmup(slot.path, slot.warmup_ms / 1000)
         slot.available_since = time.time()
-        generation = (slot.decision or {}).get("generation")  # what a generative version is (runtimes/select.py)
-        said = (f"; generates ({generation.get('convention')}, decode batch {generation.get('decode_batch')}, "
-                f"context {generation.get('context_length')}, vocabulary {generation.get('vocab_size')})"
-                if isinstance(generation, dict) else "")
-        self._transition(slot, State.AVAILABLE,
-                         f"{name} version {version} available on {servable.backend} "
-                         f"(load {slot.load_ms:.0f} ms, warm-up {slot.warmup_ms:.0f} ms){said}", "loaded",
-                         backend=servable.backend, load_ms=round(slot.load_ms, 1),
-                         **({"generation": generation} if generation else {}))
+        if entry.candidate != slot.version:  # a rollout candidate is good once promoted
+            self._record_good(slot)
+        backend = loaded.servable.backend
+        self._transition(slot, State.AVAILABLE, _available_text(slot, backend), "loaded", backend=backend,
+                         load_ms=round(slot.load_ms, 1), trial_ms=round(slot.trial_ms, 1),
+                         **_available_detail(slot))
 
-    def select_backend(self, name: str, cfg: ModelConfig, version: int,
-                       path: str) -> tuple[Decision, Servable | None]:
-        """Choose (measure, or take the cached choice) and load the backend for one version
-        directory: what loading does, and what `appliance probe` shows without serving."""
-        options = self._backend_options(name, version)
-        backends = self.backends
-        policy = {"backend": cfg.backend or self.config.runtime.backend,
-                  "prefer_tflite_below_mb": self.config.runtime.prefer_tflite_below_mb}
-        key = f"decision:{self._fingerprint}:{name}:{version}:{_mtime(path)}"
-        return runtimes.select(backends, self.device, path, lambda b: backends[b].load(path, options[b]),
-                               policy, self._decisions, key)
-
-    def _warm_up(self, slot: VersionSlot, servable: Servable, path: str) -> None:
-        """TF Serving's rule: the version's own ``assets.extra/tf_serving_warmup_requests`` is
-        authoritative, and a record that fails refuses the version (raises). Without the file,
-        one synthetic call per signature; one that fails is a warning on that signature
-        (``slot.warnings``, a ``warmup_warning`` event) and the version still serves, as TF
-        Serving, which does no synthetic warm-up, would serve it."""
-        requests = warmup_requests(path)
-        if requests:
-            self._replay_warmup_file(servable, requests)
-            return
-        # Generation signatures (prefill/decode, generate_step) warm up with one real prompt
-        # and step: zeros resized to "batch 1" do not fit a fixed-length prefill's input_pos.
-        driver = generative.detect(servable)
-        if driver is not None:
-            driver.warm_up()
-            return
-        for sig in servable.signatures.values():
-            if not sig.inputs or any(spec.is_string for spec in sig.inputs.values()):
-                # no valid synthetic tf.Example; and a signature without inputs is an action (TF
-                # Serving's counter model: incr_counter, reset_counter) a warm-up must not take
-                continue
-            try:
-                servable.run(sig.name, runtimes.synthetic_inputs(sig, 1))
-            except RuntimeFailure as exc:
-                self._warmup_warning(slot, sig.name, str(exc))
+    def _record_good(self, slot: VersionSlot) -> None:
+        if slot.api is not None:
+            self.ledger.record_good(slot.model, slot.version, slot.api, str((slot.decision or {}).get("chosen")))
 
     def _warmup_warning(self, slot: VersionSlot, signature: str, why: str) -> None:
         slot.warnings[signature] = why
@@ -470,38 +329,13 @@ class Manager:
                       "would, and a request to that signature gets the model's own answer", model=slot.model,
                       version=slot.version, signature=signature, error=why)
 
-    @staticmethod
-    def _replay_warmup_file(servable: Servable, requests: list[Any]) -> None:
-        for kind, signature, inputs in requests:
-            if kind != "predict":
-                sig = servable.signatures.get(signature)
-                if sig is None:
-                    raise RuntimeFailure(f"warm-up request names signature {signature!r}, which the model lacks")
-                inputs = {next(iter(sig.inputs)): inputs}  # serialized examples feed the only input
-            servable.run(signature, inputs)  # type: ignore[arg-type]
-
-    def _make_batcher(self, name: str, cfg: ModelConfig, version: int, servable: Servable) -> Batcher | None:
-        params = self.config.batching_for(cfg)
-        if not params.enable_batching:
-            return None
-        threads = params.num_batch_threads or self.device.get("cpu_count", 1)
-        observe = self.metrics.batch_observer(name, servable.backend) if self.metrics is not None else None
-        return Batcher(servable.run, params, f"{name}:{version}", threads, observe=observe)
-
-    def _fail(self, entry: ModelEntry, slot: VersionSlot, exc: Exception) -> None:
-        reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeFailure) else str(exc)
-        cause = exc.__cause__
-        if cause is not None and str(cause) and str(cause) not in reason:
-            # a refused load names the library's own words too (LiteRT's "XNNPack delegate failed
-            # to reshape ..."), which a request's answer leaves to the log (runtimes/tflite.py _refused)
-            reason += f" ({type(cause).__name__}: {cause})"
-        slot.error = reason
-        if slot.servable is not None:
-            slot.servable.close()
-            slot.servable = None
-        entry.quarantined[slot.version] = (_mtime(slot.path), reason)
-        self._transition(slot, State.END, f"{slot.model} version {slot.version} failed to load: {reason}",
-                         "load_failed", error=reason)
+    def _fail(self, entry: ModelEntry, slot: VersionSlot, reason: str, code: str,
+              decision: dict[str, Any] | None) -> None:
+        slot.error, slot.error_code = reason, code
+        slot.decision = decision or slot.decision
+        entry.quarantined[slot.version] = Quarantine(mtime(slot.path), reason, code)
+        self._transition(slot, State.END, f"{slot.model} version {slot.version} failed to load ({code}): {reason}",
+                         "load_failed", error=reason, error_code=code)
 
     # -- unloading ---------------------------------------------------------------------
     def _begin_unload(self, slot: VersionSlot, why: str, background: bool = True, timeout: float | None = None) -> None:
@@ -532,6 +366,19 @@ class Manager:
         release_freed_memory()  # else glibc keeps the old version's buffers: RSS grows per swap
         note = f" ({left} requests still in flight at the drain timeout)" if left else ""
         self._transition(slot, State.END, f"{slot.model} version {slot.version} unloaded{note}", "unloaded")
+        self._tensorflow_idle(slot)
+
+    def _tensorflow_idle(self, unloaded: VersionSlot) -> None:
+        """Say so when the last version on TensorFlow went: TensorFlow cannot be unloaded from
+        a process, so its ~600 MB stay mapped until the service restarts (bench/RESULTS.md)."""
+        if not str((unloaded.decision or {}).get("chosen") or "").startswith("tf-"):
+            return
+        with self._lock:
+            busy = any(str((s.decision or {}).get("chosen") or "").startswith("tf-") and s.servable is not None
+                       for e in self._models.values() for s in e.versions.values())
+        if not busy and not self._stop.is_set():
+            self.db.event("tensorflow_idle", "no version runs on TensorFlow any more; TensorFlow stays mapped in "
+                          "the serving process (about 600 MB) until the service restarts", model=unloaded.model)
 
     # -- request side ------------------------------------------------------------------
     def handle(self, name: str, version: int | None = None, label: str | None = None,
@@ -609,7 +456,7 @@ class Manager:
     @staticmethod
     def _why_not_ready(entry: ModelEntry) -> str:
         if entry.quarantined:
-            return "; ".join(f"version {v}: {why}" for v, (_, why) in sorted(entry.quarantined.items()))
+            return "; ".join(f"version {v}: {q.reason}" for v, q in sorted(entry.quarantined.items()))
         if any(s.state == State.LOADING for s in entry.versions.values()):
             return "loading"
         return f"no version directory under {entry.config.base_path}"
@@ -662,12 +509,16 @@ class Manager:
             b.freeze(frozen)
 
     def snapshot(self) -> dict[str, Any]:
+        """Per model: what serves, each version's state and record, and every quarantined
+        version with its reason and error code (what /api/status, the page and the device
+        report read); ``degraded``: the partial versions serving, with what they lack."""
         with self._lock:
             entries = list(self._models.items())
         out = {}
         for name, entry in entries:
             with self._lock:
                 slots = sorted(entry.versions.values(), key=lambda s: -s.version)
+                quarantined = dict(entry.quarantined)
             available = [s.version for s in slots if s.state == State.AVAILABLE]
             serving = entry.serving if entry.serving in available else max(available, default=None)
             out[name] = {
@@ -675,7 +526,9 @@ class Manager:
                 "version_policy": entry.config.version_policy,
                 "labels": dict(entry.config.labels),
                 "serving_version": serving,
-                "quarantined": {str(v): why for v, (_, why) in entry.quarantined.items()},
+                "quarantined": {str(v): q.reason for v, q in quarantined.items()},
+                "quarantine": {str(v): {"reason": q.reason, "error_code": q.code} for v, q in quarantined.items()},
+                "degraded": {str(s.version): s.degraded for s in slots if s.degraded and s.state == State.AVAILABLE},
                 "versions": [s.describe() for s in slots],
             }
             if entry.config.rollout.mode != "off":
@@ -683,11 +536,22 @@ class Manager:
         return out
 
 
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return 0.0
+def _available_text(slot: VersionSlot, backend: str) -> str:
+    generation = (slot.decision or {}).get("generation")  # what a generative version is (runtimes/select.py)
+    said = (f"; generates ({generation.get('convention')}, decode batch {generation.get('decode_batch')}, "
+            f"context {generation.get('context_length')}, vocabulary {generation.get('vocab_size')})"
+            if isinstance(generation, dict) else "")
+    notes = (f"; DEGRADED: {slot.degraded}" if slot.degraded else "") + (
+        f"; API change let through: {slot.api_change}" if slot.api_change else "")
+    return (f"{slot.model} version {slot.version} available on {backend} (trial {slot.trial_ms:.0f} ms, "
+            f"load {slot.load_ms:.0f} ms, warm-up {slot.warmup_ms:.0f} ms){said}{notes}")
+
+
+def _available_detail(slot: VersionSlot) -> dict[str, Any]:
+    generation = (slot.decision or {}).get("generation")
+    return {**({"generation": generation} if generation else {}),
+            **({"degraded": slot.degraded} if slot.degraded else {}),
+            **({"api_change": slot.api_change} if slot.api_change else {})}
 
 
 def _request_text(name: str, version: int | None, label: str | None) -> str:
@@ -701,3 +565,6 @@ def _request_text(name: str, version: int | None, label: str | None) -> str:
 def _without_rollout(cfg: ModelConfig) -> ModelConfig:
     """A model's settings apart from its rollout (which a channel may replace)."""
     return dataclasses.replace(cfg, rollout=RolloutConfig())
+
+
+__all__ = ["Manager", "ModelEntry", "VersionSlot"]

@@ -42,17 +42,33 @@ class VersionTarget(Protocol):
     def set_aspired(self, source: str, models: Aspired) -> None: ...
 
 
-def _is_version(name: str) -> bool:
-    return name.isdigit() and not name.startswith(".")
+MAX_VERSION = (1 << 63) - 1  # TF Serving's versions are int64
+
+
+def version_number(name: str) -> int | None:
+    """The version a directory name stands for, or None: as TF Serving's source reads names
+    (``safe_strto64``), a name that is no int64 is not a version and is ignored, so a folder
+    named 9223372036854775808 never reaches the manager or the state database. Only ASCII
+    digits count (``str.isdigit`` takes '²'); leading zeros are TF Serving's ``00000123``."""
+    if not (name.isascii() and name.isdigit()):
+        return None
+    number = int(name)
+    return number if number <= MAX_VERSION else None
 
 
 def versions_on_disk(base: str) -> dict[int, str]:
-    """Integer-named version directories of one model base path."""
+    """Integer-named version directories of one model base path (of two names for one number,
+    such as 7 and 007, the one listed last wins, as in TF Serving)."""
     try:
         names = os.listdir(base)
     except OSError:
         return {}
-    return {int(n): os.path.join(base, n) for n in names if _is_version(n) and os.path.isdir(os.path.join(base, n))}
+    out = {}
+    for name in names:
+        number = version_number(name)
+        if number is not None and os.path.isdir(os.path.join(base, name)):
+            out[number] = os.path.join(base, name)
+    return out
 
 
 def discover_models(models_dir: str, single_name: str) -> list[ModelConfig]:
@@ -127,4 +143,5 @@ def scan_interval(poll_interval_s: float) -> float:
     return poll_interval_s or 3600.0
 
 
-__all__ = ["Aspired", "DirectorySource", "VersionTarget", "discover_models", "scan_interval", "versions_on_disk"]
+__all__ = ["MAX_VERSION", "Aspired", "DirectorySource", "VersionTarget", "discover_models", "scan_interval",
+           "version_number", "versions_on_disk"]

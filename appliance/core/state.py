@@ -31,6 +31,7 @@ import sqlite_utils
 
 log = logging.getLogger("appliance.events")
 MAX_EVENTS = 5000  # older rows are trimmed so the database stays small on a device
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what an SQLite integer holds
 
 
 class StateDB:
@@ -116,6 +117,10 @@ class StateDB:
         self._listeners.append(callback)
 
     def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
+        """Record (and log) one event. Never raises: a version number SQLite cannot hold (past
+        int64) is stored as NULL with the number kept in ``detail``; a failed write is a problem."""
+        if version is not None and not INT64_MIN <= version <= INT64_MAX:
+            detail, version = {**detail, "version_number": str(version)}, None
         row = {"ts": time.time(), "kind": kind, "model": model, "version": version,
                "message": message, "detail": json.dumps(detail, default=str) if detail else ""}
         log.info(message, extra={"event": kind, "model": model, "version": version, **detail})
@@ -127,7 +132,7 @@ class StateDB:
                     last = table.last_pk
                     if last and last % 500 == 0:
                         self._db.execute("DELETE FROM events WHERE id <= ?", [last - MAX_EVENTS])
-                except sqlite3.Error as exc:  # disk full, damage under us: serving goes on
+                except (sqlite3.Error, OverflowError, ValueError) as exc:  # disk full, damage: serving goes on
                     self._problem(f"state database {self.path}: writing an event failed ({exc})")
         for callback in list(self._listeners):
             callback(row)

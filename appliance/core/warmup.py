@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Collection, Iterator
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from runtimes import DEFAULT_SIGNATURE
+from runtimes import (DEFAULT_SIGNATURE, RuntimeFailure, Servable, SignatureInfo, generative, synthetic_bytes,
+                      synthetic_inputs)
 
 from appliance.core.errors import InvalidArgument, Unimplemented
 from appliance.protos.tfserving import pb
@@ -182,3 +184,73 @@ def warmup_requests(version_dir: str) -> list[Request]:
         if count > MAX_RECORDS:
             raise InvalidArgument(f"Number of warmup records exceeds the maximum ({MAX_RECORDS}) at {path}")
     return out
+
+
+@dataclass
+class WarmupReport:
+    """What a warm-up ran: ``kind`` is file (the version's own requests), generative (one real
+    prompt and step), synthetic (one zeros call per signature) or none; ``ran`` the signatures
+    warmed synthetically; ``warnings`` {signature: why} for those whose synthetic call failed or
+    was not made."""
+
+    kind: str = "none"
+    ran: list[str] = field(default_factory=list)
+    warnings: dict[str, str] = field(default_factory=dict)
+
+
+def warm_up(servable: Servable, path: str, only: Collection[str] | None = None,
+            max_feed_bytes: int | None = None) -> WarmupReport:
+    """Warm ``servable`` up before its version serves. TF Serving's rule: the version's own
+    ``assets.extra/tf_serving_warmup_requests`` is authoritative, and a record that fails
+    refuses the version (raises). Without the file, one synthetic call per signature; one that
+    fails is a warning on that signature and the version still serves, as TF Serving, which does
+    no synthetic warm-up, would serve it. ``only``: the signatures to call synthetically (those
+    whose call worked in the trial process); ``max_feed_bytes``: no synthetic call feeds more
+    (the declared shapes say how much it would)."""
+    requests = warmup_requests(path)
+    if requests:
+        replay(servable, requests)
+        return WarmupReport("file")
+    # Generation signatures (prefill/decode, generate_step) warm up with one real prompt
+    # and step: zeros resized to "batch 1" do not fit a fixed-length prefill's input_pos.
+    driver = generative.detect(servable)
+    if driver is not None:
+        driver.warm_up()
+        return WarmupReport("generative")
+    report = WarmupReport("synthetic")
+    for sig in servable.signatures.values():
+        if not sig.inputs or any(spec.is_string for spec in sig.inputs.values()):
+            # no valid synthetic tf.Example; and a signature without inputs is an action (TF
+            # Serving's counter model: incr_counter, reset_counter) a warm-up must not take
+            continue
+        if only is not None and sig.name not in only:
+            continue
+        _synthetic_call(servable, sig, max_feed_bytes, report)
+    return report
+
+
+def _synthetic_call(servable: Servable, sig: SignatureInfo, max_feed_bytes: int | None,
+                    report: WarmupReport) -> None:
+    size = synthetic_bytes(sig, 1)
+    if max_feed_bytes is not None and size > max_feed_bytes:
+        report.warnings[sig.name] = (f"its inputs at batch 1 would take {size} bytes by their declared shapes, "
+                                     f"above the {max_feed_bytes} a load may feed; not called")
+        return
+    try:
+        servable.run(sig.name, synthetic_inputs(sig, 1))
+    except (RuntimeFailure, MemoryError) as exc:
+        report.warnings[sig.name] = str(exc) or type(exc).__name__
+    else:
+        report.ran.append(sig.name)
+
+
+def replay(servable: Servable, requests: list[Request]) -> None:
+    """Run every warm-up request through ``servable``; the first that fails raises."""
+    for kind, signature, inputs in requests:
+        if kind != "predict":
+            sig = servable.signatures.get(signature)
+            if sig is None:
+                raise RuntimeFailure(f"warm-up request names signature {signature!r}, which the model lacks",
+                                     "INVALID_ARGUMENT")
+            inputs = {next(iter(sig.inputs)): inputs}  # type: ignore[dict-item]  # examples feed the only input
+        servable.run(signature, inputs)  # type: ignore[arg-type]

@@ -175,7 +175,8 @@ class TFServingGRPC:
         for slot in slots:
             status = response.model_version_status.add(version=slot.version)
             status.state = pb.enum_value(state_enum, slot.state.value)
-            status.status.error_code = pb.enum_value("tensorflow.error.Code", "UNKNOWN" if slot.error else "OK")
+            status.status.error_code = pb.enum_value("tensorflow.error.Code",
+                                                     (slot.error_code or "UNKNOWN") if slot.error else "OK")
             status.status.error_message = slot.error or ""
         return response
 

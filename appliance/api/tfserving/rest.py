@@ -119,7 +119,7 @@ def _status(states: ModelStates, name: str, version: int | None, label: str | No
     statuses = [{
         "version": str(s.version),
         "state": s.state.value,
-        "status": {"error_code": "UNKNOWN" if s.error else "OK", "error_message": s.error},
+        "status": {"error_code": (s.error_code or "UNKNOWN") if s.error else "OK", "error_message": s.error},
     } for s in slots]
     return tfs_json.dumps({"model_version_status": statuses})
 
