@@ -8,6 +8,7 @@ change declared with ``accept_api_change``), so every unversioned request fails 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,7 +18,7 @@ import pytest
 
 from appliance.core.appliance import Appliance
 from appliance.core.config import ModelConfig, RolloutConfig
-from appliance.core.config import load as load_config
+from appliance.core.config_file import load as load_config
 from appliance.core.errors import ApplianceError
 from tests.conftest import poll_until
 
@@ -62,7 +63,7 @@ def test_a_failing_canary_is_answered_by_the_serving_version(core: Appliance) ->
     assert core.manager is not None
     with core.manager.handle("m") as handle:
         assert handle.version == 2  # routed to the candidate (canary_percent 100)
-        out = handle.run("serving_default", X)
+        out = asyncio.run(handle.run("serving_default", X))
     np.testing.assert_allclose(out["y"], [[7.0]])  # version 1's answer
     f = figures(core)
     assert (f["candidate_requests"], f["candidate_errors"], f["serving_requests"]) == (1, 1, 1)
@@ -73,7 +74,7 @@ def test_a_request_that_fails_on_both_counts_against_neither_version(core: Appli
     assert core.manager is not None
     with pytest.raises(ApplianceError):
         with core.manager.handle("m") as handle:
-            handle.run("serving_default", {"nope": np.zeros((1, 1), np.float32)})
+            asyncio.run(handle.run("serving_default", {"nope": np.zeros((1, 1), np.float32)}))
     f = figures(core)
     assert f["candidate_errors"] == 0 and f["candidate_requests"] == 0 and f["serving_requests"] == 1
 
@@ -83,7 +84,7 @@ def test_a_shadow_copy_runs_on_the_candidate_after_the_serving_version_answered(
     assert core.manager is not None
     with core.manager.handle("m") as handle:
         assert handle.version == 1
-        out = handle.run("serving_default", X)
+        out = asyncio.run(handle.run("serving_default", X))
     np.testing.assert_allclose(out["y"], [[7.0]])
     f = poll_until(lambda: (f := figures(core))["compared"] >= 1 and f, 30, "the shadow copy to be compared")
     assert f["serving_requests"] == 1 and f["candidate_requests"] == 1 and f["candidate_errors"] == 0

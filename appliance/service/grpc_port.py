@@ -21,7 +21,7 @@ interceptor, so the services do not know which one runs them. Why not grpcio by 
 its per-call machinery cost more server CPU than the whole REST path on a small device
 (bench/RESULTS.md). Why an event loop and not ``grpc.server``'s threads: each hand-off
 between threads is a GIL switch; on the loop a call's Python work (decode, queue, encode)
-runs in one place, Predict awaits its batch (appliance/core/batcher.py ``submit_async``), and one
+runs in one place, Predict awaits its batch (appliance/core/batcher.py ``submit``), and one
 wake-up answers the whole batch. Methods written as plain functions (metadata, status,
 reload, Classify/Regress) run on a thread pool of ``server.threads``.
 
