@@ -26,6 +26,8 @@ if command -v npm >/dev/null && [ ! -d "$GRPC_JS_DIR/node_modules/@grpc/grpc-js"
   npm install --no-audit --no-fund --silent --prefix "$GRPC_JS_DIR" "@grpc/grpc-js@^1.14" >/dev/null \
     || echo "could not install @grpc/grpc-js into $GRPC_JS_DIR; the grpc-js test will try again" >&2
 fi
+# Screenshots of the status page (tests/test_ui.py) go here; the tests write nowhere else in the tree.
+export EDGE_TEST_ARTIFACTS="${EDGE_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 # ARM64=1: then the aarch64 check (scripts/arm64-check.sh: the LiteRT-only install served
 # under qemu-user emulation). Opt-in: it takes longer than CI's whole budget.
 if [ "${ARM64:-0}" = 1 ]; then

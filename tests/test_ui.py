@@ -11,7 +11,8 @@ Two servers and one browser serve the module.
   parts down while the REST API serves. A test publishes an unsigned version, which the
   device refuses.
 
-Screenshots of both at 1280, 390 and 360 px land in ``test-artifacts/status-*.png``.
+Screenshots of both at 1280, 390 and 360 px land in ``$EDGE_TEST_ARTIFACTS/status-*.png``
+(scripts/test.sh: the checkout's test-artifacts/).
 """
 
 from __future__ import annotations
@@ -342,7 +343,7 @@ def test_sync_card_shows_a_refused_version_and_no_empty_rows(degraded_page: Page
 
 @pytest.mark.parametrize("width", [1280, 390, 360])
 def test_screenshots(browser: Any, server: Server, degraded: Degraded, width: int) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for name, srv, state in (("healthy", server, "ready"), ("degraded", degraded.server, "degraded")):
         shot = Page(browser, srv, width=width, height=900)
         try:

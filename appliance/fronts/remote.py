@@ -62,7 +62,7 @@ class FrontMetrics:
     def __init__(self, link: Link):
         self.link = link
 
-    def observe_request(self, model: str, api: str, status: int, seconds: float, entrypoint: str = "REST") -> None:
+    def observe_request(self, model: str, api: str, status: int | str, seconds: float, entrypoint: str = "REST") -> None:
         self.link.send(m.OBSERVE, [[model, api, status, seconds, entrypoint]])
 
 

@@ -213,6 +213,7 @@ class SyncLoop:
                 self.versions.scan()  # push the store's new set of versions
         self.core.metrics.observe_sync(outcome, time.monotonic() - started)
         self.status["targets"] = dict(self.follower.targets)
+        self.status["pins"] = dict(self.store.pins())  # a pin replaces the channel's target (appliance rollback)
         self.status["problems"] = list(self.store.problems)
         self._maybe_report(changed)
         return self._next_delay()
@@ -279,7 +280,7 @@ class SyncLoop:
                 "healthy": bool(manager and manager.ready()), "channel": self.cfg.channel,
                 "last_sync": self.status["last_poll"], "last_change": self.status["last_change"],
                 "last_error": self.status["last_error"], "models": models, "backend_decisions": decisions,
-                "rollouts": self.core.status_of("rollouts") or {}}
+                "rollouts": self.core.status_of("rollouts") or {}, "problems": self.core.problem_list(snapshot)}
 
 
 def _error(status: int, message: str) -> Response:

@@ -99,7 +99,8 @@ class V2API(SteppedAPI):
     def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Steps[Response]:
         if method != "POST":
             raise MethodNotAllowed(f"method {method} not allowed on /v2/models/{model}/infer; use POST")
-        started, status = time.perf_counter(), 200
+        started = time.perf_counter()
+        status: int | str = 200  # then the error's canonical code, as TF Serving's metrics label it
         try:
             body = _read_body(environ, self.core.config.server.max_body_bytes)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
@@ -109,7 +110,7 @@ class V2API(SteppedAPI):
                                                          route_key(environ))
             return render_infer_response(result, request.id)
         except Exception as exc:
-            status = exc.http_status if isinstance(exc, ApplianceError) else 500
+            status = exc.grpc_code if isinstance(exc, ApplianceError) else "INTERNAL"
             raise
         except BaseException:  # a front worker decodes the request again: this was not its end
             status = 0
