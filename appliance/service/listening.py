@@ -44,10 +44,18 @@ def listening(service: Any) -> dict[str, Any]:
                  "served_by": f"{workers} front workers" if workers else "the serving process",
                  "cert_file": config.security.tls_cert_file or None},
         "rest_socket": getattr(config.server, "socket_path", "") or None,
-        "grpc": list(grpc.get("addresses") or []),
+        "grpc": list(grpc.get("addresses") or []),  # bound now
+        "grpc_configured": _grpc_configured(config),
         "workers": workers,
         "admin_token": admin_token_source(config.security),
     }
+
+
+def _grpc_configured(config: Any) -> list[str]:
+    """The gRPC addresses the config asks for (``grpc`` says which are bound)."""
+    host = config.server.host or "0.0.0.0"
+    wanted = [f"{host}:{config.grpc.port}"] if config.grpc.port else []
+    return wanted + ([f"unix:{config.grpc.socket_path}"] if config.grpc.socket_path else [])
 
 
 def admin_token_source(security: Any) -> dict[str, Any]:

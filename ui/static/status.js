@@ -239,16 +239,19 @@
     state_database: "state database",
   };
 
-  // Never green while a problem stands. Not ready (a model not serving, a configured API
-  // down): red. Ready, but something to act on: amber "degraded", with the count.
+  // Never green while a problem stands. A model not serving: red "not ready". Every model
+  // serving but something to act on (a version refused, a part down, even one that makes
+  // /readyz 503 like a configured API port): amber "degraded", with the count.
   function renderHeader(st) {
     const dev = st.device || {}, svc = st.service || {};
     const problems = st.problems || [];
     document.getElementById("host").textContent = (dev.hostname || "") + (svc.device_id ? " · " + svc.device_id : "");
     const n = problems.length, count = n + (n === 1 ? " problem" : " problems");
-    const state = !svc.ready ? "not-ready" : n ? "degraded" : "ready";
+    const models = Object.values(st.models || {});
+    const serving = models.length > 0 && models.every((m) => m.serving_version !== null && m.serving_version !== undefined);
+    const state = !svc.ready && !serving ? "not-ready" : n || !svc.ready ? "degraded" : "ready";
     const [text, cls] = state === "not-ready" ? ["not ready" + (n ? " · " + count : ""), "bad"]
-      : state === "degraded" ? ["degraded · " + count, "warn"] : ["ready", "ok"];
+      : state === "degraded" ? ["degraded · " + (n ? count : "not ready"), "warn"] : ["ready", "ok"];
     const ready = document.getElementById("ready");
     ready.textContent = text;
     ready.className = "badge " + cls;
@@ -321,7 +324,9 @@
         ? `${num(f.cpu_percent)} % of one core (${num(f.cpu_percent_of_machine)} % of the ${f.cpu_cores}-core machine), since the last update` : "—"],
       ["REST", rest.url ? `${rest.url} (${rest.host === "0.0.0.0" || rest.host === "::" ? "every address, port " + rest.port : "only " + rest.host}) · ${rest.served_by}` : null],
       ["REST socket", l.rest_socket || undefined, "path"],
-      ["gRPC", l.grpc ? (l.grpc.length ? l.grpc.map((a) => h("span", { class: "chip" }, a)) : "off") : undefined],
+      ["gRPC", l.grpc ? (l.grpc.length ? l.grpc.map((a) => h("span", { class: "chip" }, a))
+        : (l.grpc_configured || []).length ? "not listening (configured: " + l.grpc_configured.join(", ") + ")" : "off") : undefined,
+      l.grpc && !l.grpc.length && (l.grpc_configured || []).length ? "err" : null],
       ["Front workers", workers.length ? `${up} of ${workers.length} up` + (workers.some((w) => w.restarts) ? ` · ${workers.reduce((n, w) => n + (w.restarts || 0), 0)} restarts` : "") : (l.rest ? "none (one process)" : undefined)],
       ["Admin token", admin ? (admin === "off" ? "none: admin endpoints are off" : admin) : undefined],
     ];
