@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "appliance.cli": {"*"},
     "appliance": {"*"},  # the package face: __version__, and lazy re-exports inside __getattr__
 }
-# ``from appliance import __version__`` is the one name every layer may take from the face.
+# ``from appliance.version import __version__`` is the one name every layer may take from the face.
 FACE_NAMES = {"__version__"}
 
 
@@ -107,7 +107,7 @@ def test_no_layer_imports_one_above_it() -> None:
             if not ours(target) or "*" in allowed:
                 continue
             theirs = layer_of(target)
-            if theirs == mine or theirs in allowed:
+            if theirs == mine or theirs in allowed or theirs == "appliance.version":
                 continue
             if theirs == "appliance" and set(names) <= FACE_NAMES:
                 continue

@@ -51,7 +51,7 @@ import orjson
 from appliance.api.body import read_raw, route_key
 from appliance.api.errors import as_error, status_line, wsgi_answer
 from appliance.api.kserve.rest import json_object
-from appliance.api.routes import INFERENCE, Mount, raw_path
+from appliance.api.mounts import INFERENCE, Mount, raw_path
 from appliance.api.sse import StreamBody
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.generation import Generation, Params, Stream

@@ -52,7 +52,7 @@ class Client:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Client":
-        from appliance.core.config import load as load_config
+        from appliance.core.config_file import load as load_config
 
         config = load_config(getattr(args, "config", None), {"state_dir": getattr(args, "state", None)})
         state_dir = os.path.abspath(config.state_dir)

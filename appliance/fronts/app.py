@@ -1,34 +1,43 @@
-"""The front worker's app: inference answered here, everything else forwarded whole.
+"""The front path: what every REST request meets first, in the serving process and in a worker.
 
-``FrontApp`` serves a front worker's port. TF Serving's predict/classify/regress and KServe
-v2's infer (``hot_mounts``: the requests whose JSON is the work) are decoded and encoded
-here by the API families' own code on a ``RemoteCore`` (appliance/fronts/remote.py),
-after the same token check the serving process makes. On the event loop (``route``, the
-HTTP server's fast path: no thread hand-off per request) when the family can answer
-asynchronously, else as WSGI on a worker thread. A request they refuse the token, and every
-other request (status, the page, admin, metrics, health, token streams), goes whole to the
-serving process (``Forwarder``, a WSGI call there), which answers and counts it as it would
-alone.
+``FrontApp`` is the HTTP server's app in both modes (appliance/transport/http/server.py: its
+``FastRoutes`` and its WSGI app). TF Serving's predict/classify/regress and KServe v2's infer
+(``hot_mounts``: the requests whose JSON is the work) are answered on the server's event loop
+by the API families' own coroutines (appliance/api/family.py) over the core's seams
+(appliance/core/seams.py): the ``Appliance`` itself in one process, a ``RemoteCore`` in a front
+worker (appliance/fronts/remote.py). No thread hand-off, no Flask, no second copy of any API.
 
-``NeedView`` and ``StaleView`` (handles.py) are caught here (``attempts``): the answer is
-learnt (RESOLVE, or the STALE reply) and the request decoded again.
+Matching and the token check are the serving app's own (appliance/api/mounts.py ``Mounts``,
+appliance/api/auth.py ``authorize``); a request they refuse, and every other request (status,
+the page, admin, metrics, health, token streams) goes to ``fallback``, a WSGI app: the
+serving process's Flask app in one process, or in a worker ``Forwarder`` (the same app, in
+the serving process), which answers and counts it exactly as it would alone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import io
 import queue
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Protocol
 
-from appliance.api.auth import authorize
-from appliance.api.body import GzipBodies
-from appliance.api.errors import render_error, status_line
+from appliance.api.auth import TokenHolder, authorize
+from appliance.api.body import content_encoding, inflate, read_raw
+from appliance.api.errors import error_body, render_error, status_line
+from appliance.api.family import Answer, AsyncFamily
+from appliance.api.mounts import OPEN_PATHS, Mount, Mounts, normal, raw_path
+from appliance.core.errors import ApplianceError
+from appliance.core.seams import ServingCore
 from appliance.fronts import messages as m
-from appliance.fronts.remote import RemoteCore, attempts, attempts_async
 from appliance.fronts.link import Link
-from appliance.api.routes import Mount, normal, raw_path
-from appliance.core.errors import Unavailable
+from appliance.transport.http.server import AppFacing
 
-Answer = tuple[str, list[tuple[str, str]], bytes]
+WSGIApp = Callable[..., Iterable[bytes]]
+
+
+class FrontCore(ServingCore, TokenHolder, Protocol):
+    """What the front path reads of its core: the seams, and what the token check reads."""
 
 
 class Forwarder:
@@ -49,13 +58,9 @@ class Forwarder:
             status, headers = payload
             start_response(status, [tuple(h) for h in headers])
             return _Stream(self.link, ident, replies)
-        return _error(m.error_from_plain(payload), start_response)
-
-
-def _error(exc: Exception, start_response: Callable[..., Any]) -> list[bytes]:
-    status, headers, body = render_error(exc, "the front worker")
-    start_response(status_line(status), headers)
-    return [body]
+        status_code, error_headers, error_body = render_error(m.error_from_plain(payload), "the front worker")
+        start_response(status_line(status_code), error_headers)
+        return [error_body]
 
 
 class _Stream:
@@ -83,73 +88,66 @@ class _Stream:
 
 
 class FrontApp:
-    """The front worker's app (module docstring): a WSGI app, and the HTTP server's
-    ``FastRoutes`` for the hot paths whose family answers asynchronously."""
+    """The front path (module docstring): the HTTP server's WSGI app and its ``FastRoutes``."""
 
-    def __init__(self, core: RemoteCore, hot: list[Mount]):
-        self.core = core
-        self.hot = [(mount, GzipBodies(mount.handler, core)) for mount in hot]  # type: ignore[arg-type]
-        self.forward = Forwarder(core.link)
+    def __init__(self, core: FrontCore, hot: list[Mount], fallback: WSGIApp):
+        self.core, self.fallback = core, fallback
+        self.hot = Mounts()
+        for mount in hot:
+            self.hot.add(mount)
 
-    # -- WSGI (worker threads) ------------------------------------------------------------------
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        handler = self._hot(environ)
-        if handler is None:
-            return self.forward(environ, start_response)
-        try:
-            return attempts(self.core.link, lambda: handler(environ, start_response),
-                            lambda: environ["wsgi.input"].seek(0))
-        except Unavailable as exc:
-            return _error(exc, start_response)
+        """(a worker thread) What the loop did not take: the fallback answers it."""
+        return self.fallback(environ, start_response)
 
-    def _hot(self, environ: dict[str, Any]) -> Callable[..., Any] | None:
-        """The hot handler of a request whose token passes; None: forward it."""
-        method = environ.get("REQUEST_METHOD", "GET")
-        raw = raw_path(environ).partition("?")[0]
-        for mount, handler in self.hot:
-            if mount.matches(method, raw) and normal(raw):
-                allowed = authorize(self.core, mount.scope, environ.get("HTTP_AUTHORIZATION"))  # type: ignore[arg-type]
-                return handler if allowed.allowed else None
-        return None
-
-    # -- the event loop ------------------------------------------------------------------------
     def route(self, environ: dict[str, Any]) -> Callable[[dict[str, Any]], Awaitable[Answer]] | None:
-        """(the HTTP server's ``FastRoutes``) The coroutine for a hot request that needs no
-        gzip inflating and whose family answers asynchronously; None: the WSGI path."""
-        if environ.get("HTTP_CONTENT_ENCODING"):
-            return None
-        method = environ.get("REQUEST_METHOD", "GET")
+        """(the HTTP server's ``FastRoutes``) The coroutine of a hot request whose token passes;
+        None: the fallback answers it (a refusal with the serving app's headers and counters)."""
         raw = raw_path(environ).partition("?")[0]
-        for mount, _ in self.hot:
-            if mount.matches(method, raw) and normal(raw):
-                answer = getattr(mount.handler, "answer_async", None)
-                if answer is None:
-                    return None
-                if not authorize(self.core, mount.scope, environ.get("HTTP_AUTHORIZATION")).allowed:  # type: ignore[arg-type]
-                    return None  # the serving process refuses it, with its headers and counters
-                return lambda env: self._answer_async(answer, env)
-        return None
+        mount = self.hot.match(environ.get("REQUEST_METHOD", "GET"), raw)
+        family = mount.handler if mount is not None else None
+        if mount is None or not isinstance(family, AsyncFamily) or not normal(raw):
+            return None
+        if not authorize(self.core, mount.scope, environ.get("HTTP_AUTHORIZATION")).allowed:
+            return None
+        return lambda env: self._answer(family, env)
 
-    async def _answer_async(self, answer: Callable[[dict[str, Any]], Awaitable[Answer]],
-                            environ: dict[str, Any]) -> Answer:
-        try:
-            return await attempts_async(self.core.link, lambda: answer(environ),
-                                        lambda: environ["wsgi.input"].seek(0))
-        except Unavailable as exc:
-            status, headers, body = render_error(exc, "the front worker")
-            return status_line(status), headers, body
+    async def _answer(self, family: AsyncFamily, environ: dict[str, Any]) -> Answer:
+        if environ.get("HTTP_CONTENT_ENCODING"):
+            try:  # inflated off the loop: a large body takes milliseconds
+                await asyncio.get_running_loop().run_in_executor(None, self._inflate, environ)
+            except ApplianceError as exc:
+                status, headers, body = render_error(exc, "the front path")
+                return status_line(status), headers, body
+        return await family.answer(environ)
+
+    def _inflate(self, environ: dict[str, Any]) -> None:
+        """A compressed body made plain (appliance/api/body.py: bounded while inflating)."""
+        limit = self.core.config.server.max_body_bytes
+        if content_encoding(environ) == "gzip":
+            body = inflate(read_raw(environ, limit), limit)
+            environ["CONTENT_LENGTH"] = str(len(body))
+            environ["wsgi.input"] = io.BytesIO(body)
+        environ.pop("HTTP_CONTENT_ENCODING", None)
 
 
-def hot_mounts(core: RemoteCore) -> list[Mount]:
-    """What a front worker answers itself: TF Serving's predict/classify/regress and KServe
+def hot_mounts(core: ServingCore) -> list[Mount]:
+    """What the front path answers on its loop: TF Serving's predict/classify/regress and KServe
     v2's infer (the requests whose JSON is the work). Metadata, model status, health and
-    everything else is forwarded: cheap to answer there, and always answered by the process
-    that holds the versions."""
+    everything else goes to the fallback: cheap to answer there, and always answered by the
+    process that holds the versions."""
     from appliance.api.kserve.rest import V2API
-    from appliance.api.routes import INFERENCE
+    from appliance.api.kserve.service import V2Service
+    from appliance.api.mounts import INFERENCE
     from appliance.api.tfserving.rest import POST_RE, V1API
 
-    return [Mount("tfserving-infer", "/v1/", INFERENCE, V1API(core), methods=frozenset({"POST"}),  # type: ignore[arg-type]
-                  pattern=POST_RE),
-            Mount("kserve-infer", "/v2/models/", INFERENCE, V2API(core), methods=frozenset({"POST"}),  # type: ignore[arg-type]
+    return [Mount("tfserving-infer", "/v1/", INFERENCE, V1API(core), methods=frozenset({"POST"}), pattern=POST_RE),
+            Mount("kserve-infer", "/v2/models/", INFERENCE, V2API(V2Service(core)), methods=frozenset({"POST"}),
                   suffix="/infer")]
+
+
+def facing(alone_var: "contextvars.ContextVar[Any] | None" = None) -> AppFacing:
+    """What the HTTP server needs to know of this app: probes are never shed, the errors it
+    writes itself are ``{"error": ...}``, and (in the process that batches) how a lone call is
+    told apart."""
+    return AppFacing(frozenset(p.encode() for p in OPEN_PATHS), error_body, alone_var)

@@ -34,10 +34,7 @@ that is retried (``[grpc] bind_retry``), stay with the serving process.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import os
 import socket
 import sys
 import threading
@@ -45,8 +42,9 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from appliance.fronts import messages as m
-from appliance.core.config import Config, GRPCConfig, LimitsConfig
+from appliance.core.config import Config
 from appliance.fronts.serving import FrontService
+from appliance.fronts.shares import workers_for  # noqa: F401 (the service asks the pool how many)
 from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
 from appliance.fronts.supervisor import Supervisor
 
@@ -56,41 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("appliance.workers")
 
 EXIT_GRACE_S = 5.0
-MEMORY_PER_WORKER = 512 << 20  # the default runs a worker per CPU, and per this much memory at most
 PART = "http workers"  # as the page and /readyz name it while some are still starting  # past the drain timeout, how long workers get to exit before they are killed
-
-
-def workers_for(config: Config) -> int:
-    """How many front workers to run: ``server.workers``, or by default one per CPU but no
-    more than one per ``MEMORY_PER_WORKER`` of the device's memory (a worker costs ~45 MB,
-    bench/RESULTS.md); 0 or 1 means none (the single-process path)."""
-    wanted = config.server.workers or auto_workers()
-    return wanted if wanted > 1 else 0
-
-
-def auto_workers() -> int:
-    cpus = os.cpu_count() or 1
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # not a POSIX sysconf: by the CPUs alone
-        return cpus
-    return max(1, min(cpus, memory // MEMORY_PER_WORKER))
-
-
-def worker_limits(limits: LimitsConfig, workers: int) -> LimitsConfig:
-    """One worker's share of the REST port's limits."""
-    return dataclasses.replace(limits, max_connections=_share(limits.max_connections, workers),
-                               max_buffered_bytes=_share(limits.max_buffered_bytes, workers))
-
-
-def worker_grpc(cfg: GRPCConfig, workers: int) -> GRPCConfig:
-    """One worker's share of the gRPC port's limits (a connection's own bound stays)."""
-    return dataclasses.replace(cfg, max_connections=_share(cfg.max_connections, workers),
-                               max_buffer_bytes=_share(cfg.max_buffer_bytes, workers))
-
-
-def _share(total: int, workers: int) -> int:
-    return max(1, math.ceil(total / workers))
 
 
 class Fronts:

@@ -1,73 +1,65 @@
-"""What a front worker's API code gets as its core, and the handles it runs models with.
+"""A front worker's core: the seams of appliance/core/seams.py across processes.
 
-``RemoteCore`` has what the hot API handlers read of ``Appliance``: ``config``, ``metrics``
-(each request's observation sent to the serving process, which counts it, before the
-answer leaves, so the next scrape sees it) and ``manager``. ``RemoteManager.handle``
-answers from the serving view (appliance/fronts/view.py) without a round trip and
-hands out ``RemoteHandle``s, with the face of appliance/core/handle.py's ``Handle``, whose
-``run``/``run_async`` go through the serving process's batch queues.
+``RemoteCore`` is a worker's ``ServingCore``: the running ``config`` (pushed by the serving
+process at start and after each reload), ``metrics`` (each request's observation goes to the
+serving process, which counts it; a loop tick's observations leave in one message, before the
+answers of that tick) and ``handles``, a ``RemoteHandles``.
 
-When the view cannot answer (a model, version or label it does not know) ``handle`` raises
-``NeedView``; when the version that answers decodes differently from the one the request
-was decoded for, ``run`` raises ``StaleView``. Both are BaseExceptions, so the API families'
-catch-all error renderers let them through to the front app, which learns the answer
-(``RESOLVE``, or the STALE reply's view), makes it this request's preference
-(``prefer``, a context variable: per thread, per task) and runs the request again.
+``RemoteHandles.handle`` answers from the serving view (appliance/fronts/view.py), pushed by
+the serving process at every change of what serves, without a round trip; when the view does
+not know what the request names (a model, version or label that appeared a moment ago, or
+none such), it asks (``RESOLVE``), and the serving process answers with the version's view or
+the manager's own error. ``RemoteHandle.run`` sends the decoded inputs (``RUN``); the serving
+process resolves the request again as the client named it (rollouts route it there, as in one
+process) and runs it through the model's one batch queue. If the version that answers there
+cannot take inputs decoded for this one (a swap to a version with another signature since the
+view was read), the version decoded for answers while it is still loaded; after that the
+answer is a retryable 503 (appliance/fronts/serving.py): a stale view never gives a wrong
+answer, and since a new version must serve the old one's signatures (the manager refuses it
+otherwise), it costs a retry only across a declared API change.
 
-Thread-safety: a handle serves one request; the manager may be used from any thread or task.
+Thread-safety: a handle serves one request; ``handle`` and ``run`` are awaited on the worker's
+loop (gRPC runs there too, as its guest).
 """
 
 from __future__ import annotations
 
-import contextvars
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, Mapping
 
 import numpy as np
 
 from runtimes import SignatureInfo
 
+from appliance.core.config import Config
+from appliance.core.errors import InvalidArgument
+from appliance.core.seams import ModelHandle, RouteKey
 from appliance.fronts import messages as m
 from appliance.fronts.link import Link
-from appliance.core.config import Config
-from appliance.core.errors import InvalidArgument, Unavailable
 from appliance.fronts.view import ModelView, ServingView, VersionView
 
-T = TypeVar("T")
-MAX_ATTEMPTS = 4  # decodes of one request while versions with other signatures swap in
-CHANGED = "the model's versions changed with other signatures while this request was decoded; retry"
 Key = tuple[str, "int | None", "str | None"]  # (model, version, label) as the request names them
-# This request's answers learnt from the serving process: a view, or the error to raise.
-PREFERRED: contextvars.ContextVar[Mapping[Key, Any]] = contextvars.ContextVar("front_preferred", default={})
-
-
-class NeedView(BaseException):
-    """The serving view does not know what the request names: ask (module docstring)."""
-
-    def __init__(self, key: Key):
-        super().__init__(*key)
-        self.key = key
-
-
-class StaleView(BaseException):
-    """Decode again against ``view``, the version that answers (module docstring)."""
-
-    def __init__(self, key: Key, view: VersionView):
-        super().__init__(*key, view.version)
-        self.key, self.view = key, view
 
 
 class FrontMetrics:
-    """``observe_request`` as the core's ``Metrics`` has it, counted by the serving process."""
+    """``RequestMetrics`` counted by the serving process: one ``OBSERVE`` per loop tick."""
 
     def __init__(self, link: Link):
         self.link = link
+        self._pending: list[list[Any]] = []
 
     def observe_request(self, model: str, api: str, status: int | str, seconds: float, entrypoint: str = "REST") -> None:
-        self.link.send(m.OBSERVE, [[model, api, status, seconds, entrypoint]])
+        if not self._pending:
+            self.link.soon(self._flush)
+        self._pending.append([model, api, status, seconds, entrypoint])
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending:
+            self.link.send(m.OBSERVE, pending)
 
 
 class RemoteHandle:
-    """A core ``Handle``'s face for a version the serving process holds (module docstring)."""
+    """A ``ModelHandle`` on a version the serving process holds (module docstring)."""
 
     __slots__ = ("_link", "model", "_key", "_headers", "_view", "_answered")
 
@@ -103,24 +95,14 @@ class RemoteHandle:
             raise InvalidArgument(missing)
         return sig
 
-    def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._outputs(*self._link.call(m.RUN, self._request(signature, inputs)))
-
-    async def run_async(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._outputs(*await self._link.acall(m.RUN, self._request(signature, inputs)))
-
-    def _request(self, signature: str, inputs: Mapping[str, np.ndarray]) -> list[Any]:
-        view, (model, version, label) = self._view, self._key
-        return m.RunRequest(model, version, label, self._headers, signature, dict(inputs), view.version,
-                            view.fingerprints.get(signature, 0)).plain()
-
-    def _outputs(self, kind: str, payload: Any) -> dict[str, np.ndarray]:
-        if kind == m.DONE:
-            self._answered = payload[0]
-            return payload[1]  # type: ignore[no-any-return]
-        if kind == m.STALE:
-            raise StaleView(self._key, m.version_from_plain(payload))
-        raise m.error_from_plain(payload)
+    async def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        model, version, label = self._key
+        request = m.RunRequest(model, version, label, self._headers, signature, dict(inputs), self._view.version)
+        kind, payload = await self._link.call(m.RUN, request.plain())
+        if kind != m.DONE:
+            raise m.error_from_plain(payload)
+        self._answered = payload[0]
+        return payload[1]  # type: ignore[no-any-return]
 
     def release(self) -> None:
         """Nothing is held here: the serving process holds the version while it runs."""
@@ -128,29 +110,32 @@ class RemoteHandle:
     def __enter__(self) -> "RemoteHandle":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
 
-class RemoteManager:
-    """``manager.handle`` in a front worker (module docstring)."""
+class RemoteHandles:
+    """``HandleSource`` of a front worker (module docstring)."""
 
     def __init__(self, link: Link):
         self.link = link
         self.view = ServingView(0, {})
 
-    def handle(self, name: str, version: int | None = None, label: str | None = None,
-               route_key: Callable[[str], str | None] | None = None, judged: bool = True) -> RemoteHandle:
-        key: Key = (name, version, label)
-        learnt = PREFERRED.get().get(key)
-        if isinstance(learnt, BaseException):
-            raise learnt
+    async def handle(self, name: str, version: int | None = None, label: str | None = None,
+                     route_key: RouteKey | None = None) -> ModelHandle:
         model = self.view.models.get(name)
-        chosen = learnt if learnt is not None else _pick(model, version, label) if model is not None else None
+        chosen = _pick(model, version, label) if model is not None else None
         if chosen is None:
-            raise NeedView(key)
+            chosen = await self._resolve(name, version, label)
         headers = {h: route_key(h) for h in model.route_headers} if model is not None and route_key else {}
-        return RemoteHandle(self.link, key, headers, chosen)
+        return RemoteHandle(self.link, (name, version, label), headers, chosen)
+
+    async def _resolve(self, name: str, version: int | None, label: str | None) -> VersionView:
+        """What the view does not know, from the serving process: the version, or its error."""
+        kind, payload = await self.link.call(m.RESOLVE, [name, version, label])
+        if kind != m.DONE:
+            raise m.error_from_plain(payload)
+        return m.version_from_plain(payload)
 
 
 def _pick(model: ModelView, version: int | None, label: str | None) -> VersionView | None:
@@ -163,57 +148,17 @@ def _pick(model: ModelView, version: int | None, label: str | None) -> VersionVi
     return model.versions.get(version) if version is not None else None
 
 
-def resolved(reply: tuple[str, Any]) -> VersionView | BaseException:
-    """What a ``RESOLVE`` reply teaches: the version's view, or the manager's error."""
-    kind, payload = reply
-    return m.version_from_plain(payload) if kind == m.DONE else m.error_from_plain(payload)
-
-
-def attempts(link: Link, run: Callable[[], T], again: Callable[[], None] = lambda: None) -> T:
-    """``run()`` (on a thread) until it needs no other view of the versions (module
-    docstring), ``again()`` before each new attempt; Unavailable after MAX_ATTEMPTS."""
-    learnt: dict[Key, Any] = {}
-    for attempt in range(MAX_ATTEMPTS):
-        if attempt:
-            again()
-        token = PREFERRED.set(learnt)
-        try:
-            return run()
-        except NeedView as need:
-            learnt = {**learnt, need.key: resolved(link.call(m.RESOLVE, list(need.key)))}
-        except StaleView as stale:
-            learnt = {**learnt, stale.key: stale.view}
-        finally:
-            PREFERRED.reset(token)
-    raise Unavailable(CHANGED)
-
-
-async def attempts_async(link: Link, run: Callable[[], Awaitable[T]], again: Callable[[], None] = lambda: None) -> T:
-    """``attempts`` on an event loop."""
-    learnt: dict[Key, Any] = {}
-    for attempt in range(MAX_ATTEMPTS):
-        if attempt:
-            again()
-        token = PREFERRED.set(learnt)
-        try:
-            return await run()
-        except NeedView as need:
-            learnt = {**learnt, need.key: resolved(await link.acall(m.RESOLVE, list(need.key)))}
-        except StaleView as stale:
-            learnt = {**learnt, stale.key: stale.view}
-        finally:
-            PREFERRED.reset(token)
-    raise Unavailable(CHANGED)
-
-
 class RemoteCore:
-    """A front worker's core: what the API handlers read of ``Appliance`` (module docstring)."""
+    """A front worker's ``ServingCore`` (module docstring)."""
 
     def __init__(self, config: Config, link: Link):
         self.config = config
         self.link = link
-        self.manager = RemoteManager(link)
+        self.handles = RemoteHandles(link)
         self.metrics = FrontMetrics(link)
 
-    def add_status(self, name: str, provider: Callable[[], Any]) -> None:
+    def add_status(self, name: str, provider: Any) -> None:
         """Status lives in the serving process; a worker shows none of its own."""
+
+
+__all__ = ["FrontMetrics", "RemoteCore", "RemoteHandle", "RemoteHandles"]

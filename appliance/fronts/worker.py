@@ -28,11 +28,11 @@ import threading
 from typing import Any
 
 from appliance.fronts import messages as m
-from appliance.fronts.app import FrontApp, hot_mounts
+from appliance.fronts.app import Forwarder, FrontApp, facing, hot_mounts
 from appliance.fronts.remote import RemoteCore
 from appliance.fronts.link import Link
 from appliance.core import logs, memory
-from appliance.fronts.pool import worker_grpc, worker_limits, workers_for
+from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
 from appliance.core.tls import tls_context
 from appliance.transport.channel import ChannelProtocol, Message, read_one
 from appliance.transport.http.server import HTTPServer, listen
@@ -60,13 +60,13 @@ class Worker:
         config = m.config_from_plain(first[2])
         logs.setup(config.log_level)
         core = self.core = RemoteCore(config, self.link)
-        app = FrontApp(core, hot_mounts(core))
+        app = FrontApp(core, hot_mounts(core), Forwarder(self.link))
         context = tls_context(config.security) if config.security.tls_cert_file else None
         workers = self.workers = workers_for(config)
         self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
                                  config.server.max_body_bytes, worker_limits(config.limits, workers), context,
                                  sock=listen(config.server.host, self.port, reuse_port=True), fast=app,
-                                 on_loop=self.open_channel)
+                                 on_loop=self.open_channel, facing=facing())
         threading.Thread(target=self.report, name="report", daemon=True).start()
         memory.tune_gc()
         self.server.serve_forever()
@@ -121,7 +121,7 @@ class Worker:
         if kind == m.CONFIG:
             self.core.config = m.config_from_plain(payload)
         elif kind == m.VIEW:
-            self.core.manager.view = m.view_from_plain(payload)
+            self.core.handles.view = m.view_from_plain(payload)
         elif kind == m.DRAIN:
             threading.Thread(target=self.drain, args=(payload,), name="drain", daemon=True).start()
         elif kind == "eof":  # the serving process is gone: nothing here can be answered any more

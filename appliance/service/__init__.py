@@ -28,13 +28,15 @@ import threading
 import time
 from typing import Any, Callable
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.core import logs
 from appliance.core import memory
 from appliance.api.app import Appliance, create_app
 from appliance.core.config import Config
-from appliance.core.config import load as load_config
+from appliance.core.config_file import load as load_config
 from appliance.core.errors import ConfigError
+from appliance.core.batcher import LONE_CALL
+from appliance.fronts.app import FrontApp, facing, hot_mounts
 from appliance.fronts.pool import Fronts, workers_for
 from appliance.service import listening
 from appliance.service.state_lock import StateDirBusy, lock_state_dir
@@ -84,7 +86,10 @@ class Service:
             fronts = self.server = Fronts(self.core, self.app, self.config, workers)
             self.core.add_status("workers", fronts.workers_status)
         else:
-            self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context)
+            # one process: the same front path as a worker's, on the core's own seams (appliance/fronts/app.py)
+            front = FrontApp(self.core, hot_mounts(self.core), self.app)
+            self.server = HTTPServer(front, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context,
+                                     fast=front, facing=facing(LONE_CALL))
         server = self.server
         self.core.add_status("http", lambda: server.stats)  # live connection and shedding figures
 

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.core import running
 
 log = logging.getLogger("appliance.service")
