@@ -87,6 +87,8 @@ def test_a_backend_that_failed_on_a_serving_version_is_not_hidden() -> None:
     found = find_problems(Inputs(models={"m": model(2, version(2, decision=decision))}))
     assert kinds(found) == [("backend_failed", "m", 2)]
     assert "tf-cpu" in found[0].message and "Cannot parse" in found[0].message and "serves on tflite" in found[0].message
+    degraded = find_problems(Inputs(models={"m": model(2, version(2, "DEGRADED", decision=decision, error="tf-cpu"))}))
+    assert kinds(degraded) == [("version_degraded", "m", 2)]  # one problem, not two, for one cause
 
 
 def test_a_quarantine_with_an_error_code_carries_it() -> None:

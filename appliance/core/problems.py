@@ -151,7 +151,7 @@ def _backend_failures(name: str, versions: list[Mapping[str, Any]]) -> list[Prob
     out = []
     for v in versions:
         decision = v.get("decision") or {}
-        if str(v.get("state")) not in ("AVAILABLE", "DEGRADED"):
+        if str(v.get("state")) != "AVAILABLE" or v.get("degraded"):  # a degraded one says so itself
             continue
         for c in decision.get("considered") or []:
             if c.get("load_error"):
