@@ -100,7 +100,11 @@ def test_a_state_directory_without_a_service_says_what_to_pass(tmp_path: Path) -
 
 
 def test_a_stopped_service_is_named_as_stopped(tmp_path: Path) -> None:
-    server = launch(["--models", str(ROOT / "appliance" / "sample_models"), "--backend", "tflite"], tmp_path)
+    """(One process, no front workers: its record is written too.)"""
+    server = launch(["--models", str(ROOT / "appliance" / "sample_models"), "--backend", "tflite", "--workers", "1"],
+                    tmp_path)
+    record = json.loads((server.state / "service.json").read_text())
+    assert record["workers"] == 0 and record["rest"]["served_by"] == "the serving process"
     server.stop()
     done = appliance("sync", "--state", str(server.state))
     assert done.returncode == 1 and f"(pid {server.proc.pid}) is not running" in done.stderr, done.stderr

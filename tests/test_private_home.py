@@ -28,8 +28,8 @@ def test_the_session_has_a_home_of_its_own(private_home: Path) -> None:
     assert Path.home() == private_home
     for name in ("STATE_DIRECTORY", "XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME"):
         assert Path(os.environ[name]).is_relative_to(private_home), name
-    child = subprocess.run([sys.executable, "-c", "from appliance.core.config import default_state_dir as d; print(d())"],
-                           capture_output=True, text=True, cwd=ROOT, check=True)
+    code = "from appliance.core.config import default_state_dir as d; print(d())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert Path(child.stdout.strip()).is_relative_to(private_home)  # a service started without --state
 
 

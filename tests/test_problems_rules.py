@@ -40,12 +40,14 @@ def test_the_target_quarantined_is_two_problems_named_with_their_reason() -> Non
     found = find_problems(Inputs(models={"m": m}, sync=sync(targets={"m": 4})))
     assert kinds(found) == [("target_not_reached", "m", 4), ("version_quarantined", "m", 4)]
     target = found[0]
-    assert "version 4" in target.message and "version 3 serves" in target.message and "LoadFailure: bad" in target.message
+    assert "version 4" in target.message and "version 3 serves" in target.message
+    assert "LoadFailure: bad" in target.message
     assert "channel 'stable'" in target.message and target.severity == WARNING and target.grace_s == 0
 
 
 def test_a_target_still_loading_or_not_yet_loaded_waits_its_grace() -> None:
-    loading = find_problems(Inputs(models={"m": model(1, version(2, "LOADING"), version(1))}, sync=sync(targets={"m": 2})))
+    loading = find_problems(Inputs(models={"m": model(1, version(2, "LOADING"), version(1))},
+                                   sync=sync(targets={"m": 2})))
     assert kinds(loading) == [("target_not_reached", "m", 2)] and loading[0].grace_s == LOADING_GRACE_S
     unseen = find_problems(Inputs(models={"m": model(1, version(1))}, sync=sync(targets={"m": 2})))
     assert unseen[0].grace_s == UNSEEN_GRACE_S and "not loaded" in unseen[0].message
@@ -86,7 +88,8 @@ def test_a_backend_that_failed_on_a_serving_version_is_not_hidden() -> None:
         {"backend": "tf-gpu", "available": False, "reason": "no GPU", "load_error": None}]}
     found = find_problems(Inputs(models={"m": model(2, version(2, decision=decision))}))
     assert kinds(found) == [("backend_failed", "m", 2)]
-    assert "tf-cpu" in found[0].message and "Cannot parse" in found[0].message and "serves on tflite" in found[0].message
+    assert "tf-cpu" in found[0].message and "Cannot parse" in found[0].message
+    assert "serves on tflite" in found[0].message
     degraded = find_problems(Inputs(models={"m": model(2, version(2, "DEGRADED", decision=decision, error="tf-cpu"))}))
     assert kinds(degraded) == [("version_degraded", "m", 2)]  # one problem, not two, for one cause
 
@@ -114,8 +117,8 @@ def test_sync_failing_refusing_and_the_store() -> None:
 
 
 def test_parts_down_are_named_and_a_critical_one_is_an_error() -> None:
-    found = find_problems(Inputs(parts_down={"appliance.service.grpc_port": "cannot listen", "appliance.parts.discovery":
-                                             "no multicast"}, critical={"appliance.service.grpc_port"},
+    parts = {"appliance.service.grpc_port": "cannot listen", "appliance.parts.discovery": "no multicast"}
+    found = find_problems(Inputs(parts_down=parts, critical={"appliance.service.grpc_port"},
                                  database=["state database was damaged"]))
     assert [(p.kind, p.part, p.severity) for p in found] == [("part_down", "gRPC", ERROR),
                                                              ("part_down", "Discovery", WARNING),

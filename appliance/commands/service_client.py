@@ -125,9 +125,8 @@ class Client:
 def _url(args: argparse.Namespace, config: Any, record: dict[str, Any] | None, state_dir: str) -> tuple[str, str]:
     if getattr(args, "url", None):
         return str(args.url), "--url"
-    rest = (record or {}).get("rest") or {}
-    if rest.get("url"):
-        return str(rest["url"]), f"recorded in {running.path_in(state_dir)} by pid {record.get('pid')}"  # type: ignore[union-attr]
+    if record is not None and (record.get("rest") or {}).get("url"):
+        return str(record["rest"]["url"]), f"recorded in {running.path_in(state_dir)} by pid {record.get('pid')}"
     server = config.server
     return running.local_url(server.host, server.port, bool(config.security.tls_cert_file)), \
         "config [server] host and port: the service recorded no address"

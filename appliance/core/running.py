@@ -35,7 +35,8 @@ def local_url(host: str, port: int, tls: bool = False) -> str:
 
 def write(state_dir: str, record: dict[str, Any]) -> str | None:
     """Replace ``<state>/service.json`` atomically (mode 0644: it holds no secret); the
-    path, or None where the state directory cannot be written (a read-only state)."""
+    path, or None where it cannot be written (a read-only state directory; a record that is
+    not JSON): the service runs on without it."""
     target = path_in(state_dir)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".service-", dir=state_dir)
@@ -47,7 +48,7 @@ def write(state_dir: str, record: dict[str, Any]) -> str | None:
             f.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
-    except OSError:
+    except (OSError, TypeError, ValueError):
         try:
             os.unlink(tmp)
         except OSError:

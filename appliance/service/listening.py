@@ -16,6 +16,7 @@ from typing import Any
 
 from appliance.version import __version__
 from appliance.core import running
+from appliance.fronts.pool import Fronts
 
 log = logging.getLogger("appliance.service")
 
@@ -38,7 +39,7 @@ def listening(service: Any) -> dict[str, Any]:
     tls = bool(config.security.tls_cert_file)
     host, port = server.host, server.port
     grpc = service.core.status_of("grpc") or {}
-    workers = getattr(server, "count", 0)
+    workers = server.count if isinstance(server, Fronts) else 0
     return {
         "rest": {"host": host, "port": port, "tls": tls, "url": running.local_url(host, port, tls),
                  "served_by": f"{workers} front workers" if workers else "the serving process",
