@@ -41,6 +41,9 @@ class ServiceError(Exception):
 
 @dataclass
 class Client:
+    """One verb's way to the service: where it is, how it was found, the token it sends
+    and where that came from (``from_args``; module docstring). One per command run."""
+
     url: str
     url_from: str  # how the URL was found, for messages
     state_dir: str
@@ -64,6 +67,7 @@ class Client:
                    float(getattr(args, "timeout", 120) or 120), cafile)
 
     def call(self, method: str, path: str, body: bytes = b"") -> Any:
+        """The JSON answer of ``method path``; ``ServiceError`` (what to pass) otherwise."""
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"

@@ -13,6 +13,11 @@ over the wall time between the samples, in percent of one core (``top``'s conven
 busy 2-core service shows 200 %) and of all cores. A process that exited between two
 samples takes its last interval with it.
 
+Reading smaps_rollup walks every mapping of a process: about 18 ms of kernel time for a
+serving process holding TensorFlow (bench/RESULTS.md, "/api/status"). So the list of
+processes and their memory are re-read at most every ``MEMORY_EVERY_S`` (``memory_at`` says
+when), while the CPU figure (one /proc/<pid>/stat read each) is fresh at every call.
+
 ``TreeSampler.sample()`` is thread-safe (a status request may come from any thread); the
 first call has no CPU figure yet (None).
 """
@@ -27,6 +32,7 @@ from typing import Any
 import psutil
 
 KIB = 1024
+MEMORY_EVERY_S = 10.0  # the tree and its memory are re-read at most this often (module docstring)
 
 
 def smaps_rollup(pid: int) -> dict[str, int]:
@@ -57,18 +63,29 @@ def tree(root: psutil.Process | None = None) -> list[psutil.Process]:
 class TreeSampler:
     """Samples the tree's memory and CPU; remembers CPU times between calls."""
 
-    def __init__(self, root_pid: int | None = None):
+    def __init__(self, root_pid: int | None = None, memory_every_s: float = MEMORY_EVERY_S):
         self.root_pid = root_pid or os.getpid()
+        self.memory_every_s = memory_every_s
         self._lock = threading.Lock()
+        self._rows: list[tuple[psutil.Process, dict[str, Any]]] = []  # the tree, each with its memory
+        self._memory_at = 0.0  # wall-clock time _rows were read
         self._cpu: dict[tuple[int, float], float] = {}  # (pid, create time) -> cpu seconds at the last sample
         self._at = 0.0  # monotonic time of the last sample
         self._wall = 0.0  # its wall-clock time (process creation times are wall-clock)
 
     def sample(self, roles: dict[int, str] | None = None) -> dict[str, Any]:
         """The tree's figures and one row per process (``roles``: pid -> what it is)."""
-        found = [self._process(p, roles or {}) for p in tree(psutil.Process(self.root_pid))]
-        rows = [r for r in found if r is not None]
-        cpu = self._cpu_percent({(r["pid"], r.pop("_created")): r.pop("_cpu_s") for r in rows})
+        rows, cpu_now = [], {}
+        for proc, memory in self._tree(roles or {}):
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:  # exited since the tree was read
+                continue
+            rows.append(dict(memory))
+            cpu_now[(proc.pid, memory["_created"])] = times.user + times.system
+        for row in rows:
+            row.pop("_created")
+        cpu = self._cpu_percent(cpu_now)
         cores = os.cpu_count() or 1
         return {
             "processes": len(rows),
@@ -78,18 +95,27 @@ class TreeSampler:
             "cpu_percent_of_machine": round(cpu / cores, 1) if cpu is not None else None,
             "cpu_cores": cores,
             "per_process": rows,
+            "memory_at": self._memory_at,
         }
 
-    def _process(self, proc: psutil.Process, roles: dict[int, str]) -> dict[str, Any] | None:
+    def _tree(self, roles: dict[int, str]) -> list[tuple[psutil.Process, dict[str, Any]]]:
+        """The processes and their memory, re-read when older than ``memory_every_s``."""
+        with self._lock:
+            if time.time() - self._memory_at < self.memory_every_s and self._rows:
+                return list(self._rows)
+        found = [(p, self._memory(p, roles)) for p in tree(psutil.Process(self.root_pid))]
+        rows = [(p, m) for p, m in found if m is not None]
+        with self._lock:
+            self._rows, self._memory_at = rows, time.time()
+        return rows
+
+    def _memory(self, proc: psutil.Process, roles: dict[int, str]) -> dict[str, Any] | None:
         try:
-            with proc.oneshot():
-                times = proc.cpu_times()
-                row: dict[str, Any] = {"pid": proc.pid, "role": roles.get(proc.pid) or _role(proc, self.root_pid),
-                                       "_created": proc.create_time(), "_cpu_s": times.user + times.system}
-                memory = smaps_rollup(proc.pid) or {"rss_bytes": proc.memory_info().rss}
+            role = roles.get(proc.pid) or _role(proc, self.root_pid)
+            memory = smaps_rollup(proc.pid) or {"rss_bytes": proc.memory_info().rss}
+            return {"pid": proc.pid, "role": role, "_created": proc.create_time(), **memory}
         except psutil.Error:  # exited meanwhile, or not ours to read
             return None
-        return {**row, **memory}
 
     def _cpu_percent(self, now_cpu: dict[tuple[int, float], float]) -> float | None:
         """Percent of one core the tree used since the previous sample (None on the first)."""
