@@ -56,20 +56,22 @@ def _free(port: int) -> bool:
 
 def test_the_suite_passes_beside_a_service_started_as_the_readme_says(tmp_path: Path) -> None:
     """``scripts/run.sh`` runs ``appliance serve`` on its embedded default: the user's home
-    holds its state and admin token, REST on 8501. Tests run beside it (their own ``appliance
-    sync`` calls included) and leave it alone. On a shared machine 8501 may be another's:
-    then this service takes another port, and the tests still run beside one on 8501."""
+    holds its state and admin token, REST on 8501, gRPC on 8500. Tests run beside it (their
+    own ``appliance sync`` calls included), leave it alone and never need its ports. On a
+    shared machine those may be another's: then this service takes others, and the tests
+    still run beside whoever holds them."""
     home = tmp_path / "home-of-the-user"
     home.mkdir()
     user = {k: v for k, v in os.environ.items() if k not in ("STATE_DIRECTORY", "XDG_STATE_HOME", "XDG_CACHE_HOME",
                                                              "XDG_CONFIG_HOME", "XDG_DATA_HOME")}
     user["HOME"] = str(home)
     port = 8501 if _free(8501) else free_port()
+    grpc = "8500" if _free(8500) else "0"  # TF Serving's gRPC port, as the README's service holds it
     state = home / ".local" / "state" / "edge-appliance"
     log = tmp_path / "readme-service.log"
     with open(log, "wb") as out:  # the user's environment exactly: no STATE_DIRECTORY of the test session
         proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port",
-                                 str(port), "--grpc-port", "0", "--no-discovery"], stdout=out, stderr=subprocess.STDOUT,
+                                 str(port), "--grpc-port", grpc, "--no-discovery"], stdout=out, stderr=subprocess.STDOUT,
                                 env=user, cwd=ROOT)
     readme = Server(proc, port, state, log)
     try:
@@ -77,7 +79,7 @@ def test_the_suite_passes_beside_a_service_started_as_the_readme_says(tmp_path: 
         token = (state / "admin-token").read_text()
         nested = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "nested"),
-             "tests/test_sync_file.py", "tests/test_cli_service.py"],
+             "tests/test_sync_file.py", "tests/test_cli_service.py", "tests/test_tfs_files_and_flags.py"],
             cwd=ROOT, env=user, capture_output=True, text=True, timeout=1200)
         assert nested.returncode == 0, nested.stdout[-4000:] + nested.stderr[-2000:]
         assert (state / "admin-token").read_text() == token  # left alone
