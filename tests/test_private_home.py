@@ -70,9 +70,9 @@ def test_the_suite_passes_beside_a_service_started_as_the_readme_says(tmp_path: 
     state = home / ".local" / "state" / "edge-appliance"
     log = tmp_path / "readme-service.log"
     with open(log, "wb") as out:  # the user's environment exactly: no STATE_DIRECTORY of the test session
-        proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port",
-                                 str(port), "--grpc-port", grpc, "--no-discovery"], stdout=out, stderr=subprocess.STDOUT,
-                                env=user, cwd=ROOT)
+        serve = [sys.executable, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                 "--grpc-port", grpc, "--no-discovery"]
+        proc = subprocess.Popen(serve, stdout=out, stderr=subprocess.STDOUT, env=user, cwd=ROOT)
     readme = Server(proc, port, state, log)
     try:
         readme.wait_for(lambda: readme.get("/readyz", timeout=2).status_code == 200, 240, "the README's service")
