@@ -14,11 +14,12 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.modelgen
 
 from tests import modelgen  # noqa: E402
 
-TARGET = os.path.join("appliance", "sample_models", "half_plus_two", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(ROOT, "appliance", "sample_models", "half_plus_two", "1")  # this checkout's, wherever it runs
 
 
 def tflite_half_plus_two(path: str) -> None:
@@ -36,11 +37,18 @@ def tflite_half_plus_two(path: str) -> None:
         f.write(converter.convert())
 
 
-def main() -> None:
-    shutil.rmtree(TARGET, ignore_errors=True)
-    modelgen.build_half_plus_two(TARGET, warmup=True)
-    tflite_half_plus_two(os.path.join(TARGET, "model.tflite"))
-    for root, _, files in os.walk(TARGET):
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Rebuild the bundled sample model (module docstring): "
+                                                 "replaces the checkout's appliance/sample_models/half_plus_two/1 "
+                                                 "unless --out names another folder.")
+    parser.add_argument("--out", default=TARGET, help="the version folder to (re)build (default: %(default)s)")
+    target = parser.parse_args(argv).out
+    shutil.rmtree(target, ignore_errors=True)
+    modelgen.build_half_plus_two(target, warmup=True)
+    tflite_half_plus_two(os.path.join(target, "model.tflite"))
+    for root, _, files in os.walk(target):
         for name in files:
             print(os.path.join(root, name), os.path.getsize(os.path.join(root, name)))
 

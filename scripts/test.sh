@@ -49,6 +49,8 @@ if [ ! -x /usr/libexec/podman/quadlet ] && [ ! -x "$QUADLET_DIR/usr/libexec/podm
   fi
   rm -rf "$apt_dir"
 fi
+# Screenshots of the status page (tests/test_ui.py) go here; the tests write nowhere else in the tree.
+export EDGE_TEST_ARTIFACTS="${EDGE_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 # ARM64=1: then the aarch64 check (scripts/arm64-check.sh: the LiteRT-only install served
 # under qemu-user emulation). Opt-in: it takes longer than CI's whole budget.
 if [ "${ARM64:-0}" = 1 ]; then

@@ -7,7 +7,11 @@ multi-signature and a signature-less TFLite model) under ``<tmp>/<name>/1``.
 ``start_server(models, **opts)``: runs ``appliance serve`` as a child process (the real
 service, the real HTTP server), waits for ``/readyz`` and stops it by PID at teardown.
 
-An autouse fixture fails any test that leaves threads or child processes behind.
+An autouse fixture fails any test that leaves threads or child processes behind, and a
+session-wide one (``private_home``) points ``HOME``, ``STATE_DIRECTORY`` and the XDG folders
+at a temporary folder: no test reads or writes the user's home (an admin token a real
+service left in ``~/.local/state/edge-appliance`` is never picked up), and a service started
+without ``--state`` keeps its state there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,7 +33,9 @@ import pytest
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "test-artifacts"
+# Screenshots and other outputs for a person to look at: where $EDGE_TEST_ARTIFACTS says
+# (scripts/test.sh: the checkout's test-artifacts/), else a folder under /tmp, never the checkout.
+ARTIFACTS = Path(os.environ.get("EDGE_TEST_ARTIFACTS") or Path(tempfile.gettempdir()) / "edge-appliance-test-artifacts")
 
 
 # What a predicate may raise while the thing it looks at is still coming up: a status key a
@@ -61,6 +68,25 @@ def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", con
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}\nlast: {last}\n{context()}")
         time.sleep(0.2)
+
+
+# What ``private_home`` points elsewhere. XDG_RUNTIME_DIR stays: it is the session's sockets.
+HOME_VARIABLES = ("HOME", "STATE_DIRECTORY", "XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tests' own home and state folders (module docstring); every child process started
+    by a test inherits them."""
+    home = tmp_path_factory.mktemp("home")
+    folders = {"HOME": home, "STATE_DIRECTORY": home / "state", "XDG_STATE_HOME": home / ".local" / "state",
+               "XDG_CACHE_HOME": home / ".cache", "XDG_CONFIG_HOME": home / ".config",
+               "XDG_DATA_HOME": home / ".local" / "share"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, folder in folders.items():
+            folder.mkdir(parents=True, exist_ok=True)
+            patch.setenv(name, str(folder))
+        yield home
 
 
 def free_port() -> int:

@@ -341,7 +341,19 @@ def greedy_savedmodel(path: Path, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/genmodels")
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.genmodel OUT_DIR``: build every model into OUT_DIR (nowhere else)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.genmodel",
+                                     description="Build the tiny generative test models (LiteRT and SavedModel "
+                                                 "exports, module docstring) into OUT_DIR/<name>/<version>.")
+    parser.add_argument("out_dir", type=Path, help="the folder to build into (made if missing)")
+    target = parser.parse_args(argv).out_dir
     build(target)
     print(f"built into {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -232,9 +232,24 @@ def prompt(length: int, seed: int = 1) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed + length).integers(1, VOCAB, length)]
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.litert_llm OUT_DIR [NAME ...]``: build into OUT_DIR (nowhere else)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.litert_llm",
+                                     description="Convert tiny LLMs with litert-torch into OUT_DIR/<name>/1/model.tflite.")
+    parser.add_argument("out_dir", type=Path, help="the folder to build into (made if missing)")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"which models (default: all of {', '.join(SPECS)})")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in SPECS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SPECS)}")
+    build(args.out_dir, args.names or None)
+    print(f"built into {args.out_dir}")
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/litert-llm-models")
-    build(target, sys.argv[2:] or None)
-    print(f"built into {target}")
+    sys.exit(main())

@@ -304,7 +304,7 @@ def test_a_corrupt_state_database_is_moved_aside_and_reported(tmp_path: Path, fi
         code, body = readyz(server)
         assert code == 200 and any("was damaged" in p for p in body.get("problems", [])), body
         status = server.get("/api/status").json()
-        assert any("was damaged" in p for p in status["problems"])
+        assert any(p["kind"] == "state_database" and "was damaged" in p["message"] for p in status["problems"])
         assert status["models"]["small"]["serving_version"] == 1
         assert list(state.glob("state.db.corrupt-*")) and db_check(state) == ("ok", "wal")
         page_shows(server.url, "was damaged")

@@ -123,7 +123,7 @@ def test_the_workers_requests_are_counted_by_the_service(start_server: Any, mode
     def counted() -> bool:
         text = server.get("/monitoring/prometheus/metrics").text
         return (f'API="predict",entrypoint="REST",model_name="{MLP}",status="OK"}} 40.0' in text
-                and f'API="predict",entrypoint="REST",model_name="{MLP}",status="400"}} 1.0' in text)
+                and f'API="predict",entrypoint="REST",model_name="{MLP}",status="INVALID_ARGUMENT"}} 1.0' in text)
 
     server.wait_for(counted, 30, "the metrics to count the workers' 40 answers and 1 refusal")
     server.wait_for(lambda: server.status()["models"][MLP]["requests"]["requests_per_s"] > 0, 30,

@@ -60,31 +60,67 @@ def test_request_count_grows_by_exactly_n(server: Server) -> None:
     assert total(after, COUNT, model_name=MODEL, status="OK") - total(before, COUNT, model_name=MODEL, status="OK") == 7
 
 
+OURS = "edge_appliance_requests"
+
+
 def test_rest_requests_are_counted_under_the_rest_entrypoint(server: Server) -> None:
+    """Our own series keeps API and entrypoint (TF Serving's request_count has neither)."""
     before = scrape(server)
     predict(server, GOOD, 2, 200)
     after = scrape(server)
     rest = {"model_name": MODEL, "API": "predict", "entrypoint": "REST", "status": "OK"}
-    assert total(after, COUNT, **rest) - total(before, COUNT, **rest) == 2
-    assert total(after, COUNT, model_name=MODEL, entrypoint="GRPC") == 0
+    assert total(after, OURS, **rest) - total(before, OURS, **rest) == 2
+    assert total(after, OURS, model_name=MODEL, entrypoint="GRPC") == 0
 
 
 def families_of(metrics: Metrics) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
 
 
+# tensorflow_serving/servables/tensorflow/util.cc: the labels TF Serving gives each series.
+TFS_LABELS = {":tensorflow:serving:request_count": {"model_name", "status"},
+              ":tensorflow:serving:request_latency": {"model_name", "API", "entrypoint"},
+              ":tensorflow:serving:runtime_latency": {"model_name", "API", "runtime"}}
+# google.rpc.Code's names, as TF Serving's error::Code_Name writes the status label.
+CANONICAL_CODES = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                   "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+                   "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"}
+
+
+def test_tf_serving_series_carry_tf_servings_labels_only(server: Server) -> None:
+    """What TF Serving's dashboards query: its series with its labels and nothing more, the
+    status a canonical code name; a failed request leaves TF Serving's latency alone."""
+    predict(server, GOOD, 1, 200)
+    predict(server, BAD, 1, 400)
+    families = scrape(server)
+    for name, labels in TFS_LABELS.items():
+        samples = [s for s in families[name].samples if not s.name.endswith(("_sum_created", "_created"))]
+        assert samples, name
+        assert all(set(s.labels) - {"le"} == labels for s in samples), (name, samples[:3])
+    assert {s.labels["status"] for s in families[COUNT].samples} <= CANONICAL_CODES
+    assert {s.labels["API"] for s in families[":tensorflow:serving:request_latency"].samples} == {"Predict"}
+
+
 def test_entrypoint_label_is_tf_servings_rest_or_grpc() -> None:
     """TF Serving labels a call by how it came in: entrypoint "REST" or "GRPC" (the gRPC
-    services count through appliance/api/grpc_errors.py ``observed``)."""
+    services count through appliance/api/grpc_errors.py ``observed``), and its status by
+    the canonical code name (an HTTP status is read back to one)."""
     metrics = Metrics()
     metrics.observe_request("m", "predict", 200, 0.001)
     metrics.observe_request("m", "predict", 404, 0.001, entrypoint="GRPC")
+    metrics.observe_request("m", "predict", "FAILED_PRECONDITION", 0.001, entrypoint="GRPC")
+    metrics.observe_request("m", "predict", 413, 0.001)
     families = families_of(metrics)
-    rows = {(s.labels["entrypoint"], s.labels["status"]): s.value for s in families[COUNT].samples}
-    assert rows == {("REST", "OK"): 1.0, ("GRPC", "404"): 1.0}
+    assert {s.labels["status"]: s.value for s in families[COUNT].samples} == \
+        {"OK": 1.0, "NOT_FOUND": 1.0, "FAILED_PRECONDITION": 1.0, "RESOURCE_EXHAUSTED": 1.0}
+    ours = {(s.labels["entrypoint"], s.labels["status"]): s.value for s in families[OURS].samples
+            if s.name == OURS + "_total"}
+    assert ours == {("REST", "OK"): 1.0, ("GRPC", "NOT_FOUND"): 1.0, ("GRPC", "FAILED_PRECONDITION"): 1.0,
+                    ("REST", "RESOURCE_EXHAUSTED"): 1.0}
     latency = ":tensorflow:serving:request_latency"
-    counts = {s.labels["entrypoint"]: s.value for s in families[latency].samples if s.name == latency + "_count"}
-    assert counts == {"REST": 1.0, "GRPC": 1.0}
+    counts = {(s.labels["API"], s.labels["entrypoint"]): s.value for s in families[latency].samples
+              if s.name == latency + "_count"}
+    assert counts == {("Predict", "REST"): 1.0}  # TF Serving records the latency of successful requests only
 
 
 def test_observe_sync_counts_runs_and_durations_by_result() -> None:
@@ -122,10 +158,12 @@ def test_counter_keeps_tf_serving_name(server: Server) -> None:
 
 
 def test_errors_are_counted_by_status(server: Server) -> None:
+    """An unknown signature is INVALID_ARGUMENT (HTTP 400), as TF Serving counts it."""
     before = scrape(server)
     predict(server, BAD, 3, 400)
     after = scrape(server)
-    assert total(after, COUNT, model_name=MODEL, status="400") - total(before, COUNT, model_name=MODEL, status="400") == 3
+    bad = {"model_name": MODEL, "status": "INVALID_ARGUMENT"}
+    assert total(after, COUNT, **bad) - total(before, COUNT, **bad) == 3
     assert total(after, COUNT, model_name=MODEL, status="OK") == total(before, COUNT, model_name=MODEL, status="OK")
 
 

@@ -136,7 +136,11 @@ def test_tf_servings_own_monitoring_config_is_read_as_protobuf_text(tmp_path: Pa
 
 # -- live ----------------------------------------------------------------------------------
 def start_tfs(tmp_path: Path, flags: list[str]) -> Server:
+    """``appliance tfs`` on free ports: gRPC only where ``flags`` name its port (TF Serving's
+    8500 may be another service's: the README's own, tests/test_private_home.py)."""
     port = free_port()
+    if not any(flag.startswith("--port=") for flag in flags):
+        flags = [*flags, "--port=0"]
     cmd = [sys.executable, "-m", "appliance.cli", "tfs", f"--rest_api_port={port}", *flags,
            "--host", "127.0.0.1", "--state", str(tmp_path / "state"), "--no-discovery"]
     return spawn(cmd, port, tmp_path / "state", tmp_path / "tfs.log")

@@ -2,16 +2,21 @@
 
 Two servers and one browser serve the module.
 
-* healthy: ``multisig_tflite`` (LiteRT: starts in seconds), two copies of it whose directory
-  names are HTML (they must show as text) and ``multisig_broken``, whose version 2 is not a
-  model (it is quarantined while version 1 serves). A test adds version 2 of
-  ``multisig_tflite`` while the page is open and waits for it to appear without reload.
+* healthy: ``multisig_tflite`` (LiteRT: starts in seconds) and two copies of it whose
+  directory names are HTML (they must show as text): no problem, a green header. A test
+  adds version 2 of ``multisig_tflite`` while the page is open and waits for it to appear
+  without reload.
 * degraded: the same model from a signed folder bucket, with its gRPC port taken by
   another socket and discovery told to use an interface that does not exist: two configured
-  parts down while the REST API serves. A test publishes an unsigned version, which the
-  device refuses.
+  parts down while the REST API serves; beside it ``multisig_broken`` from a local folder,
+  whose version 2 is not a model (quarantined while version 1 serves). A test publishes an
+  unsigned version, which the device refuses.
 
-Screenshots of both at 1280, 390 and 360 px land in ``test-artifacts/status-*.png``.
+The problems scenario of issue 38 (a version target not reached, workers, the bucket) is
+tests/test_problems.py.
+
+Screenshots of both at 1280, 390 and 360 px land in ``$EDGE_TEST_ARTIFACTS/status-*.png``
+(scripts/test.sh: the checkout's test-artifacts/).
 """
 
 from __future__ import annotations
@@ -56,7 +61,12 @@ def models(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = model_copy(models_dir, tmp_path_factory.mktemp("ui-models"), MODEL)
     for name in HTML_NAMES:
         shutil.copytree(base / MODEL, base / name)  # raises if the filesystem refused the name
-    shutil.copytree(base / MODEL / "1", base / BROKEN / "1")
+    return base
+
+
+def broken_model(models_dir: Path, base: Path) -> Path:
+    """``base/multisig_broken``: version 1 serves, version 2 is not a model."""
+    shutil.copytree(models_dir / MODEL / "1", base / BROKEN / "1")
     (base / BROKEN / "2").mkdir()
     (base / BROKEN / "2" / "model.tflite").write_bytes(b"not a flatbuffer " * 8)
     return base
@@ -104,6 +114,7 @@ def degraded(module_server: Any, models_dir: Path, tmp_path_factory: pytest.Temp
     port = free_port()
     config = tmp / "degraded.toml"
     config.write_text("\n".join([
+        f'models_dir = "{broken_model(models_dir, tmp / "local")}"',
         "poll_interval_s = 0.5", "[discovery]", 'interfaces = ["no-such-if0"]', "recheck_interval_s = 60.0",
         "[grpc]", "bind_retry = true", "[sync]", f'bucket = "file://{bucket}"', f'public_key = "{tmp / "k.pub"}"', "poll_interval_s = 0.3",
         "jitter = 0.1"]) + "\n")
@@ -189,7 +200,7 @@ document.addEventListener("DOMContentLoaded", () => {
 
 def test_shows_model_backend_state_and_events(page: Page) -> None:
     page.page.locator("#ready.ok", has_text=re.compile("^ready$")).wait_for()
-    assert page.page.locator("#health").is_hidden() and page.page.locator("#health article").count() == 0
+    assert page.page.locator("#problems").is_hidden() and page.page.locator("#problems li").count() == 0
     card = page.card(MODEL)
     card.locator(".badge", has_text="serving v1 on tflite").wait_for()
     assert card.locator("tr[data-version='1'] .badge").inner_text() == "AVAILABLE"
@@ -254,12 +265,13 @@ def test_device_card_says_what_the_data_says(page: Page) -> None:
     assert "(cuda)" not in runtimes.lower()
     if not device["nvidia_gpu"] and not device["gpu_name"]:
         assert page.row(card, "GPU").inner_text().startswith("none found")
-    assert re.fullmatch(r"(\d+(\.\d)? %|—)( \(all cores, since the last update\))?", page.row(card, "CPU use").inner_text())
+    assert re.fullmatch(r"\d+(\.\d)? % of all cores \(every process\)|—", page.row(card, "Machine CPU").inner_text())
     assert re.fullmatch(r"[\d.]+ \(1 min\) · [\d.]+ \(5 min\)", page.row(card, "Load average").inner_text())
     assert page.row(card, "CPU").inner_text() == f"{device['cpu_count']} cores"
 
 
-def test_quarantined_version_says_so(page: Page) -> None:
+def test_quarantined_version_says_so(degraded_page: Page) -> None:
+    page = degraded_page
     card = page.card(BROKEN)
     card.locator(".badge", has_text="serving v1 on tflite").wait_for()
     card.locator(".model-head .badge.bad", has_text="v2 quarantined").wait_for()
@@ -289,7 +301,7 @@ def test_latency_and_batch_charts_have_axes_and_units(page: Page) -> None:
     rate_ticks = texts(card.locator("[data-chart=rate] .axis-y text"))
     assert all(t.endswith(" /s") for t in rate_ticks), rate_ticks
 
-    idle = page.card(BROKEN).locator("[data-chart=latency]")  # no traffic: the same axes, and says so
+    idle = page.card(HTML_NAMES[0]).locator("[data-chart=latency]")  # no traffic: the same axes, and says so
     assert texts(idle.locator(".axis-x text")) == ["−60 s", "−30 s", "now"]
     assert texts(idle.locator("text.empty")) == ["no requests in the last minute"]
 
@@ -306,15 +318,17 @@ def test_a_part_that_is_down_makes_the_device_amber_and_is_named(degraded_page: 
     page = degraded_page
     ready = page.page.locator("#ready")
     page.page.locator("#ready[data-state=degraded]").wait_for()
-    page.page.locator("#health article[data-part=discovery]").wait_for()  # discovery attaches last
+    grpc = page.page.locator("#problems li.problem[data-kind=part_down][data-part=gRPC]")
+    discovery = page.page.locator("#problems li.problem[data-kind=part_down][data-part=Discovery]")
+    discovery.wait_for()  # discovery attaches last
     page.next_update()
     page.next_update()
     assert ready.get_attribute("class") == "badge warn"
-    assert re.fullmatch(r"degraded · (gRPC, Discovery|Discovery, gRPC) down", ready.inner_text()), ready.inner_text()
-    grpc = page.page.locator("#health article.part-down[data-part=grpc]")
-    assert "gRPC" in grpc.locator("h2").inner_text() and "cannot listen for gRPC" in grpc.inner_text()
-    discovery = page.page.locator("#health article.part-down[data-part=discovery]")
-    assert "Discovery" in discovery.locator("h2").inner_text() and "no-such-if0" in discovery.inner_text()
+    count = page.page.locator("#problems li.problem").count()
+    assert count >= 3 and ready.inner_text() == f"degraded · {count} problems", ready.inner_text()  # + v2 quarantined
+    assert "gRPC down" in grpc.locator(".badge").inner_text() and "cannot listen for gRPC" in grpc.inner_text()
+    assert "sev-error" in grpc.get_attribute("class")  # a configured API not listening: the device is not ready
+    assert "Discovery down" in discovery.locator(".badge").inner_text() and "no-such-if0" in discovery.inner_text()
     assert page.page.locator("#discovery .part-state .badge.warn").inner_text().startswith("down")
     classes = page.page.evaluate("window.__badgeClasses")
     assert "badge warn" in classes and not [c for c in classes if "ok" in c.split()], classes  # never green
@@ -342,14 +356,14 @@ def test_sync_card_shows_a_refused_version_and_no_empty_rows(degraded_page: Page
 
 @pytest.mark.parametrize("width", [1280, 390, 360])
 def test_screenshots(browser: Any, server: Server, degraded: Degraded, width: int) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for name, srv, state in (("healthy", server, "ready"), ("degraded", degraded.server, "degraded")):
         shot = Page(browser, srv, width=width, height=900)
         try:
             shot.page.locator(f"#ready[data-state={state}]").wait_for()
             shot.card(MODEL).locator(".badge", has_text="serving v").wait_for()
             if name == "degraded":
-                shot.page.locator("#health article[data-part=discovery]").wait_for()
+                shot.page.locator("#problems li[data-part=Discovery]").wait_for()
             width_used = shot.page.evaluate("document.documentElement.scrollWidth")
             assert width_used <= width, f"{name} page is {width_used} px wide at {width} px"  # nothing wider
             path = ARTIFACTS / f"status-{name}-{width}.png"

@@ -210,7 +210,9 @@ def test_unknown_model_is_not_found_and_metrics_count_v2(stub: Any, core: Applia
         stub.ModelInfer(request)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in err.value.details()
     text = core.metrics.render()  # counted like /v1: under the model the request named, as a gRPC call
-    assert b'request_count{API="v2_infer",entrypoint="GRPC",model_name="nope",status="404"}' in text, text[:3000]
+    assert b'edge_appliance_requests_total{API="v2_infer",entrypoint="GRPC",model_name="nope",status="NOT_FOUND"}' in text, \
+        text[:3000]
+    assert b':tensorflow:serving:request_count{model_name="nope",status="NOT_FOUND"}' in text
     assert b'API="v2_infer",entrypoint="GRPC",model_name="keras_mlp_tflite",status="OK"' in text
 
 

@@ -47,13 +47,14 @@ def _status(exc: Exception, method: str, codes: Mapping[type, str] | None, conte
 
 @contextlib.contextmanager
 def observed(metrics: RequestMetrics, model: str, api: str) -> Iterator[None]:
-    """Count a gRPC call in the request metrics as REST counts a request (the HTTP status its
-    error maps to), under ``entrypoint="GRPC"`` as TF Serving labels its gRPC calls."""
-    started, status = time.perf_counter(), 200
+    """Count a gRPC call in the request metrics under its canonical code (``OK``, the
+    error's ``grpc_code``, INTERNAL for a bug) and ``entrypoint="GRPC"``, as TF Serving
+    labels its gRPC calls."""
+    started, status = time.perf_counter(), "OK"
     try:
         yield
     except Exception as exc:
-        status = exc.http_status if isinstance(exc, ApplianceError) else 500
+        status = exc.grpc_code if isinstance(exc, ApplianceError) else "INTERNAL"
         raise
     finally:
         metrics.observe_request(model, api, status, time.perf_counter() - started, entrypoint="GRPC")

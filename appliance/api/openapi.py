@@ -16,6 +16,7 @@ import importlib.util
 from typing import Any
 
 from appliance.api.families import API_MOUNTS
+from appliance.core.problems import KIND_ORDER
 
 JSON = "application/json"
 _ERROR_SCHEMA = {"$ref": "#/components/schemas/Error"}
@@ -94,8 +95,9 @@ def _service_paths() -> dict[str, Any]:
             "200": _ok({"$ref": "#/components/schemas/Ready"}),
             "503": _ok({"$ref": "#/components/schemas/Ready"}, "not ready: which models, which problems")},
             guards=PROBE_GUARDS)},
-        "/api/status": {"get": _operation("device, backend decision, models, events (secrets redacted)",
-                                          {"200": _ok({"type": "object"})})},
+        "/api/status": {"get": _operation("problems first, then the device, service tree, models, backend decisions, "
+                                          "events (secrets redacted)",
+                                          {"200": _ok({"$ref": "#/components/schemas/Status"})})},
         "/openapi.json": {"get": _operation("this description", {"200": _ok({"type": "object"})})},
         "/monitoring/prometheus/metrics": {"get": _operation("Prometheus text format", {
             "200": _ok({"type": "string"}, media="text/plain")})},
@@ -188,6 +190,17 @@ SCHEMAS: dict[str, Any] = {
     "Ready": {"type": "object", "required": ["ready"], "properties": {
         "ready": {"type": "boolean"}, "models": {"type": "object"},
         "problems": {"type": "array", "items": {"type": "string"}}}},
+    "Status": {"type": "object", "required": ["service", "problems", "device", "models", "events"], "properties": {
+        "problems": {"type": "array", "items": {"$ref": "#/components/schemas/Problem"}},
+        "footprint": {"type": "object", "properties": {
+            "processes": {"type": "integer"}, "rss_bytes": {"type": "integer"},
+            "pss_bytes": {"type": ["integer", "null"]}, "cpu_percent": {"type": ["number", "null"]}}}}},
+    # appliance/core/problems.py: every state an operator must act on.
+    "Problem": {"type": "object", "required": ["kind", "message", "severity"], "properties": {
+        "kind": {"type": "string", "enum": list(KIND_ORDER)},
+        "message": {"type": "string"}, "severity": {"type": "string", "enum": ["error", "warning"]},
+        "model": {"type": "string"}, "version": {"type": "integer"}, "part": {"type": "string"},
+        "error_code": {"type": "string"}, "since": {"type": "number", "description": "epoch seconds"}}},
     "RollbackRequest": {"type": "object", "properties": {
         "version": {"type": "integer", "minimum": 0}, "clear": {"type": "boolean"}}},
 }

@@ -1,5 +1,6 @@
-"""What several commands share: the bucket from ``--bucket``, the signing key, the admin
-token, the one-line failure of a bucket command, an HTTP error's text.
+"""What several commands share: the bucket from ``--bucket``, the signing key, the one-line
+failure of a bucket command, an HTTP error's text, and how a verb finds and calls the
+running service (``service_args``, ``call_service``; appliance/commands/service_client.py).
 
 Only the standard library at import time (``appliance --help`` builds every parser);
 each helper imports what it needs when it runs.
@@ -8,7 +9,6 @@ each helper imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Callable
 
@@ -29,44 +29,38 @@ def signing_key(path: str | None) -> Any:
     return load_private_key(path) if path else None
 
 
-def admin_token(args: argparse.Namespace) -> str | None:
-    """The admin token from ``--token-file``, else as the service finds its own ([security]
-    of ``--config``, or the ``admin-token`` credential when run inside the unit)."""
-    if getattr(args, "token_file", None):
-        with open(args.token_file) as f:
-            return f.read().strip() or None
-    import os
-
-    from appliance.api.auth import client_admin_token
-    from appliance.core.config_file import load as load_config
-
-    config = load_config(getattr(args, "config", None), {"state_dir": getattr(args, "state", None)})
-    token = client_admin_token(config.security)
-    local = os.path.join(config.state_dir, "admin-token")  # the embedded default's (commands/serve.py)
-    if token is None and os.access(local, os.R_OK):
-        with open(local) as f:
-            token = f.read().strip() or None
-    return token
+def service_args(parser: argparse.ArgumentParser, timeout: float = 120) -> None:
+    """The options of a verb that talks to the running service: how it is found (its state
+    directory's record, as the service was started) and how it is authorised."""
+    parser.add_argument("--state", help="the service's state directory (default: $STATE_DIRECTORY or "
+                        "~/.local/state/edge-appliance, as `appliance serve`); its service.json says where it listens")
+    parser.add_argument("--config", help="the service's TOML config file (its state_dir, port and [security])")
+    parser.add_argument("--url", help="the service's URL (default: as recorded in the state directory)")
+    parser.add_argument("--token-file", help="a file holding the admin token (default: as the service finds it)")
+    parser.add_argument("--timeout", type=float, default=timeout)
 
 
-def error_text(exc: Any) -> str:
-    """The ``error`` of a JSON error body of an ``urllib.error.HTTPError``, else its reason."""
-    try:
-        return str(json.loads(exc.read()).get("error", exc.reason))
-    except (ValueError, AttributeError, OSError):
-        return str(exc.reason)
+def call_service(args: argparse.Namespace, method: str, path: str, body: bytes = b"") -> Any:
+    """``method path`` on the running service as ``args`` find it; the JSON answer. A
+    refusal or an unreachable service raises ``ServiceError`` saying what to pass."""
+    from appliance.commands.service_client import Client
+
+    return Client.from_args(args).call(method, path, body)
 
 
 def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """A bucket command: a refusal, an unreachable bucket or a bad value is one line on
-    stderr (``appliance <command>: refused|error: ...``) and exit status 1, no traceback."""
+    """A bucket or service command: a refusal, an unreachable bucket or service or a bad
+    value is said on stderr (``appliance <command>: refused|error: ...``, then what to pass)
+    with exit status 1, no traceback."""
     def wrapped(args: argparse.Namespace) -> int:
+        from appliance.commands.service_client import ServiceError
         from sync.errors import Refused, SyncError
 
         try:
             return int(fn(args))
-        except (SyncError, ValueError, OSError) as exc:
-            kind = "refused" if isinstance(exc, Refused) else "error"
+        except (SyncError, ServiceError, ValueError, OSError) as exc:
+            refused = isinstance(exc, Refused) or getattr(exc, "status", None) is not None
+            kind = "refused" if refused else "error"
             print(f"appliance {args.command}: {kind}: {exc}", file=sys.stderr)
             return 1
     return wrapped

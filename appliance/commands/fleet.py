@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from appliance.commands.common import BUCKET_HELP, admin_token, error_text, guarded, signing_key
+from appliance.commands.common import BUCKET_HELP, call_service, guarded, service_args, signing_key
 from appliance.commands.common import source as bucket
 
 
@@ -160,25 +160,9 @@ def print_fleet(view: dict[str, Any], rows: list[dict[str, Any]], rollouts: list
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    """Ask the running service on this device to poll the bucket now (an admin endpoint:
-    the admin token is sent as the config file or the unit's credential gives it)."""
-    import urllib.error
-    import urllib.request
-
-    headers = {}
-    token = admin_token(args)
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(args.url.rstrip("/") + "/api/sync", data=b"", method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            status = json.loads(response.read())
-    except urllib.error.HTTPError as exc:  # 403 without a token, 409 without a bucket: the service says why
-        print(f"the service refused: {exc.code} {error_text(exc)}", file=sys.stderr)
-        return 1
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"cannot reach the service at {args.url}: {exc}", file=sys.stderr)
-        return 1
+    """Ask the running service on this device to poll the bucket now (an admin endpoint; the
+    service and its admin token are found as appliance/commands/service_client.py says)."""
+    status = call_service(args, "POST", "/api/sync")
     print(json.dumps(status, indent=2))
     return 1 if status.get("last_error") else 0
 
@@ -202,7 +186,6 @@ def cmd_rollback(args: argparse.Namespace) -> int:
             return 1
         set_pin(config.state_dir, args.model, version)
         print(f"{args.model} pinned to version {version}")
-    args.timeout = 120
     return cmd_sync(args) if not args.no_sync else 0
 
 
@@ -268,20 +251,13 @@ def add_commands(sub: Any) -> None:
     f.set_defaults(func=guarded(cmd_fleet))
 
     s = sub.add_parser("sync", help="make the running service poll the bucket now")
-    s.add_argument("--url", default="http://127.0.0.1:8501", help="the service on this device")
-    s.add_argument("--timeout", type=float, default=120)
-    s.add_argument("--config", help="TOML config file whose [security] gives the admin token")
-    s.add_argument("--token-file", help="a file holding the admin token")
-    s.add_argument("--state", help="the service's state directory, whose admin-token the embedded default made")
+    service_args(s)
     s.set_defaults(func=guarded(cmd_sync))
 
     r = sub.add_parser("rollback", help="pin a model to an older version kept on disk")
     r.add_argument("--model", required=True)
     r.add_argument("--to", type=int, help="the version (default: the one below the newest on disk)")
     r.add_argument("--clear", action="store_true", help="remove the pin")
-    r.add_argument("--config", help="TOML config file (for state_dir)")
-    r.add_argument("--state", help="state directory")
-    r.add_argument("--url", default="http://127.0.0.1:8501", help="the service to tell (POST /api/sync)")
     r.add_argument("--no-sync", action="store_true", help="only write the pin")
-    r.add_argument("--token-file", help="a file holding the admin token (for the poll)")
+    service_args(r)  # the pin goes into --state; the service found there is told to poll
     r.set_defaults(func=guarded(cmd_rollback))

@@ -1,41 +1,26 @@
 """``appliance rollout promote|abort|halt|resume|watch|fleet``.
 
-promote / abort talk to the running service's admin endpoints (the admin token comes from
---token-file or the config's [security]). halt / resume write the channel pointer in the
-bucket. watch follows a rollout from the device reports and halts it at the channel's
-failure threshold (sync/rollout_guard.py). fleet is ``appliance fleet --model M --channel C``.
+promote / abort talk to the running service's admin endpoints (the service and its admin
+token are found as appliance/commands/service_client.py says). halt / resume write the channel
+pointer in the bucket. watch follows a rollout from the device reports and halts it at the
+channel's failure threshold (sync/rollout_guard.py). fleet is ``appliance fleet --model M --channel C``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import Any
 
-from appliance.commands.common import BUCKET_HELP, admin_token, guarded, signing_key, source
+from appliance.commands.common import BUCKET_HELP, call_service, guarded, service_args, signing_key, source
 
 
 def cmd_decide(args: argparse.Namespace) -> int:
-    import urllib.error
-    import urllib.request
-
-    headers = {"Content-Type": "application/json"}
-    token = admin_token(args)
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    url = f"{args.url.rstrip('/')}/api/models/{args.model}/rollout/{args.rollout_command}"
-    request = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            print(json.dumps(json.loads(response.read()), indent=2))
-    except urllib.error.HTTPError as exc:  # 403 without the token, 409 without a candidate: say why
-        print(f"the service refused: {exc.code} {exc.read().decode(errors='replace')}", file=sys.stderr)
-        return 1
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"cannot reach the service at {args.url}: {exc}", file=sys.stderr)
-        return 1
+    """Promote or abort the candidate on the running service (found as
+    appliance/commands/service_client.py says; 403 without the token, 409 without a candidate)."""
+    answer = call_service(args, "POST", f"/api/models/{args.model}/rollout/{args.rollout_command}", b"{}")
+    print(json.dumps(answer, indent=2))
     return 0
 
 
@@ -87,11 +72,8 @@ def add_commands(sub: Any) -> None:
     for action in ("promote", "abort"):
         p = commands.add_parser(action, help=f"{action} the candidate version on the running service")
         p.add_argument("--model", required=True)
-        p.add_argument("--url", default="http://127.0.0.1:8501", help="the service on this device")
-        p.add_argument("--config", help="TOML config file whose [security] gives the admin token")
-        p.add_argument("--token-file", help="a file holding the admin token")
-        p.add_argument("--timeout", type=float, default=30)
-        p.set_defaults(func=cmd_decide)
+        service_args(p, timeout=30)
+        p.set_defaults(func=guarded(cmd_decide), command=f"rollout {action}")
     for action, text in (("halt", "stop every further device move on a channel"), ("resume", "clear a halt")):
         p = commands.add_parser(action, help=text)
         p.add_argument("--bucket", required=True, help=BUCKET_HELP)

@@ -110,7 +110,7 @@ def _local_admin_token(config: Config) -> None:
         return
     import secrets
 
-    path = os.path.join(config.state_dir, "admin-token")
+    path = os.path.abspath(os.path.join(config.state_dir, "admin-token"))  # a relative path would name a credential
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

@@ -4,6 +4,11 @@ Constructors do no I/O and start no threads; ``start()`` opens the state databas
 profiles the device and starts the model manager; ``close()`` drains and stops. Both are
 idempotent. Parts (sync loop, discovery, notify, gRPC) contribute to ``/api/status``
 through ``add_status(name, provider)`` and report trouble with ``report_problem``.
+
+``/api/status`` ``problems`` is every state an operator must act on, each with its kind,
+model and version, a sentence and since when (appliance/core/problems.py); the device
+report carries the same list (``problem_list``). ``footprint`` is the memory (RSS, PSS) and
+CPU of the whole service tree (appliance/core/footprint.py).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import runtimes
 from appliance.version import __version__
 from appliance.core import device as device_mod
 from appliance.core.config import Config, ModelConfig
+from appliance.core.footprint import TreeSampler
 from appliance.core.local import LocalHandles, LocalStates
 from appliance.core.manager import Manager
 from appliance.core.metrics import Metrics
+from appliance.core.problems import Inputs, ProblemLog, find_problems
 from appliance.core.rollout import Rollouts
 from appliance.core.sources import DirectorySource, scan_interval
 from appliance.core.state import StateDB
@@ -72,7 +79,10 @@ class Appliance:
         self._status: dict[str, Callable[[], Any]] = {}
         self._problems: dict[str, str] = {}  # part -> why it is down (readiness, page, notify)
         self._critical: set[str] = set()  # the parts among them without which the device is not ready
+        self.problem_log = ProblemLog()  # since when each problem stands
+        self.footprint = TreeSampler()
         self.db.subscribe(self.metrics.on_event)  # edge_appliance_events_total{kind}
+        self.db.subscribe(self.problem_log.on_event)
 
     def start(self) -> "Appliance":
         with self._lock:
@@ -172,9 +182,21 @@ class Appliance:
         return provider() if provider else None
 
     def problems(self) -> list[str]:
-        """What is wrong but not fatal: a damaged or read-only state database, a part that
-        failed to start. Shown by /readyz, /api/status and the page."""
+        """The parts that are down and the state database's complaints, one line each (what
+        /readyz and systemd's status line say); ``problem_list`` has every problem."""
         return [*self.db.problems, *(f"{part}: {why}" for part, why in self._problems.items())]
+
+    def problem_list(self, models: dict[str, Any] | None = None,
+                     sections: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Every state an operator must act on (appliance/core/problems.py), with since when;
+        for ``/api/status``, the page and the device report. Any thread. ``models`` and
+        ``sections`` (the parts' status): what the caller already has."""
+        if models is None:
+            models = self.manager.snapshot() if self.manager is not None else {}
+        section = (lambda name: sections.get(name)) if sections is not None else self.status_of
+        inputs = Inputs(models=models, sync=section("sync"), workers=section("workers"),
+                        parts_down=self.parts_down(), critical=set(self._critical), database=list(self.db.problems))
+        return [p.to_dict() for p in self.problem_log.update(find_problems(inputs))]
 
     def parts_down(self) -> dict[str, str]:
         return dict(self._problems)
@@ -183,21 +205,29 @@ class Appliance:
         """The snapshot behind /api/status and the status page (no secrets)."""
         assert self.manager is not None
         models = self.manager.snapshot()
+        parts = {name: provider() for name, provider in list(self._status.items())}
+        problems = self.problem_list(models, parts)
         for name, model in models.items():
             model["requests"] = self.metrics.window.summary(name)
         return redact({
             "service": {"name": "edge-appliance", "version": __version__, "device_id": self.device_id,
-                        "uptime_s": round(time.time() - self.started_at, 1), "ready": self.ready(),
-                        "last_poll": self.manager.last_poll,
-                        "imported": [m for m in HEAVY_MODULES if m in sys.modules]},
+                        "uptime_s": round(time.time() - self.started_at, 1), "started": self.started_at,
+                        "ready": self.ready(), "last_poll": self.manager.last_poll,
+                        "imported": [m for m in HEAVY_MODULES if m in sys.modules], "clock": device_mod.clock()},
+            "problems": problems,
             "device": {**self.device, **device_mod.live_figures(self.config.state_dir)},
+            "footprint": self.footprint.sample(_worker_roles(parts.get("workers"))),
             "config": _public_config(self.config),
             "models": models,
             "events": self.db.recent(50),
-            **{name: provider() for name, provider in list(self._status.items())},
+            **parts,
             "parts_down": self.parts_down(),
-            "problems": self.problems(),
         })
+
+
+def _worker_roles(workers: Any) -> dict[int, str]:
+    """pid -> "front worker N", from the workers' status section."""
+    return {w["pid"]: f"front worker {w.get('index')}" for w in workers or [] if isinstance(w, dict) and w.get("pid")}
 
 
 def _public_config(config: Config) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from typing import Any
 
 import psutil
@@ -143,6 +144,31 @@ def _cpu_percent() -> float | None:
     if total1 <= total0:
         return None
     return round(min(100.0, max(0.0, 100 * (busy1 - busy0) / (total1 - total0))), 1)
+
+
+def clock() -> dict[str, Any]:
+    """The device's time and time zone, so a page read elsewhere can say which zone its
+    times are in: ``now`` (epoch s), ``timezone`` (IANA name where known, else the
+    abbreviation) and ``utc_offset_s``."""
+    now = time.time()
+    local = time.localtime(now)
+    return {"now": now, "timezone": _zone_name() or local.tm_zone, "utc_offset_s": local.tm_gmtoff}
+
+
+def _zone_name() -> str:
+    """The IANA zone: $TZ, /etc/timezone (Debian), or where /etc/localtime points."""
+    tz = os.environ.get("TZ", "").lstrip(":")
+    if tz and "/" in tz and not tz.startswith("/"):
+        return tz
+    try:
+        with open("/etc/timezone") as f:
+            name = f.read().strip()
+        if name:
+            return name
+    except OSError:
+        pass
+    target = os.path.realpath("/etc/localtime")
+    return target.split("zoneinfo/", 1)[1] if "zoneinfo/" in target else ""
 
 
 def live_figures(state_dir: str) -> dict[str, Any]:

@@ -18,6 +18,20 @@ Two kinds of metric live here:
   them at scrape time means no stale series for a version that is gone, and nothing on
   the hot path.
 
+TF Serving's own series carry TF Serving's labels and label values, so its dashboards work
+unchanged (tensorflow_serving/servables/tensorflow/util.cc):
+
+* ``:tensorflow:serving:request_count{model_name, status}``: ``status`` the canonical error
+  code's name (``OK``, ``INVALID_ARGUMENT``, ``NOT_FOUND``, ``UNAVAILABLE``...), as
+  ``error::Code_Name`` writes it; every API's requests count there;
+* ``:tensorflow:serving:request_latency{model_name, API, entrypoint}``: successful requests
+  only, as TF Serving records it; ``API`` its method names (``Predict``, ``Classify``,
+  ``Regress``) for TF Serving's methods, our API's name for the others;
+* ``:tensorflow:serving:runtime_latency{model_name, API, runtime}``.
+
+Our own, richer view of the same requests is ``edge_appliance_requests_total{model_name,
+API, entrypoint, status}`` (every API under its own name, REST or gRPC, the same code names).
+
 Thread-safety: every method may be called from any thread.
 """
 
@@ -41,6 +55,14 @@ WINDOW_SECONDS = 300
 WINDOW_MAX = 20000  # latencies kept per model: bounds memory under any load
 TFS_COUNTERS = (b":tensorflow:serving:request_count",)  # exported without prometheus_client's "_total"
 BUCKET_SECONDS = 5  # width of one point of the page's charts
+# A request's outcome as TF Serving labels it: the canonical code's name. Callers that know
+# the error's gRPC code pass it; an HTTP status is read back the way TF Serving's
+# http_server.cc maps codes to statuses (where two codes share a status, the usual one).
+HTTP_TO_CODE = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+                404: "NOT_FOUND", 405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED", 409: "ABORTED",
+                413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
+                501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+TFS_API_NAMES = {"predict": "Predict", "classify": "Classify", "regress": "Regress"}  # TF Serving's method names
 
 Snapshot = Callable[[], Mapping[str, Any]]
 
@@ -106,11 +128,14 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.request_count = Counter(":tensorflow:serving:request_count", "Requests by model and status",
-                                     ["model_name", "API", "entrypoint", "status"], registry=None)
+        self.request_count = Counter(":tensorflow:serving:request_count", "The total number of requests.",
+                                     ["model_name", "status"], registry=None)
         r.register(_TFServingCounters(self.request_count))
-        self.request_latency = Histogram(":tensorflow:serving:request_latency", "End-to-end request latency (us)",
-                                         ["model_name", "API", "entrypoint"], buckets=LATENCY_BUCKETS_US, registry=r)
+        self.requests = Counter("edge_appliance_requests", "Requests by model, API, entrypoint and status code",
+                                ["API", "entrypoint", "model_name", "status"], registry=r)
+        self.request_latency = Histogram(":tensorflow:serving:request_latency",
+                                         "Latency of successful requests (us)", ["model_name", "API", "entrypoint"],
+                                         buckets=LATENCY_BUCKETS_US, registry=r)
         self.runtime_latency = Histogram(":tensorflow:serving:runtime_latency", "Backend run latency per batch (us)",
                                          ["model_name", "API", "runtime"], buckets=LATENCY_BUCKETS_US, registry=r)
         self.queueing_latency = Histogram(":tensorflow:serving:batching_session:queuing_latency",
@@ -143,16 +168,21 @@ class Metrics:
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, ..._resident_memory_bytes (reads /proc)
 
     # -- event-driven --------------------------------------------------------------------
-    def observe_request(self, model: str, api: str, status: int, seconds: float, entrypoint: str = "REST") -> None:
-        """One request ended with HTTP ``status`` (a gRPC call: the status its error maps to).
-        ``entrypoint``: "REST" or "GRPC", the values TF Serving gives that label."""
-        self.request_count.labels(model, api, entrypoint, "OK" if status < 400 else str(status)).inc()
-        self.request_latency.labels(model, api, entrypoint).observe(seconds * 1e6)
-        self.window.add(model, seconds, status < 400)
+    def observe_request(self, model: str, api: str, status: int | str, seconds: float,
+                        entrypoint: str = "REST") -> None:
+        """One request ended: ``status`` is its canonical code's name ("OK", "NOT_FOUND"...)
+        or an HTTP status (read as ``code_name`` says). ``entrypoint``: "REST" or "GRPC",
+        the values TF Serving gives that label."""
+        code = code_name(status)
+        self.request_count.labels(model, code).inc()
+        self.requests.labels(api, entrypoint, model, code).inc()
+        if code == "OK":
+            self.request_latency.labels(model, TFS_API_NAMES.get(api, api), entrypoint).observe(seconds * 1e6)
+        self.window.add(model, seconds, code == "OK")
 
     def batch_observer(self, model: str, backend: str) -> Callable[[str, int, int, float, float], None]:
         """The ``observe`` callback of one model's ``Batcher`` (called once per executed batch)."""
-        runtime = self.runtime_latency.labels(model, "predict", backend)
+        runtime = self.runtime_latency.labels(model, "Predict", backend)  # TF Serving's API name
         sizes = self.batch_size.labels(model)
         queueing = self.queueing_latency.labels(model)
         padding = self.padded_rows.labels(model)
@@ -187,6 +217,16 @@ class Metrics:
             for line in (b"# HELP ", b"# TYPE "):
                 text = text.replace(line + name + b"_total ", line + name + b" ")
         return text
+
+
+def code_name(status: int | str) -> str:
+    """The canonical code's name of a request's outcome: a code name is kept; an HTTP status
+    maps by ``HTTP_TO_CODE`` (any 2xx is OK; another 4xx INVALID_ARGUMENT, 5xx INTERNAL)."""
+    if isinstance(status, str):
+        return status
+    if 200 <= status < 300:
+        return "OK"
+    return HTTP_TO_CODE.get(status, "INVALID_ARGUMENT" if status < 500 else "INTERNAL")
 
 
 class _TFServingCounters(Collector):

@@ -109,8 +109,10 @@ class ModelStates(Protocol):
 
 
 class RequestMetrics(Protocol):
-    def observe_request(self, model: str, api: str, status: int, seconds: float, entrypoint: str = "REST") -> None:
-        """One answered request of ``api`` (predict, classify, v2_infer, ...) with its HTTP status."""
+    def observe_request(self, model: str, api: str, status: int | str, seconds: float,
+                        entrypoint: str = "REST") -> None:
+        """One answered request of ``api`` (predict, classify, v2_infer, ...) with its canonical
+        code's name ("OK", "NOT_FOUND", ...) or its HTTP status (appliance/core/metrics.py)."""
 
 
 class ServingCore(Protocol):

@@ -102,14 +102,19 @@ class Fronts:
         return total
 
     def workers_status(self) -> list[dict[str, Any]]:
-        """Each worker: pid, memory, requests served, restarts (``/api/status`` ``workers``)."""
+        """Each worker: pid, memory, requests served, restarts, whether its channel is up and
+        how long since it last reported (``silent_s``: it reports every second; a stopped or
+        wedged one goes silent) (``/api/status`` ``workers``)."""
         out = []
+        now = time.monotonic()
         for child in self.supervisor.children:
             stats = self.front.stats.get(child.index, {})
+            reported = self.front.reported.get(child.index)
             out.append({"index": child.index, "pid": self.pids.get(child.index), "restarts": child.restarts,
                         "rss_bytes": stats.get("rss_bytes"), "served": stats.get("served", 0),
                         "connections": stats.get("http", {}).get("connections", 0),
-                        "up": child.index in self.front.links})
+                        "up": child.index in self.front.links,
+                        "silent_s": round(now - reported, 1) if reported is not None else None})
         return out
 
     # -- lifecycle -------------------------------------------------------------------------

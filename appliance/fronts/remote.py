@@ -47,7 +47,7 @@ class FrontMetrics:
         self.link = link
         self._pending: list[list[Any]] = []
 
-    def observe_request(self, model: str, api: str, status: int, seconds: float, entrypoint: str = "REST") -> None:
+    def observe_request(self, model: str, api: str, status: int | str, seconds: float, entrypoint: str = "REST") -> None:
         if not self._pending:
             self.link.soon(self._flush)
         self._pending.append([model, api, status, seconds, entrypoint])

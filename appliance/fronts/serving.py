@@ -68,6 +68,7 @@ class FrontService:
         self.core, self.app, self.threads, self.on_listening = core, app, threads, on_listening
         self.links: dict[int, ChannelProtocol] = {}  # worker index -> its channel
         self.stats: dict[int, dict[str, Any]] = {}  # worker index -> its last STATS
+        self.reported: dict[int, float] = {}  # worker index -> when (monotonic) its last STATS came
         self.view = ServingView(0, {})
         self._streams: dict[tuple[int, int], threading.Event] = {}  # (worker, id) -> cancelled
         self._loop: LoopThread | None = None
@@ -142,6 +143,7 @@ class FrontService:
         elif kind == m.STATS:
             first = proto.index not in self.stats
             self.stats[proto.index] = payload
+            self.reported[proto.index] = time.monotonic()
             if first:
                 self.on_listening(proto.index)
 

@@ -222,7 +222,7 @@ class Reporter:
             "sync": {k: status.get(k) for k in ("last_poll", "last_success", "last_change", "failures", "last_error")},
             "last_sync": status.get("last_poll"), "last_change": status.get("last_change"),
             "last_error": status.get("last_error"),
-            "models": self._models(snapshot), "problems": self._problems(),
+            "models": self._models(snapshot), "problems": self._problems(snapshot),
             "rollouts": _jsonable(self.core.status_of("rollouts") or {}),
             "backend_decisions": {name: next((v.get("decision") for v in m["versions"] if v.get("decision")), None)
                                   for name, m in snapshot.items()},
@@ -236,13 +236,14 @@ class Reporter:
         return {name: model_view(snapshot.get(name, {}), targets.get(name), refused.get(name), waves.get(name),
                                  pins.get(name)) for name in names}
 
-    def _problems(self) -> list[Any]:
-        """``/api/status`` problems as the device states them (strings or objects), defensively."""
+    def _problems(self, snapshot: dict[str, Any]) -> list[Any]:
+        """The problems ``/api/status`` lists (appliance/core/problems.py), from the report's
+        own snapshot; a status provider failing must not cost the report."""
         try:
-            problems = self.core.status().get("problems") or []
-        except Exception:  # a status provider failing must not cost the report
-            problems = self.core.problems()
-        return [_jsonable(p) for p in list(problems)[:MAX_PROBLEMS]] if isinstance(problems, list) else []
+            problems: list[Any] = self.core.problem_list(snapshot)
+        except Exception:
+            problems = list(self.core.problems())
+        return [_jsonable(p) for p in problems[:MAX_PROBLEMS]]
 
 
 def model_view(model: dict[str, Any], target: int | None, refused: dict[str, Any] | None,

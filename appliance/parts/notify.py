@@ -160,6 +160,10 @@ def status_line(service: Host, announced_ready: bool, liveness_problem: str | No
     else:
         names = ", ".join(f"{n} v{v}" for n, v in sorted(serving.items()))
         line = f"serving {len(serving)} model{'s' if len(serving) != 1 else ''}: {names}"
+        listed = service.core.problem_list(models)  # a version refused, a target not reached... (/api/status)
+        if listed:
+            first = listed[0]["message"]
+            line += f"; {len(listed)} problem{'s' if len(listed) != 1 else ''}: {first[:160]}"
     return line
 
 

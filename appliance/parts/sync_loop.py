@@ -240,6 +240,7 @@ class SyncLoop:
         self.polling = False
         self.core.metrics.observe_sync(outcome, time.monotonic() - started)
         self.status["targets"] = dict(self.follower.targets)
+        self.status["pins"] = dict(self.store.pins())  # a pin replaces the channel's target (appliance rollback)
         self.status["problems"] = list(self.store.problems)
         self.polls_done += 1
         if self.reporter is not None:

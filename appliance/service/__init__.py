@@ -38,6 +38,7 @@ from appliance.core.errors import ConfigError
 from appliance.core.batcher import LONE_CALL
 from appliance.fronts.app import FrontApp, facing, hot_mounts
 from appliance.fronts.pool import Fronts, workers_for
+from appliance.service import listening
 from appliance.service.state_lock import StateDirBusy, lock_state_dir
 from appliance.core.tls import tls_context
 from sync.store import check_version
@@ -218,6 +219,7 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
         _abandon(service)
         return 1
     _add_optional_parts(service, ("appliance.parts.config_poller",))
+    listening.attach(service)  # <state>/service.json: how the CLI finds this service
     service.serve_http()
     _add_optional_parts(service, ("appliance.parts.notify", "appliance.parts.discovery"))
     assert service.server is not None

@@ -65,15 +65,47 @@
     return ss + "s";
   }
 
-  function clock(ts) {
-    return new Date(ts * 1000).toLocaleTimeString([], { hour12: false });
+  // Every time with its date and zone: "2026-12-05 08:28:17 CET" (the viewer's zone, named).
+  const pad = (n) => String(n).padStart(2, "0");
+  let zoneName = null;
+
+  function zone(date) {
+    if (zoneName === null) {
+      try {
+        const part = new Intl.DateTimeFormat([], { timeZoneName: "short" }).formatToParts(date).find((p) => p.type === "timeZoneName");
+        zoneName = part ? part.value : "";
+      } catch (err) {
+        zoneName = "";
+      }
+    }
+    return zoneName || utcOffset(-date.getTimezoneOffset() * 60);
+  }
+
+  const utcOffset = (sec) => "UTC" + (sec < 0 ? "−" : "+") + pad(Math.floor(Math.abs(sec) / 3600)) + ":" + pad(Math.floor(Math.abs(sec) % 3600 / 60));
+  const ymd = (d, utc) => utc ? `${d.getUTCFullYear()}-${pad(d.getUTCMonth() + 1)}-${pad(d.getUTCDate())} ${pad(d.getUTCHours())}:${pad(d.getUTCMinutes())}:${pad(d.getUTCSeconds())}`
+    : `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+
+  function stamp(ts) {
+    const d = new Date(ts * 1000);
+    return ymd(d, false) + " " + zone(d);
+  }
+
+  // The device's own clock, in the device's zone (it may differ from the viewer's).
+  function deviceClock(c) {
+    if (!c || typeof c.now !== "number") return null;
+    const off = c.utc_offset_s || 0;
+    return ymd(new Date((c.now + off) * 1000), true) + " " + utcOffset(off) + (c.timezone ? " (" + c.timezone + ")" : "");
   }
 
   function when(ts) {
     if (typeof ts !== "number" || ts <= 0) return "never";
     const delta = ts - Date.now() / 1000;
     const rel = Math.abs(delta) < 1 ? "now" : delta < 0 ? duration(-delta) + " ago" : "in " + duration(delta);
-    return clock(ts) + " (" + rel + ")";
+    return stamp(ts) + " (" + rel + ")";
+  }
+
+  function timeEl(ts) {
+    return h("time", { datetime: new Date(ts * 1000).toISOString() }, when(ts));
   }
 
   function mb(v) {
@@ -84,7 +116,7 @@
   // A bucket URL may carry user:password@ — never show it, whatever the server sent.
   const noCredentials = (text) => String(text).replace(/\/\/[^/@\s]*@/g, "//***@");
 
-  const STATE_CLASS = { AVAILABLE: "ok", LOADING: "warn", START: "warn", UNLOADING: "info", END: "muted" };
+  const STATE_CLASS = { AVAILABLE: "ok", DEGRADED: "warn", LOADING: "warn", START: "warn", UNLOADING: "info", END: "muted" };
 
   function stateBadge(state, error) {
     const cls = error ? "bad" : STATE_CLASS[state] || "muted";
@@ -200,60 +232,49 @@
   }
 
   // ---- sections ------------------------------------------------------------------------
-  // Which part a /api/status "problems" string is about: the service records a part that
-  // is down as "<module>: <error>" (appliance.service.grpc_port, appliance.parts.discovery, ...).
-  const PART_NAMES = [[/grpc/, "gRPC"], [/sync/, "Sync"], [/discovery/, "Discovery"], [/notify/, "systemd notify"],
-    [/tfs_config|config_files/, "Model config file"], [/generat/, "Generation"], [/auth|security/, "Security"]];
+  const KIND_LABEL = {
+    model_not_serving: "not serving", target_not_reached: "target not reached", version_quarantined: "quarantined",
+    version_degraded: "degraded", backend_failed: "backend failed", workers_down: "front workers",
+    sync_failing: "sync failing", sync_refused: "sync refused", store: "model store", part_down: "down",
+    state_database: "state database",
+  };
 
-  function problemPart(text) {
-    const m = /^(appliance(?:\.\w+)+):\s*([\s\S]*)$/.exec(String(text));
-    if (m) {
-      const named = PART_NAMES.find(([re]) => re.test(m[1]));
-      return [named ? named[1] : m[1].split(".").pop(), m[2]];
-    }
-    if (/^state database/.test(text)) return ["State database", String(text)];
-    return ["Service", String(text)];
-  }
-
-  // Every configured part that is down, with what it said: {part: [messages]} in order.
-  function partsDown(st) {
-    const down = new Map();
-    const add = (part, message) => { if (!down.has(part)) down.set(part, []); down.get(part).push(message); };
-    for (const p of st.problems || []) add(...problemPart(p));
-    const disc = st.discovery;
-    if (disc && disc.enabled && disc.error) add("Discovery", "not announcing on the LAN: " + disc.error);
-    const sync = st.sync;
-    if (sync && sync.failures > 0) add("Sync", `bucket unreachable (${sync.failures} failed polls): ${sync.last_error || "?"}`);
-    if (sync && (sync.problems || []).length) for (const p of sync.problems) add("Sync", "model store: " + p);
-    return down;
-  }
-
-  const slug = (text) => String(text).toLowerCase().replace(/[^a-z0-9]+/g, "-").replace(/^-|-$/g, "");
-
+  // Never green while a problem stands. A model not serving: red "not ready". Every model
+  // serving but something to act on (a version refused, a part down, even one that makes
+  // /readyz 503 like a configured API port): amber "degraded", with the count.
   function renderHeader(st) {
     const dev = st.device || {}, svc = st.service || {};
-    const down = partsDown(st);
+    const problems = st.problems || [];
     document.getElementById("host").textContent = (dev.hostname || "") + (svc.device_id ? " · " + svc.device_id : "");
-    const ready = document.getElementById("ready");
-    const names = [...down.keys()];
-    // Never green while a configured part is down. Every model serving but a part down (an
-    // API port that could not bind makes /readyz 503 too): amber "degraded", the parts named.
-    // A model not serving: red "not ready".
+    const n = problems.length, count = n + (n === 1 ? " problem" : " problems");
     const models = Object.values(st.models || {});
     const serving = models.length > 0 && models.every((m) => m.serving_version !== null && m.serving_version !== undefined);
-    const state = names.length && (svc.ready || serving) ? "degraded" : !svc.ready ? "not-ready" : "ready";
-    const [text, cls] = state === "degraded" ? ["degraded · " + names.join(", ") + " down", "warn"]
-      : state === "not-ready" ? ["not ready" + (names.length ? " · " + names.join(", ") + " down" : ""), "bad"]
-      : ["ready", "ok"];
+    const state = !svc.ready && !serving ? "not-ready" : n || !svc.ready ? "degraded" : "ready";
+    const [text, cls] = state === "not-ready" ? ["not ready" + (n ? " · " + count : ""), "bad"]
+      : state === "degraded" ? ["degraded · " + (n ? count : "not ready"), "warn"] : ["ready", "ok"];
+    const ready = document.getElementById("ready");
     ready.textContent = text;
     ready.className = "badge " + cls;
     ready.dataset.state = state;
     document.title = (cls === "ok" ? "" : "(!) ") + (dev.hostname || "edge-appliance") + " · status";
-    const health = document.getElementById("health");
-    health.replaceChildren(...names.map((part) => h("article", { class: "card part-down", "data-part": slug(part) },
-      h("h2", null, h("span", { class: "badge warn" }, "down"), " ", part),
-      h("ul", { class: "part-msgs" }, down.get(part).map((m) => h("li", null, noCredentials(m)))))));
-    health.hidden = !names.length;
+  }
+
+  function renderProblems(st) {
+    const problems = st.problems || [];
+    const box = document.getElementById("problems");
+    box.hidden = !problems.length;
+    box.querySelector("h2").textContent = problems.length === 1 ? "1 problem" : problems.length + " problems";
+    box.querySelector(".problem-list").replaceChildren(...problems.map((p) => h("li", {
+      class: "problem sev-" + (p.severity || "warning"), "data-kind": p.kind, "data-model": p.model,
+      "data-version": p.version, "data-part": p.part,
+    },
+    h("div", { class: "problem-head" },
+      h("span", { class: "badge " + (p.severity === "error" ? "bad" : "warn") },
+        p.kind === "part_down" ? (p.part || "part") + " down" : KIND_LABEL[p.kind] || p.kind),
+      p.model ? h("span", { class: "problem-what" }, p.model + (p.version != null ? " v" + p.version : "")) : null,
+      p.error_code ? h("span", { class: "code" }, p.error_code) : null,
+      typeof p.since === "number" ? h("span", { class: "muted" }, "since ", timeEl(p.since)) : null),
+    h("div", { class: "problem-msg" }, noCredentials(p.message)))));
   }
 
   function renderDevice(st) {
@@ -267,12 +288,14 @@
       ["Hostname", d.hostname],
       ["Device id", svc.device_id],
       ["Software", "edge-appliance " + (svc.version || "?")],
-      ["Service uptime", duration(svc.uptime_s)],
+      ["Device clock", deviceClock(svc.clock)],
+      ["Service started", typeof svc.started === "number" ? when(svc.started) : duration(svc.uptime_s)],
       ["System uptime", d.boot_time ? duration(Date.now() / 1000 - d.boot_time) : null],
+      ...serviceRows(st),
       ["CPU", `${d.cpu_count || "?"} cores`],
-      ["CPU use", typeof d.cpu_percent === "number" ? num(d.cpu_percent) + " % (all cores, since the last update)" : null],
+      ["Machine CPU", typeof d.cpu_percent === "number" ? num(d.cpu_percent) + " % of all cores (every process)" : null],
       ["Load average", `${num(d.load_1m, 2)} (1 min) · ${num(d.load_5m, 2)} (5 min)`],
-      ["Memory", [meter(memUsed, memTotal), `${mb(memUsed)} used of ${mb(memTotal)} · process ${mb(d.process_rss_mb)}`]],
+      ["Machine memory", [meter(memUsed, memTotal), `${mb(memUsed)} used of ${mb(memTotal)}`]],
       ["Disk free", [meter(diskUsed, d.disk_total_mb), `${mb(d.disk_free_mb)} free of ${mb(d.disk_total_mb)} (state dir)`]],
       ["Temperatures", temps.length ? temps.map(([k, v]) => h("span", { class: "chip" }, `${k} ${num(v)}°C`)) : "not reported"],
       ["GPU", (d.gpu_name || d.nvidia_gpu ? gpu : "none found") + (d.tensorrt ? " · TensorRT" : "")],
@@ -281,6 +304,32 @@
       ["System", `${d.system || "?"} ${d.machine || ""} · Python ${d.python || "?"}`],
       ["Last model scan", when(svc.last_poll)],
     ]));
+  }
+
+  const bytesMb = (b) => (typeof b === "number" ? mb(b / 1048576) : "—");
+
+  // The service as a whole: its process tree's memory and CPU, where it listens, its workers
+  // and its admin token (where it comes from, never the token).
+  function serviceRows(st) {
+    const f = st.footprint || {}, l = st.listening || {}, rest = l.rest || {};
+    const procs = f.per_process || [];
+    const workers = Array.isArray(st.workers) ? st.workers : [];
+    const up = workers.filter((w) => w.up).length;
+    const admin = (st.security && st.security.scopes && st.security.scopes.admin) || (l.admin_token && l.admin_token.source);
+    return [
+      ["Service memory", procs.length ? [
+        `${bytesMb(f.pss_bytes)} PSS · ${bytesMb(f.rss_bytes)} RSS, ${f.processes} ${f.processes === 1 ? "process" : "processes"}`,
+        h("div", { class: "muted" }, procs.map((p) => `${p.role} ${bytesMb(p.pss_bytes ?? p.rss_bytes)}`).join(" · "))] : null],
+      ["Service CPU", typeof f.cpu_percent === "number"
+        ? `${num(f.cpu_percent)} % of one core (${num(f.cpu_percent_of_machine)} % of the ${f.cpu_cores}-core machine), since the last update` : "—"],
+      ["REST", rest.url ? `${rest.url} (${rest.host === "0.0.0.0" || rest.host === "::" ? "every address, port " + rest.port : "only " + rest.host}) · ${rest.served_by}` : null],
+      ["REST socket", l.rest_socket || undefined, "path"],
+      ["gRPC", l.grpc ? (l.grpc.length ? l.grpc.map((a) => h("span", { class: "chip" }, a))
+        : (l.grpc_configured || []).length ? "not listening (configured: " + l.grpc_configured.join(", ") + ")" : "off") : undefined,
+      l.grpc && !l.grpc.length && (l.grpc_configured || []).length ? "err" : null],
+      ["Front workers", workers.length ? `${up} of ${workers.length} up` + (workers.some((w) => w.restarts) ? ` · ${workers.reduce((n, w) => n + (w.restarts || 0), 0)} restarts` : "") : (l.rest ? "none (one process)" : undefined)],
+      ["Admin token", admin ? (admin === "off" ? "none: admin endpoints are off" : admin) : undefined],
+    ];
   }
 
   // The build is what the wheel was compiled for, not what this box can use: the plain
@@ -397,7 +446,8 @@
         h("div", { class: "be-head" },
           h("b", null, c.backend),
           c.backend === d.chosen ? h("span", { class: "badge ok" }, "chosen")
-            : h("span", { class: "badge " + (c.available ? "info" : "muted") }, c.available ? "usable" : "not usable"),
+            : c.load_error ? h("span", { class: "badge bad" }, "failed to load")
+              : h("span", { class: "badge " + (c.available ? "info" : "muted") }, c.available ? "usable" : "not usable"),
           measured(c)),
         h("div", { class: "why" }, c.reason || ""),
         c.load_error ? h("div", { class: "err" }, "load error: " + c.load_error) : null))));
@@ -417,7 +467,7 @@
     const sync = st.sync;
     const syncBody = section("sync");
     if (sync && typeof sync === "object") {
-      syncBody.replaceChildren(...syncView(sync, st.events || []));
+      syncBody.replaceChildren(...syncView(sync, st.events || [], st));
     } else {
       const bucket = st.config && st.config.sync && st.config.sync.bucket;
       syncBody.replaceChildren(h("p", { class: "muted" }, "sync not configured" +
@@ -442,7 +492,7 @@
 
   // The sync card: state first; a refusal (the bucket offers a version this device will not
   // take) is said in words with the reason from its event; empty lists are left out.
-  function syncView(sync, events) {
+  function syncView(sync, events, st) {
     const failing = sync.failures > 0;
     const refusing = !failing && sync.last_error ? String(sync.last_error) : "";
     const refusals = [];
@@ -456,20 +506,27 @@
         (e.detail && e.detail.reason) || e.message, " ", h("small", { class: "muted" }, "(" + when(e.ts) + ")")));
     }
     if (refusing && !refusals.length) refusals.push(h("div", { class: "refusal" }, noCredentials(refusing)));
-    const targets = Object.entries(sync.targets || {});
-    const handled = ["bucket", "channel", "last_poll", "last_change", "next_poll", "last_error", "failures", "targets", "problems"];
+    const pins = sync.pins || {};
+    const targets = Object.entries(sync.targets || {}).map(([m, v]) => [m, pins[m] ?? v]);
+    const models = st.models || {};
+    // In step only when every target serves (a candidate under judgment counts as on its way).
+    const behind = targets.filter(([m, v]) => models[m] && models[m].serving_version !== v && models[m].candidate_version !== v);
+    const stuck = (st.problems || []).some((p) => p.kind === "target_not_reached");
+    const handled = ["bucket", "channel", "last_poll", "last_change", "next_poll", "last_error", "failures", "targets", "problems", "pins"];
     const rest = Object.fromEntries(Object.entries(sync).filter(([k]) => !handled.includes(k)));
     const problems = sync.problems || [];
     return [
       partState(failing ? ["warn", "down: bucket unreachable"] : refusing ? ["warn", "refusing a published version"]
-        : sync.last_poll ? ["ok", "in step with the bucket"] : ["info", "first poll pending"]),
+        : stuck ? ["bad", "target not reached"] : behind.length ? ["info", "catching up with the bucket"]
+          : sync.last_poll ? ["ok", "in step with the bucket"] : ["info", "first poll pending"]),
       kv([
         ["Bucket", value("bucket", sync.bucket), "path"],
         ["Channel", sync.channel || "newest version"],
         ["Last poll", when(sync.last_poll)],
         ["Last change", when(sync.last_change)],
         ["Next poll", sync.next_poll ? when(sync.next_poll) : null],
-        ["Target", targets.length ? targets.map(([m, v]) => h("span", { class: "chip" }, m + " → v" + v)) : "none yet"],
+        ["Target", targets.length ? targets.map(([m, v]) => h("span", { class: "chip" + (behind.some(([b]) => b === m) ? " behind" : "") },
+          m + " → v" + v + (pins[m] != null ? " (pinned)" : "") + (behind.some(([b]) => b === m) ? `, v${models[m].serving_version ?? "none"} serves` : ""))) : "none yet"],
         ["Refused", refusals.length ? [...refusals, h("div", { class: "muted" }, "not taken into the store; what was serving keeps serving")] : undefined, "warn-text"],
         ["Last error", failing ? noCredentials(sync.last_error) : undefined, "err"],
         ["Failed polls", failing ? String(sync.failures) : undefined, "err"],
@@ -506,7 +563,7 @@
     const body = section("events");
     if (!events.length) return body.replaceChildren(h("p", { class: "muted" }, "no events yet"));
     body.replaceChildren(h("ol", { class: "events" }, events.map((e) => h("li", { class: "event" },
-      h("time", { datetime: new Date(e.ts * 1000).toISOString(), title: new Date(e.ts * 1000).toString() }, clock(e.ts)),
+      h("time", { datetime: new Date(e.ts * 1000).toISOString() }, stamp(e.ts)),
       h("span", { class: "badge " + eventClass(e.kind) }, e.kind),
       e.model ? h("span", { class: "ev-model" }, e.model + (e.version != null ? " v" + e.version : "")) : null,
       h("span", { class: "ev-msg" }, e.message)))));
@@ -518,7 +575,7 @@
 
   // ---- polling -------------------------------------------------------------------------
   function render(st) {
-    for (const part of [renderHeader, renderDevice, renderModels, renderParts, renderEvents, renderAdmin]) {
+    for (const part of [renderHeader, renderProblems, renderDevice, renderModels, renderParts, renderEvents, renderAdmin]) {
       try {
         part(st);
       } catch (err) { // one malformed part must not blank the whole page
@@ -532,7 +589,7 @@
     const el = document.getElementById("conn");
     document.body.classList.toggle("stale", !ok);
     el.textContent = ok
-      ? "updated " + clock(lastOk / 1000)
+      ? "updated " + stamp(lastOk / 1000)
       : "connection lost (" + why + ") — retrying" + (lastOk ? "; last update " + duration((Date.now() - lastOk) / 1000) + " ago" : "");
   }
 

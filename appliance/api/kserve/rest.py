@@ -96,7 +96,8 @@ class V2API(AsyncFamily):
     async def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Response:
         if method != "POST":
             raise MethodNotAllowed(f"method {method} not allowed on /v2/models/{model}/infer; use POST")
-        started, status = time.perf_counter(), 200
+        started = time.perf_counter()
+        status: int | str = 200  # then the error's canonical code, as TF Serving's metrics label it
         try:
             body = _read_body(environ, self.core.config.server.max_body_bytes)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
@@ -105,7 +106,7 @@ class V2API(AsyncFamily):
                                               request.binary_default, route_key(environ))
             return render_infer_response(result, request.id)
         except Exception as exc:
-            status = exc.http_status if isinstance(exc, ApplianceError) else 500
+            status = exc.grpc_code if isinstance(exc, ApplianceError) else "INTERNAL"
             raise
         finally:
             self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)

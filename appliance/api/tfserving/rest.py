@@ -29,7 +29,7 @@ from appliance.api.tfserving.json_tensor_errors import format_error
 from appliance.protos.tfserving import wire as pw
 from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
-from appliance.core.errors import InvalidArgument, NotFound, Unavailable
+from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable
 from appliance.core.seams import HandleSource, ModelStates, RouteKey, ServingCore
 
 if TYPE_CHECKING:
@@ -84,8 +84,9 @@ class V1API(AsyncFamily):
             return 200, _status(self._states(), model, version, label), []
         except Exception as exc:  # every failure becomes {"error": ...}; never a stack trace
             status, headers, body = render_error(exc, "the TF Serving REST API")
-            if verb:
-                self.core.metrics.observe_request(name, verb, status, time.perf_counter() - started)
+            if verb:  # counted under the error's canonical code, as TF Serving labels it
+                code = exc.grpc_code if isinstance(exc, ApplianceError) else status
+                self.core.metrics.observe_request(name, verb, code, time.perf_counter() - started)
             return status, body, headers
 
     def _states(self) -> ModelStates:
