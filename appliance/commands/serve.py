@@ -135,10 +135,13 @@ def quick_start_lines(config: Config, url: str, status: dict[str, Any]) -> list[
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.core.config_file import load as load_config
-    from appliance.service import main
+    from appliance.fronts.zygote import start_early
 
     overrides = serve_overrides(args)
     config = load_config(args.config, overrides)
+    start_early(config)  # the front workers' zygote: forked before a thread or the service exists
+    from appliance.service import main
+
     banner = (lambda url, status: quick_start_lines(config, url, status)) if embedded_default(config) else None
     return main(config, args.config, overrides, banner)
 
