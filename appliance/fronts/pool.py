@@ -130,7 +130,8 @@ class Fronts:
                         "started_at": child.started_at, "heard_s_ago": round(now - child.heard, 1),
                         **(process_memory(pid) if pid and running else {}),
                         "served": stats.get("served", 0), "connections": stats.get("http", {}).get("connections", 0),
-                        "restarts": child.restarts, "forked": self._forked(child),
+                        "restarts": child.restarts, "forked": self._forked(child), "pause_s": child.pause,
+                        "imported": stats.get("imported"),
                         "exits": [{"pid": e.pid, "reason": e.reason, "code": e.code, "at": e.at,
                                    "ran_s": round(e.ran_s, 1), "words": e.words()} for e in child.exits],
                         "ago_s_of_last_exit": round(wall - child.exits[-1].at, 1) if child.exits else None})

@@ -47,6 +47,11 @@ from appliance.transport.http.server import HTTPServer, listen
 
 log = logging.getLogger("appliance.workers")
 
+# Libraries worth naming when a worker holds them (``/api/status`` ``workers[].imported``): what
+# its request path needs, and what it must never hold (tests/test_worker_supervision.py).
+NAMED_MODULES = ("numpy", "uvloop", "httptools", "orjson", "simdjson", "rapidjson", "msgpack", "grpc", "h2",
+                 "google.protobuf", "flask", "werkzeug", "jinja2", "tensorflow", "ai_edge_litert", "tflite_runtime",
+                 "litert_lm", "sqlite_utils", "prometheus_client", "zeroconf", "boto3", "cryptography", "psutil")
 HEARTBEAT_S = 1.0  # HTTP figures and memory to the serving process, from the loop: the heartbeat
 PARENT_CHECK_S = 1.0
 
@@ -180,7 +185,8 @@ class Worker:
     def send_stats(self) -> None:
         server, grpc = self.server, self.grpc
         if server is not None:
-            stats = {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(server.stats), "served": server.tracker.served}
+            stats = {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(server.stats), "served": server.tracker.served,
+                     "imported": [name for name in NAMED_MODULES if name in sys.modules]}
             if grpc is not None:
                 stats["grpc"] = {"connections": len(grpc.connections), "held_bytes": grpc.held,
                                  "max_connections": grpc.limits.max_connections, **grpc.stats.copy()}
