@@ -82,10 +82,19 @@ class Load:
 
 
 def status(port: int, context: ssl.SSLContext | None = None) -> dict[str, Any]:
-    conn = (http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context) if context
-            else http.client.HTTPConnection("127.0.0.1", port, timeout=10))
-    conn.request("GET", "/api/status")
-    return json.loads(conn.getresponse().read())  # type: ignore[no-any-return]
+    """``/api/status``, asked again on a fresh connection while the one asked hangs or fails (it
+    may land on the stopped worker)."""
+    for _ in range(30):
+        conn = (http.client.HTTPSConnection("127.0.0.1", port, timeout=2, context=context) if context
+                else http.client.HTTPConnection("127.0.0.1", port, timeout=2))
+        try:
+            conn.request("GET", "/api/status")
+            return json.loads(conn.getresponse().read())  # type: ignore[no-any-return]
+        except (OSError, http.client.HTTPException):
+            time.sleep(0.1)
+        finally:
+            conn.close()
+    raise RuntimeError("no /api/status answer in 30 tries")
 
 
 def fresh_ok(port: int) -> bool:
@@ -124,9 +133,10 @@ def stopped_worker(port: int) -> dict[str, Any]:
 def killed_worker(port: int, clients: int) -> dict[str, Any]:
     load = Load(port, clients)
     time.sleep(3)
-    worker = status(port)["workers"][0]
-    held = worker["connections"]
-    os.kill(worker["pid"], signal.SIGKILL)
+    pid = status(port)["workers"][0]["pid"]
+    held = sum(1 for c in psutil.Process(pid).net_connections("tcp")
+               if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port)
+    os.kill(pid, signal.SIGKILL)
     time.sleep(5)
     ok_before = load.ok
     time.sleep(3)
@@ -189,7 +199,7 @@ def main() -> None:
     state = Path(tempfile.mkdtemp(prefix="edge-faults-"))
     (models / "mlp" / "1").mkdir(parents=True)
     shutil.copy(bench_models() / "mlp" / "1" / "model.tflite", models / "mlp" / "1" / "model.tflite")
-    proc = start_service(models, "tflite", True, PORT, state / "plain", "[server]\nworkers = 2\n")
+    proc = start_service(models, "tflite", True, PORT, state / "plain", "[server]\nworkers = 2\n[grpc]\nport = 0\n")
     try:
         hung = stopped_worker(PORT)
         time.sleep(2)

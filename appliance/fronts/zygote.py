@@ -113,6 +113,7 @@ class Zygote:
     def __init__(self, pid: int, control: socket.socket):
         self.pid, self.control = pid, control
         self.alive = True
+        self._closing = False
         self._children: dict[int, Forked] = {}
         self._replies: list[str] = []
         self._reply = threading.Condition()
@@ -174,6 +175,7 @@ class Zygote:
 
     def close(self) -> None:
         """Tell the zygote to exit (its workers are told by their own channels). Idempotent."""
+        self._closing = True
         try:
             self.control.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -206,7 +208,8 @@ class Zygote:
         if not self.alive:
             return
         self.alive = False
-        log.error("the front workers' zygote (pid %d) is gone; new workers start as fresh interpreters", self.pid)
+        if not self._closing:
+            log.error("the front workers' zygote (pid %d) is gone; new workers start as fresh interpreters", self.pid)
         with self._reply:
             self._reply.notify_all()
         for pid, child in list(self._children.items()):
