@@ -250,11 +250,11 @@ def _serve(control: socket.socket) -> int:
     children: set[int] = set()
     try:
         while True:
-            readable, _, _ = select.select([control, wake_r], [], [])
+            readable, _, _ = select.select([control.fileno(), wake_r], [], [])
             if wake_r in readable:
                 os.read(wake_r, 4096)
                 _reap(control, children)
-            if control in readable and not _command(control, children, (wake_r, wake_w)):
+            if control.fileno() in readable and not _command(control, children, (wake_r, wake_w)):
                 return 0
     except OSError:
         return 1
