@@ -120,12 +120,13 @@ class Fronts:
         (RSS, PSS, USS, read here from /proc), requests served, connections, how long since it
         was last heard, its restarts and the last few exits with their reasons."""
         now, wall = time.monotonic(), time.time()
+        serving = set(self.supervisor.serving())
         out = []
         for child in self.supervisor.children:
             stats = self.front.stats.get(child.index, {})
             pid = self.pids.get(child.index)
             running = child.proc is not None and child.proc.poll() is None
-            out.append({"index": child.index, "pid": pid, "up": child.index in self.front.links and running,
+            out.append({"index": child.index, "pid": pid, "up": child.index in serving,
                         "age_s": round(now - child.started, 1) if running else None,
                         "started_at": child.started_at, "heard_s_ago": round(now - child.heard, 1),
                         **(process_memory(pid) if pid and running else {}),
