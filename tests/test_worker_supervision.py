@@ -24,7 +24,7 @@ from appliance.fronts import supervisor as sup
 from tests.conftest import poll_until
 from tests.test_fronts import MLP, ROW, Clients, models
 
-TIMEOUT_S = 2  # [server] worker_timeout_s for these tests (the least the config takes)
+TIMEOUT_S = 4  # [server] worker_timeout_s for these tests: short, yet far past a loaded machine's stalls
 
 
 def serve_config(tmp_path: Path, extra: str = "") -> Path:
@@ -93,8 +93,10 @@ def test_a_stopped_worker_is_replaced_and_the_restart_shows(start_server: Any, m
     events = [e for e in server.status()["events"] if e["kind"] == "worker_exited"]
     assert events and str(victim) in events[0]["message"] and "heartbeat" in events[0]["message"]
     # only the stopped worker's keep-alive connections were cut, one request each at most
+    workers = server.status()["workers"]
+    assert workers[1]["restarts"] == 0, workers  # the other worker was never taken for a hung one
     assert all(kind == "cut" for _, kind, _ in clients.failures()), clients.failures()
-    assert len(clients.failures()) <= 4
+    assert len(clients.failures()) <= 4, (clients.failures(), workers)
 
 
 def test_a_worker_that_dies_at_start_up_in_a_loop_does_not_take_the_service_down(
