@@ -182,7 +182,7 @@ def test_a_killed_worker_is_replaced_and_costs_only_its_connections(start_server
     try:
         server.wait_for(lambda: clients.count() >= 100, 60, "100 answered requests")
         victim = worker_pids(server)[0]
-        assert victim in {c.pid for c in psutil.Process(server.proc.pid).children()}  # ours, by PID
+        assert victim in {c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)}  # ours, by PID
         os.kill(victim, signal.SIGKILL)
         server.wait_for(lambda: victim not in worker_pids(server) and all(w["up"] for w in server.status()["workers"]),
                         60, "a new worker in the killed one's place")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import requests
 
-from appliance.core import config as config_mod
+from appliance.core import config_file
 from appliance.api.tfserving import json_format as tfs_json
 from appliance.api.body import GzipBodies, read_body
 from appliance.core.config import LimitsConfig
@@ -24,7 +24,7 @@ NO_DISCOVERY = "[discovery]\nenabled = false\n"
 
 # --- config ---------------------------------------------------------------------------------
 def test_defaults_protect_a_small_device() -> None:
-    limits = config_mod.load().limits
+    limits = config_file.load().limits
     assert limits.max_json_depth == 100
     assert limits.max_tensor_elements == 4 * 1024 * 1024
     assert limits.max_instances == 4096
@@ -34,7 +34,7 @@ def test_defaults_protect_a_small_device() -> None:
                                         ("max_tensor_elements", 0), ("max_instances", 0)])
 def test_bad_values_name_the_key(key: str, value: int) -> None:
     with pytest.raises(ConfigError) as info:
-        config_mod.load(overrides={f"limits.{key}": value})
+        config_file.load(overrides={f"limits.{key}": value})
     assert f"limits.{key}" in str(info.value)
 
 

@@ -30,7 +30,7 @@ def sync(**more: Any) -> dict[str, Any]:
 
 def test_a_healthy_device_has_no_problem() -> None:
     inputs = Inputs(models={"m": model(2, version(2), version(1, "END"))}, sync=sync(targets={"m": 2}),
-                    workers=[{"index": 0, "pid": 10, "up": True, "silent_s": 0.5}])
+                    workers=[{"index": 0, "pid": 10, "up": True, "heard_s_ago": 0.5}])
     assert find_problems(inputs) == []
 
 
@@ -101,8 +101,8 @@ def test_a_quarantine_with_an_error_code_carries_it() -> None:
 
 
 def test_fewer_workers_up_than_configured_and_a_silent_one() -> None:
-    workers = [{"index": 0, "pid": 10, "up": False}, {"index": 1, "pid": 11, "up": True, "silent_s": 0.4},
-               {"index": 2, "pid": 12, "up": True, "silent_s": STALE_WORKER_S + 1}]
+    workers = [{"index": 0, "pid": 10, "up": False}, {"index": 1, "pid": 11, "up": True, "heard_s_ago": 0.4},
+               {"index": 2, "pid": 12, "up": True, "heard_s_ago": STALE_WORKER_S + 1}]
     found = find_problems(Inputs(workers=workers))
     assert [p.kind for p in found] == ["workers_down", "workers_down"]
     assert "2 of 3 front workers are up" in found[0].message and "0 (pid 10)" in found[0].message

@@ -28,6 +28,7 @@ import pytest
 import requests
 
 from appliance.core import config as config_mod
+from appliance.core import config_file
 from appliance.parts.notify import Liveness, watchdog_interval
 from tests.conftest import ROOT, poll_until
 
@@ -116,7 +117,7 @@ def test_unit_execstart_is_a_valid_serve_command() -> None:
     args = build_parser().parse_args(argv[1:])
     assert args.command == "serve" and args.config == "/etc/edge-appliance/appliance.toml"
     stop_s = int(settings["TimeoutStopSec"][0].rstrip("s"))
-    assert stop_s > config_mod.load(str(EXAMPLE)).server.drain_timeout_s
+    assert stop_s > config_file.load(str(EXAMPLE)).server.drain_timeout_s
     assert settings["Type"] == ["notify"] and settings["WatchdogSec"]
 
 
@@ -141,7 +142,7 @@ def undocumented(cls: Any, data: dict[str, Any], prefix: str = "") -> Iterator[s
 
 def test_example_config_documents_every_key_and_loads(tmp_path: Path) -> None:
     assert list(undocumented(config_mod.Config, tomllib.loads(example_with_models()))) == []
-    loaded = config_mod.load(str(EXAMPLE))
+    loaded = config_file.load(str(EXAMPLE))
     assert loaded.models_dir == "/var/lib/edge-appliance/models"
     defaults = dataclasses.asdict(config_mod.Config())
     shown = dataclasses.asdict(loaded)
@@ -149,7 +150,7 @@ def test_example_config_documents_every_key_and_loads(tmp_path: Path) -> None:
         assert shown[section] == defaults[section], section
     with_models = tmp_path / "with-models.toml"
     with_models.write_text(example_with_models())
-    assert [m.name for m in config_mod.load(str(with_models)).models] == ["detector"]
+    assert [m.name for m in config_file.load(str(with_models)).models] == ["detector"]
 
 
 # -- install / uninstall ----------------------------------------------------------------
@@ -168,7 +169,7 @@ def test_install_and_uninstall_staged(analyze: str, tmp_path: Path) -> None:
     assert f"ExecStart={prefix}/venv/bin/appliance serve" in unit.read_text()
     verify(analyze, unit)  # with its devices.conf drop-in next to it
     config = root / "etc/edge-appliance/appliance.toml"
-    assert config_mod.load(str(config)).server.port == 8501
+    assert config_file.load(str(config)).server.port == 8501
     config.write_text('log_level = "debug"\n')  # the operator's edit survives a re-install
     run_script("install.sh", "--root", str(root), "--prefix", str(prefix), "--no-venv")
     assert config.read_text() == 'log_level = "debug"\n'
@@ -426,7 +427,7 @@ def test_sigterm_drains_a_steady_stream(start_server: Any, models_dir: Path, tmp
     # A NOTIFY_SOCKET nobody listens on: sending fails, serving must not.
     env = {"EDGE_APPLIANCE_TEST_HOOKS": "1", "NOTIFY_SOCKET": str(tmp_path / "nobody-listens.sock")}
     server = start_server("--config", str(config), "--backend", "tflite", env=env)
-    drain_timeout = config_mod.load(str(config)).server.drain_timeout_s
+    drain_timeout = config_file.load(str(config)).server.drain_timeout_s
 
     with Stream(server.url, "mlp", threads=6) as stream:
         server.wait_for(lambda: stream.count() >= 200, 60, "200 answered requests")

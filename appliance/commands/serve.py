@@ -138,10 +138,13 @@ def quick_start_lines(config: Config, url: str, status: dict[str, Any]) -> list[
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.core.config_file import load as load_config
-    from appliance.service import main, state_check
+    from appliance.fronts.zygote import start_early
 
     overrides = serve_overrides(args)
     config = load_config(args.config, overrides)
+    start_early(config)  # the front workers' zygote: forked before a thread or the service exists
+    from appliance.service import main, state_check
+
     if state_check.required(uses_embedded_default(config)):
         state_check.require_writable(config.state_dir)  # ConfigError: said, exit 2, nothing bound yet
     banner = (lambda url, status: quick_start_lines(config, url, status)) if embedded_default(config) else None

@@ -77,7 +77,7 @@ def cmd_tfs(args: argparse.Namespace) -> int:
     from appliance.commands.serve import embedded_default
     from appliance.core.config_file import load as load_config
     from appliance.core.errors import ConfigError
-    from appliance.service import main
+    from appliance.fronts.zygote import start_early
 
     try:
         overrides, ours, warnings = parse(args.flags)
@@ -99,6 +99,9 @@ def cmd_tfs(args: argparse.Namespace) -> int:
         print(f"appliance tfs: {exc}", file=sys.stderr)
         return 2
     embedded_default(config)
+    start_early(config)  # the front workers' zygote: forked before a thread or the service exists
+    from appliance.service import main
+
     return main(config, ours.get("config"), overrides)
 
 

@@ -28,6 +28,10 @@ class ServerConfig:
     # memory at most); 1 (or a one-CPU device) = the single-process path, HTTP in the
     # serving process itself.
     workers: int = 0
+    # A front worker that sends nothing (its loop's once-a-second figures) for this long is
+    # killed and replaced (appliance/fronts/supervisor.py): well past the longest stall of a
+    # healthy worker's loop, well within the 15 s a client should wait for a new connection.
+    worker_timeout_s: float = 10.0
     max_body_bytes: int = 64 * 1024 * 1024
     drain_timeout_s: float = 20.0
 
@@ -465,6 +469,8 @@ def validate(config: Config) -> Config:
         raise ConfigError("server.port", f"{config.server.port} is not a TCP port")
     if config.server.workers < 0:
         raise ConfigError("server.workers", "must be 0 (one per CPU) or a number of processes")
+    if not 2.0 <= config.server.worker_timeout_s <= 3600:  # a worker's heartbeat comes every second
+        raise ConfigError("server.worker_timeout_s", "must be between 2 and 3600 seconds (a worker speaks every second)")
     if config.runtime.backend not in BACKEND_CHOICES:
         raise ConfigError("runtime.backend", f"must be one of {', '.join(BACKEND_CHOICES)}")
     if config.poll_interval_s < 0:

@@ -222,7 +222,7 @@ def worker_problems(workers: list[Mapping[str, Any]]) -> list[Problem]:
                            f"worker {which} is down or restarting; its share of connections goes to the others.",
                            WARNING, part="workers"))
     for w in workers:
-        silent = w.get("silent_s")
+        silent = w.get("heard_s_ago")
         if w.get("up") and isinstance(silent, (int, float)) and silent >= STALE_WORKER_S:
             out.append(Problem("workers_down", f"Front worker {w.get('index')} (pid {w.get('pid')}) has not reported "
                                f"for {silent:.0f} s: stopped or wedged, and the connections the kernel gives it wait.",

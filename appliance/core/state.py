@@ -1,4 +1,4 @@
-"""The state database (``<state>/state.db``, sqlite-utils): events and small durable facts.
+"""The state database (``<state>/state.db``, the standard library's sqlite3): events and small durable facts.
 
 Tables: ``events`` (every version transition, sync step, refusal and error: what the
 status page and ``/api/status`` read) and ``kv`` (cached backend decisions and other small
@@ -27,18 +27,23 @@ import threading
 import time
 from typing import Any, Iterator, MutableMapping
 
-import sqlite_utils
-
 log = logging.getLogger("appliance.events")
 MAX_EVENTS = 5000  # older rows are trimmed so the database stays small on a device
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what an SQLite integer holds
+# The schema (as sqlite-utils made it before: existing databases open unchanged). Plain sqlite3,
+# since four statements are all this needs: sqlite-utils and its seven dependencies (click,
+# dateutil with tzdata, tabulate, pluggy, pip ...) cost a LiteRT-only device 5 MB of disk.
+SCHEMA = ('CREATE TABLE IF NOT EXISTS "events" ("id" INTEGER PRIMARY KEY, "ts" REAL, "kind" TEXT, "model" TEXT, '
+          '"version" INTEGER, "message" TEXT, "detail" TEXT)',
+          'CREATE TABLE IF NOT EXISTS "kv" ("key" TEXT PRIMARY KEY, "value" TEXT)')
+EVENT_COLUMNS = ("id", "ts", "kind", "model", "version", "message", "detail")
 
 
 class StateDB:
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
-        self._db: sqlite_utils.Database | None = None
+        self._db: sqlite3.Connection | None = None
         self._listeners: list[Any] = []
         self.problems: list[str] = []  # what went wrong with the database (shown, never raised)
         self.in_memory = path == ":memory:"
@@ -58,7 +63,7 @@ class StateDB:
         return self
 
     @staticmethod
-    def _connect(path: str) -> sqlite_utils.Database:
+    def _connect(path: str) -> sqlite3.Connection:
         if path != ":memory:":
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -70,13 +75,11 @@ class StateDB:
             check = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
             if check != ["ok"]:
                 raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(map(str, check[:3]))}")
-            db = sqlite_utils.Database(conn)
-            db["events"].create({"id": int, "ts": float, "kind": str, "model": str, "version": int,
-                                 "message": str, "detail": str}, pk="id", if_not_exists=True)
-            db["kv"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+            for statement in SCHEMA:
+                conn.execute(statement)
             conn.execute("INSERT OR REPLACE INTO kv(key, value) VALUES ('state_db_opened', ?)",
                          [json.dumps(time.time())])  # a write now: a read-only file fails here, not later
-            return db
+            return conn
         except BaseException:
             conn.close()
             raise
@@ -109,7 +112,7 @@ class StateDB:
     def close(self) -> None:
         with self._lock:
             if self._db is not None:
-                self._db.conn.close()
+                self._db.close()
                 self._db = None
 
     def subscribe(self, callback: Any) -> None:
@@ -127,9 +130,9 @@ class StateDB:
         with self._lock:
             if self._db is not None:
                 try:
-                    table = self._db["events"]
-                    table.insert(row)
-                    last = table.last_pk
+                    last = self._db.execute(
+                        "INSERT INTO events(ts, kind, model, version, message, detail) VALUES (?, ?, ?, ?, ?, ?)",
+                        [row["ts"], kind, model, version, message, row["detail"]]).lastrowid
                     if last and last % 500 == 0:
                         self._db.execute("DELETE FROM events WHERE id <= ?", [last - MAX_EVENTS])
                 except (sqlite3.Error, OverflowError, ValueError) as exc:  # disk full, damage: serving goes on
@@ -141,9 +144,11 @@ class StateDB:
         with self._lock:
             if self._db is None:
                 return []
-            where, args = ("model = ?", [model]) if model else (None, None)
+            where, args = ("WHERE model = ?", [model]) if model else ("", [])
             try:
-                rows = list(self._db["events"].rows_where(where, args, order_by="id desc", limit=limit))
+                found = self._db.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events {where} "
+                                         "ORDER BY id DESC LIMIT ?", [*args, limit]).fetchall()
+                rows = [dict(zip(EVENT_COLUMNS, values)) for values in found]
             except sqlite3.Error as exc:
                 self._problem(f"state database {self.path}: reading events failed ({exc})")
                 return []
@@ -166,18 +171,19 @@ class KV(MutableMapping[str, Any]):
             if self._db._db is None:
                 raise KeyError(key)
             try:
-                rows = list(self._db._db["kv"].rows_where("key = ?", [key]))
+                rows = self._db._db.execute("SELECT value FROM kv WHERE key = ?", [key]).fetchall()
             except sqlite3.Error:
                 rows = []
         if not rows:
             raise KeyError(key)
-        return json.loads(rows[0]["value"])
+        return json.loads(rows[0][0])
 
     def __setitem__(self, key: str, value: Any) -> None:
         with self._db._lock:
             if self._db._db is not None:
                 try:
-                    self._db._db["kv"].upsert({"key": key, "value": json.dumps(value, default=str)}, pk="key")
+                    self._db._db.execute("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)",
+                                         [key, json.dumps(value, default=str)])
                 except sqlite3.Error as exc:  # a cache: losing an entry costs a re-measure, never a request
                     self._db._problem(f"state database {self._db.path}: writing {key!r} failed ({exc})")
 
@@ -188,7 +194,7 @@ class KV(MutableMapping[str, Any]):
 
     def __iter__(self) -> Iterator[str]:
         with self._db._lock:
-            keys = [r["key"] for r in self._db._db["kv"].rows] if self._db._db is not None else []
+            keys = [r[0] for r in self._db._db.execute("SELECT key FROM kv")] if self._db._db is not None else []
         return iter(keys)
 
     def __len__(self) -> int:

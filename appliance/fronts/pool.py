@@ -9,7 +9,13 @@ batches (appliance/fronts/). It
 stays the one process systemd, sd_notify, ``/api/status``, the page and the metrics see:
 every other request is forwarded to its app, the workers' request metrics join its
 registry, their HTTP figures and memory show under ``/api/status`` ``workers``, and a
-worker that exits is started again and shown as an event (``worker_exited``).
+worker that exits, or stops speaking for ``[server] worker_timeout_s`` (its heartbeat,
+appliance/fronts/supervisor.py), is started again and shown as an event (``worker_exited``,
+with the reason), counted in ``edge_appliance_worker_restarts_total{reason}`` and, while it is
+missing, named as a problem ("1 of 2 front workers serving") by ``/readyz`` and the page.
+
+Workers are forked by the zygote when the serve command made one (appliance/fronts/zygote.py:
+their imports shared with this process), else started as fresh interpreters.
 
 ``Fronts`` has the face of appliance/transport/http/server.py's ``HTTPServer`` that the
 service uses (``host``, ``port``, ``stats``, ``serve_forever``, ``drain``, ``close``), so
@@ -36,25 +42,27 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from appliance.fronts import messages as m
+from appliance.fronts import zygote
 from appliance.core.config import Config
+from appliance.fronts.health import RestartCounters, process_memory, serving_problem
 from appliance.fronts.serving import FrontService
 from appliance.fronts.shares import workers_for  # noqa: F401 (the service asks the pool how many)
 from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
-from appliance.fronts.supervisor import Supervisor
+from appliance.fronts.supervisor import Exit, Supervisor
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
 
 log = logging.getLogger("appliance.workers")
 
-EXIT_GRACE_S = 5.0
-PART = "http workers"  # as the page and /readyz name it while some are still starting  # past the drain timeout, how long workers get to exit before they are killed
+EXIT_GRACE_S = 5.0  # past the drain timeout, how long workers get to exit before they are killed
+PART = "http workers"  # as the page and /readyz name it while fewer than configured serve
+LOOP_STALL_S = 3.0  # this side's loop silent this long: the workers' silence is not theirs
 
 
 class Fronts:
@@ -65,27 +73,33 @@ class Fronts:
         self.core, self.count = core, count
         self.sock = reserve_port(server.host, server.port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.front = FrontService(core, app, server.threads, self._listening)
-        self._waiting = set(range(count))  # workers not yet listening at start-up
+        self.front = FrontService(core, app, server.threads, on_heard=self._heard)
+        self._started_all = False  # every worker has served once (the device is ready from then on)
         self.grpc_port = 0  # the gRPC port the workers serve too (serve_grpc); 0: none
         self.grpc_sock: socket.socket | None = None
-        self.supervisor = Supervisor(count, self._argv(), self._started, self._exited)
+        self.zygote = zygote.early()
+        self.supervisor = Supervisor(count, self._launch, self._started, self._exited, server.worker_timeout_s,
+                                     self._turning, self._report_serving)
         self.pids: dict[int, int] = {}
+        core.metrics.registry.register(RestartCounters(self._counters))
         limits = config.limits
         self._base_stats = {**initial_stats(limits, bool(config.security.tls_cert_file),
                                             connection_cap(limits.max_connections)), "workers": count}
         self._closed = threading.Event()
         self._serving = False
 
-    def _argv(self) -> list[str]:
-        return [sys.executable, "-m", "appliance.fronts.worker", str(self.port), str(self.grpc_port)]
+    def _launch(self, index: int, channel: socket.socket) -> zygote.WorkerProcess:
+        """Worker ``index``: forked by the zygote while there is one, else a fresh interpreter."""
+        forker = self.zygote
+        if forker is not None and forker.alive:
+            return forker.spawn(index, self.port, self.grpc_port, channel)
+        return zygote.popen_worker(index, self.port, self.grpc_port, channel)
 
     def serve_grpc(self, host: str, port: int) -> int:
         """Have the workers serve gRPC on ``port`` too (before ``serve_forever``): held here
         as the REST port is; OSError when it is busy. The port number bound."""
         self.grpc_sock = reserve_port(host, port)
         self.grpc_port = self.grpc_sock.getsockname()[1]
-        self.supervisor.argv = self._argv()
         return self.grpc_port
 
     @property
@@ -102,27 +116,62 @@ class Fronts:
         return total
 
     def workers_status(self) -> list[dict[str, Any]]:
-        """Each worker: pid, memory, requests served, restarts, whether its channel is up and
-        how long since it last reported (``silent_s``: it reports every second; a stopped or
-        wedged one goes silent) (``/api/status`` ``workers``)."""
+        """Each worker (``/api/status`` ``workers``): pid, whether it serves, its age, memory
+        (RSS, PSS, USS, read here from /proc), requests served, connections, how long since it
+        was last heard, its restarts and the last few exits with their reasons."""
+        now, wall = time.monotonic(), time.time()
+        serving = set(self.supervisor.serving())
         out = []
         now = time.monotonic()
         for child in self.supervisor.children:
             stats = self.front.stats.get(child.index, {})
-            reported = self.front.reported.get(child.index)
-            out.append({"index": child.index, "pid": self.pids.get(child.index), "restarts": child.restarts,
-                        "rss_bytes": stats.get("rss_bytes"), "served": stats.get("served", 0),
-                        "connections": stats.get("http", {}).get("connections", 0),
-                        "up": child.index in self.front.links,
-                        "silent_s": round(now - reported, 1) if reported is not None else None})
+            pid = self.pids.get(child.index)
+            running = child.proc is not None and child.proc.poll() is None
+            out.append({"index": child.index, "pid": pid, "up": child.index in serving,
+                        "age_s": round(now - child.started, 1) if running else None,
+                        "started_at": child.started_at, "heard_s_ago": round(now - child.heard, 1),
+                        **(process_memory(pid) if pid and running else {}),
+                        "served": stats.get("served", 0), "connections": stats.get("http", {}).get("connections", 0),
+                        "restarts": child.restarts, "forked": self._forked(child), "pause_s": child.pause,
+                        "imported": stats.get("imported"),
+                        "exits": [{"pid": e.pid, "reason": e.reason, "code": e.code, "at": e.at,
+                                   "ran_s": round(e.ran_s, 1), "words": e.words()} for e in child.exits],
+                        "ago_s_of_last_exit": round(wall - child.exits[-1].at, 1) if child.exits else None})
         return out
+
+    def _forked(self, child: Any) -> bool:
+        return isinstance(child.proc, zygote.Forked)
+
+    def serving(self) -> int:
+        """How many workers serve now: running, listening, heard within the timeout."""
+        return len(self.supervisor.serving())
+
+    def liveness_problem(self) -> str | None:
+        """For the systemd watchdog (appliance/parts/notify.py): None while every worker serves
+        or is being replaced; else why not (the supervisor itself has stopped judging, or a
+        worker has been silent for twice the timeout and is still not replaced)."""
+        if not self._serving:
+            return None
+        now = time.monotonic()
+        stalled = now - self.supervisor.last_check
+        if stalled > max(5.0, self.supervisor.timeout_s):
+            return f"the front workers' supervisor has not run for {stalled:.0f} s"
+        stuck = [c.index for c in self.supervisor.children
+                 if c.proc is not None and c.proc.poll() is None and now - c.heard > 2 * self.supervisor.timeout_s]
+        if stuck:
+            return f"front worker {stuck[0]} has been silent for over {2 * self.supervisor.timeout_s:g} s and is not replaced"
+        return None
+
+    def _counters(self) -> tuple[dict[str, int], int, int, dict[int, dict[str, int]]]:
+        memory = {index: process_memory(pid) for index, pid in self.pids.items() if pid in self.supervisor.pids()}
+        return dict(self.supervisor.restarts_by_reason), self.count, self.serving(), memory
 
     # -- lifecycle -------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Start the workers; return once ``close`` (or the end of a drain) stops them. The
         device is not ready until every worker listens (a client that connects before would
         find the port held by fewer of them for as long as its connection lives)."""
-        self._report_waiting()
+        self._report_serving()
         self.front.start()
         self.supervisor.start()
         self._serving = True
@@ -146,6 +195,8 @@ class Fronts:
         self.supervisor.halt()
         self.front.close()  # the workers read EOF: they close their connections and exit
         self.supervisor.stop(EXIT_GRACE_S)
+        if self.zygote is not None:
+            self.zygote.close()
         self.sock.close()
         if self.grpc_sock is not None:
             self.grpc_sock.close()
@@ -156,20 +207,26 @@ class Fronts:
         self.pids[index] = pid
         self.front.attach(index, sock)
 
-    def _listening(self, index: int) -> None:
-        if index in self._waiting:
-            self._waiting.discard(index)
-            self._report_waiting()
+    def _heard(self, index: int) -> None:
+        self.supervisor.heard(index)
 
-    def _report_waiting(self) -> None:
-        waiting = len(self._waiting)
-        self.core.report_problem(PART, f"{self.count - waiting} of {self.count} front workers listening"
-                                 if waiting else None)
+    def _turning(self) -> bool:
+        return time.monotonic() - self.front.turned < LOOP_STALL_S
 
-    def _exited(self, index: int, pid: int, code: int, restarting: bool) -> None:
+    def _report_serving(self) -> None:
+        """(any thread) The problem while fewer workers than configured serve: critical (not
+        ready) until every worker has served once, and whenever none serves; shown, not
+        critical, while one of several is being replaced (the port is answered meanwhile)."""
+        missing = self.supervisor.missing()
+        if not missing:
+            self._started_all = True
+        problem = serving_problem(self.count - len(missing), self.count, missing)
+        self.core.report_problem(PART, problem, critical=not self._started_all or len(missing) >= self.count)
+
+    def _exited(self, index: int, ended: Exit, restarting: bool) -> None:
         if not restarting:
             return
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        log.warning("front worker %d (pid %d) %s; starting a new one", index, pid, how)
-        self.core.db.event("worker_exited", f"front worker {index} (pid {pid}) {how}; a new one starts",
-                           worker=index, pid=pid, code=code, at=time.time())
+        how = ended.words()
+        log.warning("front worker %d (pid %d) %s; starting a new one", index, ended.pid, how)
+        self.core.db.event("worker_exited", f"front worker {index} (pid {ended.pid}) {how}; a new one starts",
+                           worker=index, pid=ended.pid, code=ended.code, reason=ended.reason, at=ended.at)

@@ -14,7 +14,8 @@ own (``start``):
 - ``GRPC``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
   and KServe v2's, on this process's core) with a context of the lean server's kind.
 - ``OBSERVE``: the workers' request metrics join the core's (one registry, one page).
-- ``STATS``: each worker's HTTP figures and memory, merged by ``http_stats``.
+- ``STATS``: each worker's HTTP figures and memory, merged by ``http_stats``; sent from the
+  worker's loop every second, they are its heartbeat too (``on_heard``).
 
 It pushes the serving view (appliance/fronts/view.py) to every worker when the manager
 says what serves has changed (``Manager.listeners``; rebuilt once per loop tick however many
@@ -57,18 +58,22 @@ CHANGED = ("the model's versions changed while this request was decoded (version
            "takes other inputs); retry")
 # Figures of the workers' HTTP servers that are settings, not counts: shown once, not summed
 # (the shared-out limits, max_connections and max_buffered_bytes, add up to the port's).
+TURN_S = 0.5
 SETTINGS = frozenset({"server", "tls", "header_timeout_s", "request_timeout_s", "idle_timeout_s",
                       "max_queue_wait_s", "max_header_bytes", "max_connections", "max_buffered_bytes"})
 
 
 class FrontService:
     def __init__(self, core: "Appliance", app: Callable[..., Any], threads: int,
-                 on_listening: Callable[[int], None] = lambda index: None):
-        """``on_listening(index)``: a worker's first figures arrived: it listens on the port."""
+                 on_listening: Callable[[int], None] = lambda index: None,
+                 on_heard: Callable[[int], None] = lambda index: None):
+        """``on_listening(index)``: a worker's first figures arrived: it listens on the port;
+        ``on_heard(index)``: its figures arrived again (its heartbeat, appliance/fronts/supervisor.py)."""
         self.core, self.app, self.threads, self.on_listening = core, app, threads, on_listening
+        self.on_heard = on_heard
+        self.turned = time.monotonic()  # when this side's loop last turned (``_turn``)
         self.links: dict[int, ChannelProtocol] = {}  # worker index -> its channel
         self.stats: dict[int, dict[str, Any]] = {}  # worker index -> its last STATS
-        self.reported: dict[int, float] = {}  # worker index -> when (monotonic) its last STATS came
         self.view = ServingView(0, {})
         self._streams: dict[tuple[int, int], threading.Event] = {}  # (worker, id) -> cancelled
         self._loop: LoopThread | None = None
@@ -84,6 +89,15 @@ class FrontService:
         if manager is not None:
             manager.listeners.append(self._view_changed)
         self._view_changed()
+        self._loop.loop.call_soon_threadsafe(self._turn)
+
+    def _turn(self) -> None:
+        """(loop) Mark the loop as turning, every ``TURN_S``: the workers' heartbeats are judged
+        only while this side reads them (appliance/fronts/supervisor.py)."""
+        self.turned = time.monotonic()
+        loop = self._loop
+        if loop is not None:
+            loop.loop.call_later(TURN_S, self._turn)
 
     def close(self) -> None:
         """Close every worker's channel (they exit on EOF) and stop the loop."""
@@ -143,7 +157,7 @@ class FrontService:
         elif kind == m.STATS:
             first = proto.index not in self.stats
             self.stats[proto.index] = payload
-            self.reported[proto.index] = time.monotonic()
+            self.on_heard(proto.index)
             if first:
                 self.on_listening(proto.index)
 

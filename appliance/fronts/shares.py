@@ -15,8 +15,8 @@ MEMORY_PER_WORKER = 512 << 20  # the default runs a worker per CPU, and per this
 
 def workers_for(config: Config) -> int:
     """How many front workers to run: ``server.workers``, or by default one per CPU but no
-    more than one per ``MEMORY_PER_WORKER`` of the device's memory (a worker costs ~45 MB,
-    bench/RESULTS.md); 0 or 1 means none (the single-process path)."""
+    more than one per ``MEMORY_PER_WORKER`` of the device's memory (a worker forked from the
+    zygote costs ~8-10 MB PSS, bench/RESULTS.md); 0 or 1 means none (the single-process path)."""
     wanted = config.server.workers or auto_workers()
     return wanted if wanted > 1 else 0
 

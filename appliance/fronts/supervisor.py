@@ -1,100 +1,216 @@
-"""Child processes kept running: the serving process's front workers.
+"""Child processes kept running, and kept honest: the serving process's front workers.
 
-``Supervisor(count, argv, on_start, on_exit)`` spawns ``count`` children, each with one
-end of a private socketpair as an inherited descriptor (``pass_fds``; ``argv`` gets the
-child's index and that descriptor's number appended), and starts a new one when one
-exits, until ``stop``. A child that dies within ``QUICK_EXIT_S`` of its start is
-restarted after a growing pause (a crash loop must not eat the device's CPU); one that ran
-longer is restarted at once. The socketpair's parent end goes to ``on_start``, so the
-caller owns the conversation; this module knows nothing of what the children do.
+``Supervisor(count, launch, on_start, on_exit, timeout_s)`` starts ``count`` children, each
+with one end of a private socketpair (``launch(index, child_end)`` starts the process: forked
+by the zygote, or a fresh interpreter; appliance/fronts/zygote.py), and starts a new one when
+one ends, until ``stop``. The socketpair's parent end goes to ``on_start``, so the caller owns
+the conversation; this module knows nothing of what the children do.
 
-Children read EOF on their channel when the parent dies, however it dies, and exit: no
-orphan keeps the port. Thread-safety: ``start``/``stop`` from the owner's thread; the
-callbacks run on the supervisor's threads.
+**Heartbeat** (gunicorn's worker timeout, in the channel's terms): a child is alive while it
+speaks. The caller reports each sign of life with ``heard(index)`` (a worker sends its figures
+from its event loop every second, so they stop when its loop stops turning: a deadlock, a stuck
+C call, SIGSTOP). A child not heard for ``timeout_s`` since its last word (or its start) is
+killed (SIGKILL: its connections close, the kernel answers its queued ones with a reset) and
+replaced like any child that ends; its exit's reason is "heartbeat". The heartbeat is judged
+only while the caller's own side is turning (``listening()`` true): if the serving process's
+loop is what stalls, killing healthy workers would not help.
+
+**Restarts**: a child that ends is replaced. One that ended within ``QUICK_EXIT_S`` of its
+start is crash-looping: it is started again after a pause that doubles from 0.5 s up to
+``MAX_PAUSE_S`` (a crash loop costs a fork every 30 s, never a core, and never stops trying:
+the service keeps serving on the others and says so); one that ran longer is started at once.
+Each exit is kept with its reason (``Exit``): "heartbeat" (killed for silence), "signal"
+(killed by another), "exit" (ended by itself), "spawn" (could not be started).
+
+Children read EOF on their channel when the parent dies, however it dies, and exit: no orphan
+keeps the port. Thread-safety: ``start``/``stop`` from the owner's thread; ``heard`` from any
+thread; the callbacks run on the supervisor's threads.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
+
+from appliance.fronts.zygote import Launcher, WorkerProcess
 
 log = logging.getLogger("appliance.workers")
 
 QUICK_EXIT_S = 10.0  # a child that exits sooner than this after its start is crash-looping
-MAX_PAUSE_S = 30.0
+FIRST_PAUSE_S, MAX_PAUSE_S = 0.5, 30.0
+CHECK_EVERY_S = 0.5  # how often the heartbeat is judged
+KEPT_EXITS = 5
+REASONS = ("heartbeat", "signal", "exit", "spawn")  # why a child was replaced: the metric's label values
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How one child ended: ``reason`` (``REASONS``), ``code`` (``Popen.returncode``: negative
+    for a signal; None when it never started), when, and after how long."""
+
+    pid: int
+    code: int | None
+    reason: str
+    at: float
+    ran_s: float
+
+    def words(self) -> str:
+        if self.reason == "heartbeat":
+            return "missed its heartbeat and was killed"
+        if self.reason == "spawn":
+            return "could not be started"
+        if self.code is not None and self.code < 0:
+            try:
+                return f"was killed by signal {-self.code} ({signal.Signals(-self.code).name})"
+            except ValueError:
+                return f"was killed by signal {-self.code}"
+        return f"exited with status {self.code}"
 
 
 @dataclass
 class Child:
     index: int
-    proc: subprocess.Popen[bytes] | None = None
-    started: float = 0.0
+    proc: WorkerProcess | None = None
+    started: float = 0.0  # monotonic
+    started_at: float = 0.0  # wall clock, for the page
+    heard: float = 0.0  # monotonic: its start, then its last word
+    listening: bool = False  # heard since its start: it serves
     restarts: int = 0
     pause: float = 0.0
-    exits: list[int] = field(default_factory=list)  # return codes, newest last (a few kept)
+    killed_for: str | None = None  # set when the supervisor itself killed it
+    exits: list[Exit] = field(default_factory=list)  # newest last, KEPT_EXITS of them
 
 
 class Supervisor:
-    def __init__(self, count: int, argv: list[str], on_start: Callable[[int, int, socket.socket], None],
-                 on_exit: Callable[[int, int, int, bool], None], env: dict[str, str] | None = None):
-        """``on_start(index, pid, parent_end)``; ``on_exit(index, pid, returncode, restarting)``."""
-        self.count, self.argv, self.env = count, argv, env
-        self.on_start, self.on_exit = on_start, on_exit
+    def __init__(self, count: int, launch: Launcher, on_start: Callable[[int, int, socket.socket], None],
+                 on_exit: Callable[[int, Exit, bool], None], timeout_s: float,
+                 listening: Callable[[], bool] = lambda: True, on_change: Callable[[], None] = lambda: None):
+        """``on_start(index, pid, parent_end)``; ``on_exit(index, exit, restarting)``;
+        ``listening()``: whether the caller's side of the channels is turning now;
+        ``on_change()``: which children serve has changed (``serving``, ``missing``)."""
+        self.count, self.launch, self.timeout_s = count, launch, timeout_s
+        self.on_start, self.on_exit, self.listening, self.on_change = on_start, on_exit, listening, on_change
         self.children = [Child(i) for i in range(count)]
+        self.restarts_by_reason: Counter[str] = Counter({reason: 0 for reason in REASONS})
+        self.last_check = time.monotonic()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
         for child in self.children:
+            self._start(child)
+        self._thread(self._judge, "worker-heartbeat")
+
+    def heard(self, index: int) -> None:
+        """(any thread) A sign of life from child ``index``."""
+        child = self.children[index]
+        child.heard = time.monotonic()
+        if not child.listening:
+            child.listening = True
+            self.on_change()
+
+    def serving(self) -> list[int]:
+        """The children that serve now: running, heard since their start, not silent."""
+        now = time.monotonic()
+        return [c.index for c in self.children if c.listening and c.proc is not None and c.proc.poll() is None
+                and not c.killed_for and now - c.heard <= self.timeout_s]
+
+    def missing(self) -> dict[int, str]:
+        """Why each child that does not serve does not (``serving``'s complement)."""
+        serving, now = set(self.serving()), time.monotonic()
+        out = {}
+        for child in self.children:
+            if child.index in serving:
+                continue
+            running = child.proc is not None and child.proc.poll() is None and not child.killed_for
+            if running and child.listening:
+                out[child.index] = f"has been silent for {now - child.heard:.0f} s"
+            elif running or not child.exits:
+                out[child.index] = "is starting"
+            else:
+                out[child.index] = f"{child.exits[-1].words()}; being replaced"
+        return out
+
+    # -- starting ------------------------------------------------------------------------------
+    def _start(self, child: Child) -> None:
+        """Start ``child``; when it cannot be, count that as an exit and try again after a pause."""
+        try:
             self._spawn(child)
+        except OSError as exc:  # out of processes or memory, or the zygote is gone and so is fork
+            log.error("cannot start front worker %d: %s", child.index, exc)
+            child.started = time.monotonic()
+            self._thread(lambda: self._ended(child, Exit(0, None, "spawn", time.time(), 0.0)),
+                         f"worker-{child.index}-retry")
 
     def _spawn(self, child: Child) -> None:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            proc = subprocess.Popen([*self.argv, str(child.index), str(child_end.fileno())],
-                                    pass_fds=(child_end.fileno(),), env=self.env)
+            proc = self.launch(child.index, child_end)
         except OSError:
             parent_end.close()
             raise
         finally:
             child_end.close()
-        child.proc, child.started = proc, time.monotonic()
+        now = time.monotonic()
+        child.proc, child.started, child.started_at, child.heard = proc, now, time.time(), now
+        child.killed_for, child.listening = None, False
         self.on_start(child.index, proc.pid, parent_end)
-        thread = threading.Thread(target=self._watch, args=(child, proc), name=f"worker-{child.index}-watch",
-                                  daemon=True)
+        self._thread(lambda: self._watch(child, proc), f"worker-{child.index}-watch")
+
+    def _thread(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
         self._threads.append(thread)
+        self._threads = [t for t in self._threads if t.is_alive() or t is thread]
         thread.start()
 
-    def _watch(self, child: Child, proc: subprocess.Popen[bytes]) -> None:
+    # -- ending ----------------------------------------------------------------------------------
+    def _watch(self, child: Child, proc: WorkerProcess) -> None:
         code = proc.wait()
-        child.exits = [*child.exits[-4:], code]
+        reason = child.killed_for or ("signal" if code < 0 else "exit")
+        self._ended(child, Exit(proc.pid, code, reason, time.time(), time.monotonic() - child.started))
+
+    def _ended(self, child: Child, ended: Exit) -> None:
+        child.exits = [*child.exits[-(KEPT_EXITS - 1):], ended]
         restarting = not self._stopping.is_set()
-        self.on_exit(child.index, proc.pid, code, restarting)
+        if restarting:
+            self.restarts_by_reason[ended.reason] += 1
+        child.listening = False
+        self.on_exit(child.index, ended, restarting)
+        self.on_change()
         if not restarting:
             return
-        quick = time.monotonic() - child.started < QUICK_EXIT_S
-        child.pause = min(MAX_PAUSE_S, max(0.5, child.pause * 2)) if quick else 0.0
+        quick = ended.ran_s < QUICK_EXIT_S
+        child.pause = min(MAX_PAUSE_S, max(FIRST_PAUSE_S, child.pause * 2)) if quick else 0.0
         if child.pause and self._stopping.wait(child.pause):
             return
         child.restarts += 1
-        try:
-            self._spawn(child)
-        except OSError as exc:  # out of processes or memory: say so, try again after a pause
-            log.error("cannot start worker %d: %s", child.index, exc)
-            child.started = time.monotonic()
-            threading.Thread(target=self._watch_failed, args=(child,), daemon=True).start()
+        self._start(child)
 
-    def _watch_failed(self, child: Child) -> None:
-        if not self._stopping.wait(MAX_PAUSE_S):
-            try:
-                self._spawn(child)
-            except OSError as exc:
-                log.error("cannot start worker %d: %s", child.index, exc)
+    # -- the heartbeat -------------------------------------------------------------------------
+    def _judge(self) -> None:
+        while not self._stopping.wait(CHECK_EVERY_S):
+            self.last_check = time.monotonic()
+            if self.listening():
+                for child in self.children:
+                    self._check(child, self.last_check)
+            self.on_change()  # recomputed from the state each tick: a report raced by another thread heals here
+
+    def _check(self, child: Child, now: float) -> None:
+        proc = child.proc
+        if proc is None or proc.poll() is not None or child.killed_for or now - child.heard < self.timeout_s:
+            return
+        child.killed_for = "heartbeat"
+        self.on_change()
+        log.error("front worker %d (pid %d) sent nothing for %.0f s ([server] worker_timeout_s): killing it",
+                  child.index, proc.pid, now - child.heard)
+        proc.kill()
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children if c.proc is not None and c.proc.poll() is None]
@@ -115,9 +231,13 @@ class Supervisor:
                 clean = False
                 log.warning("worker %d (pid %d) did not exit in time: killed", child.index, proc.pid)
                 proc.kill()
-                proc.wait(5)
-        for thread in self._threads:
-            thread.join(5)
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    log.error("worker %d (pid %d) did not die", child.index, proc.pid)
+        for thread in list(self._threads):
+            if thread is not threading.current_thread():
+                thread.join(5)
         return clean
 
     def halt(self) -> None:

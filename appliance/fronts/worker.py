@@ -3,8 +3,9 @@
     python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD
 
 Started only by appliance/fronts/pool.py, which holds the port (and the gRPC port, 0
-for none) and passes its end of a private channel; the worker listens on them with
-SO_REUSEPORT beside the others. gRPC runs on the lean server's own loop thread
+for none) and passes its end of a private channel: forked by the zygote (``run_forked``,
+appliance/fronts/zygote.py), or as a fresh interpreter with the command above where there is
+none. The worker listens on the ports with SO_REUSEPORT beside the others. gRPC runs on the lean server's own loop thread
 (appliance/fronts/grpc_front.py's services). The
 first message on the channel is the service's config, read before anything starts; the
 worker then serves appliance/fronts/app.py's ``FrontApp`` on appliance/transport/http/
@@ -14,6 +15,14 @@ share of the port's limits, the channel on the same loop, until the serving proc
 init: close everything, exit 1). Ctrl-C in a terminal and systemd's stop reach the whole
 process group: a worker ignores SIGINT and SIGTERM and waits for the serving process's word,
 so the drain happens in its order (the workers, then the models).
+
+Every ``HEARTBEAT_S`` the worker's loop sends its figures (``STATS``): they are its heartbeat,
+so they stop when the loop stops turning, and the supervisor replaces a worker that has been
+silent for ``[server] worker_timeout_s`` (appliance/fronts/supervisor.py).
+
+What it imports is its request path and nothing else: no Flask or werkzeug (everything else is
+forwarded), no backend library (it never runs a model), gRPC's modules only when it serves the
+gRPC port (tests/test_worker_imports.py).
 """
 
 from __future__ import annotations
@@ -33,13 +42,18 @@ from appliance.fronts.remote import RemoteCore
 from appliance.fronts.link import Link
 from appliance.core import logs, memory
 from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
-from appliance.core.tls import tls_context
 from appliance.transport.channel import ChannelProtocol, Message, read_one
 from appliance.transport.http.server import HTTPServer, listen
 
 log = logging.getLogger("appliance.workers")
 
-REPORT_EVERY_S = 1.0  # HTTP figures and memory to the serving process
+# Libraries worth naming when a worker holds them (``/api/status`` ``workers[].imported``): what
+# its request path needs, and what it must never hold (tests/test_worker_supervision.py).
+NAMED_MODULES = ("numpy", "uvloop", "httptools", "orjson", "simdjson", "rapidjson", "msgpack", "grpc", "h2",
+                 "google.protobuf", "flask", "werkzeug", "jinja2", "tensorflow", "ai_edge_litert", "tflite_runtime",
+                 "litert_lm", "sqlite_utils", "prometheus_client", "zeroconf", "boto3", "cryptography", "psutil")
+HEARTBEAT_S = 1.0  # HTTP figures and memory to the serving process, from the loop: the heartbeat
+PARENT_CHECK_S = 1.0
 
 
 class Worker:
@@ -61,13 +75,17 @@ class Worker:
         logs.setup(config.log_level)
         core = self.core = RemoteCore(config, self.link)
         app = FrontApp(core, hot_mounts(core), Forwarder(self.link))
-        context = tls_context(config.security) if config.security.tls_cert_file else None
+        context = None
+        if config.security.tls_cert_file:
+            from appliance.core.tls import tls_context
+
+            context = tls_context(config.security)
         workers = self.workers = workers_for(config)
         self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
                                  config.server.max_body_bytes, worker_limits(config.limits, workers), context,
                                  sock=listen(config.server.host, self.port, reuse_port=True), fast=app,
                                  on_loop=self.open_channel, facing=facing())
-        threading.Thread(target=self.report, name="report", daemon=True).start()
+        threading.Thread(target=self.watch_parent, name="parent", daemon=True).start()
         memory.tune_gc()
         self.server.serve_forever()
         return self.exit_code
@@ -111,8 +129,14 @@ class Worker:
             _, proto = await loop.connect_accepted_socket(
                 lambda: ChannelProtocol(self.link.on_message, self.link.on_lost, self.index), self.sock)
             self.link.attach(loop, proto)
-            self.send_stats()  # listening: the serving process counts this worker in
+            self.beat(loop)  # listening: the serving process counts this worker in
         loop.create_task(connect())
+
+    def beat(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(the loop) The figures now, and again in HEARTBEAT_S (module docstring)."""
+        if not self.done.is_set():
+            self.send_stats()
+            loop.call_later(HEARTBEAT_S, self.beat, loop)
 
     def on_push(self, message: Message) -> None:
         """(the loop) What the serving process says unasked."""
@@ -148,21 +172,21 @@ class Worker:
         if self.grpc is not None:
             threading.Thread(target=self.grpc.stop, args=(0,), name="grpc-close", daemon=True).start()
 
-    def report(self) -> None:
-        """HTTP figures and memory every REPORT_EVERY_S (``/api/status`` ``workers``); and a
-        check that the serving process is still this one's parent, should its EOF be missed."""
+    def watch_parent(self) -> None:
+        """Exit when this process's parent changes (the serving process, or the zygote that
+        forked this worker, is gone), should the channel's EOF be missed."""
         parent = os.getppid()
-        while not self.done.wait(REPORT_EVERY_S):
+        while not self.done.wait(PARENT_CHECK_S):
             if os.getppid() != parent:
-                log.error("front worker %d: the serving process (pid %d) is gone; exiting", self.index, parent)
+                log.error("front worker %d: its parent (pid %d) is gone; exiting", self.index, parent)
                 self.gone()
                 return
-            self.send_stats()
 
     def send_stats(self) -> None:
         server, grpc = self.server, self.grpc
         if server is not None:
-            stats = {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(server.stats), "served": server.tracker.served}
+            stats = {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(server.stats), "served": server.tracker.served,
+                     "imported": [name for name in NAMED_MODULES if name in sys.modules]}
             if grpc is not None:
                 stats["grpc"] = {"connections": len(grpc.connections), "held_bytes": grpc.held,
                                  "max_connections": grpc.limits.max_connections, **grpc.stats.copy()}
@@ -177,14 +201,19 @@ def _rss() -> int:
         return 0
 
 
-def main(argv: list[str]) -> int:
+def run_forked(index: int, port: int, grpc_port: int, channel_fd: int) -> int:
+    """The worker's main, in a process the zygote forked or a fresh interpreter: its exit status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     memory.limit_arenas()
-    port, grpc_port, index, channel_fd = (int(a) for a in argv[-4:])
     sock = socket.socket(fileno=channel_fd)
     sock.setblocking(True)
     return Worker(index, port, grpc_port, sock).run()
+
+
+def main(argv: list[str]) -> int:
+    port, grpc_port, index, channel_fd = (int(a) for a in argv[-4:])
+    return run_forked(index, port, grpc_port, channel_fd)
 
 
 if __name__ == "__main__":

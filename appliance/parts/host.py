@@ -10,7 +10,7 @@ then, ``server.port`` known) and hears the service's lifecycle through ``hooks``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from appliance.core.config import Config
 
@@ -28,6 +28,14 @@ class Listening(Protocol):
 
     @property
     def port(self) -> int: ...
+
+
+@runtime_checkable
+class Supervised(Protocol):
+    """A port served by processes the service supervises (appliance/fronts/pool.py ``Fronts``)."""
+
+    def liveness_problem(self) -> str | None:
+        """None while its processes serve or are being replaced; else why not."""
 
 
 class Host(Protocol):

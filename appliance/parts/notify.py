@@ -13,7 +13,10 @@ that tells systemd the truth:
   this process), and only after a liveness check passed: no batcher has had work waiting
   without finishing a batch for that long (``manager.stalled``), and ``GET /healthz``
   through the real listening socket answers 200 in time, which proves the accept loop and
-  a worker thread are alive. A timer thread that pings unconditionally would keep a hung
+  a worker thread are alive; with front worker processes, also that their supervisor is
+  running and no worker has stayed silent past its replacement (``Fronts.liveness_problem``:
+  a worker being replaced is not a reason to restart the service, a supervisor that stopped
+  replacing them is). A timer thread that pings unconditionally would keep a hung
   service alive forever; this one stops pinging and systemd restarts the service.
 - ``RELOADING=1`` + ``MONOTONIC_USEC=`` when a SIGHUP reload starts, ``READY=1`` when it
   is applied and the models are ready again; ``STOPPING=1`` when the drain starts.
@@ -33,7 +36,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from appliance.parts.host import Host
+from appliance.parts.host import Host, Supervised
 
 log = logging.getLogger("appliance.notify")
 
@@ -112,7 +115,8 @@ class Liveness:
         server = self.service.server
         if server is None:
             return "the HTTP server is not running"
-        return self._http_problem(probe_host(server.host), server.port)
+        workers = server.liveness_problem() if isinstance(server, Supervised) else None
+        return workers or self._http_problem(probe_host(server.host), server.port)
 
     def _http_problem(self, host: str, port: int) -> str | None:
         conn = http.client.HTTPConnection(host, port, timeout=self.http_timeout_s)

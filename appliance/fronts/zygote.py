@@ -1,0 +1,355 @@
+"""Front workers forked from a parent that imported their code once: the zygote.
+
+A worker started as a fresh interpreter (``python -m appliance.fronts.worker``) imports numpy,
+uvloop, the JSON and HTTP libraries and the API families itself: 30 MB of private memory each
+(bench/RESULTS.md, "Lean workers"). Forked from a process that imported them already, it shares
+those pages with it until it writes to them; ``gc.freeze()`` before the fork keeps the garbage
+collector from writing to every inherited object. So the serving process forks one **zygote**
+early in its start-up (``Zygote.start``, called by the serve commands right after the config is
+read): before any thread starts (forking a multi-threaded process can copy a lock held by a
+thread that does not exist in the child) and before any backend library or the serving app
+(Flask) is imported. The zygote imports the worker's request path (``PRELOAD``, and gRPC's when
+the workers will serve the gRPC port), freezes the collector and waits; each worker is forked
+from it, so its pages are shared three ways: the serving process, the zygote and every worker.
+
+The conversation, on a ``SOCK_SEQPACKET`` socketpair (one message per datagram, descriptors
+passed with ``SCM_RIGHTS``), in plain ASCII:
+
+- serving -> zygote: ``spawn INDEX PORT GRPC_PORT`` with the worker's channel end attached;
+  ``kill PID`` (SIGKILL, sent by the zygote: only a parent can name a pid safely, since a pid
+  the parent has reaped may be reused at once).
+- zygote -> serving: ``started INDEX PID`` (or ``failed INDEX ERRNO``), and ``exited PID CODE``
+  when a worker ends (CODE as ``Popen.returncode``: negative for a signal).
+
+The zygote ignores SIGINT and SIGTERM (as a worker does: the serving process drains in its own
+order) and exits when its control socket reads EOF (the serving process is gone or closed it);
+its workers see their own channel's EOF and exit too. A worker's handle (``Forked``) has the part
+of ``subprocess.Popen``'s face the supervisor uses (``pid``, ``poll``, ``wait``, ``kill``), so the
+supervisor starts workers the same way whether a zygote forks them or, where none could be made
+(threads already running, no ``fork``), a fresh interpreter does (``popen_worker``).
+
+Thread-safety: ``spawn`` and ``kill`` from any thread (one spawn at a time); replies are read
+by one thread of the serving process.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from appliance.core.config import Config
+
+log = logging.getLogger("appliance.workers")
+
+# What a worker's request path imports: loaded once, in the serving process, before the fork.
+PRELOAD = ("appliance.fronts.worker", "appliance.api.tfserving.rest", "appliance.api.kserve.rest",
+           "appliance.transport.http.server", "uvloop")
+PRELOAD_GRPC = ("appliance.fronts.grpc_front", "appliance.transport.grpc.h2_server")
+SPAWN_TIMEOUT_S = 10.0
+MAX_MESSAGE = 256
+
+
+class WorkerProcess(Protocol):
+    """What the supervisor holds of a worker: ``subprocess.Popen``'s face, in part."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+def popen_worker(index: int, port: int, grpc_port: int, channel: socket.socket,
+                 env: dict[str, str] | None = None) -> WorkerProcess:
+    """A worker as a fresh interpreter: the way when there is no zygote."""
+    argv = [sys.executable, "-m", "appliance.fronts.worker", str(port), str(grpc_port), str(index),
+            str(channel.fileno())]
+    return subprocess.Popen(argv, pass_fds=(channel.fileno(),), env=env)
+
+
+class Forked:
+    """A worker the zygote forked: its exit code arrives as the zygote's ``exited`` message."""
+
+    def __init__(self, zygote: "Zygote", pid: int):
+        self.zygote, self.pid = zygote, pid
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"front worker {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self.zygote.kill(self.pid)
+
+    def ended(self, code: int) -> None:
+        self.returncode = code
+        self._done.set()
+
+
+class Zygote:
+    """The serving process's end of the zygote (module docstring)."""
+
+    def __init__(self, pid: int, control: socket.socket):
+        self.pid, self.control = pid, control
+        self.alive = True
+        self._closing = False
+        self._children: dict[int, Forked] = {}
+        self._replies: list[str] = []
+        self._reply = threading.Condition()
+        self._spawning = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, grpc: bool = False) -> "Zygote | None":
+        """Import the worker's code, fork the zygote; None where forking is not safe here (a
+        thread already runs) or not possible (no ``fork``)."""
+        if not hasattr(os, "fork") or threading.active_count() > 1:
+            return None
+        for module in PRELOAD + (PRELOAD_GRPC if grpc else ()):
+            importlib.import_module(module)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        gc.freeze()  # what exists now is never scanned again: the children do not write to it for the collector
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            os._exit(_serve(theirs))
+        theirs.close()
+        return cls(pid, ours)
+
+    # -- the serving process's requests ----------------------------------------------------
+    def spawn(self, index: int, port: int, grpc_port: int, channel: socket.socket) -> WorkerProcess:
+        """A worker forked by the zygote, with ``channel`` as its end of the conversation.
+        OSError when the zygote is gone or could not fork."""
+        with self._spawning:
+            if not self.alive:
+                raise OSError("the front workers' zygote is gone")
+            with self._reply:
+                self._replies.clear()
+            try:
+                socket.send_fds(self.control, [f"spawn {index} {port} {grpc_port}".encode()], [channel.fileno()])
+            except OSError:
+                self._gone()
+                raise
+            words = self._await_reply()
+        if words[0] != "started":
+            raise OSError(int(words[2]), f"the zygote could not fork worker {index}: {os.strerror(int(words[2]))}")
+        return self._children[int(words[2])]
+
+    def _await_reply(self) -> list[str]:
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        with self._reply:
+            while not self._replies:
+                left = deadline - time.monotonic()
+                if not self.alive or left <= 0:
+                    raise OSError("the front workers' zygote did not answer")
+                self._reply.wait(left)
+            return self._replies.pop(0).split()
+
+    def kill(self, pid: int) -> None:
+        try:
+            self.control.send(f"kill {pid}".encode())
+        except OSError:
+            self._kill_orphan(pid)
+
+    def close(self) -> None:
+        """Tell the zygote to exit (its workers are told by their own channels). Idempotent."""
+        self._closing = True
+        try:
+            self.control.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # -- the reader thread -------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.control.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                self._gone()
+                return
+            words = data.decode().split()
+            if words[0] == "started":  # registered before the spawner reads it: an exit may follow at once
+                self._children[int(words[2])] = Forked(self, int(words[2]))
+            if words[0] == "exited":
+                child = self._children.pop(int(words[1]), None)
+                if child is not None:
+                    child.ended(int(words[2]))
+                continue
+            with self._reply:
+                self._replies.append(" ".join(words))
+                self._reply.notify_all()
+
+    def _gone(self) -> None:
+        """The zygote exited: its workers follow it (their parent changed); wait for each."""
+        if not self.alive:
+            return
+        self.alive = False
+        if not self._closing:
+            log.error("the front workers' zygote (pid %d) is gone; new workers start as fresh interpreters", self.pid)
+        with self._reply:
+            self._reply.notify_all()
+        for pid, child in list(self._children.items()):
+            threading.Thread(target=_await_orphan, args=(child,), name=f"orphan-{pid}", daemon=True).start()
+        self._children.clear()
+        try:
+            os.waitpid(self.pid, 0)  # the zygote is this process's own child
+        except ChildProcessError:
+            pass
+
+    def _kill_orphan(self, pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _await_orphan(child: Forked) -> None:
+    """A worker whose zygote died: gone once its pid is (it exits when its parent changes)."""
+    while True:
+        try:
+            os.kill(child.pid, 0)
+        except ProcessLookupError:
+            child.ended(-signal.SIGKILL)
+            return
+        time.sleep(0.2)
+
+
+# -- the zygote process ------------------------------------------------------------------------
+def _serve(control: socket.socket) -> int:
+    """The zygote's loop: fork workers on request, report their exits; 0 at EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD writes to the wake-up pipe
+    children: set[int] = set()
+    try:
+        while True:
+            readable, _, _ = select.select([control.fileno(), wake_r], [], [])
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+                _reap(control, children)
+            if control.fileno() in readable and not _command(control, children, (wake_r, wake_w)):
+                return 0
+    except OSError:
+        return 1
+
+
+def _command(control: socket.socket, children: set[int], own: tuple[int, int]) -> bool:
+    """One request from the serving process; False at EOF."""
+    data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 1)
+    if not data:
+        return False
+    words = data.decode().split()
+    if words[0] == "kill":
+        pid = int(words[1])
+        if pid in children:  # unreaped: the pid is still this child's
+            os.kill(pid, signal.SIGKILL)
+    elif words[0] == "spawn":
+        index, port, grpc_port = (int(w) for w in words[1:4])
+        try:
+            pid = _fork_worker(index, port, grpc_port, fds[0], control, own)
+        except OSError as exc:
+            control.send(f"failed {index} {exc.errno or 0}".encode())
+        else:
+            children.add(pid)
+            control.send(f"started {index} {pid}".encode())
+        finally:
+            os.close(fds[0])
+    return True
+
+
+def _fork_worker(index: int, port: int, grpc_port: int, channel_fd: int, control: socket.socket,
+                 own: tuple[int, int]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:  # the worker: none of the zygote's descriptors or handlers
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        control.close()
+        for fd in own:
+            os.close(fd)
+        from appliance.fronts.worker import run_forked
+
+        code = run_forked(index, port, grpc_port, channel_fd)
+    except BaseException:  # anything at all: the worker ends here, never back in the zygote's loop
+        logging.getLogger("appliance.workers").exception("front worker %d failed", index)
+    finally:
+        _flush_and_exit(code)
+    return 0  # not reached
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _reap(control: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        control.send(f"exited {pid} {os.waitstatus_to_exitcode(status)}".encode())
+
+
+Launcher = Callable[[int, socket.socket], WorkerProcess]
+
+
+
+# -- the process's one zygote --------------------------------------------------------------------
+_early: Zygote | None = None
+
+
+def start_early(config: "Config") -> Zygote | None:
+    """Fork this process's zygote when ``config`` runs front workers: called by the serve
+    commands right after the config is read, before the service is imported (module
+    docstring). gRPC's modules are preloaded too when the workers may serve its TCP port."""
+    global _early
+    from appliance.fronts.shares import workers_for
+
+    if _early is None and workers_for(config) > 1:
+        _early = Zygote.start(grpc=bool(config.grpc.port))
+    return _early
+
+
+def early() -> Zygote | None:
+    """The zygote ``start_early`` forked, while it is alive."""
+    return _early if _early is not None and _early.alive else None
+
+
+__all__ = ["Forked", "Launcher", "PRELOAD", "WorkerProcess", "Zygote", "early", "popen_worker", "start_early"]
