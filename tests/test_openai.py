@@ -350,3 +350,25 @@ def test_a_new_bundle_version_swaps_in_and_the_old_one_unloads(server: Any, clie
     assert (before.model, after.model) == ("bundle:1", "bundle:2")
     assert after.choices[0].text == before.choices[0].text  # the same bundle, the same answer
     assert {m.id for m in client.models.list().data} >= {"bundle", "bundle:2"}
+
+
+def test_concurrent_requests_to_a_bundle_all_answer(client: Any, reference: Any, server: Any, base: Path) -> None:
+    """LiteRT-LM's engine is not thread-safe: four streams and their tokenizing at once used to
+    abort the whole service ("double free or corruption"); each now waits its turn."""
+    needs_bundle(base)
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = " ".join(f"t{i}" for i in WORDS)
+    want = reference("lt_t", [START, *WORDS], 8)
+
+    def ask(i: int) -> list[int]:
+        if i % 2:
+            chunks = client.completions.create(model="bundle", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+            return words("".join(c.choices[0].text for c in chunks))
+        return words(client.completions.create(model="bundle", prompt=prompt, max_tokens=8,
+                                               temperature=0).choices[0].text)
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(ask, range(12)))
+    assert answers == [want] * 12
+    assert server.get("/healthz").status_code == 200
