@@ -173,7 +173,7 @@ def test_errors_are_openais(client: Any, server: Any) -> None:
             client.chat.completions.create(model=model, messages=chat)
         assert missing.value.code == "model_not_found" and missing.value.param == "model", model
         assert missing.value.type == "invalid_request_error"
-    for kwargs, param in (({"n": 2}, "n"), ({"temperature": 5}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+    for kwargs, param in (({"n": 99}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 9}, "logprobs"), ({"temperature": 5}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
                           ({"presence_penalty": 1.5}, "presence_penalty"), ({"model": "mlp"}, "model"),
                           ({"model": "tiny/versions/1"}, "model"), ({"stop": ["a"] * 5}, "stop"),
                           ({"prompt": ""}, "prompt"), ({"prompt": "\u00e9"}, "prompt")):

@@ -104,6 +104,7 @@ class Stream:
         self.logprobs: list[TokenLogprob] = []  # one per token, when params.logprobs is set
         self.leader: Stream | None = None  # another choice of the same prompt whose prefill it copies
         self.index = 0  # which choice it is (OpenAI's index)
+        self.choice_events: Any = None  # the request's one queue of tagged events (start_choices)
 
     @property
     def physical(self) -> int:
@@ -137,6 +138,16 @@ class Stream:
                 "time_to_first_token_ms": round(ttft * 1000, 3) if ttft is not None else None,
                 "tokens_per_s": round((self.generated - 1) / decode_s, 2) if self.generated > 1 and decode_s > 0
                 else None, "elapsed_ms": round(elapsed * 1000, 3)}
+
+
+class _Tagged:
+    """A stream's ``events`` put on its request's one queue with the choice's index."""
+
+    def __init__(self, merged: "queue.SimpleQueue[tuple[int, str, Any]]", index: int):
+        self.merged, self.index = merged, index
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self.merged.put((self.index, *item))
 
 
 class GenerationMetrics:
@@ -375,13 +386,15 @@ class Generation:
     def start(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None) -> Stream:
         """Queue a stream on the handle's version; the loop owns (and releases) the handle.
         ``text``: the prompt as text, for a text-level servable (else its ids are detokenized)."""
-        return self.start_choices(prompt, params, handle, model, text)[0]
+        return self.start_choices(prompt, params, handle, model, text, tagged=False)[0]
 
     def start_choices(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None,
-                      n: int = 1, grammar: Grammar | None = None) -> list[Stream]:
+                      n: int = 1, grammar: Grammar | None = None, tagged: bool = True) -> list[Stream]:
         """``n`` streams of one prompt (OpenAI's choices), sharing its prefill and the handle
         (released with the last of them); each constrained by ``grammar`` when given.
-        Admitted together or refused together (``Unavailable`` over the limits)."""
+        Admitted together or refused together (``Unavailable`` over the limits). ``tagged``:
+        every stream's events go to one queue, ``streams[0].choice_events``, as (index, kind,
+        value)."""
         driver, vocab = self.prepare(handle)
         text_level = isinstance(driver, TextDriver)
         if text_level and params.stop:
@@ -391,8 +404,11 @@ class Generation:
         prompt_text = (text if text is not None else vocab.decode_all(prompt)) if text_level else ""
         shared = SharedHandle(handle, n) if n > 1 else handle
         streams = [Stream(prompt, params, shared, model) for _ in range(n)]
+        merged: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
         for i, stream in enumerate(streams):
             stream.text_level, stream.index = text_level, i
+            if tagged:
+                stream.events, stream.choice_events = _Tagged(merged, i), merged  # type: ignore[assignment]
             stream.leader = streams[0] if i and not text_level else None
             stream.constraint = Constraint(grammar, table) if grammar is not None and table is not None else None
         self.limits.refresh()

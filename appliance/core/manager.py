@@ -37,6 +37,7 @@ from appliance.core.sources import Aspired
 from appliance.core.memory import release_freed_memory
 from appliance.core.policy import State, aspired_versions, plan
 from appliance.core.state import StateDB
+from appliance.core.text import check_assets as check_text_assets
 from appliance.core.warmup import warmup_requests
 
 if TYPE_CHECKING:
@@ -395,6 +396,7 @@ class Manager:
             slot.servable = servable
             slot.load_ms = (time.perf_counter() - started) * 1000
             warm = time.perf_counter()
+            check_text_assets(path)  # a generative version's vocabulary and chat template (appliance/core/text.py)
             self._warm_up(slot, servable, path)
             slot.warmup_ms = (time.perf_counter() - warm) * 1000
             if self.metrics is not None:
