@@ -34,6 +34,12 @@ DEFAULT_CHAT = "<|user|>\n{}\n<|assistant|>\n"
 BUNDLE_TEMPLATE = "{% for m in messages %}{{ m.content }}{% if not loop.last %} {% endif %}{% endfor %}"
 WORDS = [5, 17, 42, 99, 3, 64, 8, 120, 77, 31]
 START = 1  # the bundle's start token (tests/test_litertlm.py)
+# A chat template in Hermes' tool-call convention, short enough for a 128-token context:
+# the tools by name, the calls as <tool_call>{...}</tool_call>, results as "tool" messages.
+TOOLS_TEMPLATE = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ '\\n' }}{% endif %}"
+                  "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+                  "<tool_call>{\"name\": {{ c.function.name | tojson }}, \"arguments\": "
+                  "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}<assistant>")
 BUNDLE_SKIP = "LiteRT-LM's engine (litert-lm-api, the test extra) builds and runs the bundle"
 
 
@@ -59,6 +65,8 @@ def make_bundle(lt_models: Path, build: Path, target: Path) -> bool:
 def base(lt_models: Path, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("openai")
     tiny_version(lt_models, root / "models" / "tiny" / "1")
+    chat = tiny_version(lt_models, root / "models" / "chat" / "1")  # tiny with a compact Hermes-style template
+    (chat / "assets" / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
     shutil.copytree(models_dir / "keras_mlp_tflite", root / "models" / "mlp")
     make_bundle(lt_models, root / "build", root / "models" / "bundle" / "1")
     return root / "models"
@@ -196,7 +204,7 @@ def test_models_lists_what_generates_and_tf_serving_keeps_its_paths(client: Any,
     listed = client.models.list()
     ids = {m.id for m in listed.data}
     bundle = {"bundle", "bundle:1"} if (base / "bundle").exists() else set()
-    assert ids == {"tiny", "tiny:1", "tiny:stable"} | bundle  # mlp cannot generate
+    assert ids == {"tiny", "tiny:1", "tiny:stable", "chat", "chat:1"} | bundle  # mlp cannot generate
     assert all(m.object == "model" and m.owned_by == "edge-appliance" and m.created > 0 for m in listed.data)
     assert requests.head(server.url + "/v1/models", timeout=30).status_code == 200
     # every TF Serving path stays TF Serving's: model status, metadata, a POST to /v1/models

@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from appliance.api.openai_fields import FieldError
-from appliance.core.constraints import ANY_OBJECT, Grammar
+from appliance.core.constraints import ANY_OBJECT, JSON_OPTIONS, Grammar
 
 HERMES, BARE = "hermes", "json"
 HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -81,7 +81,7 @@ class Tools:
         calls = [self._call_schema(t["function"]) for t in self.tools
                  if self.forced is None or t["function"]["name"] == self.forced]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        body = json.dumps(schema)
+        body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})  # compact, as response_format's
         lark = f'start: "<tool_call>" call "</tool_call>"\ncall: %json {body}' if self.style == HERMES else \
             f"start: call\ncall: %json {body}"
         return Grammar.lark(lark, "field 'tools'")

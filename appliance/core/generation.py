@@ -407,6 +407,8 @@ class Generation:
         merged: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
         for i, stream in enumerate(streams):
             stream.text_level, stream.index = text_level, i
+            if i and params.seed is not None:  # each choice samples its own, reproducibly
+                stream.rng = np.random.default_rng((params.seed, i))
             if tagged:
                 stream.events, stream.choice_events = _Tagged(merged, i), merged  # type: ignore[assignment]
             stream.leader = streams[0] if i and not text_level else None
