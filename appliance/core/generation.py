@@ -219,6 +219,8 @@ class DecodeLoop:
                 return False
         placed = []
         rows: dict[int, tuple[Lane, int]] = {}
+        if self.driver.aligned:  # the longest prompt first: the shorter ones then align to it
+            arrived.sort(key=lambda s: -s.position)
         for stream in arrived:
             lane, row, stream.offset = place(self.lanes, self.driver, stream, self.lane_size)
             lane.rows[row] = stream
