@@ -7,7 +7,8 @@ Public surface: ``create_app`` (the WSGI app the service and tests run), ``Appli
 
 from typing import Any
 
-__version__ = "0.1.0"
+from appliance.version import __version__
+
 __all__ = ["Appliance", "__version__", "create_app", "load_config"]
 
 
@@ -19,6 +20,6 @@ def __getattr__(name: str) -> Any:
         from appliance.core.appliance import Appliance
         return Appliance
     if name == "load_config":
-        from appliance.core.config import load
+        from appliance.core.config_file import load
         return load
     raise AttributeError(f"module 'appliance' has no attribute {name!r}")

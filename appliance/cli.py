@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.core.errors import ConfigError
 
 # In the order ``appliance --help`` lists them.

@@ -3,7 +3,7 @@ workers, both bench models, in one run.
 
     PYTHONPATH=. .venv/bin/python -m bench.cores_bench [--workers 1,2] [--conc 1,32]
         [--models mlp,cnn] [--duration 8] [--rounds 2] [--load-procs 1] [--soak 100000]
-        [--out bench/RESULTS.md]
+        [--compare OTHER_CHECKOUT] [--out bench/RESULTS.md]
 
 ``--workers``: ``[server] workers`` values to compare (1 is the single-process path). Each
 round starts the service once per value (LiteRT, batching on, the bench models of
@@ -20,6 +20,9 @@ ceiling a server that decodes on every core can reach, beside the c=32 CNN figur
 memory: every process's RSS and PSS (shared pages split among the processes that share
 them, so the sum is what the service costs the device), idle and after ``--soak`` MLP
 requests, for each workers value.
+
+``--compare``: another checkout of the project (with its own .venv), run at every point beside
+this one, alternating within each round: a before/after comparison measured in one window.
 
 Appends a dated section (machine, command, tables) to ``--out``.
 """
@@ -165,11 +168,11 @@ def markdown(args: argparse.Namespace, points: list[dict], bare: dict[str, float
              f"Machine: {platform.machine()}, {cpus} CPUs ({platform.processor() or 'cpu'}), "
              f"{psutil.virtual_memory().total // 2**30} GiB, Python {platform.python_version()}, load average "
              f"{os.getloadavg()[0]:.1f} at the end. Command: `{' '.join(sys.argv)}`\n",
-             "| workers | round | model | conc | req/s | p50 ms | p99 ms | errors | client CPU % | server CPU ms/req (serving + workers) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tree | workers | round | model | conc | req/s | p50 ms | p99 ms | errors | client CPU % | server CPU ms/req (serving + workers) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         cpu = p["cpu_ms_per_request"]
-        lines.append(f"| {p['workers']} | {p['round']} | {p['model']} | {p['concurrency']} | {p['rps']} | {p['p50_ms']} | "
+        lines.append(f"| {p['tree']} | {p['workers']} | {p['round']} | {p['model']} | {p['concurrency']} | {p['rps']} | {p['p50_ms']} | "
                      f"{p['p99_ms']} | {p['errors']} | {p['client_cpu_pct']} | "
                      f"{cpu.get('serving', 0)} + {cpu.get('worker', 0)} |")
     lines += ["", f"Bare batch-1 call in-process (LiteRT): mlp {bare.get('mlp')} ms, cnn {bare.get('cnn')} ms; "
@@ -177,7 +180,7 @@ def markdown(args: argparse.Namespace, points: list[dict], bare: dict[str, float
               f"CNN JSON decode on one core: {rate} req/s; x {cpus} CPUs = {round(rate * cpus, 1)} req/s, the "
               "decode ceiling of a server that decodes on every core.", "",
               "Memory (RSS / PSS MB: PSS splits shared pages among the processes sharing them):", "",
-              "| workers | state | serving | workers | total RSS | total PSS |", "|---|---|---|---|---|---|"]
+              "| tree, workers | state | serving | workers | total RSS | total PSS |", "|---|---|---|---|---|---|"]
     for workers, m in memory.items():
         for state in ("idle", "after"):
             rows = m[state]
@@ -199,8 +202,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--load-procs", type=int, default=1)
     ap.add_argument("--soak", type=int, default=100000, help="MLP requests before the second memory reading (0: none)")
+    ap.add_argument("--compare", default="", help="another checkout (with its .venv), run beside this one")
     ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
     args = ap.parse_args()
+    trees = {"this": ROOT, **({"other": Path(args.compare).resolve()} if args.compare else {})}
     base = bench_models()
     workers = [int(w) for w in args.workers.split(",")]
     conc = [int(c) for c in args.conc.split(",")]
@@ -213,20 +218,23 @@ def main() -> None:
     try:
         for round_ in range(1, args.rounds + 1):
             for w in workers:
-                config = f"[server]\nworkers = {w}\n[grpc]\nport = 0\n[discovery]\nenabled = false\n"
-                proc = start_service(base, "tflite", True, PORT, work / f"w{w}-r{round_}", extra_config=config)
-                try:
-                    for model in models:
-                        for c in conc:
-                            p = point(PORT, proc, model, c, args.duration, args.load_procs)
-                            p.update(workers=w, round=round_)
-                            print(json.dumps(p), flush=True)
-                            points.append(p)
-                    if round_ == args.rounds:
-                        memory[str(w)] = soak(PORT, proc, args.soak)
-                        print(json.dumps({"workers": w, **memory[str(w)]}), flush=True)
-                finally:
-                    stop(proc)
+                for tree, checkout in trees.items():
+                    config = f"[server]\nworkers = {w}\n[grpc]\nport = 0\n[discovery]\nenabled = false\n"
+                    proc = start_service(base, "tflite", True, PORT, work / f"{tree}-w{w}-r{round_}",
+                                         extra_config=config, checkout=checkout)
+                    try:
+                        for model in models:
+                            for c in conc:
+                                p = point(PORT, proc, model, c, args.duration, args.load_procs)
+                                p.update(tree=tree, workers=w, round=round_)
+                                print(json.dumps(p), flush=True)
+                                points.append(p)
+                        if round_ == args.rounds:
+                            key = f"{tree}, {w}" if args.compare else str(w)
+                            memory[key] = soak(PORT, proc, args.soak)
+                            print(json.dumps({"tree": tree, "workers": w, **memory[key]}), flush=True)
+                    finally:
+                        stop(proc)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = markdown(args, points, bare, rate, memory)

@@ -78,7 +78,7 @@ def wsgi_to_asgi(app: Any, threads: int) -> Any:
 
 
 def serve_candidate(server: str, base: Path, port: int, state: Path) -> None:
-    from appliance.core.config import load
+    from appliance.core.config_file import load
     from appliance.service import Service
 
     config = load(overrides={"models_dir": str(base), "state_dir": str(state), "runtime.backend": "tflite",

@@ -107,15 +107,18 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
 
 
 def start_service(base: Path, backend: str, batching: bool, port: int, state: Path,
-                  extra_config: str = "") -> subprocess.Popen:
-    """The service on ``base``; ``extra_config``: more TOML tables appended to its config."""
+                  extra_config: str = "", checkout: Path = ROOT) -> subprocess.Popen:
+    """The service on ``base``; ``extra_config``: more TOML tables appended to its config;
+    ``checkout``: the tree (and its .venv) whose service runs: another one for a before/after
+    comparison in one run."""
     config = state / "bench.toml"
     state.mkdir(parents=True, exist_ok=True)
     config.write_text(f'models_dir = "{base}"\nstate_dir = "{state}"\npoll_interval_s = 60\n'
                       f'[runtime]\nbackend = "{backend}"\n[batching]\nenable_batching = {str(batching).lower()}\n'
                       + extra_config)
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--config", str(config),
-                             "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
+    python = sys.executable if checkout == ROOT else str(checkout / ".venv" / "bin" / "python")
+    proc = subprocess.Popen([python, "-m", "appliance.cli", "serve", "--config", str(config),
+                             "--host", "127.0.0.1", "--port", str(port)], cwd=checkout,
                             stdout=subprocess.DEVNULL, stderr=open(state / "server.log", "wb"))
     wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
     return proc

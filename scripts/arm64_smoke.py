@@ -9,8 +9,8 @@ model (``v2/``: the hot-swap version) and the MLP's answer on this host's LiteRT
 (``reference.json``), so the device's answers are compared across architectures.
 
 ``device`` uses only what the LiteRT-only install has: the ``appliance`` command of the
-venv it runs in, grpcio, and the project's own message modules (appliance/tfs_protos,
-appliance/v2_protos; tensorflow-serving-api would need TensorFlow). Every step waits for
+venv it runs in, grpcio, and the project's own message modules (appliance/protos/tfserving,
+appliance/protos/kserve; tensorflow-serving-api would need TensorFlow). Every step waits for
 a condition with a deadline that names it, and any wrong answer fails the run.
 """
 
@@ -172,7 +172,7 @@ def tfs_predict(port: int, model: str, name: str, values: list[float], shape: li
     import grpc
     import numpy as np
 
-    from appliance.tfs_protos import pb
+    from appliance.protos.tfserving import pb
 
     req = pb.PredictRequest()
     req.model_spec.name = model
@@ -196,7 +196,7 @@ def v2_infer(port: int, model: str, name: str, values: list[float], shape: list[
     import grpc
     import numpy as np
 
-    from appliance.v2_protos import pb
+    from appliance.protos.kserve import pb
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         def call(method: str, req: Any, resp: Any) -> Any:

@@ -215,9 +215,11 @@ def module_server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) ->
 @pytest.fixture
 def http_servers() -> Iterator[Any]:
     """``start(app, threads=2, limits=None, security=None)``: appliance.transport.http.server's real
-    server on a free loopback port, its loop in a thread; closed and joined at teardown."""
+    server on a free loopback port, its loop in a thread, facing the app as the service has it
+    (probes unshed, JSON error bodies); closed and joined at teardown."""
     from appliance.core.config import LimitsConfig
-    from appliance.service.tls import tls_context
+    from appliance.core.tls import tls_context
+    from appliance.fronts.app import facing
     from appliance.transport.http.server import HTTPServer
 
     servers: list[tuple[Any, threading.Thread]] = []
@@ -225,7 +227,7 @@ def http_servers() -> Iterator[Any]:
     def start(app: Any, threads: int = 2, limits: Any = None, security: Any = None) -> Any:
         context = tls_context(security) if security is not None and security.tls_cert_file else None
         server = HTTPServer(app, "127.0.0.1", 0, threads, 1 << 20, limits=limits or LimitsConfig(),
-                            ssl_context=context)
+                            ssl_context=context, facing=facing())
         loop = threading.Thread(target=server.serve_forever, name="http-under-test")
         loop.start()
         servers.append((server, loop))

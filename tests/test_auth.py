@@ -17,7 +17,7 @@ import pytest
 
 from appliance.api import auth
 from appliance.core.config import ConfigError, SecurityConfig
-from appliance.core.config import load as load_config
+from appliance.core.config_file import load as load_config
 
 ADMIN = "admin-" + "a1" * 16
 INFER = "infer-" + "b2" * 16
@@ -197,11 +197,19 @@ def test_scope_for(method: str, path: str, scope: str | None) -> None:
     assert auth.scope_for(method, path) == scope
 
 
+class FakeCore:
+    """A core with the config and the status registry auth.py uses (its ``TokenHolder``)."""
+
+    def __init__(self, **security: Any):
+        self.config = SimpleNamespace(security=SecurityConfig(**security))
+        self.sections: dict[str, Any] = {}
+
+    def add_status(self, name: str, provider: Any) -> None:
+        self.sections[name] = provider
+
+
 def fake_core(**security: Any) -> Any:
-    """A core with the config and the status registry auth.py uses."""
-    sections: dict[str, Any] = {}
-    return SimpleNamespace(config=SimpleNamespace(security=SecurityConfig(**security)), sections=sections,
-                           add_status=sections.__setitem__)
+    return FakeCore(**security)
 
 
 def test_a_token_file_that_cannot_be_read_closes_its_scope(tmp_path: Path) -> None:
@@ -256,7 +264,10 @@ def test_grpc_interceptor_applies_the_tokens(kind: str) -> None:
     from appliance.transport.grpc.h2_server import LeanServer
 
     core = fake_core(inference_token=INFER)
-    echo = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok:" + req)
+    async def ok(request: bytes, context: Any) -> bytes:
+        return b"ok:" + request
+
+    echo = grpc.unary_unary_rpc_method_handler(ok)
     handlers = grpc.method_handlers_generic_handler("tensorflow.serving.PredictionService", {"Predict": echo})
     health = grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": echo})
     admin = grpc.method_handlers_generic_handler("tensorflow.serving.ModelService",

@@ -8,6 +8,7 @@ with the model called in-process.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from pathlib import Path
@@ -82,7 +83,7 @@ class Client(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.result = self.batcher.submit(self.signature, {"x": self.x})
+            self.result = submit(self.batcher, self.signature, {"x": self.x})
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             self.error = exc
 
@@ -93,6 +94,11 @@ class Client(threading.Thread):
             raise self.error
         assert self.result is not None
         return self.result
+
+
+def submit(batcher: Batcher, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batcher.submit`` awaited by a caller on a loop of its own (a thread of the test)."""
+    return asyncio.run(batcher.submit(signature, inputs))
 
 
 def wait_queued(batcher: Batcher, rows: int) -> None:
@@ -186,7 +192,7 @@ def test_a_request_over_max_batch_size_is_split(batcher_factory) -> None:
     backend.open()
     batcher = batcher_factory(backend, max_batch_size=4)
     x = rows(0, n=10)
-    out = batcher.submit("serving_default", {"x": x})
+    out = submit(batcher, "serving_default", {"x": x})
     np.testing.assert_allclose(out["y"], 2 * x + 1)
     assert out["sig"].shape == (10,)
     assert sorted(b.shape[0] for b in backend.batches) == [2, 4, 4]
@@ -198,12 +204,12 @@ def test_a_request_over_max_batch_size_is_refused_without_splitting(batcher_fact
     backend.open()
     batcher = batcher_factory(backend, max_batch_size=4, split_large_requests=False)
     with pytest.raises(InvalidArgument) as info:
-        batcher.submit("serving_default", {"x": rows(0, n=5)})
+        submit(batcher, "serving_default", {"x": rows(0, n=5)})
     assert info.value.http_status == 400
     assert info.value.message.startswith("Task size 5 is larger than maximum input batch size 4")  # TF Serving's
     assert "max_batch_size" in info.value.message
     assert backend.batches == []
-    out = batcher.submit("serving_default", {"x": rows(0, n=4)})  # at the limit: fine
+    out = submit(batcher, "serving_default", {"x": rows(0, n=4)})  # at the limit: fine
     np.testing.assert_allclose(out["y"], 2 * rows(0, n=4) + 1)
 
 
@@ -214,8 +220,8 @@ def test_a_request_larger_than_the_whole_queue_is_a_permanent_400(batcher_factor
     backend = Gated()
     backend.open()
     batcher = batcher_factory(backend, max_batch_size=2, max_enqueued_batches=2)  # the queue holds 4 rows
-    calls = {"submit": lambda x: batcher.submit("serving_default", {"x": x}),
-             "submit_async": lambda x: loop_thread.submit(batcher.submit_async("serving_default", {"x": x})).result(WAIT)}
+    calls = {"own loop": lambda x: submit(batcher, "serving_default", {"x": x}),
+             "shared loop": lambda x: loop_thread.submit(batcher.submit("serving_default", {"x": x})).result(WAIT)}
     for name, call in calls.items():
         with pytest.raises(InvalidArgument) as info:
             call(rows(0, n=5))
@@ -245,7 +251,7 @@ def test_full_queue_refuses_at_once(batcher_factory) -> None:
     for i, c in enumerate(queued):
         np.testing.assert_allclose(c.outcome()["y"], 2 * rows(i) + 1)
     first.outcome()
-    np.testing.assert_allclose(batcher.submit("s", {"x": rows(3)})["y"], 2 * rows(3) + 1)  # room again
+    np.testing.assert_allclose(submit(batcher, "s", {"x": rows(3)})["y"], 2 * rows(3) + 1)  # room again
 
 
 def test_a_bad_member_fails_alone(batcher_factory) -> None:
@@ -277,9 +283,9 @@ def test_a_backend_bug_is_an_error_not_a_dead_worker(batcher_factory) -> None:
 
     batcher = batcher_factory(run)
     with pytest.raises(Exception) as info:
-        batcher.submit("s", {"x": rows(0)})
+        submit(batcher, "s", {"x": rows(0)})
     assert getattr(info.value, "http_status", None) == 500
-    np.testing.assert_allclose(batcher.submit("s", {"x": rows(1)})["y"], 3 * rows(1))
+    np.testing.assert_allclose(submit(batcher, "s", {"x": rows(1)})["y"], 3 * rows(1))
 
 
 def test_a_lone_request_does_not_wait_for_the_batch_timeout(batcher_factory) -> None:
@@ -287,7 +293,7 @@ def test_a_lone_request_does_not_wait_for_the_batch_timeout(batcher_factory) -> 
     backend.open()
     batcher = batcher_factory(backend, batch_timeout_micros=600_000_000)  # ten minutes
     x = rows(4, n=3)
-    out = batcher.submit("serving_default", {"x": x}, timeout=WAIT)  # would raise if it waited
+    out = submit(batcher, "serving_default", {"x": x})  # would hang if it waited for the batch timeout
     np.testing.assert_allclose(out["y"], 2 * x + 1)
     assert [b.shape[0] for b in backend.batches] == [3]
     assert batcher.snapshot()["batches"] == 1
@@ -302,7 +308,7 @@ def test_unbatchable_inputs_run_directly(batcher_factory) -> None:
         return {"y": inputs["x"] + 1}
 
     batcher = batcher_factory(run)
-    out = batcher.submit("s", {"x": np.float32(2.0) * np.ones((), np.float32)})
+    out = submit(batcher, "s", {"x": np.float32(2.0) * np.ones((), np.float32)})
     assert float(out["y"]) == 3.0 and seen == [()]
 
 
@@ -345,7 +351,7 @@ def test_real_litert_servable_under_concurrency(models_dir: Path, batcher_factor
         servable.close()
 
 
-# -- submit_async: callers on an event loop (the gRPC server) ---------------------------------
+# -- callers sharing one event loop (the HTTP server's, the gRPC server's) -----------------------
 class LoopThread:
     """An event loop in its own thread, as appliance/service/grpc_port.py runs one."""
 
@@ -377,7 +383,7 @@ def test_async_and_thread_requests_share_a_batch_and_get_their_own_rows(batcher_
     backend = Gated()
     batcher = batcher_factory(backend)
     first = hold_first_batch(batcher, backend)
-    awaited = [loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(i, n=2)})) for i in range(5)]
+    awaited = [loop_thread.submit(batcher.submit("serving_default", {"x": rows(i, n=2)})) for i in range(5)]
     threaded = [Client(batcher, rows(10 + i)) for i in range(3)]
     wait_queued(batcher, 5 * 2 + 3)
     backend.open()
@@ -393,10 +399,10 @@ def test_async_requests_alone_are_run_by_the_batchers_own_threads(batcher_factor
     backend = Gated()
     backend.open()
     batcher = batcher_factory(backend, threads=2, max_batch_size=4)
-    futures = [loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(i, n=3)})) for i in range(20)]
+    futures = [loop_thread.submit(batcher.submit("serving_default", {"x": rows(i, n=3)})) for i in range(20)]
     for i, future in enumerate(futures):
         np.testing.assert_allclose(future.result(WAIT)["y"], 2 * rows(i, n=3) + 1)
-    big = loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(0, n=10)}))  # split in 3 tasks
+    big = loop_thread.submit(batcher.submit("serving_default", {"x": rows(0, n=10)}))  # split in 3 tasks
     np.testing.assert_allclose(big.result(WAIT)["y"], 2 * rows(0, n=10) + 1)
     assert max(b.shape[0] for b in backend.batches) <= 4
 
@@ -405,11 +411,11 @@ def test_async_errors_and_a_full_queue_reach_the_caller(batcher_factory, loop_th
     backend = Gated(fail_when=lambda x: bool((x < 0).any()))
     batcher = batcher_factory(backend, max_batch_size=2, max_enqueued_batches=2)
     first = hold_first_batch(batcher, backend)
-    bad = loop_thread.submit(batcher.submit_async("serving_default", {"x": -rows(1)}))
-    good = loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(2)}))
+    bad = loop_thread.submit(batcher.submit("serving_default", {"x": -rows(1)}))
+    good = loop_thread.submit(batcher.submit("serving_default", {"x": rows(2)}))
     wait_queued(batcher, 2)
     with pytest.raises(QueueFull):  # 2 queued + 3 > 2 batches of 2 rows
-        loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(3, n=3)})).result(WAIT)
+        loop_thread.submit(batcher.submit("serving_default", {"x": rows(3, n=3)})).result(WAIT)
     backend.open()
     with pytest.raises(InvalidArgument):
         bad.result(WAIT)
@@ -421,8 +427,8 @@ def test_a_cancelled_async_request_leaves_the_queue(batcher_factory, loop_thread
     backend = Gated()
     batcher = batcher_factory(backend)
     first = hold_first_batch(batcher, backend)
-    gone = loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(1, n=5)}))
-    kept = loop_thread.submit(batcher.submit_async("serving_default", {"x": rows(2)}))
+    gone = loop_thread.submit(batcher.submit("serving_default", {"x": rows(1, n=5)}))
+    kept = loop_thread.submit(batcher.submit("serving_default", {"x": rows(2)}))
     wait_queued(batcher, 6)
     gone.cancel()  # what the gRPC server does when the client goes away
     wait_until = threading.Event()
@@ -463,7 +469,7 @@ def test_a_lone_call_of_a_quick_model_runs_on_its_loop_and_others_queue(batcher_
         if lone is not None:
             batcher_module.LONE_CALL.set(lambda: alone["now"])
             alone["now"] = lone
-        return await batcher.submit_async("serving_default", {"x": x})
+        return await batcher.submit("serving_default", {"x": x})
 
     def run(x: np.ndarray, lone: bool | None) -> Any:  # each call a task, with a context of its own
         return loop_thread.submit(call(x, lone)).result(WAIT)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.core.config import Config, load
+from appliance.core.config import Config
+from appliance.core.config_file import load
 from appliance.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Front worker processes (``[server] workers``): inference decoded on every core, batched in
-the one serving process (appliance/service/fronts.py, appliance/api/remote/).
+the one serving process (appliance/fronts/pool.py, appliance/fronts/).
 
 Every server here names ``--workers`` itself: the default (one per CPU) would make these
 tests single-process on a one-CPU machine and prove nothing there.
@@ -223,25 +223,31 @@ def test_hot_swap_then_sigterm_under_load_fail_nothing(start_server: Any, models
     assert "did not exit in time" not in server.log_text()
 
 
-def test_a_stale_view_is_decoded_again(models_dir: Path, tmp_path: Path) -> None:
-    """A worker that decoded against a signature the answering version does not have is told
-    so (STALE) and decodes again: here its view names the input 'y', the model's is 'x'; and
-    one whose view lacks the model asks for it (RESOLVE). On threads (WSGI) and on the loop."""
+def test_the_view_is_pushed_and_a_stale_one_never_gives_a_wrong_answer(models_dir: Path, tmp_path: Path) -> None:
+    """The serving view reaches a worker when the manager's state changes (pushed, not polled);
+    one that lacks a model is completed by asking (RESOLVE); inputs decoded for a version whose
+    signature the answering version does not share run on the version decoded for while it is
+    loaded (here v1, the MLP, beside a v2 with other inputs), and once it is gone the answer is
+    a retryable 503, never a wrong one. On the front path's loop, as the HTTP server runs it."""
     import asyncio
 
     from appliance.api.app import create_app
-    from appliance.api.remote.front import FrontApp, hot_mounts
-    from appliance.api.remote.handles import RemoteCore
-    from appliance.api.remote.link import Link
     from appliance.core.appliance import Appliance
-    from appliance.core.config import Config
-    from appliance.core.serving_view import ModelView, ServingView, version_view
-    from appliance.service.front_service import FrontService
+    from appliance.core.config import Config, ModelConfig
+    from appliance.fronts import messages as m
+    from appliance.fronts.app import Forwarder, FrontApp, hot_mounts
+    from appliance.fronts.link import Link
+    from appliance.fronts.remote import RemoteCore
+    from appliance.fronts.serving import FrontService
+    from appliance.fronts.view import ModelView, ServingView, version_view
     from appliance.transport.channel import ChannelProtocol
     from runtimes import SignatureInfo
 
+    base = models(models_dir, tmp_path, MLP)
+    shutil.copytree(models_dir / "multisig_tflite" / "1", base / MLP / "2")  # v2: other inputs
     config = Config()
-    config.models_dir, config.state_dir = str(models(models_dir, tmp_path, MLP)), str(tmp_path / "state")
+    config.state_dir = str(tmp_path / "state")
+    config.models = [ModelConfig(name=MLP, base_path=str(base / MLP), version_policy="all")]
     config.runtime.backend = "tflite"
     core = Appliance(config).start()
     front = FrontService(core, create_app(config, core), threads=2)
@@ -250,7 +256,14 @@ def test_a_stale_view_is_decoded_again(models_dir: Path, tmp_path: Path) -> None
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
     ours, theirs = socket.socketpair()
-    link = Link(lambda message: None)
+    remote: list[RemoteCore] = []
+
+    def pushed(message: Any) -> None:
+        if message[0] == m.VIEW and remote:
+            remote[0].handles.view = m.view_from_plain(message[2])
+
+    link = Link(pushed)
+    remote.append(RemoteCore(config, link))
 
     async def connect() -> None:
         _, proto = await loop.connect_accepted_socket(lambda: ChannelProtocol(link.on_message, link.on_lost), ours)
@@ -259,31 +272,37 @@ def test_a_stale_view_is_decoded_again(models_dir: Path, tmp_path: Path) -> None
     try:
         asyncio.run_coroutine_threadsafe(connect(), loop).result(10)
         front.attach(0, theirs)
-        poll_until(lambda: core.ready(), 60, "the model to load")
-        remote = RemoteCore(config, link)
-        real = core.manager.entry(MLP).versions[1].servable.signatures["serving_default"]
-        wrong = SignatureInfo("serving_default", {"y": real.inputs["x"]}, dict(real.outputs))
-        stale = ServingView(1, {MLP: ModelView({}, {7: version_view(7, "/gone", "tflite", False,
-                                                                    {"serving_default": wrong})}, 7)})
-        app = FrontApp(remote, hot_mounts(remote))
+        poll_until(lambda: core.ready() and set(remote[0].handles.view.models.get(MLP, ModelView({}, {}, None))
+                                                .versions) == {1, 2}, 60, "both versions in the pushed view")
+        app = FrontApp(remote[0], hot_mounts(remote[0]), Forwarder(link))
         body = json.dumps({"instances": [ROW]}).encode()
 
-        def environ() -> dict[str, Any]:
-            return {"REQUEST_METHOD": "POST", "PATH_INFO": f"/v1/models/{MLP}:predict",
-                    "REQUEST_URI": f"/v1/models/{MLP}:predict", "CONTENT_LENGTH": str(len(body)),
-                    "wsgi.input": io.BytesIO(body), "wsgi.url_scheme": "http"}
+        def answer(path: str) -> tuple[str, dict[str, Any]]:
+            environ = {"REQUEST_METHOD": "POST", "PATH_INFO": path, "REQUEST_URI": path,
+                       "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body), "wsgi.url_scheme": "http"}
+            fast = app.route(environ)
+            assert fast is not None
+            status, _, data = asyncio.run_coroutine_threadsafe(fast(environ), loop).result(30)
+            return status, json.loads(data)
 
-        for view in (stale, ServingView(1, {})):  # a stale signature; then a model the view lacks
-            remote.manager.view = view
-            started: list[Any] = []
-            answer = b"".join(app(environ(), lambda status, headers: started.append(status)))
-            assert started == ["200 OK"], answer
-            assert np.asarray(json.loads(answer)["predictions"]).shape == (1, 10)
-            fast = app.route(environ())
-            if fast is not None:  # the family answers on the loop too
-                status, _, answer = asyncio.run_coroutine_threadsafe(fast(environ()), loop).result(30)
-                assert status == "200 OK", answer
-                assert np.asarray(json.loads(answer)["predictions"]).shape == (1, 10)
+        v1 = remote[0].handles.view.models[MLP].versions[1]
+        # decoded for v1 (the MLP) while the serving process answers unversioned requests with v2
+        remote[0].handles.view = ServingView(1, {MLP: ModelView({}, {1: v1}, 1)})
+        status, out = answer(f"/v1/models/{MLP}:predict")
+        assert status == "200 OK", out
+        assert np.asarray(out["predictions"]).shape == (1, 10)
+        # a view that lacks the model: asked for (RESOLVE), answered by what the manager picks
+        remote[0].handles.view = ServingView(1, {})
+        status, out = answer(f"/v1/models/{MLP}/versions/1:predict")
+        assert status == "200 OK", out
+        # decoded for a version that is gone, with inputs no loaded version takes: 503, retry
+        real = v1.signatures["serving_default"]
+        wrong = SignatureInfo("serving_default", {"y": real.inputs["x"]}, dict(real.outputs))
+        gone = version_view(7, "/gone", "tflite", False, {"serving_default": wrong})
+        remote[0].handles.view = ServingView(1, {MLP: ModelView({}, {7: gone}, 7)})
+        status, out = answer(f"/v1/models/{MLP}:predict")
+        assert status.startswith("503"), out
+        assert "retry" in out["error"] and "version 7" in out["error"], out
     finally:
         loop.call_soon_threadsafe(loop.stop)
         runner.join(10)

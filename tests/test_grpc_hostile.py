@@ -382,7 +382,8 @@ def test_held_answers_are_bounded_and_freed() -> None:
     ("max_buffer_bytes", 1 << 20, "at least max_connection_buffer_bytes"),
 ])
 def test_grpc_bounds_are_validated(tmp_path: Path, key: str, value: int, why: str) -> None:
-    from appliance.core.config import ConfigError, load
+    from appliance.core.config import ConfigError
+    from appliance.core.config_file import load
 
     path = tmp_path / "appliance.toml"
     path.write_text(f"[grpc]\n{key} = {value}\n")

@@ -309,7 +309,7 @@ def test_a_version_unloads_only_after_the_requests_holding_it_let_go(models_dir:
     an unload that starts while requests hold the version still waits for every one of them,
     and requests after it never get the unloading version."""
     from appliance.core.appliance import Appliance
-    from appliance.core.config import load as load_config
+    from appliance.core.config_file import load as load_config
     from appliance.core.errors import ApplianceError
     from tests.conftest import poll_until
 

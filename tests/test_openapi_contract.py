@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
                                  status_code_conformance)
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.api import openapi
 
 ADMIN_TOKEN = "contract-test-admin-token-0123456789"

@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from appliance.core.config import LimitsConfig
+from appliance.fronts.app import facing
 from appliance.transport.http.server import HTTPServer
 from tests.conftest import poll_until
 
@@ -180,7 +181,7 @@ def test_requests_that_waited_too_long_for_a_worker_are_shed_with_retry_after() 
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"done"]
 
-    server = HTTPServer(slow_app, "127.0.0.1", 0, 1, 1024, limits=LimitsConfig(max_queue_wait_s=0.2))
+    server = HTTPServer(slow_app, "127.0.0.1", 0, 1, 1024, limits=LimitsConfig(max_queue_wait_s=0.2), facing=facing())
     loop = threading.Thread(target=server.serve_forever, name="http-under-test")
     loop.start()
     try:

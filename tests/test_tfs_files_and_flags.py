@@ -12,7 +12,7 @@ import pytest
 
 from appliance.core import tfs_files as tfs_config
 from appliance.commands import tfs as tfs_flags
-from appliance.core.config import load as load_config
+from appliance.core.config_file import load as load_config
 from appliance.core.errors import ConfigError
 from tests.conftest import Server, free_port, poll_until, spawn
 

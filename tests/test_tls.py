@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from appliance.core.config import ConfigError, LimitsConfig, SecurityConfig
-from appliance.service.tls import tls_context
+from appliance.core.tls import tls_context
 from appliance.transport.http.server import HTTPServer
 from tests.conftest import ROOT, free_port
 

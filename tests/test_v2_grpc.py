@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,7 +26,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from appliance.api.kserve import grpc_service as v2_grpc  # noqa: E402
 from appliance.core.appliance import Appliance  # noqa: E402
-from appliance.core.config import load as load_config  # noqa: E402
+from appliance.core.config_file import load as load_config  # noqa: E402
 from tests.conftest import free_port, poll_until  # noqa: E402
 from tests.modelgen import reference_predict, reference_predict_tflite  # noqa: E402
 
@@ -58,13 +57,15 @@ def core(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[App
 
 @pytest.fixture(scope="module")
 def port(core: Appliance) -> Iterator[int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                         options=[("grpc.max_receive_message_length", core.config.grpc.max_message_bytes)])
+    """The service's own gRPC server (appliance/transport/grpc/h2_server.py) with the v2 service."""
+    from appliance.transport.grpc.h2_server import LeanServer
+
+    server = LeanServer(8, [("grpc.max_receive_message_length", core.config.grpc.max_message_bytes)])
     v2_grpc.add_to_server(server, core)
     bound = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield bound
-    server.stop(grace=None).wait(10)
+    server.stop(None)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
 @bp.get("/")
 def index() -> str:
     """The status page shell; ``status.js`` fills it from ``/api/status``."""
-    from appliance import __version__  # the page header shows which software build serves it
+    from appliance.version import __version__  # the page header shows which software build serves it
 
     return render_template("status.html", version=__version__)
 

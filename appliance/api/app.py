@@ -11,31 +11,22 @@ Every error answer is appliance/api/errors.py's.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.api.auth import AuthLayer
 from appliance.api.body import GzipBodies
 from appliance.api.errors import flask_response
+from appliance.api.families import mounts_of
 from appliance.api.openapi import spec as openapi_spec
 from appliance.api.routes import ADMIN, OPEN, READ, Route, RouteTable
 from appliance.api.tfserving import json_format as tfs_json
 from appliance.core.appliance import Appliance
 from appliance.core.config import Config
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound, PayloadTooLarge
-
-# The API families that answer their own paths ("module:function", the function returning
-# the ``Mount``s for a core): TF Serving's REST API, KServe v2, token generation and the
-# OpenAI-compatible API beside it (which takes three /v1 paths TF Serving answers 400). Rollouts
-# are the core's: every API's handle is routed and judged there (appliance/core/rollout.py).
-# A family whose module this install lacks is skipped.
-API_MOUNTS = ("appliance.api.tfserving.rest:mounts", "appliance.api.kserve.rest:mounts",
-              "appliance.api.generate:mounts", "appliance.api.openai:mounts")
-
 
 def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
     """The WSGI app: every REST API, health, status, metrics and the status page."""
@@ -53,7 +44,7 @@ def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
     if ui_bp is not None:
         app.register_blueprint(ui_bp)
     table = RouteTable(app.url_map, app.wsgi_app)
-    for mount in _mounts(core):
+    for mount in mounts_of(core):
         table.mount(mount)
     app.extensions["routes"] = table
     app.wsgi_app = AuthLayer(GzipBodies(table, core), core, table)  # type: ignore[method-assign]
@@ -63,20 +54,6 @@ def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
 def routes_of(app: Flask) -> RouteTable:
     """The app's route table (for parts registering blueprints, and for tests)."""
     return app.extensions["routes"]  # type: ignore[no-any-return]
-
-
-def _mounts(core: Appliance) -> list[Any]:
-    out = []
-    for spec in API_MOUNTS:
-        module_name, _, function = spec.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:  # the module exists but something it needs is missing: say so
-                raise
-            continue
-        out += getattr(module, function)(core)
-    return out
 
 
 def _json(obj: Any, status: int = 200) -> Response:

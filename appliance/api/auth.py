@@ -39,13 +39,16 @@ import hashlib
 import hmac
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from appliance.api.errors import render, wsgi_answer
-from appliance.api.routes import ADMIN, INFERENCE, READ, ROUTE_KEY, SAFE_METHODS, SCOPES, RouteTable, rule_scope
+from appliance.api.mounts import ADMIN, INFERENCE, READ, ROUTE_KEY, SAFE_METHODS, SCOPES, rule_scope
+from appliance.core.config import Config
 
 if TYPE_CHECKING:
+    from appliance.api.routes import RouteTable
     from appliance.core.appliance import Appliance
 
 REALM = "edge-appliance"
@@ -151,17 +154,25 @@ class _Cache:
         self.tokens = Tokens()
 
 
+class TokenHolder(Protocol):
+    """What the token check reads of a core: the running config, and where it shows the
+    tokens' state (the serving process's ``Appliance``; a front worker's ``RemoteCore``)."""
+
+    @property
+    def config(self) -> Config: ...
+
+    def add_status(self, name: str, provider: Callable[[], Any]) -> None: ...
+
+
 _caches_lock = threading.Lock()
+_caches: "weakref.WeakKeyDictionary[TokenHolder, _Cache]" = weakref.WeakKeyDictionary()  # per core: dies with it
 
 
-def tokens_for(core: "Appliance") -> Tokens:
-    cache = getattr(core, "_auth_tokens", None)  # kept on the core: it lives and dies with it
+def tokens_for(core: TokenHolder) -> Tokens:
+    cache = _caches.get(core)
     if cache is None:
         with _caches_lock:
-            cache = getattr(core, "_auth_tokens", None)
-            if cache is None:
-                cache = _Cache()
-                core._auth_tokens = cache
+            cache = _caches.setdefault(core, _Cache())
     security = core.config.security
     if cache.security is not security:  # first use, or a reload installed a new config
         with cache.lock:
@@ -190,7 +201,7 @@ def presented_token(header: str | None) -> str | None:
     return None
 
 
-def authorize(core: "Appliance", scope: str | None, authorization_header: str | None) -> Decision:
+def authorize(core: TokenHolder, scope: str | None, authorization_header: str | None) -> Decision:
     """May a request with this Authorization header use ``scope``? (None: an open path.)"""
     if scope is None:
         return Decision(True)
@@ -230,7 +241,7 @@ class AuthLayer:
     The scope is the matched route's (``RouteTable.resolve``); the match is left in the
     environ (``ROUTE_KEY``) so the table dispatches without matching again."""
 
-    def __init__(self, inner: Callable[..., Any], core: "Appliance", table: RouteTable):
+    def __init__(self, inner: Callable[..., Any], core: "Appliance", table: "RouteTable"):
         self.inner = inner
         self.core = core
         self.table = table
@@ -285,7 +296,7 @@ def grpc_scope(method: str) -> str | None:
     return INFERENCE
 
 
-def grpc_interceptor(core: "Appliance") -> Any:
+def grpc_interceptor(core: TokenHolder) -> Any:
     """A ``grpc.aio.ServerInterceptor`` (the gRPC port is a grpc.aio server) applying
     ``authorize`` to each call's ``authorization`` metadata: UNAUTHENTICATED for a missing
     or wrong token, PERMISSION_DENIED for admin methods while admin is off, UNAVAILABLE

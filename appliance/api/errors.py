@@ -50,6 +50,12 @@ def render(status: int, message: str, retry_after: float | None = None,
     return status, out, body
 
 
+def error_body(message: str) -> tuple[str, bytes]:
+    """(Content-Type, body) of an error the HTTP server answers itself (a 408, 413 or 503 it
+    writes before any app runs): the same ``{"error": ...}`` shape."""
+    return JSON, orjson.dumps({"error": message})
+
+
 def as_error(exc: BaseException, where: str = "the REST API") -> ApplianceError:
     """``exc`` as one of our errors; anything else is a bug: logged, and a bare 500."""
     if isinstance(exc, ApplianceError):
@@ -92,5 +98,5 @@ def flask_response(exc: BaseException, where: str = "the REST API") -> Any:
     return flask_error(error.http_status, error.message, error.retry_after)
 
 
-__all__ = ["as_error", "flask_error", "flask_response", "render", "render_error", "status_line",
+__all__ = ["as_error", "error_body", "flask_error", "flask_response", "render", "render_error", "status_line",
            "wsgi_answer", "wsgi_error"]

@@ -32,7 +32,7 @@ from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
 from appliance.api.errors import render, render_error, status_line
 from appliance.api.kserve.rest import json_object
-from appliance.api.routes import INFERENCE, Mount, raw_path
+from appliance.api.mounts import INFERENCE, Mount, raw_path
 from appliance.api.sse import StreamBody
 
 if TYPE_CHECKING:

@@ -13,26 +13,16 @@ from typing import Any, Awaitable, Callable, Iterator, Mapping
 import grpc
 
 from appliance.core.errors import ApplianceError
+from appliance.core.seams import RequestMetrics
 
 log = logging.getLogger("appliance.grpc")
 
 
-def guarded(fn: Callable[[Any], Any], method: str,
-            codes: Mapping[type, str] | None = None) -> Callable[[Any, grpc.ServicerContext], Any]:
-    """``fn(request)`` as a gRPC method; ``codes`` overrides the code of an error class
-    (TF Serving answers a full batch queue RESOURCE_EXHAUSTED, Triton UNAVAILABLE)."""
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return fn(request)
-        except Exception as exc:
-            code, message = _status(exc, method, codes, context)
-        context.abort(code, message)
-    return call
-
-
-def guarded_async(fn: Callable[[Any], Awaitable[Any]], method: str,
-                  codes: Mapping[type, str] | None = None) -> Callable[[Any, Any], Awaitable[Any]]:
-    """``guarded`` for a coroutine method, served on the event loop of the grpc.aio server."""
+def guarded(fn: Callable[[Any], Awaitable[Any]], method: str,
+            codes: Mapping[type, str] | None = None) -> Callable[[Any, Any], Awaitable[Any]]:
+    """``fn(request)``, a coroutine, as a gRPC method served on the server's event loop;
+    ``codes`` overrides the code of an error class (TF Serving answers a full batch queue
+    RESOURCE_EXHAUSTED, Triton UNAVAILABLE)."""
     async def call(request: Any, context: Any) -> Any:
         try:
             return await fn(request)
@@ -56,7 +46,7 @@ def _status(exc: Exception, method: str, codes: Mapping[type, str] | None, conte
 
 
 @contextlib.contextmanager
-def observed(metrics: Any, model: str, api: str) -> Iterator[None]:
+def observed(metrics: RequestMetrics, model: str, api: str) -> Iterator[None]:
     """Count a gRPC call in the request metrics as REST counts a request (the HTTP status its
     error maps to), under ``entrypoint="GRPC"`` as TF Serving labels its gRPC calls."""
     started, status = time.perf_counter(), 200

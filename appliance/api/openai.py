@@ -40,6 +40,7 @@ Thread-safety: none needed, every request has its own objects.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
@@ -56,7 +57,7 @@ from appliance.api.openai_fields import CHAT, COMPLETIONS, MAX_STOPS, FieldError
 from appliance.api.openai_tools import Tools, read_tools, response_grammar
 from appliance.api import openai_embeddings as embeddings
 from appliance.api.kserve.rest import json_object
-from appliance.api.routes import INFERENCE, Mount, raw_path
+from appliance.api.mounts import INFERENCE, Mount, raw_path
 from appliance.api.sse import StreamBody, client_gone
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.generation import Generation
@@ -146,7 +147,7 @@ class OpenAIAPI:
     def _tf_serving(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         from appliance.api.tfserving.rest import V1API  # TF Serving's own answer, as before
 
-        return V1API(self.core)(environ, start_response)  # type: ignore[no-any-return]
+        return V1API(self.core, self.core.states)(environ, start_response)  # type: ignore[no-any-return]
 
     def _generative_models(self) -> list[dict[str, Any]]:
         """Every id that can generate *text* now (module docstring), as OpenAI's model objects."""
@@ -313,7 +314,8 @@ class OpenAIAPI:
             sig = embeddings.signature(handle, body["model"])
             items = embeddings.inputs(body)
             feeds, tokens = embeddings.feeds(sig, items, Vocabulary.load(handle.path), body["model"])
-            found = embeddings.vectors(sig, handle.run(sig.name, feeds), body["model"])
+            # a WSGI thread: the handle's coroutine runs on a loop of its own (as AsyncFamily's)
+            found = embeddings.vectors(sig, asyncio.run(handle.run(sig.name, feeds)), body["model"])
             return embeddings.answer(body, found, f"{handle.model}:{handle.version}", tokens)
 
     # -- what this server does not serve, in OpenAI's words -------------------------------------

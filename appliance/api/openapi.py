@@ -2,7 +2,7 @@
 
 Every path the service answers is here, each with every status it can answer and the
 body that comes with it; tests/test_openapi_contract.py runs schemathesis against a live
-server to keep it so. API families (appliance/api/app.py ``API_MOUNTS``) describe their own
+server to keep it so. API families (appliance/api/families.py ``API_MOUNTS``) describe their own
 paths: a layer module that exports ``OPENAPI_PATHS`` has them merged in, with the
 statuses every layer's requests can get from outside it (authentication, overload).
 """
@@ -14,6 +14,8 @@ import functools
 import importlib
 import importlib.util
 from typing import Any
+
+from appliance.api.families import API_MOUNTS
 
 JSON = "application/json"
 _ERROR_SCHEMA = {"$ref": "#/components/schemas/Error"}
@@ -115,8 +117,6 @@ def _service_paths() -> dict[str, Any]:
 
 def _layer_paths() -> dict[str, Any]:
     """``OPENAPI_PATHS`` of the API layer modules this install has, with the guards added."""
-    from appliance.api.app import API_MOUNTS  # at call time: app imports this module
-
     merged: dict[str, Any] = {}
     for layer in API_MOUNTS:
         module_name = layer.partition(":")[0]

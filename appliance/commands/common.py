@@ -38,7 +38,7 @@ def admin_token(args: argparse.Namespace) -> str | None:
     import os
 
     from appliance.api.auth import client_admin_token
-    from appliance.core.config import load as load_config
+    from appliance.core.config_file import load as load_config
 
     config = load_config(getattr(args, "config", None), {"state_dir": getattr(args, "state", None)})
     token = client_admin_token(config.security)

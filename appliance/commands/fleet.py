@@ -99,7 +99,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     """Pin a model to a version kept on disk; the sync loop serves it until --clear."""
-    from appliance.core.config import load as load_config
+    from appliance.core.config_file import load as load_config
 
     from sync.store import Store, set_pin
 

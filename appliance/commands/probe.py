@@ -23,7 +23,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     import runtimes
 
     from appliance.core import device
-    from appliance.core.config import load as load_config
+    from appliance.core.config_file import load as load_config
 
     config = load_config(args.config, {"models_dir": args.models})
     info = device.profile(vars(config.runtime.tflite))

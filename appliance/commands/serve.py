@@ -134,7 +134,7 @@ def quick_start_lines(config: Config, url: str, status: dict[str, Any]) -> list[
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from appliance.core.config import load as load_config
+    from appliance.core.config_file import load as load_config
     from appliance.service import main
 
     overrides = serve_overrides(args)

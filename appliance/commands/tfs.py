@@ -75,7 +75,7 @@ def add_commands(subparsers: Any) -> None:
 
 def cmd_tfs(args: argparse.Namespace) -> int:
     from appliance.commands.serve import embedded_default
-    from appliance.core.config import load as load_config
+    from appliance.core.config_file import load as load_config
     from appliance.core.errors import ConfigError
     from appliance.service import main
 
@@ -85,7 +85,7 @@ def cmd_tfs(args: argparse.Namespace) -> int:
         print(f"appliance tfs: {exc}", file=sys.stderr)
         return 2
     if ours.pop("version", False):
-        from appliance import __version__
+        from appliance.version import __version__
 
         print(f"edge-appliance {__version__} (tensorflow_model_server flags)")
         return 0

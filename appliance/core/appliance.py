@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 import runtimes
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.core import device as device_mod
 from appliance.core.config import Config, ModelConfig
+from appliance.core.local import LocalHandles, LocalStates
 from appliance.core.manager import Manager
 from appliance.core.metrics import Metrics
 from appliance.core.rollout import Rollouts
@@ -40,7 +41,8 @@ HEAVY_MODULES = ("tensorflow", "ai_edge_litert", "tflite_runtime", "boto3", "zer
 
 
 class Appliance:
-    """The service core: config, device profile, state db, model manager, metrics.
+    """The service core: config, device profile, state db, model manager, metrics. The
+    ``ServingCore`` of the serving process (appliance/core/seams.py).
 
     Thread-safety: ``add_status``/``report_problem`` and ``status`` may be called from any
     thread; ``start``/``close`` from the service's main thread."""
@@ -58,6 +60,8 @@ class Appliance:
         self.device: dict[str, Any] = {}
         self.device_id = ""
         self.manager: Manager | None = None
+        self.handles = LocalHandles(lambda: self.manager)  # the API families' seams (core/seams.py)
+        self.states = LocalStates(lambda: self.manager)
         self.rollouts: Rollouts | None = None
         self._config_source: DirectorySource | None = None  # [[models]] and models_dir
         self._sources: list[DirectorySource] = []  # the parts' (the synced store)

@@ -21,20 +21,16 @@ INVALID_ARGUMENT, TF Serving's "Task size N is larger than maximum input batch s
 never a "retry later". If a batch fails on bad
 input and holds several requests, each is retried alone so one bad member fails alone.
 
-Execution is leader/follower, with no thread of its own: the thread that submits a
-request runs the batch itself when one of the ``num_batch_threads`` execution slots is
-free (no hand-off to another thread, so a lone request pays no wake-up latency). Otherwise
-it sleeps; a leader whose own request is answered hands its slot to the thread of the
-oldest queued request, which then runs everything queued as the next batch.
+Execution: ``submit`` is awaited on the caller's event loop (the HTTP server's, a gRPC
+server's, the front service's); the batches run on this batcher's own threads (at most
+``num_batch_threads``, started on demand), and each finished batch wakes its awaiting requests
+with one call into their loop, not one per request. A request that is due to lead while a
+thread is free starts that thread at once, so a lone request pays one hand-off each way; and
+a lone call on a loop that says it is alone (``LONE_CALL``) of a quick model runs right there
+(``_claim_idle``).
 
-Callers on an event loop (the gRPC server, appliance/service/grpc_port.py) have no thread to
-lend: ``submit_async`` queues the request the same way and awaits it. When such a request
-is due to lead, a runner thread of this batcher (at most ``num_batch_threads``, started on
-demand) runs batches until the queue is empty, and each finished batch wakes its awaiting
-requests with one call into their loop, not one per request.
-
-Thread-safety: ``submit`` may be called from any thread, ``submit_async`` from any event
-loop; ``close`` is idempotent. There is nothing to start: requests run on their own threads.
+Thread-safety: ``submit`` may be awaited from any event loop; ``close`` is idempotent. There
+is nothing to start: the threads start with the first batch.
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ import collections
 import contextvars
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -59,23 +54,64 @@ INLINE_RUN_S = 0.0005  # a model whose batches average under this may run a lone
 # Set (per call, in the call's task) by an event-loop server that knows its load
 # (appliance/transport/grpc/h2_server.py): True while the call is the only one in flight on its loop.
 LONE_CALL: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("lone_call", default=None)
+RUNNER_IDLE_S = 1.0  # how long an idle batch thread waits for the next batch before it ends
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-class _Task:
-    __slots__ = ("signature", "inputs", "rows", "wake", "done", "lead", "result", "error", "enqueued", "future")
+class _Runners:
+    """Up to ``size`` threads, each running ``work()`` once per ``submit``. An idle thread waits
+    ``RUNNER_IDLE_S`` for more, then ends: an idle model holds no threads, a busy one pays no
+    thread start per batch."""
 
-    def __init__(self, signature: str, inputs: Mapping[str, np.ndarray], rows: int, awaited: bool = False):
+    def __init__(self, work: Callable[[], None], size: int, name: str):
+        self.work, self.size, self.name = work, size, name
+        self._cond = threading.Condition()
+        self._jobs = self._idle = self._threads = 0
+        self._closed = False
+
+    def submit(self) -> None:
+        with self._cond:
+            self._jobs += 1
+            if self._idle:
+                self._cond.notify()
+            elif self._threads < self.size:
+                self._threads += 1
+                threading.Thread(target=self._loop, name=f"{self.name}_{self._threads}", daemon=True).start()
+
+    def close(self) -> None:
+        """Idle threads end now; busy ones after their job."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    if self._closed:
+                        self._threads -= 1
+                        return
+                    self._idle += 1
+                    woken = self._cond.wait(RUNNER_IDLE_S)
+                    self._idle -= 1
+                    if not woken and not self._jobs:
+                        self._threads -= 1
+                        return
+                self._jobs -= 1
+            self.work()
+
+
+class _Task:
+    __slots__ = ("signature", "inputs", "rows", "done", "lead", "result", "error", "enqueued", "future")
+
+    def __init__(self, signature: str, inputs: Mapping[str, np.ndarray], rows: int):
         self.signature, self.inputs, self.rows = signature, inputs, rows
-        # set when done, or when this task's thread is handed the lead; none for submit_async
-        # (no thread waits on it, and an Event is a lock and a condition per request)
-        self.wake: threading.Event | None = None if awaited else threading.Event()
         self.done = False
-        self.lead = False
+        self.lead = False  # a thread of the batcher was started for it
         self.result: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
         self.enqueued = time.perf_counter()
-        self.future: asyncio.Future | None = None  # submit_async's
+        self.future: asyncio.Future[None] | None = None  # resolved in its caller's loop
 
 
 @dataclass
@@ -129,7 +165,7 @@ class Batcher:
         self._busy = 0  # execution slots in use (leaders running a batch)
         self._closed = False
         self._frozen = False
-        self._runners: ThreadPoolExecutor | None = None  # for requests of submit_async (no thread of their own)
+        self._runners = _Runners(self._run_queued, self._threads_wanted, f"batch-{name}")
         self.stats = BatchStats()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -140,9 +176,7 @@ class Batcher:
             self._closed = True
             while (self._queued_rows or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(0.05)
-            runners, self._runners = self._runners, None
-        if runners is not None:
-            runners.shutdown(wait=False)
+        self._runners.close()
 
     def freeze(self, frozen: bool) -> None:
         """Test hook: stop taking batches (simulates a wedged backend for the watchdog)."""
@@ -161,28 +195,18 @@ class Batcher:
         return self.stats.snapshot(self._queued_rows)
 
     # -- request side ------------------------------------------------------------------
-    def submit(self, signature: str, inputs: Mapping[str, np.ndarray], timeout: float | None = None) -> dict[str, np.ndarray]:
-        """Run ``inputs`` as part of a batch and return this request's rows of the outputs."""
-        tasks = self._tasks(signature, inputs)
-        if tasks is None:
-            return self._direct(signature, inputs)
-        self._enqueue(tasks)
-        for task in tasks:
-            self._await(task, timeout)
-        return _joined(tasks)
-
-    async def submit_async(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``submit`` for a caller on an event loop: the same queue and batches, awaited.
-        Cancelled while still queued (the client went away), the request leaves the queue."""
+    async def submit(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run ``inputs`` as part of a batch; this request's rows of the outputs. Cancelled while
+        still queued (the client went away), the request leaves the queue."""
         loop = asyncio.get_running_loop()
-        tasks = self._tasks(signature, inputs, awaited=True)
+        tasks = self._tasks(signature, inputs)
         if tasks is None:
             return await loop.run_in_executor(None, self._direct, signature, inputs)
         if len(tasks) == 1 and self._claim_idle():
             return self._run_here(tasks[0])
         for task in tasks:
             task.future = loop.create_future()
-        self._enqueue(tasks, start=True)
+        self._enqueue(tasks)
         try:
             for task in tasks:
                 await task.future  # type: ignore[misc]
@@ -224,7 +248,7 @@ class Batcher:
         """The most rows the queue holds (max_enqueued_batches batches of max_batch_size)."""
         return self.params.max_enqueued_batches * self.params.max_batch_size
 
-    def _tasks(self, signature: str, inputs: Mapping[str, np.ndarray], awaited: bool = False) -> list[_Task] | None:
+    def _tasks(self, signature: str, inputs: Mapping[str, np.ndarray]) -> list[_Task] | None:
         """The request as tasks of at most max_batch_size rows; None: it cannot be batched.
         A request larger than any the queue can take is refused here, before it is queued."""
         rows = _rows(inputs)
@@ -233,7 +257,7 @@ class Batcher:
         limit = self.params.max_batch_size
         if rows > limit:
             self._check_size(rows)
-        return [_Task(signature, {k: v[i:i + limit] for k, v in inputs.items()}, min(limit, rows - i), awaited)
+        return [_Task(signature, {k: v[i:i + limit] for k, v in inputs.items()}, min(limit, rows - i))
                 for i in range(0, rows, limit)]
 
     def _check_size(self, rows: int) -> None:
@@ -262,9 +286,8 @@ class Batcher:
         return (task.signature,) + tuple(
             (k, v.dtype.str, v.ndim if pad else v.shape[1:]) for k, v in sorted(task.inputs.items()))
 
-    def _enqueue(self, tasks: list[_Task], start: bool = False) -> None:
-        """Queue ``tasks`` (or refuse them whole); ``start``: hand free slots out at once (the
-        tasks have no thread that could lead on its own)."""
+    def _enqueue(self, tasks: list[_Task]) -> None:
+        """Queue ``tasks`` (or refuse them whole) and hand free slots out at once."""
         rows = sum(t.rows for t in tasks)
         capacity = self._capacity()
         with self._cond:
@@ -276,53 +299,14 @@ class Batcher:
             for task in tasks:
                 self._queues.setdefault(self._group(task), collections.deque()).append(task)
             self._queued_rows += rows
-            if start:
-                self._hand_over()
+            self._hand_over()
 
-    # -- execution (leader/follower) ------------------------------------------------------
-    def _await(self, task: _Task, timeout: float | None) -> None:
-        """Return once ``task`` is done, running batches on this thread whenever it leads."""
-        with self._cond:
-            if not task.lead and not self._frozen and self._busy < self._threads_wanted:
-                self._busy += 1  # a free slot: lead at once, no hand-off
-                task.lead = True
-        while True:
-            if task.lead:
-                self._lead(task)
-                return
-            if not task.wake.wait(timeout):
-                with self._cond:
-                    if self._unqueue(task):
-                        raise Unavailable("the batch did not run within the request timeout")
-                task.wake.wait()
-            if task.done and not task.lead:
-                return
-
-    def _lead(self, own: _Task) -> None:
-        """Run batches (oldest group first) until ``own`` is answered, then pass the slot on."""
-        while True:
-            with self._cond:
-                # Done, frozen, or own request already taken into another leader's batch: free the slot.
-                if own.done or self._frozen or not any(self._queues.values()):
-                    own.lead = False
-                    own.wake.clear()
-                    self._busy -= 1
-                    self._hand_over()
-                    if own.done:
-                        return
-                    break  # wait like a follower
-                batch = self._pop_batch()
-            self._execute(batch)
-        own.wake.wait()
-        if own.lead:
-            self._lead(own)
-
-    def _run_queued(self, own: _Task) -> None:
-        """A runner thread leading for ``own`` (a submit_async task): batches until none is queued."""
+    # -- execution ---------------------------------------------------------------------
+    def _run_queued(self) -> None:
+        """A thread of the batcher: batches (oldest group first) until none is queued."""
         while True:
             with self._cond:
                 if self._frozen or not any(self._queues.values()):
-                    own.lead = False
                     self._busy -= 1
                     self._hand_over()
                     return
@@ -330,8 +314,7 @@ class Batcher:
             self._execute(batch)
 
     def _hand_over(self) -> None:
-        """Under the lock: give free slots to the threads of the oldest queued tasks (a runner
-        thread for a task that has none)."""
+        """Under the lock: a thread for each free slot while tasks wait that no thread serves."""
         while not self._frozen and self._busy < self._threads_wanted:
             waiting = [t for q in self._queues.values() for t in q if not t.lead]
             if not waiting:
@@ -339,12 +322,7 @@ class Batcher:
             task = min(waiting, key=lambda t: t.enqueued)
             task.lead = True
             self._busy += 1
-            if task.wake is not None:
-                task.wake.set()
-                continue
-            if self._runners is None:
-                self._runners = ThreadPoolExecutor(self._threads_wanted, thread_name_prefix=f"batch-{self.name}")
-            self._runners.submit(self._run_queued, task)
+            self._runners.submit()
         if self._closed and not self._queued_rows and not self._busy:
             self._cond.notify_all()
 
@@ -409,6 +387,7 @@ class Batcher:
         queued = sum(started - t.enqueued for t in batch) / len(batch)
         self._record(batch[0].signature, rows, padded, queued, finished - started)
         self.stats.last_progress = time.monotonic()  # a batch finished: the watchdog's sign of life
+        self._finish(batch)  # counted before answered: a client that reads the figures next sees its batch
 
     def _record(self, signature: str, rows: int, padded: int, queued: float, ran: float) -> None:
         with self._cond:
@@ -428,7 +407,6 @@ class Batcher:
     def _split(self, batch: list[_Task], outputs: dict[str, np.ndarray], padded: int) -> None:
         if len(batch) == 1 and padded == batch[0].rows:  # nothing to split: any output shape is fine
             batch[0].result = outputs
-            self._finish(batch)
             return
         for name, value in outputs.items():
             if value.ndim == 0 or value.shape[0] != padded:
@@ -438,31 +416,29 @@ class Batcher:
         for task in batch:
             task.result = {k: v[offset:offset + task.rows] for k, v in outputs.items()}
             offset += task.rows
-        self._finish(batch)
 
     def _fail(self, batch: list[_Task], error: BaseException) -> None:
         for task in batch:
             task.error = error
-        self._finish(batch)
 
     def _finish(self, batch: list[_Task]) -> None:
-        """Mark answered under the lock, so a leader clearing its wake-up cannot miss it; then
-        wake the batch's awaiting (submit_async) requests with one call into their loop."""
+        """Mark answered under the lock; then wake the batch's awaiting requests with one call
+        into each of their loops (REST and gRPC requests of one batch wait on different ones)."""
         with self._cond:
             for task in batch:
                 task.done = True
-                if task.wake is not None:
-                    task.wake.set()
-        awaiting = [t.future for t in batch if t.future is not None]
-        if awaiting:
-            loop = awaiting[0].get_loop()
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        for task in batch:
+            if task.future is not None:
+                by_loop.setdefault(task.future.get_loop(), []).append(task.future)
+        for loop, futures in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_resolve, awaiting)
+                loop.call_soon_threadsafe(_resolve, futures)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 pass
 
 
-def _resolve(futures: list[asyncio.Future]) -> None:
+def _resolve(futures: list[asyncio.Future[None]]) -> None:
     for future in futures:
         if not future.done():  # a cancelled waiter is gone
             future.set_result(None)

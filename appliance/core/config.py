@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -25,7 +24,7 @@ class ServerConfig:
     port: int = 8501
     threads: int = 32  # HTTP worker threads: must cover the concurrent clients batching can merge
     # Front worker processes that parse HTTP and decode/encode JSON on every core while the
-    # serving process batches (appliance/api/remote/): 0 = one per CPU (and per 512 MiB of
+    # serving process batches (appliance/fronts/): 0 = one per CPU (and per 512 MiB of
     # memory at most); 1 (or a one-CPU device) = the single-process path, HTTP in the
     # serving process itself.
     workers: int = 0
@@ -390,7 +389,7 @@ class Config:
     def batching_for(self, model: ModelConfig) -> BatchingConfig:
         merged = dataclasses.replace(self.batching)
         for key, value in model.batching.items():
-            _set_field(merged, key, value, f"models.{model.name}.batching")
+            set_field(merged, key, value, f"models.{model.name}.batching")
         merged.validate(f"models.{model.name}.batching")
         return merged
 
@@ -408,7 +407,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(key, f"must be a table, got {type(value).__name__}")
-        return _build(hint, value, key)
+        return build(hint, value, key)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(key, f"must be a list, got {type(value).__name__}")
@@ -428,7 +427,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     return value
 
 
-def _set_field(obj: Any, name: str, value: Any, prefix: str) -> None:
+def set_field(obj: Any, name: str, value: Any, prefix: str) -> None:
+    """``obj.name = value``, checked against the field's type; ConfigError naming ``prefix.name``."""
     hints = get_type_hints(type(obj))
     key = f"{prefix}.{name}" if prefix else name
     if name not in hints:
@@ -436,16 +436,17 @@ def _set_field(obj: Any, name: str, value: Any, prefix: str) -> None:
     setattr(obj, name, _coerce(value, hints[name], key))
 
 
-def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
+def build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
+    """A ``cls`` (a config section) from a TOML table, every key checked (``set_field``)."""
     obj = cls()
     for name, value in data.items():
-        _set_field(obj, name, value, prefix)
+        set_field(obj, name, value, prefix)
     return obj
 
 
 def from_dict(data: dict[str, Any]) -> Config:
     """A ``Config`` from ``dataclasses.asdict`` of one (how a config crosses to a front worker)."""
-    return _build(Config, data, "")
+    return build(Config, data, "")
 
 
 def validate(config: Config) -> Config:
@@ -487,30 +488,3 @@ def validate(config: Config) -> Config:
     if not config.state_dir:
         config.state_dir = default_state_dir()
     return config
-
-
-def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read ``path`` (None: defaults only), apply dotted-key ``overrides``, validate."""
-    data: dict[str, Any] = {}
-    if path:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc
-    config = _build(Config, data, "")
-    for dotted, value in (overrides or {}).items():
-        if value is None:
-            continue
-        *parents, leaf = dotted.split(".")
-        target = config
-        for part in parents:
-            target = getattr(target, part)
-        _set_field(target, leaf, value, ".".join(parents))
-    if config.tfs.model_config_file or config.tfs.batching_parameters_file or config.tfs.monitoring_config_file:
-        from appliance.core.tfs_files import apply  # TF Serving's own files; protobuf only when used
-
-        apply(config)
-    return validate(config)

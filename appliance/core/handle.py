@@ -1,13 +1,14 @@
 """The handle: what a request gets from the core, and the one verb that runs it.
 
-``with manager.handle(model, version, label, route_key) as h: outputs = h.run(sig, inputs)``
-(``await h.run_async(...)`` on an event loop). Protocol code sees the version's number,
+``held = manager.handle(model, version, label, route_key)``, then ``await held.run(sig,
+inputs)`` on the caller's event loop (API code gets handles through a ``HandleSource``,
+appliance/core/seams.py: ``LocalHandles`` here). Protocol code sees the version's number,
 path and signatures, and capabilities of the servable; never the batcher, the version
 slot or the backend's name. Inside ``run``:
 
 - **batching**: inputs that fit the signature's declared shapes join the version's batch
-  queue; others run alone (TensorFlow, like TF Serving, is the judge of a shape an
-  Identity such as half_plus_two's ``x`` accepts), unless the servable has
+  queue; others run alone on the loop's executor (TensorFlow, like TF Serving, is the judge
+  of a shape an Identity such as half_plus_two's ``x`` accepts), unless the servable has
   ``strict_shapes`` (LiteRT: its shapes are real), where a mismatch is refused with the
   reason;
 - **rollouts**: when the manager routed the request (an unversioned request of a model
@@ -15,78 +16,46 @@ slot or the backend's name. Inside ``run``:
   tallied for the judge; a canary candidate's failure is answered again by the serving
   version; a shadow request's decoded inputs and answer are queued for the candidate.
 
-Release the handle promptly (the ``with`` block): a version unloads only after every
-handle on it is released. One handle serves one request; it is not thread-safe.
+Release the handle promptly (``with``): a version unloads only after every handle on it is
+released. One handle serves one request; it is not thread-safe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generator, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import numpy as np
 
-from runtimes import RuntimeFailure, SignatureInfo, TensorSpec
+from runtimes import RuntimeFailure, Servable, SignatureInfo, TensorSpec
 
+from appliance.core.batcher import Batcher
 from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
 
 if TYPE_CHECKING:
-    from appliance.core.manager import Manager, VersionSlot
-    from appliance.core.rollout import Route
+    from appliance.core.rollout import Route, Rollouts
 
 
-T = TypeVar("T")
+class VersionSlot(Protocol):
+    """What a handle reads of the version it holds (appliance/core/manager.py ``VersionSlot``)."""
+
+    model: str
+    version: int
+    path: str
+    servable: Servable | None
+    batcher: Batcher | None
 
 
-@dataclass(frozen=True)
-class Run:
-    """The step of a request that runs a model: ``handle.run(signature, inputs)``.
+class Holder(Protocol):
+    """Who hands out handles and takes them back (appliance/core/manager.py ``Manager``)."""
 
-    API code written as steps (a generator that yields a ``Run`` and receives its outputs,
-    then returns the request's answer) runs on a thread (``drive``) and on an event loop
-    (``drive_async``) alike: one copy of each API's decode, error and encode logic for both."""
+    rollouts: "Rollouts"  # set before the first routed request
 
-    handle: Any
-    signature: str
-    inputs: Mapping[str, np.ndarray]
+    def handle(self, name: str, version: int | None = None, label: str | None = None, route_key: Any = None,
+               judged: bool = True) -> "Handle": ...
 
-
-Steps = Generator[Run, "dict[str, np.ndarray]", T]
-
-
-def drive(steps: "Steps[T]") -> T:
-    """Carry out ``steps``: each ``Run`` through ``handle.run``. A run's error is raised in
-    the steps, where the request's own ``except`` and ``with`` blocks see it."""
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.throw(error) if error is not None else steps.send(reply)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        reply, error = None, None
-        try:
-            reply = step.handle.run(step.signature, step.inputs)
-        except BaseException as exc:
-            error = exc
-
-
-async def drive_async(steps: "Steps[T]") -> T:
-    """``drive`` on an event loop: each ``Run`` through ``await handle.run_async``."""
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.throw(error) if error is not None else steps.send(reply)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        reply, error = None, None
-        try:
-            reply = await step.handle.run_async(step.signature, step.inputs)
-        except BaseException as exc:
-            error = exc
+    def release_slot(self, slot: Any) -> None: ...
 
 
 def shape_error(arr: np.ndarray, spec: TensorSpec, where: str) -> str | None:
@@ -105,7 +74,7 @@ class Handle:
 
     __slots__ = ("_manager", "slot", "_route")
 
-    def __init__(self, manager: "Manager", slot: "VersionSlot", route: "Route | None" = None):
+    def __init__(self, manager: Holder, slot: VersionSlot, route: "Route | None" = None):
         self._manager, self.slot, self._route = manager, slot, route
 
     # -- what protocol code may read -------------------------------------------------------
@@ -145,36 +114,19 @@ class Handle:
         return sig
 
     # -- running -----------------------------------------------------------------------------
-    def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The outputs of ``signature`` on ``inputs`` (batched, routed, tallied)."""
         route = self._route
         if route is None:
-            return _execute(self.slot, signature, inputs)
+            return await _execute(self.slot, signature, inputs)
         started = time.perf_counter()
         try:
-            out = _execute(self.slot, signature, inputs)
+            out = await _execute(self.slot, signature, inputs)
         except ApplianceError as exc:
             if route.role != "candidate":
                 self._observe(route.role, exc, started)
                 raise
-            return self._fallback(signature, inputs, exc, started)
-        return self._answered(signature, inputs, out, started)
-
-    async def run_async(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``run`` for a caller on an event loop: the batch is awaited; a request that runs
-        alone runs on the loop's executor, never on the loop."""
-        route = self._route
-        if route is None:
-            return await _execute_async(self.slot, signature, inputs)
-        started = time.perf_counter()
-        try:
-            out = await _execute_async(self.slot, signature, inputs)
-        except ApplianceError as exc:
-            if route.role != "candidate":
-                self._observe(route.role, exc, started)
-                raise
-            return await asyncio.get_running_loop().run_in_executor(
-                None, self._fallback, signature, inputs, exc, started)
+            return await self._fallback(signature, inputs, exc, started)
         return self._answered(signature, inputs, out, started)
 
     def _answered(self, signature: str, inputs: Mapping[str, np.ndarray], out: dict[str, np.ndarray],
@@ -186,8 +138,8 @@ class Handle:
             self._manager.rollouts.shadow(route.rollout, signature, inputs, out)
         return out
 
-    def _fallback(self, signature: str, inputs: Mapping[str, np.ndarray], failure: ApplianceError,
-                  started: float) -> dict[str, np.ndarray]:
+    async def _fallback(self, signature: str, inputs: Mapping[str, np.ndarray], failure: ApplianceError,
+                        started: float) -> dict[str, np.ndarray]:
         """The canary candidate failed: the serving version answers. The candidate's failure
         counts only when the serving version does answer (a bad request fails on both)."""
         route = self._route
@@ -196,7 +148,7 @@ class Handle:
         again = time.perf_counter()
         try:
             with self._manager.handle(self.model, rollout.serving, judged=False) as serving:
-                out = serving.run(signature, inputs)
+                out = await serving.run(signature, inputs)
         except ApplianceError as exc:
             rollouts.observe(rollout, "serving", False, exc.http_status >= 500, time.perf_counter() - again)
             raise
@@ -221,7 +173,7 @@ class Handle:
 
     # -- holding -------------------------------------------------------------------------------
     def release(self) -> None:
-        self._manager._release_slot(self.slot)
+        self._manager.release_slot(self.slot)
 
     def __enter__(self) -> "Handle":
         return self
@@ -230,7 +182,7 @@ class Handle:
         self.release()
 
 
-def _batchable(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndarray]) -> bool:
+def _batchable(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray]) -> bool:
     servable = slot.servable
     assert servable is not None
     sig = servable.signatures.get(signature)
@@ -243,20 +195,15 @@ def _batchable(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndar
     return not problems
 
 
-def _execute(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Through the batcher when batching is on and the inputs fit, else straight to the servable."""
+async def _execute(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Through the batcher when batching is on and the inputs fit, else straight to the
+    servable on the loop's executor (never on the loop)."""
     if _batchable(slot, signature, inputs) and slot.batcher is not None:
-        return slot.batcher.submit(signature, inputs)
-    return _run_alone(slot, signature, inputs)
-
-
-async def _execute_async(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    if _batchable(slot, signature, inputs) and slot.batcher is not None:
-        return await slot.batcher.submit_async(signature, inputs)
+        return await slot.batcher.submit(signature, inputs)
     return await asyncio.get_running_loop().run_in_executor(None, _run_alone, slot, signature, inputs)
 
 
-def _run_alone(slot: "VersionSlot", signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _run_alone(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     assert slot.servable is not None
     try:
         return slot.servable.run(signature, inputs)

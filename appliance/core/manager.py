@@ -127,6 +127,11 @@ class Manager:
         # (name, version, label) -> the slot ``handle`` chose, for requests that take no lock.
         # Replaced by an empty dict (under the lock) whenever what it chose from changes.
         self._picks: dict[tuple[str, int | None, str | None], VersionSlot] = {}
+        # Called (no arguments, any thread, maybe under the manager's lock: they must only
+        # schedule work) whenever what ``handle`` chooses from may have changed: a transition,
+        # a swap, a rollout pin, a model's settings. TF Serving's ServableStateMonitor role:
+        # the front workers' serving view follows these (appliance/fronts/serving.py).
+        self.listeners: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -157,7 +162,7 @@ class Manager:
                 entry.on_disk = dict(versions)
             gone = {n: self._models.pop(n) for n, e in list(self._models.items())
                     if e.source == source and n not in models}
-            self._picks = {}
+            self._changed()
         for name in refused:
             self.db.event("model_refused", f"{name} is already served from another source; {source}'s copy is "
                           "ignored", model=name)
@@ -284,7 +289,7 @@ class Manager:
         """With a rollout mode, a newer version becomes the candidate beside the serving one
         instead of replacing it; without one, the serving version follows the policy."""
         with self._lock:
-            self._picks = {}  # the serving pin may move below
+            self._changed()  # the serving pin may move below
             live = {v for v, s in entry.versions.items() if s.state == State.AVAILABLE}
             if entry.serving not in live:
                 entry.serving = max(live, default=None)
@@ -317,7 +322,7 @@ class Manager:
                 raise InvalidArgument(f"{name} version {version} is not an available rollout candidate")
             old = entry.versions.get(entry.serving) if entry.serving is not None else None
             entry.serving, entry.candidate = version, None
-            self._picks = {}
+            self._changed()
         if old is not None and old.version != version:
             self._begin_unload(old, f"version {version} promoted")
         self.poll_now()
@@ -343,10 +348,16 @@ class Manager:
             if path is None or _mtime(path) != mtime:
                 entry.quarantined.pop(version, None)
 
+    def _changed(self) -> None:
+        """Under the lock: ``handle``'s choices are void; tell the listeners."""
+        self._picks = {}
+        for listener in self.listeners:
+            listener()
+
     def _transition(self, slot: VersionSlot, state: State, message: str, kind: str, **detail: Any) -> None:
         with self._lock:
             slot.state = state
-            self._picks = {}
+            self._changed()
         self.db.event(kind, message, model=slot.model, version=slot.version, state=state.value, **detail)
         if state == State.AVAILABLE and self.rollouts is not None:
             self.rollouts.candidate_ready(slot.model)  # a candidate beside the serving version starts its rollout
@@ -547,7 +558,7 @@ class Manager:
             slot.inflight.append(None)
             if slot.state == State.AVAILABLE:
                 return Handle(self, slot)
-            self._release_slot(slot)
+            self.release_slot(slot)
         return self._handle_locked(name, version, label)
 
     def _routed(self, route: Any) -> Handle:
@@ -590,7 +601,8 @@ class Manager:
             self._picks[(name, version, label)] = slot
         return Handle(self, slot)
 
-    def _release_slot(self, slot: VersionSlot) -> None:
+    def release_slot(self, slot: VersionSlot) -> None:
+        """(a handle) The request holding ``slot`` is done with it."""
         slot.inflight.pop()
         if not slot.inflight and slot.state == State.UNLOADING:
             with self._lock:

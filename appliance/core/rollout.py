@@ -28,6 +28,7 @@ from any thread.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import queue
@@ -230,35 +231,47 @@ class Rollouts:
         self._shadow.put((rollout, signature, dict(inputs), dict(served)))
 
     def _shadow_loop(self) -> None:
-        while True:
-            item = self._shadow.get()
-            if item is None:
-                return
-            rollout, signature, inputs, served = item
-            with self._lock:
-                self._waiting[rollout.model] -= 1
-            if rollout.decided:
-                continue
-            started = time.perf_counter()
-            out: dict[str, np.ndarray] | None = None
-            server_error = False
-            try:
-                with self.manager.handle(rollout.model, rollout.candidate, judged=False) as handle:
-                    out = handle.run(signature, inputs)
-            except ApplianceError as exc:  # the candidate failed where the serving version answered
-                server_error = exc.http_status >= 500
-            except Exception:  # a shadow copy never takes the rollout down
-                server_error = True
-            seconds = time.perf_counter() - started
-            self.observe(rollout, "candidate", out is not None, server_error, seconds)
-            if out is not None:
-                self._compare(rollout, served, out)
-            # Pacing: busy at most shadow_busy_share of the time, so on a small box the
-            # copies take a bounded share of the CPU; while it rests, new copies are shed.
-            policy = self.manager.rollout_policy(rollout.model)
-            share = policy.shadow_busy_share if policy is not None else 1.0
-            if share < 1.0:
-                self._stop.wait(seconds * (1 - share) / share)
+        """(the shadow thread) Each copy through the candidate's batch queue, awaited on this
+        thread's own event loop."""
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                item = self._shadow.get()
+                if item is None:
+                    return
+                rollout = item[0]
+                with self._lock:
+                    self._waiting[rollout.model] -= 1
+                if rollout.decided:
+                    continue
+                seconds = loop.run_until_complete(self._shadow_one(*item))
+                # Pacing: busy at most shadow_busy_share of the time, so on a small box the
+                # copies take a bounded share of the CPU; while it rests, new copies are shed.
+                policy = self.manager.rollout_policy(rollout.model)
+                share = policy.shadow_busy_share if policy is not None else 1.0
+                if share < 1.0:
+                    self._stop.wait(seconds * (1 - share) / share)
+        finally:
+            loop.close()
+
+    async def _shadow_one(self, rollout: Rollout, signature: str, inputs: Mapping[str, np.ndarray],
+                          served: Mapping[str, np.ndarray]) -> float:
+        """Run one copy on the candidate, tally and compare it; the seconds it took."""
+        started = time.perf_counter()
+        out: dict[str, np.ndarray] | None = None
+        server_error = False
+        try:
+            with self.manager.handle(rollout.model, rollout.candidate, judged=False) as handle:
+                out = await handle.run(signature, inputs)
+        except ApplianceError as exc:  # the candidate failed where the serving version answered
+            server_error = exc.http_status >= 500
+        except Exception:  # a shadow copy never takes the rollout down
+            server_error = True
+        seconds = time.perf_counter() - started
+        self.observe(rollout, "candidate", out is not None, server_error, seconds)
+        if out is not None:
+            self._compare(rollout, served, out)
+        return seconds
 
     def _compare(self, rollout: Rollout, served: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> None:
         drift = output_drift(served, out)

@@ -11,10 +11,12 @@ import os
 import threading
 from typing import Any
 
+from appliance.parts.host import Host
+
 log = logging.getLogger("appliance.tfs")
 
 
-def attach(service: Any) -> "ConfigFilePoller | None":
+def attach(service: Host) -> "ConfigFilePoller | None":
     """Reload the service when the model config file changes (poll_wait_seconds > 0)."""
     files = service.config.tfs
     if not files.model_config_file or files.model_config_file_poll_wait_seconds <= 0:
@@ -26,7 +28,7 @@ def attach(service: Any) -> "ConfigFilePoller | None":
 
 
 class ConfigFilePoller(threading.Thread):
-    def __init__(self, service: Any, path: str, every: float):
+    def __init__(self, service: Host, path: str, every: float):
         super().__init__(name="tfs-config-poll", daemon=True)
         self.service, self.path, self.every = service, path, every
         self._stop = threading.Event()
@@ -47,6 +49,6 @@ class ConfigFilePoller(threading.Thread):
                 log.info("%s changed: reloading", self.path)
                 self.service.request_reload()
 
-    def on_hook(self, what: str, service: Any) -> None:
+    def on_hook(self, what: str, service: Host) -> None:
         if what == "stopping":
             self._stop.set()

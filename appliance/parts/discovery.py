@@ -36,7 +36,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from appliance import __version__
+from appliance.version import __version__
+from appliance.parts.host import Host
 
 log = logging.getLogger("appliance.discovery")
 
@@ -153,7 +154,7 @@ class _Advertiser:
     ``start()`` and ``close()`` are idempotent; ``notify`` and ``on_hook`` may be called
     from any thread."""
 
-    def __init__(self, service: Any):
+    def __init__(self, service: Host):
         self.service = service
         self.status: dict[str, Any] = {"enabled": True, "announcing": False, "error": None, "name": None}
         self.settings = settings_from(service.config)
@@ -185,7 +186,12 @@ class _Advertiser:
         if event.get("model"):
             self._poke()
 
-    def on_hook(self, what: str, service: Any) -> None:
+    def _port(self) -> int:
+        server = self.service.server
+        assert server is not None, "a part is attached once the service holds its port"
+        return server.port
+
+    def on_hook(self, what: str, service: Host) -> None:
         if what == "stopping":
             self.close()
         elif what == "reloaded" and settings_from(service.config) != self.settings:
@@ -244,7 +250,7 @@ class _Advertiser:
         from zeroconf import IPVersion
         from zeroconf.asyncio import AsyncZeroconf
 
-        port = self.service.server.port
+        port = self._port()
         listen, self._addresses = plan_addresses(self.settings.interfaces, self.service.config.server.host)
         if not listen:
             raise OSError(f"no IPv4 address on interfaces {self.settings.interfaces or 'all'}")
@@ -314,7 +320,7 @@ class _Advertiser:
         if announced != self._addresses and not await self._follow_interfaces(listen):
             return
         self._txt, self._addresses = txt, announced
-        port = self.service.server.port
+        port = self._port()
         self._infos = [self._info(kind, self._name, port) for kind in (SERVICE_TYPE, HTTP_TYPE)]
         await asyncio.gather(*(self._reannounce(info) for info in self._infos))
         log.info("re-announced %r: models=%s addresses=%s", self._name, txt["models"], ",".join(announced))
@@ -367,12 +373,12 @@ class _Advertiser:
         self.status = {
             "enabled": True, "announcing": ok, "error": error,
             "name": self._name if ok else None, "types": [SERVICE_TYPE, HTTP_TYPE],
-            "port": self.service.server.port, "addresses": list(self._addresses),
+            "port": self._port(), "addresses": list(self._addresses),
             "interfaces": self.settings.interfaces or "all", "txt": dict(self._txt) if ok else {},
         }
 
 
-def attach(service: Any) -> _Advertiser | None:
+def attach(service: Host) -> _Advertiser | None:
     """Start announcing ``service`` (its HTTP server is listening); withdraw on "stopping".
 
     Returns the advertiser, or None when discovery is turned off in the config."""

@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Mapping
 
+from appliance.parts.host import Host
+
 log = logging.getLogger("appliance.notify")
 
 READY_AFTER_RELOAD_MAX_S = 60.0  # a reload whose models never come up still ends with READY=1
@@ -97,7 +99,7 @@ def probe_host(host: str) -> str:
 class Liveness:
     """The watchdog's question: is the service making progress, not merely running?"""
 
-    def __init__(self, service: Any, stall_after_s: float, http_timeout_s: float):
+    def __init__(self, service: Host, stall_after_s: float, http_timeout_s: float):
         self.service = service
         self.stall_after_s = stall_after_s
         self.http_timeout_s = http_timeout_s
@@ -135,7 +137,7 @@ def _not_ready_reason(model: Mapping[str, Any]) -> str:
     return f"no version under {model.get('base_path')}"
 
 
-def status_line(service: Any, announced_ready: bool, liveness_problem: str | None = None) -> str:
+def status_line(service: Host, announced_ready: bool, liveness_problem: str | None = None) -> str:
     """One line for ``systemctl status``: what the service is doing now, and why not more."""
     manager = service.core.manager
     if manager is None:
@@ -164,7 +166,7 @@ def status_line(service: Any, announced_ready: bool, liveness_problem: str | Non
 class SystemdNotify:
     """The thread and hooks that keep systemd informed about one ``Service``."""
 
-    def __init__(self, service: Any, notifier: Notifier, interval: float | None):
+    def __init__(self, service: Host, notifier: Notifier, interval: float | None):
         self.service = service
         self.notifier = notifier
         self.interval = interval
@@ -192,7 +194,7 @@ class SystemdNotify:
         self.notifier.close()
 
     # -- hooks (the service's main thread) -----------------------------------------------
-    def on_hook(self, what: str, service: Any) -> None:
+    def on_hook(self, what: str, service: Host) -> None:
         if what == "reloading" and self.ready_sent:  # before the first READY=1 systemd is still starting us
             self._phase = "reloading"
             self._status("reloading the configuration", extra=("RELOADING=1", f"MONOTONIC_USEC={monotonic_usec()}"))
@@ -246,7 +248,7 @@ class SystemdNotify:
         self._last_problem = problem
 
 
-def attach(service: Any) -> SystemdNotify | None:
+def attach(service: Host) -> SystemdNotify | None:
     """Start notifying systemd about ``service`` when ``$NOTIFY_SOCKET`` is set; else None."""
     notifier = Notifier.from_env()
     if notifier is None:

@@ -41,7 +41,7 @@ from sync.manifest import dumps, load_public_key
 from sync.source import Limits, open_source
 from sync.store import Store, rollout_policies, set_pin
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.api.errors import flask_error
 from appliance.api.routes import ADMIN
 

@@ -28,16 +28,18 @@ import threading
 import time
 from typing import Any, Callable
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.core import logs
 from appliance.core import memory
 from appliance.api.app import Appliance, create_app
 from appliance.core.config import Config
-from appliance.core.config import load as load_config
+from appliance.core.config_file import load as load_config
 from appliance.core.errors import ConfigError
-from appliance.service.fronts import Fronts, workers_for
+from appliance.core.batcher import LONE_CALL
+from appliance.fronts.app import FrontApp, facing, hot_mounts
+from appliance.fronts.pool import Fronts, workers_for
 from appliance.service.state_lock import StateDirBusy, lock_state_dir
-from appliance.service.tls import tls_context
+from appliance.core.tls import tls_context
 from sync.store import check_version
 from appliance.transport.http.server import HTTPServer
 
@@ -79,11 +81,14 @@ class Service:
         c, security = self.config.server, self.config.security
         context = tls_context(security) if security.tls_cert_file else None  # before binding: fail early
         workers = workers_for(self.config)
-        if workers:  # HTTP and JSON in front worker processes, batches here (appliance/service/fronts.py)
+        if workers:  # HTTP and JSON in front worker processes, batches here (appliance/fronts/pool.py)
             fronts = self.server = Fronts(self.core, self.app, self.config, workers)
             self.core.add_status("workers", fronts.workers_status)
         else:
-            self.server = HTTPServer(self.app, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context)
+            # one process: the same front path as a worker's, on the core's own seams (appliance/fronts/app.py)
+            front = FrontApp(self.core, hot_mounts(self.core), self.app)
+            self.server = HTTPServer(front, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context,
+                                     fast=front, facing=facing(LONE_CALL))
         server = self.server
         self.core.add_status("http", lambda: server.stats)  # live connection and shedding figures
 
@@ -177,9 +182,6 @@ class Service:
     def request_reload(self) -> None:
         """What SIGHUP does: the main loop re-reads the config (never a request thread)."""
         self._reload.set()
-
-    def request_stop(self) -> None:
-        self._stop.set()
 
 
 def url_for(config: Config, port: int) -> str:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import resource
 import threading
 from typing import Any
 
@@ -44,11 +43,10 @@ from appliance.api.auth import grpc_interceptor
 from appliance.api.kserve import grpc_service as v2_grpc
 from appliance.api.tfserving import grpc_service as tfs_grpc
 from appliance.core.batcher import LONE_CALL
-from appliance.service.fronts import Fronts
+from appliance.fronts.pool import Fronts
 from appliance.transport.grpc.aio_server import AioServer
 from appliance.transport.grpc.h2_server import LeanServer
-from appliance.transport.grpc.limits import Limits
-from appliance.transport.http.server import FD_RESERVE
+from appliance.transport.grpc.limits import Limits, connection_share
 
 log = logging.getLogger("appliance.grpc")
 PART = __name__  # the name gRPC's problem is reported under (appliance/service/__init__.py API_PARTS)
@@ -77,7 +75,7 @@ def attach(service: Any) -> "GRPCServer | None":
 
 
 def _to_workers(service: Any, cfg: Any) -> bool:
-    """The TCP port to the front workers (appliance/service/fronts.py); False when it is busy
+    """The TCP port to the front workers (appliance/fronts/pool.py); False when it is busy
     and ``bind_retry`` says to retry here, OSError when busy without it."""
     host = service.config.server.host or "0.0.0.0"
     try:
@@ -121,18 +119,6 @@ def _retry(service: Any) -> None:
         service.core.report_problem(PART, None)
         log.info("gRPC bound after retrying: %s", ", ".join(server.addresses))
         return
-
-
-def connection_share(wanted: int, rest_connections: int) -> int:
-    """``wanted``, or what the descriptor limit leaves after REST's connections and FD_RESERVE."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    room = max(16, soft - rest_connections - FD_RESERVE)
-    if room < wanted:
-        log.warning("grpc.max_connections = %d, but the descriptor limit is %d and REST may hold %d: "
-                    "at most %d gRPC connections", wanted, soft, rest_connections, room)
-    return min(wanted, room)
 
 
 class GRPCServer:

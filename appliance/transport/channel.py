@@ -5,7 +5,7 @@ the message in MessagePack (the ``msgpack`` library), with numpy arrays as an ex
 type: a numeric array travels as its dtype, shape and raw buffer (one copy, no per-element
 work); an array of strings as its shape and its items. Payloads are plain data (strings,
 numbers, bytes, lists, dicts and arrays): the two ends turn their own objects into that
-(appliance/api/remote/messages.py). Nothing is ever unpickled: what a worker receives
+(appliance/fronts/messages.py). Nothing is ever unpickled: what a worker receives
 cannot run code, whatever a client managed to put in a request.
 
 Why a socket and not shared memory: what the hand-off costs beside a request's decode was
@@ -14,19 +14,15 @@ microseconds, its JSON decode costs a millisecond. A shared-memory ring would sa
 and add a second synchronisation protocol; the socket also tells each side at once when
 the other dies (EOF), which the supervisor relies on.
 
-Two ends:
-
-- ``BlockingChannel`` (a worker): ``send`` from any thread (a lock keeps frames whole);
-  ``serve(on_message)`` reads in one thread of its own until EOF.
-- ``ChannelProtocol`` (the serving process): an asyncio protocol on its event loop;
-  ``send`` in the loop thread, ``send_threadsafe`` from others.
+Both ends are a ``ChannelProtocol`` on an event loop (the serving process's front service,
+a worker's HTTP loop): ``send`` in the loop thread, ``send_threadsafe`` from others.
+``read_one`` reads a worker's first message (its config) before its loop exists.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 from typing import Any, Callable
 
 import msgpack
@@ -63,10 +59,15 @@ def _ext(code: int, data: bytes) -> Any:
 
 
 def frame(message: Message) -> bytes:
+    return b"".join(frame_parts(message))
+
+
+def frame_parts(message: Message) -> tuple[bytes, bytes]:
+    """(length header, body) of ``message``: joined once with the other frames of a write."""
     data = msgpack.packb(message, default=_default, use_bin_type=True)
     if len(data) > MAX_FRAME:
         raise ValueError(f"a message of {len(data)} bytes is over the channel's frame limit")
-    return len(data).to_bytes(HEADER, "big") + data
+    return len(data).to_bytes(HEADER, "big"), data
 
 
 def unframe(data: bytes | memoryview) -> Message:
@@ -106,54 +107,17 @@ class Frames:
         buf += data
         out: list[Message] = []
         start = 0
-        while len(buf) - start >= HEADER:
-            size = int.from_bytes(buf[start:start + HEADER], "big")
-            end = start + HEADER + size
-            if len(buf) < end:
-                break
-            out.append(unframe(bytes(buf[start + HEADER:end])))
-            start = end
+        with memoryview(buf) as view:  # frames read in place (msgpack copies what it keeps)
+            while len(buf) - start >= HEADER:
+                size = int.from_bytes(view[start:start + HEADER], "big")
+                end = start + HEADER + size
+                if len(buf) < end:
+                    break
+                out.append(unframe(view[start + HEADER:end]))
+                start = end
         if start:
             del buf[:start]
         return out
-
-
-class BlockingChannel:
-    """The worker's end (module docstring)."""
-
-    def __init__(self, sock: socket.socket):
-        sock.setblocking(True)
-        self.sock = sock
-        self._lock = threading.Lock()
-        self.closed = False
-
-    def send(self, message: Message) -> None:
-        data = frame(message)
-        with self._lock:
-            self.sock.sendall(data)
-
-    def serve(self, on_message: Callable[[Message], None]) -> None:
-        """Read until the other end closes; ``on_message`` for each message (this thread)."""
-        frames = Frames()
-        try:
-            while True:
-                data = self.sock.recv(1 << 20)
-                if not data:
-                    break
-                for message in frames.feed(data):
-                    on_message(message)
-        except OSError:
-            pass
-        finally:
-            self.closed = True
-
-    def close(self) -> None:
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
 
 
 class ChannelProtocol(asyncio.Protocol):
@@ -188,7 +152,7 @@ class ChannelProtocol(asyncio.Protocol):
         if not self._corked:
             assert self.loop is not None
             self.loop.call_soon(self._uncork)
-        self._corked.append(frame(message))
+        self._corked.extend(frame_parts(message))
 
     def _uncork(self) -> None:
         corked, self._corked = self._corked, []
@@ -198,17 +162,17 @@ class ChannelProtocol(asyncio.Protocol):
     def send_threadsafe(self, message: Message) -> None:
         loop = self.loop
         if loop is not None and not loop.is_closed():
-            data = frame(message)  # encoded here, off the loop
+            data = frame_parts(message)  # encoded here, off the loop
             try:
                 loop.call_soon_threadsafe(self._write, data)
             except RuntimeError:  # the loop closed meanwhile
                 pass
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, parts: tuple[bytes, bytes]) -> None:
         if self.transport is not None and not self.transport.is_closing():
             if not self._corked:
                 self.loop.call_soon(self._uncork)  # type: ignore[union-attr]
-            self._corked.append(data)
+            self._corked.extend(parts)
 
     def shut(self) -> None:
         """(loop thread) Close at once: the worker reads EOF even if the loop stops next."""

@@ -20,7 +20,7 @@ time: only grpcio and protobuf.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 import numpy as np
@@ -49,18 +49,17 @@ _ALL_FIELDS = tuple(sorted(set(_CONTENTS_FIELD.values())))
 
 def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register ``inference.GRPCInferenceService`` on ``server`` (before ``server.start()``)."""
-    server.add_generic_rpc_handlers((V2GRPC(core).handler(),))
+    server.add_generic_rpc_handlers((V2GRPC(V2Service(core, core.states, core.ready)).handler(),))
 
 
 class V2GRPC:
-    """The RPC methods; each takes a request message and returns the response message."""
+    """The RPC methods: coroutines, each taking a request message and returning the response."""
 
-    def __init__(self, core: "Appliance"):
-        self.core = core
-        self.service = V2Service(core)
+    def __init__(self, service: V2Service):
+        self.core, self.service = service.core, service
 
     def handler(self) -> grpc.GenericRpcHandler:
-        methods: dict[str, tuple[Any, Any, Callable[[Any], Any]]] = {
+        methods: dict[str, tuple[Any, Any, Callable[[Any], Awaitable[Any]]]] = {
             "ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse, self.server_live),
             "ServerReady": (pb.ServerReadyRequest, pb.ServerReadyResponse, self.server_ready),
             "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse, self.model_ready),
@@ -74,35 +73,35 @@ class V2GRPC:
             for name, (req, resp, fn) in methods.items()})
 
     # -- health and metadata --------------------------------------------------------------
-    def server_live(self, request: Any) -> Any:
+    async def server_live(self, request: Any) -> Any:
         return pb.ServerLiveResponse(live=self.service.live())
 
-    def server_ready(self, request: Any) -> Any:
+    async def server_ready(self, request: Any) -> Any:
         return pb.ServerReadyResponse(ready=self.service.ready())
 
-    def model_ready(self, request: Any) -> Any:
+    async def model_ready(self, request: Any) -> Any:
         try:  # as Triton: an unknown model is simply not ready
             ready = self.service.model_ready(request.name, _grpc_version(request.version))
         except NotFound:
             ready = False
         return pb.ModelReadyResponse(ready=ready)
 
-    def server_metadata(self, request: Any) -> Any:
+    async def server_metadata(self, request: Any) -> Any:
         return pb.ServerMetadataResponse(**self.service.server_metadata())
 
-    def model_metadata(self, request: Any) -> Any:
-        meta = self.service.model_metadata(request.name, _grpc_version(request.version))
+    async def model_metadata(self, request: Any) -> Any:
+        meta = await self.service.model_metadata(request.name, _grpc_version(request.version))
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[tensor(**t) for t in meta["inputs"]], outputs=[tensor(**t) for t in meta["outputs"]])
 
     # -- inference ------------------------------------------------------------------------
-    def model_infer(self, request: Any) -> Any:
+    async def model_infer(self, request: Any) -> Any:
         with observed(self.core.metrics, request.model_name, "v2_infer"):
             inputs = _inputs(request, self.core.config.limits)
             requested = [Requested(o.name) for o in request.outputs] or None
-            result = self.service.infer(request.model_name, _grpc_version(request.model_version), inputs,
+            result = await self.service.infer(request.model_name, _grpc_version(request.model_version), inputs,
                                         requested, _parameters(request.parameters))
             response = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version),
                                              id=request.id)

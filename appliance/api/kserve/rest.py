@@ -24,13 +24,12 @@ from appliance.api import tensor_limits
 from appliance.api import json_arrays
 from appliance.api.kserve import codec
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
-from appliance.api.stepped import SteppedAPI
-from appliance.core.handle import Steps
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
 from appliance.api.errors import render_error, status_line
-from appliance.api.routes import INFERENCE, OPEN, Mount, raw_path
+from appliance.api.family import Answer, AsyncFamily
+from appliance.api.mounts import INFERENCE, OPEN, Mount, raw_path
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -50,42 +49,40 @@ Response = tuple[int, bytes, list[tuple[str, str]]]
 _EMPTY: list[tuple[str, str]] = []
 
 
-class V2API(SteppedAPI):
-    """The WSGI handler of the ``/v2`` mounts (appliance/api/routes.py).
+class V2API(AsyncFamily):
+    """The ``/v2`` mounts (appliance/api/routes.py).
 
-    Like ``rest.V1API`` it bypasses Flask: ``dispatch`` maps (method, path, body) to
-    (status, body bytes, headers) with no request objects in between; errors are
-    appliance/api/errors.py ``render_error``'s.
+    Like ``rest.V1API`` it bypasses Flask: ``answer`` maps (method, path, body) to (status,
+    headers, body bytes) with no request objects in between (appliance/api/family.py); errors
+    are appliance/api/errors.py ``render_error``'s.
     """
 
-    def __init__(self, core: "Appliance"):
-        self.core = core
-        self.service = V2Service(core)
+    def __init__(self, service: V2Service):
+        self.core, self.service = service.core, service
 
-    @staticmethod
-    def answer(status: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]], bytes]:
+    async def answer(self, environ: dict[str, Any]) -> Answer:
+        status, body, headers = await self._respond(environ)
         if status >= 400:  # the renderer's headers are complete
             return status_line(status), headers, body
         if not any(k == "Content-Type" for k, _ in headers):
             headers = [("Content-Type", JSON), *headers]
         return status_line(status), [*headers, ("Content-Length", str(len(body)))], body
 
-    def steps(self, environ: dict[str, Any]) -> Steps[Response]:
-        """``dispatch`` as steps (appliance/core/handle.py ``Run``): on a thread or a loop."""
+    async def _respond(self, environ: dict[str, Any]) -> Response:
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ).partition("?")[0]
         try:
             route, model, version = _route(path)
             if route == "infer":
-                return (yield from self._infer(environ, method, model, version))
+                return await self._infer(environ, method, model, version)
             if method != "GET":
                 raise MethodNotAllowed(f"method {method} not allowed on {path}")
-            return self._get(route, model, version)
+            return await self._get(route, model, version)
         except Exception as exc:  # every failure is {"error": ...}; never a stack trace
             status, headers, body = render_error(exc, "the v2 API")
             return status, body, headers
 
-    def _get(self, route: str, model: str, version: int | None) -> Response:
+    async def _get(self, route: str, model: str, version: int | None) -> Response:
         service = self.service
         if route == "server":
             return 200, orjson.dumps(service.server_metadata()), _EMPTY
@@ -94,9 +91,9 @@ class V2API(SteppedAPI):
             return (200 if ok else 400), b"", _EMPTY
         if route == "model_ready":
             return (200 if service.model_ready(model, version) else 400), b"", _EMPTY
-        return 200, orjson.dumps(service.model_metadata(model, version)), _EMPTY
+        return 200, orjson.dumps(await service.model_metadata(model, version)), _EMPTY
 
-    def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Steps[Response]:
+    async def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Response:
         if method != "POST":
             raise MethodNotAllowed(f"method {method} not allowed on /v2/models/{model}/infer; use POST")
         started, status = time.perf_counter(), 200
@@ -104,24 +101,19 @@ class V2API(SteppedAPI):
             body = _read_body(environ, self.core.config.server.max_body_bytes)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
                                           environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits)
-            result = yield from self.service.infer_steps(model, version, request.inputs, request.outputs,
-                                                         request.parameters, request.binary_default,
-                                                         route_key(environ))
+            result = await self.service.infer(model, version, request.inputs, request.outputs, request.parameters,
+                                              request.binary_default, route_key(environ))
             return render_infer_response(result, request.id)
         except Exception as exc:
             status = exc.http_status if isinstance(exc, ApplianceError) else 500
             raise
-        except BaseException:  # a front worker decodes the request again: this was not its end
-            status = 0
-            raise
         finally:
-            if status:
-                self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
+            self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
 
 
 def mounts(core: "Appliance") -> list[Mount]:
     """``/v2...`` (raw path), inference; its health probes open (they carry no secrets)."""
-    api = V2API(core)
+    api = V2API(V2Service(core, core.states, core.ready))
     return [Mount("kserve", "/v2/", INFERENCE, api, summary="KServe v2 REST API"),
             Mount("kserve-health", "/v2/health/", OPEN, api, summary="KServe v2 health probes")]
 

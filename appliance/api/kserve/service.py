@@ -12,20 +12,18 @@ name, as model metadata says); a request picks another with the request paramete
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 
-from appliance import __version__
+from appliance.version import __version__
 from appliance.api.kserve import codec
-from appliance.core.errors import ApplianceError, InvalidArgument
-from appliance.core.handle import Handle, Run, Steps, drive, shape_error
+from appliance.core.errors import InvalidArgument, Unavailable
+from appliance.core.handle import shape_error
 from appliance.core.policy import State
-
-if TYPE_CHECKING:
-    from appliance.core.appliance import Appliance
+from appliance.core.seams import ModelHandle, ModelStates, RouteKey, ServingCore
 
 SERVER_NAME = "edge-appliance"
 EXTENSIONS = ("binary_tensor_data",)
@@ -58,37 +56,34 @@ class InferResult:
 class V2Service:
     """Health, metadata and inference of the v2 protocol on numpy arrays.
 
-    Thread-safety: every method may be called from any thread (the manager and the
-    batcher are thread-safe; this class holds no state of its own).
+    ``states`` and ``ready`` are the serving process's (model status, readiness); a front
+    worker answers inference only (appliance/fronts/), and forwards the rest.
+    Thread-safety: every method may be called from any thread or loop (the core's seams are
+    thread-safe; this class holds no state of its own).
     """
 
-    def __init__(self, core: "Appliance"):
-        self.core = core
-
-    @property
-    def manager(self) -> Any:
-        if self.core.manager is None:
-            raise ApplianceError("the service is not started")
-        return self.core.manager
+    def __init__(self, core: ServingCore, states: ModelStates | None = None,
+                 ready: Callable[[], bool] | None = None):
+        self.core, self.states, self._ready = core, states, ready
 
     # -- health and metadata --------------------------------------------------------------
     def live(self) -> bool:
-        return self.core.manager is not None
+        return True  # answered at all: the server process is up
 
     def ready(self) -> bool:
-        return self.core.ready()
+        return self._ready is not None and self._ready()
 
     def model_ready(self, name: str, version: int | None) -> bool:
-        slots = self.manager.version_states(name, version)  # NotFound for an unknown model/version
+        slots = self._states().version_states(name, version)  # NotFound for an unknown model/version
         return any(s.state == State.AVAILABLE for s in slots)
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
 
-    def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
-        versions = [str(s.version) for s in sorted(self.manager.version_states(name), key=lambda s: s.version)
+    async def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
+        versions = [str(s.version) for s in sorted(self._states().version_states(name), key=lambda s: s.version)
                     if s.state == State.AVAILABLE]
-        with self.manager.handle(name, version) as held:
+        with await self.core.handles.handle(name, version) as held:
             signatures = dict(held.signatures)
             signature = _default_signature(held)
             platform = held.platform
@@ -101,27 +96,26 @@ class V2Service:
             body["parameters"] = {"signature_name": signature.name, "signatures": ",".join(sorted(signatures))}
         return body
 
+    def _states(self) -> ModelStates:
+        if self.states is None:
+            raise Unavailable("model status is answered by the serving process")
+        return self.states
+
     # -- inference ------------------------------------------------------------------------
-    def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
-              parameters: dict[str, Any], binary_default: bool = False,
-              route_key: Callable[[str], str | None] | None = None) -> InferResult:
+    async def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
+                    parameters: dict[str, Any], binary_default: bool = False,
+                    route_key: RouteKey | None = None) -> InferResult:
         """Check the decoded inputs against the signature, run them through the batcher and
         pick the requested outputs (all of them, in signature order, when none is named)."""
-        return drive(self.infer_steps(name, version, inputs, requested, parameters, binary_default, route_key))
-
-    def infer_steps(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
-                    parameters: dict[str, Any], binary_default: bool = False,
-                    route_key: Callable[[str], str | None] | None = None) -> Steps[InferResult]:
-        """``infer`` as steps (appliance/core/handle.py ``Run``): on a thread or an event loop."""
         signature_name = parameters.get("signature_name")
         if signature_name is not None and not isinstance(signature_name, str):
             raise InvalidArgument("parameter 'signature_name' must be a string")
-        with self.manager.handle(name, version, None, route_key) as held:
+        with await self.core.handles.handle(name, version, None, route_key) as held:
             signature = (_named_signature(held, name, signature_name) if signature_name
                          else _default_signature(held))
             feeds = _feeds(signature, inputs, name)
             wanted = _wanted(signature, requested, name)
-            outputs = yield Run(held, signature.name, feeds)
+            outputs = await held.run(signature.name, feeds)
             served = held.version
         result = []
         for want in wanted:
@@ -131,7 +125,7 @@ class V2Service:
         return InferResult(name, served, result)
 
 
-def _default_signature(held: Handle) -> SignatureInfo:
+def _default_signature(held: ModelHandle) -> SignatureInfo:
     """serving_default, else the first signature by name: what model metadata describes, so
     a client that builds its request from the metadata is always answered."""
     signatures = held.signatures
@@ -142,7 +136,7 @@ def _default_signature(held: Handle) -> SignatureInfo:
     return signatures[sorted(signatures)[0]]
 
 
-def _named_signature(held: Handle, model: str, name: str) -> SignatureInfo:
+def _named_signature(held: ModelHandle, model: str, name: str) -> SignatureInfo:
     signatures = held.signatures
     if name not in signatures:
         raise InvalidArgument(f"model '{model}' has no signature '{name}'; it has {', '.join(sorted(signatures))}")

@@ -18,9 +18,9 @@ appliance/protos/tfserving (a private descriptor pool): no TensorFlow at run tim
 
 from __future__ import annotations
 
+import asyncio
 import copy
-import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 import numpy as np
@@ -29,11 +29,14 @@ from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 
 from appliance.protos.tfserving import wire as pw
 from appliance.core.tfs_files import model_config_from_proto
+from appliance.core.config import Config
 from appliance.core.config import validate as validate_config
-from appliance.core.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, QueueFull, Unimplemented
-from appliance.api.grpc_errors import guarded, guarded_async, observed
+from appliance.core.errors import (ConfigError, FailedPrecondition, InvalidArgument, NotFound, QueueFull, Unavailable,
+                                   Unimplemented)
+from appliance.core.seams import ModelStates, ServingCore
+from appliance.api.grpc_errors import guarded, observed
 from appliance.api.tfserving.service import (CLASSIFY_METHOD, REGRESS_METHOD, classification_outputs,
-                                             data_type_string, handle, regression_values, run_examples)
+                                             data_type_string, regression_values, run_examples)
 from appliance.protos.tfserving import pb
 
 if TYPE_CHECKING:
@@ -49,22 +52,24 @@ _VAL_FIELD = {pw.DTYPES[enum]: field for enum, field in pw.VALUE_FIELD.items() i
 
 def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register both TF Serving services on ``server`` (before ``server.start()``)."""
-    api = TFServingGRPC(core)
-    server.add_generic_rpc_handlers(api.handlers())
+    server.add_generic_rpc_handlers(TFServingGRPC(core, core.states, core.request_config).handlers())
 
 
 class TFServingGRPC:
-    def __init__(self, core: "Appliance"):
-        self.core = core
+    """Every method is a coroutine, served on the gRPC server's event loop: inference awaits
+    its batch there (appliance/core/seams.py); what may block (a config reload) runs on the
+    loop's executor. ``states`` and ``reload`` are the serving process's (model status, the
+    config reload): a front worker forwards those methods and has neither."""
+
+    def __init__(self, core: ServingCore, states: ModelStates | None = None,
+                 reload: Callable[[Config, str], None] | None = None):
+        self.core, self.states, self.reload = core, states, reload
 
     def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
-        """Predict is a coroutine, served on the grpc.aio server's loop (the hot path: no thread
-        per call); the other methods are plain functions the server runs on its thread pool."""
-        def table(methods: dict[str, tuple[Any, Any, Callable[[Any], Any]]]) -> dict[str, Any]:
+        def table(methods: dict[str, tuple[Any, Any, Callable[[Any], Awaitable[Any]]]]) -> dict[str, Any]:
             return {name: grpc.unary_unary_rpc_method_handler(
-                (guarded_async if inspect.iscoroutinefunction(fn) else guarded)(fn, name, TFS_CODES),
-                request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
-                for name, (req, resp, fn) in methods.items()}
+                guarded(fn, name, TFS_CODES), request_deserializer=req.FromString,
+                response_serializer=resp.SerializeToString) for name, (req, resp, fn) in methods.items()}
 
         prediction = table({
             "Predict": (pb.PredictRequest, pb.PredictResponse, self.predict),
@@ -80,22 +85,18 @@ class TFServingGRPC:
         return (grpc.method_handlers_generic_handler(PREDICTION_SERVICE, prediction),
                 grpc.method_handlers_generic_handler(MODEL_SERVICE, model))
 
-    @property
-    def manager(self) -> Any:
-        return self.core.manager
-
     # -- PredictionService ----------------------------------------------------------------
     async def predict(self, request: Any) -> Any:
         name, version, label = _spec(request.model_spec)
         with observed(self.core.metrics, name, "predict"):
             signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
-            with handle(self.manager, name, version, label) as held:
+            with await self.core.handles.handle(name, version, label) as held:
                 if signature_name not in held.signatures:  # TF Serving's code and text (predict_util.cc)
                     raise FailedPrecondition(f'Serving signature key "{signature_name}" not found.')
                 signature = held.signatures[signature_name]
                 inputs = _inputs(request.inputs, signature)
                 wanted = _output_filter(request.output_filter, signature)
-                outputs = await held.run_async(signature.name, inputs)
+                outputs = await held.run(signature.name, inputs)
                 served = held.version
             response = pb.PredictResponse()
             _echo_spec(response.model_spec, name, served, signature_name)
@@ -103,18 +104,19 @@ class TFServingGRPC:
                 to_tensor(outputs[key], response.outputs[key])
             return response
 
-    def classify(self, request: Any) -> Any:
+    async def classify(self, request: Any) -> Any:
         response = pb.ClassificationResponse()
-        self._examples_task(request.model_spec, request.input, "classify", response.model_spec,
-                            response.result)
+        await self._examples_task(request.model_spec, request.input, "classify", response.model_spec,
+                                  response.result)
         return response
 
-    def regress(self, request: Any) -> Any:
+    async def regress(self, request: Any) -> Any:
         response = pb.RegressionResponse()
-        self._examples_task(request.model_spec, request.input, "regress", response.model_spec, response.result)
+        await self._examples_task(request.model_spec, request.input, "regress", response.model_spec,
+                                  response.result)
         return response
 
-    def multi_inference(self, request: Any) -> Any:
+    async def multi_inference(self, request: Any) -> Any:
         if not request.tasks:
             raise InvalidArgument("Expected at least one task")
         names = {t.model_spec.name for t in request.tasks}
@@ -128,23 +130,23 @@ class TFServingGRPC:
                 raise Unimplemented(f"Unsupported signature method_name: {task.method_name}")
             result = response.results.add()
             target = result.classification_result if method == "classify" else result.regression_result
-            self._examples_task(task.model_spec, request.input, method, result.model_spec, target)
+            await self._examples_task(task.model_spec, request.input, method, result.model_spec, target)
         return response
 
-    def _examples_task(self, spec: Any, input_msg: Any, method: str, spec_out: Any, result: Any) -> None:
+    async def _examples_task(self, spec: Any, input_msg: Any, method: str, spec_out: Any, result: Any) -> None:
         name, version, label = _spec(spec)
         with observed(self.core.metrics, name, method):
             signature_name = spec.signature_name or DEFAULT_SIGNATURE
             serialized = _examples(input_msg)
-            served, signature, outputs = run_examples(self.manager, serialized, name, version, label,
-                                                      signature_name, method)
+            served, signature, outputs = await run_examples(self.core.handles, serialized, name, version, label,
+                                                            signature_name, method)
             _echo_spec(spec_out, name, served, signature_name)
             if method == "classify":
                 _classifications(outputs, len(serialized), signature, result)
             else:
                 _regressions(outputs, len(serialized), signature, result)
 
-    def metadata(self, request: Any) -> Any:
+    async def metadata(self, request: Any) -> Any:
         name, version, label = _spec(request.model_spec)
         if not request.metadata_field:
             raise InvalidArgument("GetModelMetadataRequest must specify at least one metadata_field")
@@ -152,7 +154,7 @@ class TFServingGRPC:
             if field != "signature_def":
                 raise InvalidArgument(f"Metadata field {field} is not supported")
         response = pb.GetModelMetadataResponse()
-        with handle(self.manager, name, version, label) as held:
+        with await self.core.handles.handle(name, version, label) as held:
             sigmap = pb.SignatureDefMap()
             for key, sig in held.signatures.items():
                 _signature_def(sig, sigmap.signature_def[key])
@@ -161,9 +163,11 @@ class TFServingGRPC:
         return response
 
     # -- ModelService ---------------------------------------------------------------------
-    def model_status(self, request: Any) -> Any:
+    async def model_status(self, request: Any) -> Any:
         name, version, label = _spec(request.model_spec)
-        slots = self.manager.version_states(name, version, label)
+        if self.states is None:
+            raise Unavailable("model status is answered by the serving process")
+        slots = self.states.version_states(name, version, label)
         if not slots:
             raise NotFound(f"Could not find any versions of model {name}")
         response = pb.GetModelStatusResponse()
@@ -175,7 +179,7 @@ class TFServingGRPC:
             status.status.error_message = slot.error or ""
         return response
 
-    def reload_config(self, request: Any) -> Any:
+    async def reload_config(self, request: Any) -> Any:
         """Replace the served models with the request's ``model_config_list``, as TF Serving
         does: a model left out is unloaded; a refused config changes nothing."""
         which = request.config.WhichOneof("config")
@@ -189,8 +193,10 @@ class TFServingGRPC:
             validate_config(new)
         except ConfigError as exc:
             raise InvalidArgument(str(exc)) from exc
-        self.core.request_config(new, "model config replaced by HandleReloadConfigRequest: "
-                                      f"{', '.join(m.name for m in models) or 'no models'}")
+        if self.reload is None:
+            raise Unavailable("a config reload is the serving process's to make")
+        why = f"model config replaced by HandleReloadConfigRequest: {', '.join(m.name for m in models) or 'no models'}"
+        await asyncio.get_running_loop().run_in_executor(None, self.reload, new, why)
         response = pb.ReloadConfigResponse()
         response.status.error_code = pb.enum_value("tensorflow.error.Code", "OK")
         return response

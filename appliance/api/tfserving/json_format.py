@@ -30,7 +30,6 @@ more than 64 dimensions) in its own words.
 from __future__ import annotations
 
 import base64
-import binascii
 import contextvars
 import itertools
 import json
@@ -44,6 +43,7 @@ from runtimes import SignatureInfo, TensorSpec
 
 from appliance.api import json_arrays
 # the element limit is shared with KServe v2; ENVELOPE_VALUES and count_values named here for callers
+from appliance.api.tfserving.b64 import b64_decode, url_safe_hint  # noqa: F401 (b64_decode: callers name it here)
 from appliance.api.tensor_limits import ENVELOPE_VALUES, check_body_values, check_elements, count_values  # noqa: F401
 from appliance.api.tfserving.service import data_type_string
 from appliance.core.handle import shape_error  # noqa: F401 (the shape rule is the handle's; named here for callers)
@@ -170,28 +170,6 @@ def _integer(text: str) -> int | float:
 
 
 # --- decoding ---------------------------------------------------------------------------
-_URL_SAFE = re.compile(r"[-_]")
-
-
-def b64_decode(obj: Any, where: str) -> bytes:
-    """``{"b64": ...}`` decoded as absl::Base64Unescape does: the standard alphabet,
-    padding optional but correct when present."""
-    text = obj["b64"]
-    if not isinstance(text, str):
-        raise InvalidArgument(f"{where}: 'b64' value must be a string, got {type(text).__name__}")
-    try:
-        if "=" in text and len(text) % 4:
-            raise ValueError("with padding, the length must be a multiple of 4")
-        padded = text + "=" * (-len(text) % 4)
-        return binascii.a2b_base64(padded.encode("ascii"), strict_mode=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidArgument(f"{where}: 'b64' value is not valid base64{url_safe_hint(text)}: {exc}") from exc
-
-
-def url_safe_hint(text: str) -> str:
-    """What to say when base64 that fails to decode looks URL-safe."""
-    return (" (URL-safe base64 with '-' or '_' is not accepted: use the standard alphabet with '+' and '/', as "
-            "TF Serving does)" if _URL_SAFE.search(text) else "")
 
 
 def _is_b64(obj: Any) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from runtimes import SignatureInfo
 
-from appliance.api.tfserving.json_format import b64_decode, url_safe_hint
+from appliance.api.tfserving.b64 import b64_decode, url_safe_hint
 from appliance.api.tfserving.service import data_type_string
 from appliance.core.errors import InvalidArgument
 

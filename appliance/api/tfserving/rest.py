@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from urllib.parse import unquote
 
 import numpy as np
@@ -22,15 +22,15 @@ from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 
 from appliance.api.body import read_body, route_key
 from appliance.api.errors import render_error, status_line
-from appliance.api.routes import INFERENCE, Mount, raw_path
+from appliance.api.family import Answer, AsyncFamily
+from appliance.api.mounts import INFERENCE, Mount, raw_path
 from appliance.api.tfserving import json_format as tfs_json
 from appliance.api.tfserving.json_tensor_errors import format_error
 from appliance.protos.tfserving import wire as pw
 from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
-from appliance.core.errors import InvalidArgument, NotFound
-from appliance.api.stepped import SteppedAPI
-from appliance.core.handle import Run, Steps
+from appliance.core.errors import InvalidArgument, NotFound, Unavailable
+from appliance.core.seams import HandleSource, ModelStates, RouteKey, ServingCore
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -40,24 +40,24 @@ GET_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/lab
 JSON = "application/json"
 
 
-class V1API(SteppedAPI):
-    """The WSGI handler of the ``/v1`` mount (appliance/api/routes.py): TF Serving's REST API.
+class V1API(AsyncFamily):
+    """The ``/v1`` mount (appliance/api/routes.py): TF Serving's REST API.
 
     The inference path is the hot path: skipping Flask's request context, routing and
-    response objects halves the Python work per request. ``steps`` is the whole API
-    (appliance/api/stepped.py): (method, raw path, body reader) -> (status, JSON bytes,
-    extra headers); errors are appliance/api/errors.py ``render_error``'s.
+    response objects halves the Python work per request. ``answer`` is the whole API
+    (appliance/api/family.py): (method, raw path, body) -> (status, JSON bytes, headers);
+    errors are appliance/api/errors.py ``render_error``'s. ``states`` answers model status
+    (the serving process's manager; a front worker forwards those requests and has none).
     """
 
-    def __init__(self, core: "Appliance"):
-        self.core = core
+    def __init__(self, core: ServingCore, states: ModelStates | None = None):
+        self.core, self.states = core, states
 
-    @staticmethod
-    def answer(status: int, body: bytes, headers: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]], bytes]:
+    async def answer(self, environ: dict[str, Any]) -> Answer:
+        status, body, headers = await self._respond(environ)
         return status_line(status), headers or [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
 
-    def steps(self, environ: dict[str, Any]) -> Steps[tuple[int, bytes, list[tuple[str, str]]]]:
-        """``dispatch`` as steps (appliance/core/handle.py ``Run``): on a thread or a loop."""
+    async def _respond(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ)
         verb, name, started = "", "", time.perf_counter()
@@ -71,8 +71,8 @@ class V1API(SteppedAPI):
                 name = model
                 raw = read_body(environ, self.core.config.server.max_body_bytes)
                 limits = self.core.config.limits
-                body = yield from VERBS[verb](self.core.manager, _parse_object(raw, limits), model, version, label,
-                                              raw, limits, route_key(environ))
+                body = await VERBS[verb](self.core.handles, _parse_object(raw, limits), model, version, label,
+                                         raw, limits, route_key(environ))
                 self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
                 return 200, body, []
             match = GET_RE.fullmatch(path) if method == "GET" else None
@@ -80,18 +80,23 @@ class V1API(SteppedAPI):
                 raise InvalidArgument(f"Malformed request: {method} {path}")
             model, version, label = _parse(match)
             if match.group(4) == "metadata":
-                return 200, _metadata(self.core.manager, model, version, label), []
-            return 200, _status(self.core.manager, model, version, label), []
+                return 200, await _metadata(self.core.handles, model, version, label), []
+            return 200, _status(self._states(), model, version, label), []
         except Exception as exc:  # every failure becomes {"error": ...}; never a stack trace
             status, headers, body = render_error(exc, "the TF Serving REST API")
             if verb:
                 self.core.metrics.observe_request(name, verb, status, time.perf_counter() - started)
             return status, body, headers
 
+    def _states(self) -> ModelStates:
+        if self.states is None:  # a front worker: model status is the serving process's to answer
+            raise Unavailable("model status is answered by the serving process")
+        return self.states
+
 
 def mounts(core: "Appliance") -> list[Mount]:
     """TF Serving's ``/v1``, as its dispatcher takes it: every path under ``/v1/`` (raw)."""
-    return [Mount("tfserving", "/v1/", INFERENCE, V1API(core), summary="TF Serving REST API")]
+    return [Mount("tfserving", "/v1/", INFERENCE, V1API(core, core.states), summary="TF Serving REST API")]
 
 
 def _parse(match: re.Match[str]) -> tuple[str, int | None, str | None]:
@@ -107,8 +112,8 @@ def _parse(match: re.Match[str]) -> tuple[str, int | None, str | None]:
 
 
 # --- GET ----------------------------------------------------------------------------------
-def _status(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
-    slots = manager.version_states(name, version, label)
+def _status(states: ModelStates, name: str, version: int | None, label: str | None) -> bytes:
+    slots = states.version_states(name, version, label)
     if not slots:
         raise NotFound(f"Could not find any versions of model {name}")
     statuses = [{
@@ -135,8 +140,8 @@ def signature_def_json(sig: SignatureInfo) -> dict[str, Any]:
     }
 
 
-def _metadata(manager: Any, name: str, version: int | None, label: str | None) -> bytes:
-    with service.handle(manager, name, version, label) as handle:
+async def _metadata(handles: HandleSource, name: str, version: int | None, label: str | None) -> bytes:
+    with await handles.handle(name, version, label) as handle:
         sigs = {k: signature_def_json(v) for k, v in handle.signatures.items()}
         body = {
             "model_spec": {"name": name, "signature_name": "", "version": str(handle.version)},
@@ -161,13 +166,14 @@ def _signature_name(body: dict[str, Any]) -> str:
     return name or DEFAULT_SIGNATURE
 
 
-def _predict(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-             raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS, route_key: Any = None) -> Steps[bytes]:
+async def _predict(handles: HandleSource, body: dict[str, Any], name: str, version: int | None, label: str | None,
+                   raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS,
+                   route_key: RouteKey | None = None) -> bytes:
     signature_name = _signature_name(body)
-    with service.handle(manager, name, version, label, route_key) as handle:
+    with await handles.handle(name, version, label, route_key) as handle:
         signature = handle.signature(signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
         inputs, row_format = tfs_json.decode_predict(body, signature, raw, limits)
-        outputs = yield Run(handle, signature.name, inputs)
+        outputs = await handle.run(signature.name, inputs)
     return tfs_json.encode_predict(outputs, row_format)
 
 
@@ -209,12 +215,12 @@ def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _classify_regress(manager: Any, body: dict[str, Any], name: str, version: int | None, label: str | None,
-                      method: str, limits: Any, route_key: Any) -> Steps[bytes]:
+async def _classify_regress(handles: HandleSource, body: dict[str, Any], name: str, version: int | None,
+                            label: str | None, method: str, limits: Any, route_key: RouteKey | None) -> bytes:
     signature_name = _signature_name(body)
     serialized = _examples(body, method, limits)
-    _, signature, outputs = yield from service.examples_steps(manager, serialized, name, version, label,
-                                                              signature_name, method, route_key)
+    _, signature, outputs = await service.run_examples(handles, serialized, name, version, label,
+                                                       signature_name, method, route_key)
     return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
 
 
@@ -233,7 +239,7 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
     return results
 
 
-VERBS: dict[str, Callable[..., Steps[bytes]]] = {
+VERBS: dict[str, Callable[..., Awaitable[bytes]]] = {
     "predict": _predict,
     "classify": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "classify", limits, key),
     "regress": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "regress", limits, key),

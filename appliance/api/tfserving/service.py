@@ -6,14 +6,14 @@ the shape rules of their results. Protocol-neutral: no JSON, no protobuf here.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from runtimes import SignatureInfo
 
 from appliance.core.errors import InvalidArgument, Unimplemented
-from appliance.core.handle import Handle, Run, Steps, drive
+from appliance.core.seams import HandleSource, RouteKey
 from appliance.protos.tfserving import wire as pw
 
 CLASSIFY_METHOD = "tensorflow/serving/classify"
@@ -27,25 +27,12 @@ def data_type_string(dtype: Any) -> str:
     return pw.DTYPE_NAMES.get(pw.ENUM_OF.get(dtype, 0), "DT_" + dtype.name).removeprefix("DT_").lower()
 
 
-def handle(manager: Any, name: str, version: int | None, label: str | None,
-           route_key: Callable[[str], str | None] | None = None) -> Handle:
-    """The core's handle on the requested version (routed when a rollout is on)."""
-    return manager.handle(name, version, label, route_key)  # type: ignore[no-any-return]
-
-
-def run_examples(manager: Any, serialized: np.ndarray, name: str, version: int | None, label: str | None,
-                 signature_name: str, method: str,
-                 route_key: Any = None) -> tuple[int, SignatureInfo, dict[str, np.ndarray]]:
-    """Run serialized tf.Examples through a classify or regress signature (gRPC): (the
-    version that answered, its signature, the outputs)."""
-    return drive(examples_steps(manager, serialized, name, version, label, signature_name, method, route_key))
-
-
-def examples_steps(manager: Any, serialized: np.ndarray, name: str, version: int | None, label: str | None,
-                   signature_name: str, method: str,
-                   route_key: Any = None) -> Steps[tuple[int, SignatureInfo, dict[str, np.ndarray]]]:
-    """``run_examples`` as steps (appliance/core/handle.py ``Run``), for REST on threads or a loop."""
-    with handle(manager, name, version, label, route_key) as held:
+async def run_examples(handles: HandleSource, serialized: np.ndarray, name: str, version: int | None,
+                       label: str | None, signature_name: str, method: str,
+                       route_key: RouteKey | None = None) -> tuple[int, SignatureInfo, dict[str, np.ndarray]]:
+    """Run serialized tf.Examples through a classify or regress signature (REST and gRPC):
+    (the version that answered, its signature, the outputs)."""
+    with await handles.handle(name, version, label, route_key) as held:
         signature = held.signature(signature_name, f"No signature was found with the name: {signature_name}")
         if "inputs" not in signature.inputs or len(signature.inputs) != 1:
             kind = "classification" if method == "classify" else "regression"
@@ -55,7 +42,7 @@ def examples_steps(manager: Any, serialized: np.ndarray, name: str, version: int
                     else "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
             raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend, "
                                 f"but {name} version {held.version} is served by {held.platform}; {hint}")
-        outputs = yield Run(held, signature.name, {"inputs": serialized})
+        outputs = await held.run(signature.name, {"inputs": serialized})
         return held.version, signature, outputs
 
 

@@ -9,8 +9,12 @@ in systemd/appliance.toml); the rates below are the ones mature HTTP/2 stacks ch
 
 from __future__ import annotations
 
+import logging
+import resource
 import time
 from dataclasses import dataclass
+
+from appliance.transport.http.server import FD_RESERVE
 
 MIB = 1 << 20
 
@@ -124,3 +128,15 @@ class FrameGuard:
             pos += length
         self.skip = pos - n
         return None
+
+
+def connection_share(wanted: int, rest_connections: int) -> int:
+    """``wanted``, or what the descriptor limit leaves after REST's connections and FD_RESERVE."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    room = max(16, soft - rest_connections - FD_RESERVE)
+    if room < wanted:
+        logging.getLogger("appliance.grpc").warning("grpc.max_connections = %d, but the descriptor limit is %d and REST may hold %d: "
+                    "at most %d gRPC connections", wanted, soft, rest_connections, room)
+    return min(wanted, room)

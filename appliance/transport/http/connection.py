@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httptools
 
@@ -38,7 +37,7 @@ _PHRASES = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large"
 
 
 class Reject(Exception):
-    """Answer ``status`` with TF Serving's ``{"error": message}`` and close, from the loop."""
+    """Answer ``status`` with ``message`` (in the app's error body) and close, from the loop."""
 
     def __init__(self, status: int, message: str, counter: str, retry_after: bool = False, close: bool = True):
         super().__init__(message)
@@ -46,9 +45,19 @@ class Reject(Exception):
         self.retry_after, self.close = retry_after, close
 
 
-def error_response(status: int, message: str, close: bool = True, retry_after: bool = False) -> bytes:
-    body = json.dumps({"error": message}).encode()
-    head = (f"HTTP/1.1 {status} {_PHRASES.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+ErrorBody = Callable[[str], "tuple[str, bytes]"]  # message -> (Content-Type, body)
+
+
+def plain_error(message: str) -> tuple[str, bytes]:
+    """The error body of a server whose app says nothing of its own: the message as text."""
+    return "text/plain; charset=utf-8", message.encode()
+
+
+def error_response(status: int, message: str, close: bool = True, retry_after: bool = False,
+                   body_of: ErrorBody = plain_error) -> bytes:
+    """A whole error answer the server writes itself, its body in the app's format (``body_of``)."""
+    kind, body = body_of(message)
+    head = (f"HTTP/1.1 {status} {_PHRASES.get(status, 'Error')}\r\nContent-Type: {kind}\r\n"
             f"Content-Length: {len(body)}\r\n" + ("Retry-After: 1\r\n" if retry_after else "")
             + ("Connection: close\r\n" if close else "") + "\r\n")
     return head.encode() + body
@@ -248,7 +257,7 @@ class Connection(asyncio.Protocol):
         self.server.count(why.counter)
         self.request, self.started, self.headers_done = None, None, False
         self.release()
-        self.transport.write(error_response(why.status, why.message, why.close, why.retry_after))
+        self.transport.write(self.server.error_response(why.status, why.message, why.close, why.retry_after))
         if why.close:
             self.close_lingering()
 

@@ -41,6 +41,7 @@ Thread-safety: ``serve_forever`` in one thread (it owns the loop), ``drain``/``c
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import logging
 import resource
@@ -51,10 +52,12 @@ import struct
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Awaitable, Callable, Protocol
 
-from appliance.transport.http.connection import LINGER_S, Connection, Reject, Request, error_response
+from appliance.transport.http.connection import (LINGER_S, Connection, ErrorBody, Reject, Request, error_response,
+                                                 plain_error)
 from appliance.transport.http.queue_delay import SHORT_FRACTION, QueueDelay
 from appliance.transport.http.workers import WorkerPool
 from appliance.transport.loop_thread import new_event_loop
@@ -71,7 +74,7 @@ class FastRoutes(Protocol):
     """Requests answered on the event loop itself, by a coroutine: ``route(environ)`` names
     the coroutine for a request, or None (the WSGI app on a worker thread answers it). For
     an app whose work per request is mostly waiting on another process (a front worker,
-    appliance/api/remote/): no thread hand-off in and out of the loop per request. The
+    appliance/fronts/): no thread hand-off in and out of the loop per request. The
     coroutine must not block: what it computes it computes quickly, what it waits for it
     awaits."""
 
@@ -99,11 +102,24 @@ FD_RESERVE = 256  # descriptors kept free of HTTP connections: the gRPC port, th
 # the queue stands: queue_delay.py), new requests are refused at the door (no worker, body not
 # read); one that still waits past the whole limit is shed by the worker that picks it up.
 DOOR_FRACTION = 0.5
-UNSHED_PATHS = frozenset({b"/healthz", b"/readyz"})  # probes are cheap and must tell the truth under load
 SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
 # Classic BPF on the listening socket, run on TCP headers: drop a segment whose flags are SYN
 # without ACK (a new handshake), accept everything else (handshakes under way).
 _DROP_SYN = [(0x30, 0, 0, 13), (0x54, 0, 0, 0x12), (0x15, 0, 1, 0x02), (0x06, 0, 0, 0), (0x06, 0, 0, 0xFFFFFFFF)]
+
+
+@dataclass(frozen=True)
+class AppFacing:
+    """What the app tells the server of itself (the server knows no API): ``unshed``, the
+    paths never shed under overload (probes: cheap, and they must tell the truth under load);
+    ``error_body``, how the answers the server writes itself (408, 413, 503) say why, in the
+    app's error format; ``alone_var``, a context variable the server sets, in each fast
+    route's task, to a function telling whether it is the only request in flight (the batch
+    queue may then run a quick model's call right there: appliance/core/batcher.py)."""
+
+    unshed: frozenset[bytes] = frozenset()
+    error_body: ErrorBody = plain_error
+    alone_var: "contextvars.ContextVar[Any] | None" = None
 
 
 class InFlight:
@@ -189,18 +205,20 @@ def connection_cap(wanted: int) -> int:
 class HTTPServer:
     """A WSGI app served on ``host:port`` with ``threads`` workers, ``limits`` enforced, and
     TLS when ``ssl_context`` is given (made by the caller before binding, so a bad
-    certificate fails start-up with its config key: appliance/service/tls.py). The
+    certificate fails start-up with its config key: appliance/core/tls.py). The
     constructor binds the port (or takes ``sock``, a listening socket it may share with
     other processes serving the same port) and starts nothing."""
 
     def __init__(self, app: Callable[..., Any], host: str, port: int, threads: int,
                  max_body_bytes: int, limits: Limits, ssl_context: ssl.SSLContext | None = None,
                  sock: socket.socket | None = None, fast: FastRoutes | None = None,
-                 on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None):
+                 on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None,
+                 facing: AppFacing = AppFacing()):
         """``fast``: requests answered on the loop (``FastRoutes``); ``on_loop(loop)``: called in
-        ``serve_forever`` once the loop exists, before the first connection."""
+        ``serve_forever`` once the loop exists, before the first connection; ``facing``: what
+        the app says of itself (``AppFacing``)."""
         self.app, self.limits, self.ssl_context = app, limits, ssl_context
-        self.fast, self.on_loop = fast, on_loop
+        self.fast, self.on_loop, self.facing = fast, on_loop, facing
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = limits.max_header_bytes
         self.max_connections = connection_cap(limits.max_connections)
@@ -226,6 +244,8 @@ class HTTPServer:
         """Run the loop in this thread until ``close``."""
         self.loop = new_event_loop()
         self.loop.set_exception_handler(_quiet_handler)
+        if self.facing.alone_var is not None:  # in the loop's context: each fast route's task copies it
+            self.facing.alone_var.set(lambda: self.tracker.count <= 1)
         if self.on_loop is not None:
             self.on_loop(self.loop)
         self.pool.start()
@@ -383,6 +403,10 @@ class HTTPServer:
         self._resume_accepting()
 
     # -- admission (loop thread) ---------------------------------------------------------------
+    def error_response(self, status: int, message: str, close: bool = True, retry_after: bool = False) -> bytes:
+        """An error answer the server writes itself, in the app's error body (``AppFacing``)."""
+        return error_response(status, message, close, retry_after, self.facing.error_body)
+
     def count(self, what: str) -> None:
         self.stats[what] = self.stats.get(what, 0) + 1
 
@@ -414,7 +438,7 @@ class HTTPServer:
 
     def _door_error(self, request: Request) -> str | None:
         delay = self.queue_delay
-        if delay is None or request.url.partition(b"?")[0] in UNSHED_PATHS:
+        if delay is None or request.url.partition(b"?")[0] in self.facing.unshed:
             return None
         waited, allowed = self.pool.oldest_wait(), delay.allowed(time.monotonic())
         return None if waited <= allowed * DOOR_FRACTION else _overload_error(waited, delay, allowed)
@@ -425,7 +449,7 @@ class HTTPServer:
         error = self._door_error(request)
         if error is not None:
             self.count("shed_overload")
-            conn.worker_done(error_response(503, error, close=False, retry_after=True), not request.keep_alive)
+            conn.worker_done(self.error_response(503, error, close=False, retry_after=True), not request.keep_alive)
             return
         if self.fast is not None:
             environ = environ_for(request, conn, self)
@@ -443,12 +467,12 @@ class HTTPServer:
         responder = Responder(conn, request)
         try:
             status, headers, body = task.result()
+            responder.start_response(status, headers)
         except Exception:
             log.exception("the fast route failed on %s %s", request.method.decode("latin-1"),
                           request.url.decode("latin-1"))
-            conn.worker_done(error_response(500, "internal error: see the service log", close=True), True)
+            conn.worker_done(self.error_response(500, "internal error: see the service log", close=True), True)
             return
-        responder.start_response(status, headers)
         head, _ = responder.head(len(body))
         conn.worker_done(head + (b"" if request.method == b"HEAD" else body), responder.close)
 
@@ -456,7 +480,7 @@ class HTTPServer:
     def _serve(self, conn: Connection, request: Request, queued_at: float) -> None:
         responder = Responder(conn, request)
         delay = self.queue_delay
-        if delay is not None and request.url.partition(b"?")[0] not in UNSHED_PATHS:
+        if delay is not None and request.url.partition(b"?")[0] not in self.facing.unshed:
             now = time.monotonic()
             waited = now - queued_at
             delay.observe(waited, now)
@@ -464,8 +488,8 @@ class HTTPServer:
             if waited > allowed:  # 503 without running the app: the worker is free again at once
                 self.count("shed_overload")
                 close = responder.close or self.draining
-                responder.finish(error_response(503, _overload_error(waited, delay, allowed), close=close,
-                                                retry_after=True), close)
+                responder.finish(self.error_response(503, _overload_error(waited, delay, allowed), close=close,
+                                                     retry_after=True), close)
                 return
         if conn.lost:
             responder.finish(b"", True)

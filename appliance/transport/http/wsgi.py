@@ -11,15 +11,28 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import sys
 import time
 from email.utils import formatdate
 from typing import Any, Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
-from appliance.transport.http.connection import Connection, Request, error_response
+from appliance.transport.http.connection import Connection, Request
 
 log = logging.getLogger("appliance.http")
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field names
+_BREAKS = re.compile(r"[\r\n\0]")
+
+
+def check_head(status: str, headers: list[tuple[str, str]]) -> None:
+    """ValueError for a status line or header an app built from a client's input and that would
+    split the answer (CR, LF or NUL) or is not a header at all: never written to the wire."""
+    if _BREAKS.search(status):
+        raise ValueError(f"the status line {status!r} holds a line break")
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name) or _BREAKS.search(value):
+            raise ValueError(f"the response header {name!r}: {value!r} is not a valid header")
 
 UNTRUSTED = frozenset({b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto", b"x-forwarded-port",
                        b"x-forwarded-by", b"forwarded"})
@@ -78,6 +91,7 @@ class Responder:
     def start_response(self, status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], None]:
         if exc_info and self.sent:
             raise exc_info[1].with_traceback(exc_info[2])
+        check_head(status, headers)
         self.status, self.headers = status.encode("latin-1"), headers
         return self._legacy_write
 
@@ -118,7 +132,7 @@ class Responder:
             result = app(environ, self.start_response)
         except Exception:
             log.exception("the app failed on %s %s", environ["REQUEST_METHOD"], environ["PATH_INFO"])
-            self.finish(error_response(500, "internal error: see the service log", close=True), True)
+            self.finish(self.conn.server.error_response(500, "internal error: see the service log", close=True), True)
             return
         try:
             if isinstance(result, (list, tuple)):
@@ -129,7 +143,8 @@ class Responder:
                 self._stream(result)
         except Exception:
             log.exception("the answer to %s %s failed", environ["REQUEST_METHOD"], environ["PATH_INFO"])
-            self.finish(b"" if self.sent else error_response(500, "internal error: see the service log"), True)
+            self.finish(b"" if self.sent else self.conn.server.error_response(500, "internal error: see the service log"),
+                        True)
         finally:
             closer = getattr(result, "close", None)
             if closer is not None:

@@ -1,9 +1,8 @@
 """A front worker's conversation with the serving process, on the worker's event loop.
 
-Requests with one reply (``acall`` on the loop, ``call`` from any other thread), requests
-whose replies stream (``open``, from a thread: replies arrive on a queue), messages with no
-reply (``send``, any thread), and pushes (the serving view, a new config, drain), handed to
-``on_push``. The channel itself (appliance/transport/channel.py's ``ChannelProtocol``) is
+Requests with one reply (``call``, awaited on any loop), requests whose replies stream
+(``open``, from a thread: replies arrive on a queue), messages with no reply (``send``, any
+thread), and pushes (the serving view, a new config, drain), handed to ``on_push``. The channel itself (appliance/transport/channel.py's ``ChannelProtocol``) is
 made by the worker on its loop and given to ``attach``; its callbacks are ``on_message``
 and ``on_lost``. When the serving process goes away, every waiter fails with Unavailable
 and ``on_push`` hears ``("eof", 0, None)``.
@@ -24,7 +23,7 @@ import queue
 import threading
 from typing import Any, Callable, Protocol
 
-from appliance.api.remote import messages as m
+from appliance.fronts import messages as m
 from appliance.core.errors import Unavailable
 
 log = logging.getLogger("appliance.front")
@@ -89,17 +88,17 @@ class Link:
         self.on_push(("eof", 0, None))
 
     # -- requests ----------------------------------------------------------------------------
-    async def acall(self, kind: str, payload: Any) -> Reply:
+    async def call(self, kind: str, payload: Any) -> Reply:
         """Send a request and await its one reply: (kind, payload). On the link's loop without
-        a hand-off; on another loop (the gRPC server's) through the link's."""
+        a hand-off; on another loop through the link's."""
         if self.loop is not None and asyncio.get_running_loop() is not self.loop:
             try:
-                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._acall(kind, payload), self.loop))
+                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._call(kind, payload), self.loop))
             except RuntimeError:  # the link's loop is closed: the worker is stopping
                 return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
-        return await self._acall(kind, payload)
+        return await self._call(kind, payload)
 
-    async def _acall(self, kind: str, payload: Any) -> Reply:
+    async def _call(self, kind: str, payload: Any) -> Reply:
         if self.gone or self.channel is None:
             return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
         assert self.loop is not None
@@ -108,15 +107,6 @@ class Link:
         self._waiting[ident] = future
         self.channel.send((kind, ident, payload))
         return await future
-
-    def call(self, kind: str, payload: Any) -> Reply:
-        """(any thread but the loop's) ``acall``, waited for."""
-        if not self._attached.wait(30) or self.loop is None:
-            return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
-        try:
-            return asyncio.run_coroutine_threadsafe(self._acall(kind, payload), self.loop).result()
-        except RuntimeError:  # the loop is closed: the worker is stopping
-            return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
 
     def open(self, kind: str, payload: Any) -> tuple[int, queue.SimpleQueue[Reply]]:
         """(any thread but the loop's) Send a request whose replies stream: (its id, the queue
@@ -147,6 +137,20 @@ class Link:
             except RuntimeError:
                 return
         self.send(m.CANCEL, ident)
+
+    def soon(self, fn: Callable[[], None]) -> None:
+        """(any thread) ``fn()`` on the link's loop, after what runs there now (once the channel
+        is attached; dropped before)."""
+        loop = self.loop
+        if loop is None:
+            return
+        if self._on_loop():
+            loop.call_soon(fn)
+        else:
+            try:
+                loop.call_soon_threadsafe(fn)
+            except RuntimeError:  # the loop closed: the worker is stopping
+                pass
 
     def send(self, kind: str, payload: Any) -> None:
         """(any thread) A message with no reply (observations, stats)."""

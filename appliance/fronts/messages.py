@@ -5,8 +5,7 @@ numpy arrays; never pickles).
 Each message is ``(kind, id, payload)``. ``id`` pairs a reply with its request (0 for
 pushes). Worker -> serving:
 
-- ``RUN``: a ``RunRequest``; replied ``DONE`` (version, outputs), ``FAIL`` or ``STALE``
-  (the ``VersionView`` of the version that would answer, whose signature differs).
+- ``RUN``: a ``RunRequest``; replied ``DONE`` (version, outputs) or ``FAIL``.
 - ``RESOLVE``: (model, version, label) the serving view cannot answer; replied ``DONE``
   with the ``VersionView`` the manager picks, or ``FAIL`` with the manager's error.
 - ``WSGI``: (environ, body) of a request the worker forwards; replied ``ANSWER`` (status,
@@ -15,8 +14,8 @@ pushes). Worker -> serving:
 - ``GRPC``: [method, request bytes, metadata, seconds left] of a gRPC call the worker
   forwards; replied ``DONE`` [response bytes] or ``STATUS`` [code name, details, trailing
   metadata].
-- ``OBSERVE``: request metrics (a list of [model, api, status, seconds, entrypoint]), sent
-  before the answer they describe leaves, so a client that reads the metrics next sees it.
+- ``OBSERVE``: request metrics (a list of [model, api, status, seconds, entrypoint]), one
+  message per loop tick, sent before the answers of that tick leave.
 - ``STATS``: the worker's HTTP figures and memory, every second.
 
 Serving -> worker: ``VIEW`` (a ``ServingView``), ``CONFIG`` (a ``Config``, at start and
@@ -36,9 +35,9 @@ from runtimes import SignatureInfo, TensorSpec
 from appliance.core import config as config_mod
 from appliance.core import errors
 from appliance.core.config import Config
-from appliance.core.serving_view import ModelView, ServingView, VersionView
+from appliance.fronts.view import ModelView, ServingView, VersionView
 
-RUN, RESOLVE, DONE, FAIL, STALE = "run", "resolve", "done", "fail", "stale"
+RUN, RESOLVE, DONE, FAIL = "run", "resolve", "done", "fail"
 WSGI, ANSWER, START, CHUNK, END, CANCEL = "wsgi", "answer", "start", "chunk", "end", "cancel"
 OBSERVE, STATS, VIEW, CONFIG, DRAIN = "observe", "stats", "view", "config", "drain"
 GRPC, STATUS = "grpc", "status"
@@ -46,8 +45,8 @@ GRPC, STATUS = "grpc", "status"
 
 @dataclass(frozen=True)
 class RunRequest:
-    """One ``handle.run``: the request as the client named the version, the version and
-    signature fingerprint the inputs were decoded against, and the inputs."""
+    """One ``handle.run``: the request as the client named the version, the signature, the
+    inputs, and the version they were decoded for."""
 
     model: str
     version: int | None
@@ -56,11 +55,10 @@ class RunRequest:
     signature: str
     inputs: Mapping[str, np.ndarray]
     decoded_version: int
-    decoded_fingerprint: int
 
     def plain(self) -> list[Any]:
         return [self.model, self.version, self.label, dict(self.route_headers), self.signature, dict(self.inputs),
-                self.decoded_version, self.decoded_fingerprint]
+                self.decoded_version]
 
     @classmethod
     def from_plain(cls, data: list[Any]) -> "RunRequest":
@@ -113,13 +111,12 @@ def _signature(data: list[Any]) -> SignatureInfo:
 
 def version_plain(view: VersionView) -> list[Any]:
     return [view.version, view.path, view.platform, view.reads_examples,
-            {k: _signature_plain(v) for k, v in view.signatures.items()}, dict(view.fingerprints)]
+            {k: _signature_plain(v) for k, v in view.signatures.items()}]
 
 
 def version_from_plain(data: list[Any]) -> VersionView:
-    version, path, platform, reads_examples, signatures, fingerprints = data
-    return VersionView(version, path, platform, reads_examples, {k: _signature(v) for k, v in signatures.items()},
-                       fingerprints)
+    version, path, platform, reads_examples, signatures = data
+    return VersionView(version, path, platform, reads_examples, {k: _signature(v) for k, v in signatures.items()})
 
 
 def view_plain(view: ServingView) -> list[Any]:

@@ -1,12 +1,13 @@
-"""The serving process's side of the handle across processes (appliance/api/remote/).
+"""The serving process's side of the handle across processes (appliance/fronts/).
 
 ``FrontService`` talks to every front worker over its channel, on one event loop of its
 own (``start``):
 
 - ``RUN``: ``manager.handle`` resolves the request as the client named it (rollouts route
-  it here, exactly as in one process), then ``await handle.run_async``: the model's one
-  batch queue takes requests from every worker. Inputs decoded against a signature that is
-  not the answering version's are refused with ``STALE`` and the worker decodes again.
+  it here, exactly as in one process), then ``await handle.run``: the model's one batch
+  queue takes requests from every worker. Inputs the answering version's signature cannot
+  take (decoded against a view older than a swap to another signature) run on the version
+  they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
 - ``RESOLVE``: what the worker's serving view cannot answer, with the manager's errors.
 - ``WSGI``: a forwarded request runs through the service's own app on a thread of
   ``threads`` (``server.threads``), answered whole, or streamed chunk by chunk.
@@ -15,9 +16,9 @@ own (``start``):
 - ``OBSERVE``: the workers' request metrics join the core's (one registry, one page).
 - ``STATS``: each worker's HTTP figures and memory, merged by ``http_stats``.
 
-It pushes the serving view (appliance/core/serving_view.py) to every worker when it changes
-(checked every ``VIEW_EVERY_S``: a stale view costs a worker a retry, never a wrong answer)
-and a new config after a reload.
+It pushes the serving view (appliance/fronts/view.py) to every worker when the manager
+says what serves has changed (``Manager.listeners``; rebuilt once per loop tick however many
+changes came), and a new config after a reload.
 
 Thread-safety: ``attach``, ``broadcast`` and ``close`` from any thread; messages are
 handled on the loop, forwarded requests on the pool.
@@ -37,10 +38,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
-from appliance.api.remote import messages as m
-from appliance.core import serving_view
-from appliance.core.errors import Unavailable
-from appliance.core.serving_view import ServingView, fingerprint, version_view
+from appliance.fronts import messages as m
+from appliance.fronts import view as serving_view
+from appliance.core.errors import ApplianceError, Unavailable
+from appliance.core.handle import shape_error
+from appliance.fronts.view import ServingView, version_view
 from appliance.transport.channel import ChannelProtocol, Message
 from appliance.transport.grpc.calls import Abort, CallDetails, Context
 from appliance.transport.loop_thread import LoopThread, new_event_loop
@@ -51,7 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("appliance.front")
 
-VIEW_EVERY_S = 0.1
+CHANGED = ("the model's versions changed while this request was decoded (version {was} is gone and version {now} "
+           "takes other inputs); retry")
 # Figures of the workers' HTTP servers that are settings, not counts: shown once, not summed
 # (the shared-out limits, max_connections and max_buffered_bytes, add up to the port's).
 SETTINGS = frozenset({"server", "tls", "header_timeout_s", "request_timeout_s", "idle_timeout_s",
@@ -70,12 +73,16 @@ class FrontService:
         self._loop: LoopThread | None = None
         self._grpc_handlers: list[Any] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._view_due = False  # a rebuild of the view is scheduled on the loop
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = LoopThread(self.threads, name="front", loop_factory=new_event_loop)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="front-wsgi")
-        self._loop.loop.call_soon_threadsafe(self._watch_view)
+        manager = self.core.manager
+        if manager is not None:
+            manager.listeners.append(self._view_changed)
+        self._view_changed()
 
     def close(self) -> None:
         """Close every worker's channel (they exit on EOF) and stop the loop."""
@@ -148,27 +155,30 @@ class FrontService:
                 flag.set()
 
     async def _run(self, proto: ChannelProtocol, ident: int, request: m.RunRequest) -> None:
-        manager = self.core.manager
         try:
-            if manager is None:
-                raise Unavailable("the service is stopping")
-            route_key = request.route_headers.get if request.route_headers else None
-            held = manager.handle(request.model, request.version, request.label, route_key)
-        except BaseException as exc:  # the manager's own errors, to the client as they are
+            with self._answering(request) as held:
+                outputs = await held.run(request.signature, request.inputs)
+                proto.send((m.DONE, ident, [held.version, outputs]))
+        except Exception as exc:  # the core's own errors, to the client as they are
             proto.send((m.FAIL, ident, m.error_to_plain(exc)))
-            return
-        with held:
-            if held.version != request.decoded_version:
-                sig = held.signatures.get(request.signature)
-                if sig is not None and fingerprint(sig) != request.decoded_fingerprint:
-                    proto.send((m.STALE, ident, m.version_plain(_view_of(held))))
-                    return
-            try:
-                outputs = await held.run_async(request.signature, request.inputs)
-            except BaseException as exc:
-                proto.send((m.FAIL, ident, m.error_to_plain(exc)))
-                return
-            proto.send((m.DONE, ident, [held.version, outputs]))
+
+    def _answering(self, request: m.RunRequest) -> "Handle":
+        """The handle that runs ``request``: as the client named the version, or, when that one
+        cannot take inputs decoded for another (a swap since the worker's view), the version
+        they were decoded for, while it is loaded."""
+        manager = self.core.manager
+        if manager is None:
+            raise Unavailable("the service is stopping")
+        route_key = request.route_headers.get if request.route_headers else None
+        held = manager.handle(request.model, request.version, request.label, route_key)
+        if held.version == request.decoded_version or _takes(held, request):
+            return held
+        was, now = request.decoded_version, held.version
+        held.release()
+        try:
+            return manager.handle(request.model, was, judged=False)
+        except ApplianceError:
+            raise Unavailable(CHANGED.format(was=was, now=now)) from None
 
     async def _grpc(self, proto: ChannelProtocol, ident: int, method: str, request: bytes,
                     metadata: list[list[Any]], seconds_left: float | None) -> None:
@@ -199,9 +209,12 @@ class FrontService:
     def _grpc_handler(self, method: str, metadata: tuple[tuple[str, Any], ...]) -> Any:
         if self._grpc_handlers is None:  # built on first use: a service without gRPC never imports it
             from appliance.api.kserve.grpc_service import V2GRPC
+            from appliance.api.kserve.service import V2Service
             from appliance.api.tfserving.grpc_service import TFServingGRPC
 
-            self._grpc_handlers = [*TFServingGRPC(self.core).handlers(), V2GRPC(self.core).handler()]
+            core = self.core
+            self._grpc_handlers = [*TFServingGRPC(core, core.states, core.request_config).handlers(),
+                                   V2GRPC(V2Service(core, core.states, core.ready)).handler()]
         details = CallDetails(method, metadata)
         for generic in self._grpc_handlers:
             handler = generic.service(details)
@@ -265,20 +278,31 @@ class FrontService:
         proto.send_threadsafe((m.END, ident, None))
 
     # -- the serving view ---------------------------------------------------------------------
-    def _watch_view(self) -> None:
-        """(loop, every VIEW_EVERY_S) Rebuild the view; send it when it changed."""
+    def _view_changed(self) -> None:
+        """(any thread, maybe under the manager's lock) Rebuild the view on the loop, once
+        for all the changes of one loop tick."""
         loop = self._loop
-        if loop is None:
+        if loop is None or self._view_due:
             return
+        self._view_due = True
+        try:
+            loop.loop.call_soon_threadsafe(self._push_view)
+        except RuntimeError:  # the loop closed: the service is stopping
+            pass
+
+    def _push_view(self) -> None:
+        """(loop) The view of what serves now, to every worker when it differs from the last."""
+        self._view_due = False
         manager = self.core.manager
-        if manager is not None:
-            view = serving_view.build(manager, self.view.generation + 1)
-            if view.models != self.view.models:
-                self.view = view
-                plain = m.view_plain(view)
-                for proto in list(self.links.values()):
-                    proto.send((m.VIEW, 0, plain))
-        loop.loop.call_later(VIEW_EVERY_S, self._watch_view)
+        if manager is None:
+            return
+        view = serving_view.build(manager, self.view.generation + 1)
+        if view.models == self.view.models:
+            return
+        self.view = view
+        plain = m.view_plain(view)
+        for proto in list(self.links.values()):
+            proto.send((m.VIEW, 0, plain))
 
     # -- status ---------------------------------------------------------------------------------
     def http_stats(self, base: dict[str, Any]) -> dict[str, Any]:
@@ -296,3 +320,13 @@ class FrontService:
 
 def _view_of(held: "Handle") -> serving_view.VersionView:
     return version_view(held.version, held.path, held.platform, held.reads_examples, held.signatures)
+
+
+def _takes(held: "Handle", request: m.RunRequest) -> bool:
+    """Whether ``held``'s signature takes ``request``'s inputs as decoded: the same inputs, each
+    of the declared dtype and a shape it fits."""
+    sig = held.signatures.get(request.signature)
+    if sig is None or set(sig.inputs) != set(request.inputs):
+        return False
+    return all(arr.dtype == sig.inputs[k].dtype and shape_error(arr, sig.inputs[k], k) is None
+               for k, arr in request.inputs.items())

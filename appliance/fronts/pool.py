@@ -1,11 +1,11 @@
 """The REST port served by front worker processes: HTTP and JSON on every core.
 
 With ``[server] workers`` resolving to two or more (``workers_for``), the serving process
-holds the port and starts that many front workers (appliance/service/front_worker.py),
+holds the port and starts that many front workers (appliance/fronts/worker.py),
 each listening on it with SO_REUSEPORT (the kernel spreads new connections over them; one
 shared accept queue would let the first worker to wake take every connection of a burst)
 and answering inference itself (parse, decode, encode) while the serving process runs the
-batches (appliance/api/remote/). It
+batches (appliance/fronts/). It
 stays the one process systemd, sd_notify, ``/api/status``, the page and the metrics see:
 every other request is forwarded to its app, the workers' request metrics join its
 registry, their HTTP figures and memory show under ``/api/status`` ``workers``, and a
@@ -28,27 +28,25 @@ so the configured totals hold.
 
 The gRPC TCP port is the workers' too when it can be held at start-up (``serve_grpc``,
 called by appliance/service/grpc_port.py): inference is answered there, every other
-method forwarded (appliance/api/remote/grpc_front.py). A gRPC Unix socket, and a TCP port
+method forwarded (appliance/fronts/grpc_front.py). A gRPC Unix socket, and a TCP port
 that is retried (``[grpc] bind_retry``), stay with the serving process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import os
 import socket
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from appliance.api.remote import messages as m
-from appliance.core.config import Config, GRPCConfig, LimitsConfig
-from appliance.service.front_service import FrontService
+from appliance.fronts import messages as m
+from appliance.core.config import Config
+from appliance.fronts.serving import FrontService
+from appliance.fronts.shares import workers_for  # noqa: F401 (the service asks the pool how many)
 from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
-from appliance.transport.supervisor import Supervisor
+from appliance.fronts.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -56,41 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("appliance.workers")
 
 EXIT_GRACE_S = 5.0
-MEMORY_PER_WORKER = 512 << 20  # the default runs a worker per CPU, and per this much memory at most
 PART = "http workers"  # as the page and /readyz name it while some are still starting  # past the drain timeout, how long workers get to exit before they are killed
-
-
-def workers_for(config: Config) -> int:
-    """How many front workers to run: ``server.workers``, or by default one per CPU but no
-    more than one per ``MEMORY_PER_WORKER`` of the device's memory (a worker costs ~45 MB,
-    bench/RESULTS.md); 0 or 1 means none (the single-process path)."""
-    wanted = config.server.workers or auto_workers()
-    return wanted if wanted > 1 else 0
-
-
-def auto_workers() -> int:
-    cpus = os.cpu_count() or 1
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # not a POSIX sysconf: by the CPUs alone
-        return cpus
-    return max(1, min(cpus, memory // MEMORY_PER_WORKER))
-
-
-def worker_limits(limits: LimitsConfig, workers: int) -> LimitsConfig:
-    """One worker's share of the REST port's limits."""
-    return dataclasses.replace(limits, max_connections=_share(limits.max_connections, workers),
-                               max_buffered_bytes=_share(limits.max_buffered_bytes, workers))
-
-
-def worker_grpc(cfg: GRPCConfig, workers: int) -> GRPCConfig:
-    """One worker's share of the gRPC port's limits (a connection's own bound stays)."""
-    return dataclasses.replace(cfg, max_connections=_share(cfg.max_connections, workers),
-                               max_buffer_bytes=_share(cfg.max_buffer_bytes, workers))
-
-
-def _share(total: int, workers: int) -> int:
-    return max(1, math.ceil(total / workers))
 
 
 class Fronts:
@@ -114,7 +78,7 @@ class Fronts:
         self._serving = False
 
     def _argv(self) -> list[str]:
-        return [sys.executable, "-m", "appliance.service.front_worker", str(self.port), str(self.grpc_port)]
+        return [sys.executable, "-m", "appliance.fronts.worker", str(self.port), str(self.grpc_port)]
 
     def serve_grpc(self, host: str, port: int) -> int:
         """Have the workers serve gRPC on ``port`` too (before ``serve_forever``): held here

@@ -1,18 +1,17 @@
 """What serves, as plain data: the view a front worker decodes requests against.
 
-A front worker (appliance/api/remote/) parses and decodes requests in a process of its
+A front worker (appliance/fronts/) parses and decodes requests in a process of its
 own, so it needs, for every model, the signatures of the versions a request may reach and
 which version an unversioned or labelled request gets; it never holds a version. This is
 that view, built from the manager's public read side and small enough to send on every
-change. It is advice, not authority: the serving process resolves every request again
-through ``manager.handle`` and refuses to run inputs decoded against a signature that is
-not the answering version's (``fingerprint``), so a stale view costs a retry, never a
-wrong answer.
+change (the serving process pushes it when the manager says what serves has changed). It is
+advice, not authority: the serving process resolves every request again through
+``manager.handle`` and runs inputs only on a version whose signature takes them
+(appliance/fronts/serving.py), so a stale view never gives a wrong answer.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
@@ -31,7 +30,6 @@ class VersionView:
     platform: str
     reads_examples: bool
     signatures: Mapping[str, SignatureInfo]
-    fingerprints: Mapping[str, int]
 
 
 @dataclass(frozen=True)
@@ -48,14 +46,6 @@ class ServingView:
     models: Mapping[str, ModelView] = field(default_factory=dict)
 
 
-def fingerprint(signature: SignatureInfo) -> int:
-    """Equal for signatures that decode a request alike: the inputs' names, dtypes and
-    shapes, and the outputs' names in order (what a v2 answer lists); not the framework's
-    tensor names, which two builds of one model may well number differently."""
-    inputs = [(k, v.dtype.str, v.shape) for k, v in signature.inputs.items()]
-    return zlib.crc32(repr((signature.name, signature.method_name, inputs, list(signature.outputs))).encode())
-
-
 def _plain(signature: SignatureInfo) -> SignatureInfo:
     return SignatureInfo(signature.name, {k: _spec(v) for k, v in signature.inputs.items()},
                          {k: _spec(v) for k, v in signature.outputs.items()}, signature.method_name)
@@ -68,7 +58,7 @@ def _spec(spec: TensorSpec) -> TensorSpec:
 def version_view(version: int, path: str, platform: str, reads_examples: bool,
                  signatures: Mapping[str, SignatureInfo]) -> VersionView:
     plain = {k: _plain(v) for k, v in signatures.items()}
-    return VersionView(version, path, platform, reads_examples, plain, {k: fingerprint(v) for k, v in plain.items()})
+    return VersionView(version, path, platform, reads_examples, plain)
 
 
 def build(manager: "Manager", generation: int) -> ServingView:

@@ -8,23 +8,21 @@ check as an interceptor. Every other method (model status and metadata, health, 
 repository) goes whole to the serving process, which runs its own handler for it and
 answers, so what those report is always the serving process's state.
 
-``FrontGRPC`` is the generic handler; ``NeedView``/``StaleView`` of a hot method are handled
-as for REST (appliance/api/remote/handles.py ``attempts``).
+``FrontGRPC`` is the generic handler.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
 
 from appliance.api.kserve.grpc_service import SERVICE_NAME, V2GRPC
-from appliance.api.remote import messages as m
-from appliance.api.remote.handles import RemoteCore, attempts, attempts_async
-from appliance.api.remote.link import Link
+from appliance.fronts import messages as m
+from appliance.api.kserve.service import V2Service
 from appliance.api.tfserving.grpc_service import PREDICTION_SERVICE, TFServingGRPC
-from appliance.core.errors import Unavailable
+from appliance.fronts.link import Link
+from appliance.fronts.remote import RemoteCore
 
 HOT = frozenset({f"/{PREDICTION_SERVICE}/Predict", f"/{PREDICTION_SERVICE}/Classify",
                  f"/{PREDICTION_SERVICE}/Regress", f"/{PREDICTION_SERVICE}/MultiInference",
@@ -34,7 +32,7 @@ HOT = frozenset({f"/{PREDICTION_SERVICE}/Predict", f"/{PREDICTION_SERVICE}/Class
 class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]
     def __init__(self, core: RemoteCore):
         self.link = core.link
-        self.local = [*TFServingGRPC(core).handlers(), V2GRPC(core).handler()]  # type: ignore[arg-type]
+        self.local = [*TFServingGRPC(core).handlers(), V2GRPC(V2Service(core)).handler()]
         self._cache: dict[str, Any] = {}
 
     def service(self, details: Any) -> Any:
@@ -48,33 +46,14 @@ class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]
         for generic in self.local:
             handler = generic.service(details)
             if handler is not None:
-                return _retrying(handler, self.link)
+                return handler
         return None
-
-
-def _retrying(handler: Any, link: Link) -> Any:
-    """``handler`` decoding again while the serving view was not enough (``attempts``)."""
-    fn = handler.unary_unary
-    if asyncio.iscoroutinefunction(fn):
-        async def call(request: Any, context: Any) -> Any:
-            try:
-                return await attempts_async(link, lambda: fn(request, context))
-            except Unavailable as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
-    else:
-        def call(request: Any, context: Any) -> Any:  # type: ignore[misc]
-            try:
-                return attempts(link, lambda: fn(request, context))
-            except Unavailable as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
-    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
-                                               response_serializer=handler.response_serializer)
 
 
 def _forwarding(method: str, link: Link) -> Any:
     """A handler of raw bytes: the call answered by the serving process's own handler."""
     async def call(request: bytes, context: Any) -> bytes:
-        kind, payload = await link.acall(m.GRPC, [method, request, [list(kv) for kv in context.invocation_metadata()],
+        kind, payload = await link.call(m.GRPC, [method, request, [list(kv) for kv in context.invocation_metadata()],
                                                   context.time_remaining()])
         if kind == m.DONE:
             return payload[0]  # type: ignore[no-any-return]

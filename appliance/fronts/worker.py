@@ -1,13 +1,13 @@
 """A front worker process: the REST port's HTTP and JSON on a core of its own.
 
-    python -m appliance.service.front_worker PORT GRPC_PORT INDEX CHANNEL_FD
+    python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD
 
-Started only by appliance/service/fronts.py, which holds the port (and the gRPC port, 0
+Started only by appliance/fronts/pool.py, which holds the port (and the gRPC port, 0
 for none) and passes its end of a private channel; the worker listens on them with
 SO_REUSEPORT beside the others. gRPC runs on the lean server's own loop thread
-(appliance/api/remote/grpc_front.py's services). The
+(appliance/fronts/grpc_front.py's services). The
 first message on the channel is the service's config, read before anything starts; the
-worker then serves appliance/api/remote/front.py's ``FrontApp`` on appliance/transport/http/
+worker then serves appliance/fronts/app.py's ``FrontApp`` on appliance/transport/http/
 server.py's server (hot requests on its event loop, the rest on its threads), with its
 share of the port's limits, the channel on the same loop, until the serving process says
 ``DRAIN`` (finish what is held, then exit 0) or goes away (EOF, or this process handed to
@@ -27,13 +27,13 @@ import sys
 import threading
 from typing import Any
 
-from appliance.api.remote import messages as m
-from appliance.api.remote.front import FrontApp, hot_mounts
-from appliance.api.remote.handles import RemoteCore
-from appliance.api.remote.link import Link
+from appliance.fronts import messages as m
+from appliance.fronts.app import Forwarder, FrontApp, facing, hot_mounts
+from appliance.fronts.remote import RemoteCore
+from appliance.fronts.link import Link
 from appliance.core import logs, memory
-from appliance.service.fronts import worker_grpc, worker_limits, workers_for
-from appliance.service.tls import tls_context
+from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
+from appliance.core.tls import tls_context
 from appliance.transport.channel import ChannelProtocol, Message, read_one
 from appliance.transport.http.server import HTTPServer, listen
 
@@ -60,13 +60,13 @@ class Worker:
         config = m.config_from_plain(first[2])
         logs.setup(config.log_level)
         core = self.core = RemoteCore(config, self.link)
-        app = FrontApp(core, hot_mounts(core))
+        app = FrontApp(core, hot_mounts(core), Forwarder(self.link))
         context = tls_context(config.security) if config.security.tls_cert_file else None
         workers = self.workers = workers_for(config)
         self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
                                  config.server.max_body_bytes, worker_limits(config.limits, workers), context,
                                  sock=listen(config.server.host, self.port, reuse_port=True), fast=app,
-                                 on_loop=self.open_channel)
+                                 on_loop=self.open_channel, facing=facing())
         threading.Thread(target=self.report, name="report", daemon=True).start()
         memory.tune_gc()
         self.server.serve_forever()
@@ -77,8 +77,8 @@ class Worker:
         run is awaited on the loop the link lives on: no hand-off between threads): TF
         Serving's and KServe v2's services, the token check, the ``[grpc]`` bounds shared out."""
         from appliance.api.auth import grpc_interceptor
-        from appliance.api.remote.grpc_front import FrontGRPC
-        from appliance.service.grpc_port import connection_share
+        from appliance.fronts.grpc_front import FrontGRPC
+        from appliance.transport.grpc.limits import connection_share
         from appliance.transport.grpc.h2_server import LeanServer
         from appliance.transport.grpc.limits import Limits
 
@@ -121,7 +121,7 @@ class Worker:
         if kind == m.CONFIG:
             self.core.config = m.config_from_plain(payload)
         elif kind == m.VIEW:
-            self.core.manager.view = m.view_from_plain(payload)
+            self.core.handles.view = m.view_from_plain(payload)
         elif kind == m.DRAIN:
             threading.Thread(target=self.drain, args=(payload,), name="drain", daemon=True).start()
         elif kind == "eof":  # the serving process is gone: nothing here can be answered any more

@@ -1,0 +1,127 @@
+"""What the API families use of the core, as ``Protocol``s: the one seam between them.
+
+A request reaches a model the same way in every mode, on an event loop:
+
+    with await core.handles.handle(model, version, label, route_key) as held:
+        signature = held.signature(name, missing)      # decode against it
+        outputs = await held.run(signature.name, inputs)  # batched, routed, tallied
+
+Two implementations stand behind these faces, chosen when the service starts (as vLLM's
+in-process and multi-process engine clients): in the serving process the manager's own
+(appliance/core/local.py ``LocalHandles`` over ``Manager.handle``, its ``Handle``, and the
+``Appliance`` as the ``ServingCore``); in a front worker the remote ones
+(``appliance/fronts/remote.py``), which decode against the serving view pushed by the serving
+process and run the model there. The API families (appliance/api/) are typed against this
+module only, so the same code answers in both, and a reader (or a call-graph tool) can follow
+a request from the HTTP server to the batch queue.
+
+Contracts:
+
+- ``HandleSource.handle`` resolves the request as the client named it (a version, a label, or
+  neither: the serving version, or a rollout's choice, with ``route_key(header)`` for sticky
+  canary routing). Errors are the core's (``NotFound``, ``InvalidArgument``, ``Unavailable``).
+- A ``ModelHandle`` holds its version until released (``with`` or ``release()``): release it
+  promptly; never hold one across a wait for the client. One handle serves one request.
+- ``ModelHandle.run`` is awaited on the caller's event loop; it never blocks the loop. Its
+  errors are the core's (``QueueFull`` 503, ``InvalidArgument`` 400, ...). ``version`` is the
+  version that answered once ``run`` returned (a rollout or a swap may have chosen it).
+- ``RequestMetrics.observe_request`` may be called from any thread or loop, and is counted
+  before a scrape that follows the answer (a worker sends it before its answer leaves).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from runtimes import SignatureInfo
+
+from appliance.core.config import Config
+from appliance.core.policy import State
+
+RouteKey = Callable[[str], "str | None"]  # a request's header (REST) or metadata (gRPC) by name
+
+
+class ModelHandle(Protocol):
+    """A request's hold on one version (module docstring)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def signatures(self) -> Mapping[str, SignatureInfo]: ...
+
+    @property
+    def platform(self) -> str:
+        """What the version is, as model metadata names it (KServe v2 ``platform``)."""
+
+    @property
+    def reads_examples(self) -> bool:
+        """Whether the servable parses serialized ``tf.Example``s (classify, regress)."""
+
+    def signature(self, name: str, missing: str) -> SignatureInfo:
+        """The signature ``name``; ``InvalidArgument(missing)`` when the version lacks it."""
+
+    async def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The outputs of ``signature`` on ``inputs``, through the version's batch queue."""
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> "ModelHandle": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class HandleSource(Protocol):
+    """Where requests get their handles (module docstring)."""
+
+    async def handle(self, name: str, version: int | None = None, label: str | None = None,
+                     route_key: RouteKey | None = None) -> ModelHandle: ...
+
+
+class VersionStatus(Protocol):
+    """One version as model status reports it (TF Serving's ModelVersionStatus)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def state(self) -> State: ...
+
+    @property
+    def error(self) -> str: ...
+
+
+class ModelStates(Protocol):
+    """Model status: every known version of a model, newest first, or the one asked for.
+    ``NotFound`` for an unknown model or version (TF Serving's texts). Only the serving process
+    has one: front workers forward status requests."""
+
+    def version_states(self, name: str, version: int | None = None,
+                       label: str | None = None) -> Sequence[VersionStatus]: ...
+
+
+class RequestMetrics(Protocol):
+    def observe_request(self, model: str, api: str, status: int, seconds: float, entrypoint: str = "REST") -> None:
+        """One answered request of ``api`` (predict, classify, v2_infer, ...) with its HTTP status."""
+
+
+class ServingCore(Protocol):
+    """What an inference API family reads of its core: the running config (replaced whole on a
+    reload), request metrics and the handle source."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def metrics(self) -> RequestMetrics: ...
+
+    @property
+    def handles(self) -> HandleSource: ...

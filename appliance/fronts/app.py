@@ -1,0 +1,153 @@
+"""The front path: what every REST request meets first, in the serving process and in a worker.
+
+``FrontApp`` is the HTTP server's app in both modes (appliance/transport/http/server.py: its
+``FastRoutes`` and its WSGI app). TF Serving's predict/classify/regress and KServe v2's infer
+(``hot_mounts``: the requests whose JSON is the work) are answered on the server's event loop
+by the API families' own coroutines (appliance/api/family.py) over the core's seams
+(appliance/core/seams.py): the ``Appliance`` itself in one process, a ``RemoteCore`` in a front
+worker (appliance/fronts/remote.py). No thread hand-off, no Flask, no second copy of any API.
+
+Matching and the token check are the serving app's own (appliance/api/mounts.py ``Mounts``,
+appliance/api/auth.py ``authorize``); a request they refuse, and every other request (status,
+the page, admin, metrics, health, token streams) goes to ``fallback``, a WSGI app: the
+serving process's Flask app in one process, or in a worker ``Forwarder`` (the same app, in
+the serving process), which answers and counts it exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import io
+import queue
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Protocol
+
+from appliance.api.auth import TokenHolder, authorize
+from appliance.api.body import content_encoding, inflate, read_raw
+from appliance.api.errors import error_body, render_error, status_line
+from appliance.api.family import Answer, AsyncFamily
+from appliance.api.mounts import OPEN_PATHS, Mount, Mounts, normal, raw_path
+from appliance.core.errors import ApplianceError
+from appliance.core.seams import ServingCore
+from appliance.fronts import messages as m
+from appliance.fronts.link import Link
+from appliance.transport.http.server import AppFacing
+
+WSGIApp = Callable[..., Iterable[bytes]]
+
+
+class FrontCore(ServingCore, TokenHolder, Protocol):
+    """What the front path reads of its core: the seams, and what the token check reads."""
+
+
+class Forwarder:
+    """WSGI app: the request answered by the serving process's app, whole or streamed."""
+
+    def __init__(self, link: Link):
+        self.link = link
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        body = environ["wsgi.input"].read()
+        ident, replies = self.link.open(m.WSGI, [m.plain_environ(environ), body])
+        kind, payload = replies.get()
+        if kind == m.ANSWER:
+            status, headers, data = payload
+            start_response(status, [tuple(h) for h in headers])
+            return [data]
+        if kind == m.START:
+            status, headers = payload
+            start_response(status, [tuple(h) for h in headers])
+            return _Stream(self.link, ident, replies)
+        status_code, error_headers, error_body = render_error(m.error_from_plain(payload), "the front worker")
+        start_response(status_line(status_code), error_headers)
+        return [error_body]
+
+
+class _Stream:
+    """A streamed answer's chunks as they arrive; closing it early cancels the stream there."""
+
+    def __init__(self, link: Link, ident: int, replies: queue.SimpleQueue[tuple[str, Any]]):
+        self.link, self.ident, self.replies = link, ident, replies
+        self.ended = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            kind, payload = self.replies.get()
+            if kind == m.CHUNK:
+                yield payload
+                continue
+            self.ended = True
+            if kind == m.FAIL:  # the serving process went away mid-stream: cut the answer
+                raise ConnectionAbortedError(m.error_from_plain(payload).message)
+            return
+
+    def close(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.link.close_stream(self.ident)
+
+
+class FrontApp:
+    """The front path (module docstring): the HTTP server's WSGI app and its ``FastRoutes``."""
+
+    def __init__(self, core: FrontCore, hot: list[Mount], fallback: WSGIApp):
+        self.core, self.fallback = core, fallback
+        self.hot = Mounts()
+        for mount in hot:
+            self.hot.add(mount)
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """(a worker thread) What the loop did not take: the fallback answers it."""
+        return self.fallback(environ, start_response)
+
+    def route(self, environ: dict[str, Any]) -> Callable[[dict[str, Any]], Awaitable[Answer]] | None:
+        """(the HTTP server's ``FastRoutes``) The coroutine of a hot request whose token passes;
+        None: the fallback answers it (a refusal with the serving app's headers and counters)."""
+        raw = raw_path(environ).partition("?")[0]
+        mount = self.hot.match(environ.get("REQUEST_METHOD", "GET"), raw)
+        family = mount.handler if mount is not None else None
+        if mount is None or not isinstance(family, AsyncFamily) or not normal(raw):
+            return None
+        if not authorize(self.core, mount.scope, environ.get("HTTP_AUTHORIZATION")).allowed:
+            return None
+        return lambda env: self._answer(family, env)
+
+    async def _answer(self, family: AsyncFamily, environ: dict[str, Any]) -> Answer:
+        if environ.get("HTTP_CONTENT_ENCODING"):
+            try:  # inflated off the loop: a large body takes milliseconds
+                await asyncio.get_running_loop().run_in_executor(None, self._inflate, environ)
+            except ApplianceError as exc:
+                status, headers, body = render_error(exc, "the front path")
+                return status_line(status), headers, body
+        return await family.answer(environ)
+
+    def _inflate(self, environ: dict[str, Any]) -> None:
+        """A compressed body made plain (appliance/api/body.py: bounded while inflating)."""
+        limit = self.core.config.server.max_body_bytes
+        if content_encoding(environ) == "gzip":
+            body = inflate(read_raw(environ, limit), limit)
+            environ["CONTENT_LENGTH"] = str(len(body))
+            environ["wsgi.input"] = io.BytesIO(body)
+        environ.pop("HTTP_CONTENT_ENCODING", None)
+
+
+def hot_mounts(core: ServingCore) -> list[Mount]:
+    """What the front path answers on its loop: TF Serving's predict/classify/regress and KServe
+    v2's infer (the requests whose JSON is the work). Metadata, model status, health and
+    everything else goes to the fallback: cheap to answer there, and always answered by the
+    process that holds the versions."""
+    from appliance.api.kserve.rest import V2API
+    from appliance.api.kserve.service import V2Service
+    from appliance.api.mounts import INFERENCE
+    from appliance.api.tfserving.rest import POST_RE, V1API
+
+    return [Mount("tfserving-infer", "/v1/", INFERENCE, V1API(core), methods=frozenset({"POST"}), pattern=POST_RE),
+            Mount("kserve-infer", "/v2/models/", INFERENCE, V2API(V2Service(core)), methods=frozenset({"POST"}),
+                  suffix="/infer")]
+
+
+def facing(alone_var: "contextvars.ContextVar[Any] | None" = None) -> AppFacing:
+    """What the HTTP server needs to know of this app: probes are never shed, the errors it
+    writes itself are ``{"error": ...}``, and (in the process that batches) how a lone call is
+    told apart."""
+    return AppFacing(frozenset(p.encode() for p in OPEN_PATHS), error_body, alone_var)
