@@ -12,6 +12,7 @@ arguments) or as text once it ends. Not thread-safe: one reader per request.
 
 from __future__ import annotations
 
+import queue
 import time
 import uuid
 from typing import Any, Callable, Iterator
@@ -81,6 +82,7 @@ class Answer:
         self.prompt_tokens = prompt_tokens
         self.logprobs = streams[0].params.logprobs
         self.gone = gone
+        self._look_at = time.monotonic() + POLL_S  # when to look next whether the client is gone
         self.open = len(streams)
 
     @property
@@ -104,12 +106,16 @@ class Answer:
     def _get(self) -> tuple[int, str, Any]:
         if self.streaming:  # the SSE writer notices a client that went away
             return self.events.get()  # type: ignore[no-any-return]
-        while True:  # a whole answer: look whether its client is still there now and then
+        while True:  # a whole answer: look whether its client is still there every POLL_S
+            now = time.monotonic()
+            if now >= self._look_at:
+                self._look_at = now + POLL_S
+                if self.gone():
+                    self.cancel()  # the streams end at their next step; their "done" events follow
             try:
                 return self.events.get(timeout=POLL_S)  # type: ignore[no-any-return]
-            except Exception:  # queue.Empty
-                if self.gone():
-                    self.cancel()
+            except queue.Empty:
+                pass
 
     def usage(self) -> dict[str, int]:
         done = sum(c.tokens for c in self.choices)

@@ -65,7 +65,7 @@ def environ_for(request: Request, conn: Connection, server: Any) -> dict[str, An
         "wsgi.errors": sys.stderr, "wsgi.multithread": True, "wsgi.multiprocess": False, "wsgi.run_once": False,
         # whether the client went away: an answer that writes nothing until it is whole (a
         # non-streamed completion) stops its work then (appliance/api/sse.py client_gone)
-        "appliance.client_gone": lambda: bool(conn.lost),
+        "appliance.client_gone": conn.client_gone,
     }
     for name, value in request.headers:
         low = name.lower()
