@@ -67,15 +67,16 @@ def one_stream(url: str, prompt: dict[str, Any]) -> tuple[int, float]:
     return count, first
 
 
-def level(url: str, model: str, streams: int, seconds: float) -> dict[str, float]:
-    """``streams`` clients, each starting a new stream as soon as its last one ends."""
+def clients(streams: int, seconds: float, one: Any) -> dict[str, float]:
+    """``streams`` clients, each starting a new stream (``one(i)`` -> (tokens, seconds to the
+    first)) as soon as its last one ends, for ``seconds``."""
     tokens, ttfts, lock, shed = [0], [], threading.Lock(), [0]
     deadline = time.perf_counter() + seconds
 
     def client(i: int) -> None:
         while time.perf_counter() < deadline:
             try:
-                n, ttft = one_stream(url, prompt_body(model, i))
+                n, ttft = one(i)
             except requests.HTTPError as exc:  # shed by the loaded box's HTTP server: counted, not fatal
                 if exc.response is None or exc.response.status_code != 503:
                     raise
@@ -95,6 +96,10 @@ def level(url: str, model: str, streams: int, seconds: float) -> dict[str, float
     return {"tokens_per_s": tokens[0] / wall, "ttft_p50_ms": statistics.median(ttfts) * 1000,
             "ttft_p90_ms": statistics.quantiles(ttfts, n=10)[-1] * 1000 if len(ttfts) > 1 else ttfts[0] * 1000,
             "streams_done": len(ttfts), "shed_503": shed[0]}
+
+
+def level(url: str, model: str, streams: int, seconds: float) -> dict[str, float]:
+    return clients(streams, seconds, lambda i: one_stream(url, prompt_body(model, i)))
 
 
 def run(models: list[str], seconds: float, work: Path) -> list[dict[str, Any]]:
@@ -138,18 +143,13 @@ SCHEMA_TOKENS = 48
 
 def mixed_level(url: str, streams: int, seconds: float) -> dict[str, float]:
     """``level`` with prompts of MIXED_LENGTHS: the clients' streams sit at different positions."""
-    count = [0]
+    turns = iter(range(1 << 30))
 
-    def body(model: str, i: int) -> dict[str, Any]:
-        count[0] += 1
-        return {"input_ids": litert_llm.prompt(MIXED_LENGTHS[(i + count[0]) % len(MIXED_LENGTHS)], seed=i)}
+    def one(i: int) -> tuple[int, float]:
+        length = MIXED_LENGTHS[(i + next(turns)) % len(MIXED_LENGTHS)]
+        return one_stream(url, {"input_ids": litert_llm.prompt(length, seed=i)})
 
-    global prompt_body
-    plain, prompt_body = prompt_body, body
-    try:
-        return level(url, "", streams, seconds)
-    finally:
-        prompt_body = plain
+    return clients(streams, seconds, one)
 
 
 def openai_stream(url: str, schema: dict[str, Any] | None, i: int) -> tuple[int, float]:
@@ -173,24 +173,7 @@ def openai_stream(url: str, schema: dict[str, Any] | None, i: int) -> tuple[int,
 
 
 def schema_level(url: str, schema: dict[str, Any] | None, streams: int, seconds: float) -> dict[str, float]:
-    tokens, ttfts, lock = [0], [], threading.Lock()
-    deadline = time.perf_counter() + seconds
-
-    def client(i: int) -> None:
-        while time.perf_counter() < deadline:
-            n, ttft = openai_stream(url, schema, i)
-            with lock:
-                tokens[0] += n
-                ttfts.append(ttft)
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {"tokens_per_s": tokens[0] / (time.perf_counter() - started),
-            "ttft_p50_ms": statistics.median(ttfts) * 1000, "streams_done": len(ttfts)}
+    return clients(streams, seconds, lambda i: openai_stream(url, schema, i))
 
 
 def paired(a: Any, b: Any, rounds: int, seconds: float) -> tuple[float, float, float, float, float]:

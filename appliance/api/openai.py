@@ -208,12 +208,7 @@ class OpenAIAPI:
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
-        name, version, label = fields.model_id(body["model"])
-        try:
-            handle = manager.handle(name, version, label, route_key(environ))
-        except (NotFound, InvalidArgument) as exc:  # an unknown name, version or label
-            raise ModelNotFound(f"The model '{body['model']}' does not exist ({exc.message}); GET /v1/models "
-                                "lists the models that generate") from exc
+        handle = _handle(manager, environ, body["model"])
         try:
             return self._stream(handle, body, chat, client_gone(environ))
         except BaseException:
@@ -305,11 +300,7 @@ class OpenAIAPI:
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
-        name, version, label = fields.model_id(body["model"])
-        try:
-            handle = manager.handle(name, version, label, route_key(environ))
-        except (NotFound, InvalidArgument) as exc:
-            raise ModelNotFound(f"The model '{body['model']}' does not exist ({exc.message})") from exc
+        handle = _handle(manager, environ, body["model"])
         with handle:
             sig = embeddings.signature(handle, body["model"])
             items = embeddings.inputs(body)
@@ -324,6 +315,16 @@ class OpenAIAPI:
         error = NotFound(f"{environ.get('REQUEST_METHOD', 'GET')} {path} is not served by this server; it answers "
                          "/v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models")
         return wsgi_answer(start_response, render(error), environ.get("REQUEST_METHOD", "GET"))
+
+
+def _handle(manager: Any, environ: dict[str, Any], model: str) -> Any:
+    """The manager's handle of the version an OpenAI model id names (routed like any request)."""
+    name, version, label = fields.model_id(model)
+    try:
+        return manager.handle(name, version, label, route_key(environ))
+    except (NotFound, InvalidArgument) as exc:  # an unknown name, version or label
+        raise ModelNotFound(f"The model '{model}' does not exist ({exc.message}); GET /v1/models lists the models "
+                            "that generate") from exc
 
 
 def _too_long(context: int, tokens: int, where: str, at_least: bool = False) -> FieldError:

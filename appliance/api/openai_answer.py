@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import orjson
 
 from appliance.api.openai_tools import Tools
-from appliance.core.generation import Stream
+from appliance.core.streams import Stream
 from appliance.core.sampling import TokenLogprob
 from appliance.core.text import StopText
 

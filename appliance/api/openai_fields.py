@@ -15,7 +15,7 @@ import orjson
 
 from appliance.api.kserve.rest import json_object
 from appliance.core.errors import InvalidArgument, NotFound
-from appliance.core.generation import Params
+from appliance.core.streams import Params
 from appliance.core.sampling import MAX_TOP_LOGPROBS
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

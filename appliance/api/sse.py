@@ -23,7 +23,7 @@ def client_gone(environ: dict[str, Any]) -> Callable[[], bool]:
 
 class StreamBody:
     def __init__(self, stream: Any):
-        self.stream = stream  # appliance.core.generation.Stream
+        self.stream = stream  # appliance.core.streams.Stream
         self.finished = False
         self._events = self.events()
 
