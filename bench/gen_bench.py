@@ -10,6 +10,13 @@ of 4 sharing one position, ``lt_plain`` litert-torch's default batch 1); the ser
 real ``appliance serve`` on a loopback port, the clients are threads reading SSE.
 
     .venv/bin/python -m bench.gen_bench [--seconds 4] [--models gen_savedmodel,gen_tflite,lt_b4]
+    .venv/bin/python -m bench.gen_bench --issue35 [--seconds 4]
+
+``--issue35``: litert-torch conversions of the same weights with decode batch 1 (``lt_plain``),
+4 with the mask as an input (``lt_b4m``: streams aligned in one call) and 4 without
+(``lt_b4``), at 1/4/8 streams of mixed prompt lengths; then ``/v1/completions`` with a JSON
+schema (llguidance's mask every step) against free text at 1 and 8 streams, and the time to
+first token with each.
 
 Target (issue 10): at 16 streams, step batching >= 3x the total tokens/s of batching off.
 """
@@ -60,14 +67,21 @@ def one_stream(url: str, prompt: dict[str, Any]) -> tuple[int, float]:
     return count, first
 
 
-def level(url: str, model: str, streams: int, seconds: float) -> dict[str, float]:
-    """``streams`` clients, each starting a new stream as soon as its last one ends."""
-    tokens, ttfts, lock = [0], [], threading.Lock()
+def clients(streams: int, seconds: float, one: Any) -> dict[str, float]:
+    """``streams`` clients, each starting a new stream (``one(i)`` -> (tokens, seconds to the
+    first)) as soon as its last one ends, for ``seconds``."""
+    tokens, ttfts, lock, shed = [0], [], threading.Lock(), [0]
     deadline = time.perf_counter() + seconds
 
     def client(i: int) -> None:
         while time.perf_counter() < deadline:
-            n, ttft = one_stream(url, prompt_body(model, i))
+            try:
+                n, ttft = one(i)
+            except requests.HTTPError as exc:  # shed by the loaded box's HTTP server: counted, not fatal
+                if exc.response is None or exc.response.status_code != 503:
+                    raise
+                shed[0] += 1
+                continue
             with lock:
                 tokens[0] += n
                 ttfts.append(ttft)
@@ -81,7 +95,11 @@ def level(url: str, model: str, streams: int, seconds: float) -> dict[str, float
     wall = time.perf_counter() - started
     return {"tokens_per_s": tokens[0] / wall, "ttft_p50_ms": statistics.median(ttfts) * 1000,
             "ttft_p90_ms": statistics.quantiles(ttfts, n=10)[-1] * 1000 if len(ttfts) > 1 else ttfts[0] * 1000,
-            "streams_done": len(ttfts)}
+            "streams_done": len(ttfts), "shed_503": shed[0]}
+
+
+def level(url: str, model: str, streams: int, seconds: float) -> dict[str, float]:
+    return clients(streams, seconds, lambda i: one_stream(url, prompt_body(model, i)))
 
 
 def run(models: list[str], seconds: float, work: Path) -> list[dict[str, Any]]:
@@ -114,11 +132,111 @@ def run(models: list[str], seconds: float, work: Path) -> list[dict[str, Any]]:
     return rows
 
 
+# -- issue 35: batch-1 against batch-4 (mask) conversions, mixed prompt lengths; JSON schemas --------
+MIXED_LEVELS = (1, 4, 8)
+MIXED_LENGTHS = (3, 9, 17, 30, 6, 41, 12, 24)  # prompt lengths of the clients, in turn: never aligned by chance
+SAME_WEIGHTS = ("lt_plain", "lt_b4m", "lt_b4")  # one seed, one config: decode batch 1, 4 with the mask, 4 without
+# 24 digits: the answer is always 49 characters, so constrained and free streams both run to max_tokens
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 24, "maxItems": 24}
+SCHEMA_TOKENS = 48
+
+
+def mixed_level(url: str, streams: int, seconds: float) -> dict[str, float]:
+    """``level`` with prompts of MIXED_LENGTHS: the clients' streams sit at different positions."""
+    turns = iter(range(1 << 30))
+
+    def one(i: int) -> tuple[int, float]:
+        length = MIXED_LENGTHS[(i + next(turns)) % len(MIXED_LENGTHS)]
+        return one_stream(url, {"input_ids": litert_llm.prompt(length, seed=i)})
+
+    return clients(streams, seconds, one)
+
+
+def openai_stream(url: str, schema: dict[str, Any] | None, i: int) -> tuple[int, float]:
+    """(completion tokens, seconds to the first text) of one streamed /v1/completions."""
+    body: dict[str, Any] = {"model": "lt_plain", "prompt": f"item {i}: ", "max_tokens": SCHEMA_TOKENS,
+                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "digits", "schema": schema}}
+    started, first, tokens = time.perf_counter(), 0.0, 0
+    with requests.post(url, json=body, stream=True, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if not first and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter() - started
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens, first
+
+
+def schema_level(url: str, schema: dict[str, Any] | None, streams: int, seconds: float) -> dict[str, float]:
+    return clients(streams, seconds, lambda i: openai_stream(url, schema, i))
+
+
+def paired(a: Any, b: Any, rounds: int, seconds: float) -> tuple[float, float, float, float, float]:
+    """``a`` and ``b`` (each: seconds -> a level's row) in alternating turns, ``rounds`` times:
+    (median tok/s of a, of b, median of the per-round ratios b/a, TTFT p50 of a, of b). On a
+    shared, loaded box the load drifts over a minute; a ratio of neighbouring turns does not."""
+    ra, rb = [], []
+    for i in range(rounds):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        x, y = first(seconds), second(seconds)
+        ra.append(x if first is a else y)
+        rb.append(y if first is a else x)
+    med = statistics.median
+    return (med(r["tokens_per_s"] for r in ra), med(r["tokens_per_s"] for r in rb),
+            med(y["tokens_per_s"] / x["tokens_per_s"] for x, y in zip(ra, rb)),
+            med(r["ttft_p50_ms"] for r in ra), med(r["ttft_p50_ms"] for r in rb))
+
+
+def issue35(seconds: float, work: Path, rounds: int = 5) -> None:
+    """Both issue-35 tables from one server, in one window, as paired ratios (``paired``)."""
+    cache = litert_llm.models(work / "litert-llm-build")
+    base = work / "models"
+    for name in SAME_WEIGHTS:
+        shutil.copytree(cache / name, base / name)
+    (base / "lt_plain" / "1" / "assets").mkdir()
+    (base / "lt_plain" / "1" / "assets" / "vocab.json").write_text(json.dumps([chr(i) for i in range(128)]))
+    config = work / "gen.toml"
+    config.write_text("[generation]\nmax_streams = 64\n")
+    server = launch(["--models", str(base), "--config", str(config)], work)
+    try:
+        url = {m: f"{server.url}/v1/models/{m}:generate" for m in SAME_WEIGHTS}
+        for model in SAME_WEIGHTS:
+            one_stream(url[model], prompt_body(model, 0))  # warm-up
+        print(f"\nstreams  batch-1 tok/s  batch-4 tok/s  ratio  TTFT p50 b1 / b4 (ms)   (mixed prompt lengths, "
+              f"48 new tokens, {rounds} paired rounds of {seconds} s)")
+        for other in ("lt_b4m", "lt_b4"):
+            for streams in MIXED_LEVELS:
+                got = paired(lambda t: mixed_level(url["lt_plain"], streams, t),
+                             lambda t, o=other: mixed_level(url[o], streams, t), rounds, seconds)
+                print(f"{other:7s} {streams:2d} {got[0]:12.0f} {got[1]:14.0f} {got[2]:6.2f}  {got[3]:.1f} / {got[4]:.1f}",
+                      flush=True)
+        completions = f"{server.url}/v1/completions"
+        openai_stream(completions, DIGITS, 0)  # the grammar engine's first use
+        print("\nstreams  free tok/s  schema tok/s  ratio  TTFT p50 free / schema (ms)   (lt_plain, /v1/completions)")
+        for streams in (1, 8):
+            got = paired(lambda t: schema_level(completions, None, streams, t),
+                         lambda t: schema_level(completions, DIGITS, streams, t), rounds, seconds)
+            print(f"{streams:7d} {got[0]:11.0f} {got[1]:13.0f} {got[2]:6.2f}  {got[3]:.1f} / {got[4]:.1f}", flush=True)
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gen_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=4.0, help="duration of each level")
     ap.add_argument("--models", default="gen_savedmodel,gen_tflite")
+    ap.add_argument("--issue35", action="store_true", help="batch-1 vs batch-4 (mask) conversions of the same "
+                    "weights at 1/4/8 mixed-length streams, and JSON-schema against free streams at 1 and 8")
     a = ap.parse_args(argv)
+    if a.issue35:
+        with tempfile.TemporaryDirectory() as tmp:
+            issue35(a.seconds, Path(tmp))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         rows = run(a.models.split(","), a.seconds, Path(tmp))
     print("\nmodel           streams  on tok/s  off tok/s  ratio  TTFT p50 on/off (ms)")

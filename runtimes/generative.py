@@ -15,7 +15,18 @@ Two conventions make a version servable for token generation:
   a cache, ``cache``. Without a cache the whole history is fed each step.
 
 A driver holds no stream state: the caller owns :class:`Slots`, the server-side KV cache of
-up to ``capacity`` sequences, one row each, kept between steps. A decode signature with a
+up to ``capacity`` sequences, one row each, kept between steps (and ``calls``: the rows of
+each model call the last ``decode`` made, what the ``step_rows`` metric counts).
+
+**Aligned rows.** litert-torch writes one ``input_pos`` [1] for a decode batch B > 1: every
+row of a call is at the same position. Where the decode signature also takes the ``mask``
+(``ExportConfig.mask_as_input``), rows need not *be* at the same position: a row's sequence
+may sit at an offset (its prompt prefilled from ``start``), the mask hiding every key
+before it. Rotary position embeddings depend on the distance between query and key only,
+so the shifted sequence computes the same attention (up to float rounding) while sharing
+the call; ``LiteRTLLM.aligned`` says a driver can do this, and ``decode``'s ``starts`` give
+each row's first key. Without the mask input the model's own causal mask shows every key
+from 0: rows at different positions need a call each. A decode signature with a
 fixed batch B runs all B rows every call (streams are packed into the rows, empty rows
 compute and are ignored); a dynamic batch runs rows ``0..n-1`` (the caller keeps active
 rows packed at the front with ``move``). Drivers are not thread-safe: one decode loop
@@ -47,6 +58,7 @@ class Slots:
     capacity: int
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     history: list[list[int]] = field(default_factory=list)
+    calls: list[int] = field(default_factory=list)  # rows of each model call of the last decode
 
 
 class Driver:
@@ -63,13 +75,26 @@ class Driver:
     def new_slots(self, capacity: int) -> Slots:
         raise NotImplementedError
 
-    def prefill(self, slots: Slots, row: int, prompt: Sequence[int]) -> None:
-        """Make ``row`` hold ``prompt[:-1]``; ``prompt[-1]`` is the row's first decode token."""
+    aligned = False  # rows at different positions may share a call (module docstring)
+
+    def prefill(self, slots: Slots, row: int, prompt: Sequence[int], start: int = 0) -> None:
+        """Make ``row`` hold ``prompt[:-1]`` from position ``start`` (0 unless ``aligned``);
+        ``prompt[-1]`` is the row's first decode token, at ``start + len(prompt) - 1``."""
         raise NotImplementedError
 
-    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        """One step of the given rows: next-token logits [len(rows), vocab]."""
+    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+               starts: Sequence[int] | None = None) -> np.ndarray:
+        """One step of the given rows: next-token logits [len(rows), vocab]. ``starts``: each
+        row's first position (``aligned`` drivers; else all 0). Sets ``slots.calls``."""
         raise NotImplementedError
+
+    def copy_row(self, src: Slots, src_row: int, dst: Slots, dst_row: int) -> None:
+        """Copy one sequence's cache into another row (of the same or another ``Slots``):
+        n choices of one prompt share its prefill."""
+        for name, array in src.arrays.items():
+            dst.arrays[name][dst_row] = array[src_row]
+        if src.history:
+            dst.history[dst_row] = list(src.history[src_row])
 
     def move(self, slots: Slots, src: int, dst: int) -> None:
         """Copy one sequence's cache to another row (keeps a dynamic batch packed)."""
@@ -136,6 +161,7 @@ class LiteRTLLM(Driver):
         self.pos_rows = _batch(shapes["input_pos"])
         self.shared_position = bool(self.batch_size and self.batch_size > 1 and self.pos_rows == 1)
         self.has_mask = "mask" in dec.inputs
+        self.aligned = self.shared_position and self.has_mask
         mask_length = _dim(shapes["mask"], 3) if self.has_mask else None  # [B, 1, 1, L]
         self.kv_layout, self.context_length = cache_layout(shapes, self.kv_names, mask_length)
         self.vocab_size = int((dec.outputs["logits"].shape or (0,))[-1])
@@ -144,16 +170,18 @@ class LiteRTLLM(Driver):
 
     def _details(self) -> dict[str, Any]:
         return {"prefill_windows": [n or "dynamic" for n, _ in self.prefills], "kv_layout": self.kv_layout,
-                "mask_input": self.has_mask, "shared_position": self.shared_position}
+                "mask_input": self.has_mask, "shared_position": self.shared_position, "aligned_rows": self.aligned}
 
     def new_slots(self, capacity: int) -> Slots:
         rows = self.batch_size or capacity
         return Slots(rows, {n: np.zeros((rows, *self.row_shapes[n]), self.dtypes[n]) for n in self.kv_names})
 
-    def _mask(self, rows: int, queries: np.ndarray) -> np.ndarray:
-        """[rows, 1, q, L]: 0 where key position <= the query's position, else MASKED."""
-        keys = np.arange(self.context_length or 0)
-        allowed = keys[None, None, None, :] <= queries.reshape(rows, 1, -1, 1)
+    def _mask(self, rows: int, queries: np.ndarray, starts: np.ndarray | None = None) -> np.ndarray:
+        """[rows, 1, q, L]: 0 where ``start <= key position <= the query's``, else MASKED."""
+        keys = np.arange(self.context_length or 0)[None, None, None, :]
+        allowed = keys <= queries.reshape(rows, 1, -1, 1)
+        if starts is not None:
+            allowed &= keys >= np.asarray(starts).reshape(rows, 1, 1, 1)
         return np.where(allowed, 0.0, MASKED).astype(np.float32)
 
     def window(self, start: int, remaining: int) -> tuple[str, int, int] | None:
@@ -173,30 +201,31 @@ class LiteRTLLM(Driver):
         length, name = next((n, name) for n, name in fits if n >= take)
         return name, length, take
 
-    def prefill(self, slots: Slots, row: int, prompt: Sequence[int]) -> None:
+    def prefill(self, slots: Slots, row: int, prompt: Sequence[int], start: int = 0) -> None:
         tokens = list(prompt[:-1])
-        start = 0
-        while start < len(tokens):
-            step = self.window(start, len(tokens) - start)
+        first, done = np.array([start]), 0
+        while done < len(tokens):
+            at = start + done
+            step = self.window(at, len(tokens) - done)
             if step is None:  # near the cache end: the rest of the prompt one token per call
-                for pos in range(start, len(tokens)):
-                    self._decode_alone(slots, row, tokens[pos], pos)
+                for i in range(done, len(tokens)):
+                    self._decode_alone(slots, row, tokens[i], start + i, start)
                 return
             name, length, take = step
-            chunk = tokens[start:start + take]
+            chunk = tokens[done:done + take]
             # Padding goes to later positions, inside the cache (the window fits): later steps
             # overwrite them before any query may see them.
             feeds = {"tokens": np.array([chunk + [0] * (length - take)], np.int32),
-                     "input_pos": np.arange(start, start + length, dtype=np.int32),
+                     "input_pos": np.arange(at, at + length, dtype=np.int32),
                      **{n: slots.arrays[n][row:row + 1] for n in self.kv_names}}
             if self.has_mask:
-                feeds["mask"] = self._mask(1, np.arange(start, start + length))
+                feeds["mask"] = self._mask(1, np.arange(at, at + length), first)
             out = self._run(name, feeds)
             for n in self.kv_names:
                 slots.arrays[n][row] = out[n][0]
-            start += take
+            done += take
 
-    def _decode_alone(self, slots: Slots, row: int, token: int, pos: int) -> None:
+    def _decode_alone(self, slots: Slots, row: int, token: int, pos: int, start: int = 0) -> None:
         """One prompt token of one row through ``decode``, in a scratch batch: the other rows
         of ``slots`` (other streams, at other positions) must not take this call's writes."""
         n = self._rows(1)
@@ -208,22 +237,27 @@ class LiteRTLLM(Driver):
         positions = np.full(n, pos, np.int32)
         feeds = {"tokens": tokens, "input_pos": positions[:self.pos_rows or n], **scratch}
         if self.has_mask:
-            feeds["mask"] = self._mask(n, positions)
+            feeds["mask"] = self._mask(n, positions, np.full(n, start))
         out = self._run("decode", feeds)
         for k in self.kv_names:
             slots.arrays[k][row] = out[k][0]
 
-    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+               starts: Sequence[int] | None = None) -> np.ndarray:
         logits = np.empty((len(rows), self.vocab_size), np.float32)
         groups = {p: [i for i, q in enumerate(positions) if q == p] for p in positions} if self.shared_position \
             else {None: list(range(len(rows)))}
+        slots.calls = []
         for position, members in groups.items():
             logits[members] = self._decode_group(slots, [rows[i] for i in members], [tokens[i] for i in members],
-                                                 [positions[i] for i in members], partial=position is not None)
+                                                 [positions[i] for i in members],
+                                                 [starts[i] for i in members] if starts else None,
+                                                 partial=position is not None and len(members) < len(rows))
+            slots.calls.append(len(members))
         return logits
 
     def _decode_group(self, slots: Slots, rows: list[int], tokens: list[int], positions: list[int],
-                      partial: bool) -> np.ndarray:
+                      starts: list[int] | None, partial: bool) -> np.ndarray:
         n = self._rows(len(rows))
         if self.batch_size is None and rows != list(range(len(rows))):
             raise ValueError(f"a dynamic decode batch runs rows 0..{len(rows) - 1}, got {rows}")
@@ -235,7 +269,12 @@ class LiteRTLLM(Driver):
         feeds = {"tokens": feed_tokens, "input_pos": shared if self.shared_position else feed_pos,
                  **{k: slots.arrays[k][:n] for k in self.kv_names}}
         if self.has_mask:
-            feeds["mask"] = self._mask(n, feed_pos)
+            feed_start = np.zeros(n, np.int32)
+            if starts:
+                feed_start[rows] = starts
+            if self.shared_position:  # every row's query is at the shared position
+                feed_pos[:] = positions[0]
+            feeds["mask"] = self._mask(n, feed_pos, feed_start)
         out = self._run("decode", feeds)
         for k in self.kv_names:
             if partial:  # a shared position: other rows' caches must not take this call's writes
@@ -325,7 +364,7 @@ class GenerateStep(Driver):
             return Slots(rows, history=[[] for _ in range(rows)])
         return Slots(rows, {"cache": np.zeros((rows, *self.cache_shape), self.cache_dtype)})
 
-    def prefill(self, slots: Slots, row: int, prompt: Sequence[int]) -> None:
+    def prefill(self, slots: Slots, row: int, prompt: Sequence[int], start: int = 0) -> None:
         if not self.has_cache:
             slots.history[row] = list(prompt[:-1])
             return
@@ -339,7 +378,9 @@ class GenerateStep(Driver):
         out = self._run(self.SIGNATURE, {self.ids: ids, "input_pos": np.zeros(n, np.int32), "cache": cache})
         slots.arrays["cache"][row] = out["cache"][0]
 
-    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+               starts: Sequence[int] | None = None) -> np.ndarray:
+        slots.calls = [len(rows)]
         if not self.has_cache:
             return self._decode_history(slots, rows, tokens)
         n = self._rows(len(rows))
@@ -364,8 +405,10 @@ class GenerateStep(Driver):
         by_length: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_length.setdefault(len(slots.history[row]), []).append(i)
+        slots.calls = []
         for length, members in by_length.items():
             for start in range(0, len(members), self.batch_size or len(members)):
+                slots.calls.append(len(members[start:start + (self.batch_size or len(members))]))
                 part = members[start:start + (self.batch_size or len(members))]
                 ids = np.zeros((self._rows(len(part)), length), self.id_dtype)
                 ids[:len(part)] = [slots.history[rows[i]] for i in part]

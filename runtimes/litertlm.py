@@ -4,9 +4,18 @@ LiteRT-LM engine (``pip install litert-lm-api``), imported only when such a vers
 A bundle is text in, text out: LiteRT-LM owns the tokenizer, the KV cache, prefill and
 decode, so this servable has no tensor signatures; it offers ``generate`` (a stream of
 text pieces, one per decoded token) instead of ``run`` (the ``TextServable`` protocol
-below, which appliance/core/generation.py drives). One engine per loaded version; one
-LiteRT-LM session per request (a session holds one conversation's cache). Sessions of one
-engine may run concurrently, each from its own thread.
+below, which appliance/core/generation.py drives). One LiteRT-LM session per request (a
+session holds one conversation's cache).
+
+**One call per engine at a time.** LiteRT-LM 0.18.1's ``Engine`` is not thread-safe: a
+``tokenize`` while another thread's session decodes aborts the whole process ("double free
+or corruption (fasttop)", reproduced in tests/test_litertlm.py), and sessions of one engine
+run side by side abort the same way under load. So a loaded version holds a pool of
+``engines`` engines (option, default 1) and every engine call (a whole session from prefill
+to close, a tokenize, a detokenize) takes one engine for itself. Measured on the 2-core
+box (bench/RESULTS.md, "LiteRT-LM"): four streams on one engine in turn give 5,269 tok/s,
+on four engines 6,244 (+18 %) for ~2 MB more each on the tiny test bundle; an engine of a
+real model holds its own compiled weights, so one engine is the default on a small device.
 
 What LiteRT-LM expects of the model inside (found by running it, issue 25): litert-torch's
 *transposed* KV cache (K [B, heads, L, dim], V [B, heads, dim, L]); a bundle of a model
@@ -23,8 +32,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
+from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -72,6 +84,49 @@ class TextServable(Protocol):
     def generate(self, request: Request) -> Iterator[str]: ...
 
 
+class EnginePool:
+    """Engines of one bundle, each lent to one caller at a time (module docstring), first
+    come first served: an engine given back goes to the longest waiter, so a stream of
+    tokenize calls cannot starve a waiting session. ``lend`` blocks until one is free.
+    Thread-safe."""
+
+    def __init__(self, engines: Sequence[Any]):
+        self.engines = list(engines)
+        self._lock = threading.Lock()
+        self._free = list(self.engines)
+        self._waiting: deque[list[Any]] = deque()  # [event, engine handed over]
+
+    @contextmanager
+    def lend(self) -> Iterator[Any]:
+        with self._lock:
+            waiter = None if self._free and not self._waiting else [threading.Event(), None]
+            if waiter is None:
+                engine = self._free.pop()
+            else:
+                self._waiting.append(waiter)
+        if waiter is not None:
+            waiter[0].wait()
+            engine = waiter[1]
+        try:
+            yield engine
+        finally:
+            self._give_back(engine)
+
+    def _give_back(self, engine: Any) -> None:
+        with self._lock:
+            if not self._waiting:
+                self._free.append(engine)
+                return
+            waiter = self._waiting.popleft()
+        waiter[1] = engine
+        waiter[0].set()
+
+    def close(self) -> None:
+        engines, self.engines = self.engines, []
+        for engine in engines:
+            engine.close()
+
+
 class LiteRTLMServable:
     """One loaded bundle (module docstring). Not a tensor servable: ``run`` refuses."""
 
@@ -81,54 +136,71 @@ class LiteRTLMServable:
     reads_examples = False
     signatures: Mapping[str, SignatureInfo] = {}
 
-    def __init__(self, path: str, engine: Any, module: Any, context_length: int):
-        self.path, self._engine, self._lm, self.context_length = path, engine, module, context_length
-        self.prompt_overhead = 1 if engine.bos_token_id is not None else 0  # LiteRT-LM puts it first
+    def __init__(self, path: str, engines: Sequence[Any], module: Any, context_length: int):
+        self.path, self._lm, self.context_length = path, module, context_length
+        self._pool: EnginePool | None = EnginePool(engines)
+        self.prompt_overhead = 1 if engines[0].bos_token_id is not None else 0  # LiteRT-LM puts it first
 
     def describe(self) -> dict[str, Any]:
         return {"convention": NAME, "decode_batch": 1, "context_length": self.context_length,
-                "vocab_size": None}  # the tokenizer is LiteRT-LM's own; it does not say its size
+                "vocab_size": None,  # the tokenizer is LiteRT-LM's own; it does not say its size
+                "engines": len(self._pool.engines) if self._pool else 0}
+
+    @property
+    def pool(self) -> EnginePool:
+        if self._pool is None:
+            raise RuntimeFailure("this LiteRT-LM bundle is closed")
+        return self._pool
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._engine.tokenize(text))
+        with self.pool.lend() as engine:
+            return list(engine.tokenize(text))
 
     def detokenize(self, ids: list[int]) -> str:
         try:
-            return str(self._engine.detokenize(list(ids)))
+            with self.pool.lend() as engine:
+                return str(engine.detokenize(list(ids)))
         except RuntimeError as exc:  # an id the tokenizer does not have
             raise InputFailure(f"LiteRT-LM cannot detokenize these ids: {exc}") from exc
 
     def generate(self, request: Request) -> Iterator[str]:
         """Text pieces as LiteRT-LM decodes them; the prompt is used as is (no template:
-        the caller renders one). Closing the iterator early cancels the session."""
+        the caller renders one). Holds one engine from the first piece to the end (the
+        generator waits for a free one). Closing the iterator early cancels the session."""
         sampler = self._lm.SamplerConfig(top_k=request.top_k, top_p=request.top_p,
                                          temperature=request.temperature, seed=request.seed)
-        session = self._engine.create_session(apply_prompt_template=False, sampler_config=sampler,
-                                              max_output_tokens=request.max_new_tokens)
-        finished = False
-        try:
-            try:
-                session.run_prefill([request.text])
-            except RuntimeError as exc:  # LiteRT-LM logs the reason; its exception only says "failed"
-                raise InputFailure(f"LiteRT-LM refused the prompt ({exc})") from exc
-            try:
-                for response in session.run_decode_async():
-                    yield from response.texts
-            except RuntimeError as exc:
-                raise RuntimeFailure(f"LiteRT-LM failed while decoding ({exc})") from exc
-            finished = True
-        finally:
-            if not finished:
-                session.cancel_process()
-            session.close()
+        with self.pool.lend() as engine:
+            session = engine.create_session(apply_prompt_template=False, sampler_config=sampler,
+                                            max_output_tokens=request.max_new_tokens)
+            yield from _decode(session, request.text)
 
     def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise InputFailure("a LiteRT-LM bundle takes text (generate), not tensors")
 
     def close(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+
+def _decode(session: Any, text: str) -> Iterator[str]:
+    """One session, prefill to close; cancelled when the caller stops early."""
+    finished = False
+    try:
+        try:
+            session.run_prefill([text])
+        except RuntimeError as exc:  # LiteRT-LM logs the reason; its exception only says "failed"
+            raise InputFailure(f"LiteRT-LM refused the prompt ({exc})") from exc
+        try:
+            for response in session.run_decode_async():
+                yield from response.texts
+        except RuntimeError as exc:
+            raise RuntimeFailure(f"LiteRT-LM failed while decoding ({exc})") from exc
+        finished = True
+    finally:
+        if not finished:
+            session.cancel_process()
+        session.close()
 
 
 class LiteRTLMBackend:
@@ -153,12 +225,16 @@ class LiteRTLMBackend:
         cache_dir = options.get("cache_dir")
         if cache_dir:  # LiteRT-LM refuses a cache directory that does not exist yet
             os.makedirs(cache_dir, exist_ok=True)
+        engines: list[Any] = []
         try:
-            engine = lm.Engine(path, backend=lm.Backend.CPU(), max_num_tokens=options.get("max_num_tokens"),
-                               cache_dir=cache_dir)
+            for _ in range(max(1, int(options.get("engines") or 1))):
+                engines.append(lm.Engine(path, backend=lm.Backend.CPU(), max_num_tokens=options.get("max_num_tokens"),
+                                         cache_dir=cache_dir))
         except Exception as exc:  # the engine's own words (a bad bundle, an unsupported model)
+            for engine in engines:
+                engine.close()
             raise LoadFailure(f"LiteRT-LM refused {bundle}: {exc}") from exc
-        return LiteRTLMServable(path, engine, lm, context)
+        return LiteRTLMServable(path, engines, lm, context)
 
 
 def _check_layout(path: str) -> int:
@@ -199,4 +275,4 @@ def _check_layout(path: str) -> int:
     return 0
 
 
-__all__ = ["LiteRTLMBackend", "LiteRTLMServable", "Request", "TextServable"]
+__all__ = ["EnginePool", "LiteRTLMBackend", "LiteRTLMServable", "Request", "TextServable"]

@@ -53,6 +53,9 @@ SPECS: dict[str, Spec] = {
     "lt_plain": Spec(),
     "lt_q8": Spec(quantize="dynamic_int8"),
     "lt_b4": Spec(decode_batch=4),
+    # the mask as an input with a shared input_pos: streams of any length aligned in one call
+    "lt_b4m": Spec(decode_batch=4, mask=True),
+    "lt_b8m": Spec(decode_batch=8, mask=True),
     "lt_mask": Spec(mask=True),
     "lt_t": Spec(transposed=True),  # issue 25 bug b: no mask, so the layout decides the context
     "lt_tmask": Spec(transposed=True, mask=True),

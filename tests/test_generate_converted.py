@@ -191,3 +191,66 @@ def test_a_version_that_cannot_generate_is_refused_at_load(start_server: Any, lt
     events = [e for e in srv.status()["events"] if e["kind"] == "load_failed" and e["model"] == model]
     assert events and reason in events[0]["message"]
     assert generate(srv, model, input_ids=[1, 2], max_new_tokens=2).status_code in (404, 503)
+
+
+def test_streams_of_different_lengths_share_calls_when_the_mask_is_an_input(server: Any,
+                                                                            reference: References) -> None:
+    """lt_b4m: a shared input_pos with the mask as an input. Streams of 5, 12, 23 and 40 tokens
+    are aligned onto one position (the shorter ones at an offset) and decode in one call per
+    step; before, each ran a full batch-4 call of its own at every step. step_rows counts
+    the rows of each real model call."""
+    def rows(text: str) -> tuple[float, float]:
+        lines = [line for line in text.splitlines() if 'model_name="lt_b4m"' in line]
+        single = next((float(x.split()[-1]) for x in lines
+                       if x.startswith("edge_appliance_generation_step_rows_bucket") and 'le="1.0"' in x), 0.0)
+        total = next((float(x.split()[-1]) for x in lines
+                      if x.startswith("edge_appliance_generation_step_rows_count")), 0.0)
+        return single, total
+
+    before = rows(server.get("/monitoring/prometheus/metrics").text)
+    prompts = [litert_llm.prompt(length) for length in (40, 5, 12, 23)]
+    results: dict[int, list[int]] = {}
+    # the longest first, and running (its first token out): the others then join its lane, shorter
+    # prompts at an offset (a longer prompt than a lane's position would open a lane of its own)
+    with requests.post(f"{server.url}/v1/models/lt_b4m:generate", stream=True, timeout=120,
+                       data=json.dumps({"input_ids": prompts[0], "max_new_tokens": 40, "stream": True})) as r:
+        events = sse(r)
+        first = [next(events)[1]["token"]]
+        threads = [threading.Thread(target=lambda i, p: results.__setitem__(
+            i, answer(server, "lt_b4m", p, 40)["tokens"]), args=(i, p)) for i, p in enumerate(prompts) if i]
+        for t in threads:
+            t.start()
+        results[0] = first + [d["token"] for name, d in events if name == "message"]
+    for t in threads:
+        t.join(180)
+    for i, prompt in enumerate(prompts):
+        assert results.get(i) == reference("lt_b4m", prompt, 40), f"{len(prompt)} tokens"
+    single, total = rows(server.get("/monitoring/prometheus/metrics").text)
+    calls, alone = total - before[1], single - before[0]
+    assert calls <= 4 * 40 and alone <= calls  # step_rows counts real calls (how many share: timing's)
+
+
+def test_a_stream_joins_a_lane_at_an_offset_where_the_mask_allows() -> None:
+    """lanes.place, deterministic: on an aligned driver a shorter prompt joins a running lane
+    at an offset, a longer one (or one that would not fit its max_new_tokens) opens a lane;
+    without the mask input only a stream at the lane's own position joins it."""
+    from types import SimpleNamespace
+
+    from appliance.core.lanes import Lane, place
+    from runtimes.generative import Slots
+
+    def stream(position: int, new: int = 20) -> Any:
+        return SimpleNamespace(position=position, offset=0, leader=None, params=SimpleNamespace(max_new_tokens=new),
+                               physical=position)
+
+    driver = SimpleNamespace(aligned=True, shared_position=True, context_length=128,
+                             new_slots=lambda n: Slots(n))
+    running = stream(39)
+    lanes = [Lane(Slots(4), [running, None, None, None])]
+    lane, row, offset = place(lanes, driver, stream(4), 4)  # type: ignore[arg-type]
+    assert (lane, row, offset) == (lanes[0], 1, 35)
+    assert place(lanes, driver, stream(50), 4)[0] is not lanes[0]  # longer than the lane's position
+    assert place(lanes, driver, stream(4, new=100), 4)[0] is not lanes[0]  # 35 + 4 + 100 > 128
+    plain = SimpleNamespace(aligned=False, shared_position=True, context_length=128, new_slots=lambda n: Slots(n))
+    lanes = [Lane(Slots(4), [running, None, None, None]), Lane(Slots(4), [stream(4), None, None, None])]
+    assert place(lanes, plain, stream(4), 4)[:2] == (lanes[1], 1)  # the lane at its own position

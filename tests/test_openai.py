@@ -34,6 +34,12 @@ DEFAULT_CHAT = "<|user|>\n{}\n<|assistant|>\n"
 BUNDLE_TEMPLATE = "{% for m in messages %}{{ m.content }}{% if not loop.last %} {% endif %}{% endfor %}"
 WORDS = [5, 17, 42, 99, 3, 64, 8, 120, 77, 31]
 START = 1  # the bundle's start token (tests/test_litertlm.py)
+# A chat template in Hermes' tool-call convention, short enough for a 128-token context:
+# the tools by name, the calls as <tool_call>{...}</tool_call>, results as "tool" messages.
+TOOLS_TEMPLATE = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ '\\n' }}{% endif %}"
+                  "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+                  "<tool_call>{\"name\": {{ c.function.name | tojson }}, \"arguments\": "
+                  "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}<assistant>")
 BUNDLE_SKIP = "LiteRT-LM's engine (litert-lm-api, the test extra) builds and runs the bundle"
 
 
@@ -59,6 +65,8 @@ def make_bundle(lt_models: Path, build: Path, target: Path) -> bool:
 def base(lt_models: Path, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("openai")
     tiny_version(lt_models, root / "models" / "tiny" / "1")
+    chat = tiny_version(lt_models, root / "models" / "chat" / "1")  # tiny with a compact Hermes-style template
+    (chat / "assets" / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
     shutil.copytree(models_dir / "keras_mlp_tflite", root / "models" / "mlp")
     make_bundle(lt_models, root / "build", root / "models" / "bundle" / "1")
     return root / "models"
@@ -173,7 +181,7 @@ def test_errors_are_openais(client: Any, server: Any) -> None:
             client.chat.completions.create(model=model, messages=chat)
         assert missing.value.code == "model_not_found" and missing.value.param == "model", model
         assert missing.value.type == "invalid_request_error"
-    for kwargs, param in (({"n": 2}, "n"), ({"temperature": 5}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+    for kwargs, param in (({"n": 99}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 9}, "logprobs"), ({"temperature": 5}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
                           ({"presence_penalty": 1.5}, "presence_penalty"), ({"model": "mlp"}, "model"),
                           ({"model": "tiny/versions/1"}, "model"), ({"stop": ["a"] * 5}, "stop"),
                           ({"prompt": ""}, "prompt"), ({"prompt": "\u00e9"}, "prompt")):
@@ -196,7 +204,7 @@ def test_models_lists_what_generates_and_tf_serving_keeps_its_paths(client: Any,
     listed = client.models.list()
     ids = {m.id for m in listed.data}
     bundle = {"bundle", "bundle:1"} if (base / "bundle").exists() else set()
-    assert ids == {"tiny", "tiny:1", "tiny:stable"} | bundle  # mlp cannot generate
+    assert ids == {"tiny", "tiny:1", "tiny:stable", "chat", "chat:1"} | bundle  # mlp cannot generate
     assert all(m.object == "model" and m.owned_by == "edge-appliance" and m.created > 0 for m in listed.data)
     assert requests.head(server.url + "/v1/models", timeout=30).status_code == 200
     # every TF Serving path stays TF Serving's: model status, metadata, a POST to /v1/models
@@ -350,3 +358,25 @@ def test_a_new_bundle_version_swaps_in_and_the_old_one_unloads(server: Any, clie
     assert (before.model, after.model) == ("bundle:1", "bundle:2")
     assert after.choices[0].text == before.choices[0].text  # the same bundle, the same answer
     assert {m.id for m in client.models.list().data} >= {"bundle", "bundle:2"}
+
+
+def test_concurrent_requests_to_a_bundle_all_answer(client: Any, reference: Any, server: Any, base: Path) -> None:
+    """LiteRT-LM's engine is not thread-safe: four streams and their tokenizing at once used to
+    abort the whole service ("double free or corruption"); each now waits its turn."""
+    needs_bundle(base)
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = " ".join(f"t{i}" for i in WORDS)
+    want = reference("lt_t", [START, *WORDS], 8)
+
+    def ask(i: int) -> list[int]:
+        if i % 2:
+            chunks = client.completions.create(model="bundle", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+            return words("".join(c.choices[0].text for c in chunks))
+        return words(client.completions.create(model="bundle", prompt=prompt, max_tokens=8,
+                                               temperature=0).choices[0].text)
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(ask, range(12)))
+    assert answers == [want] * 12
+    assert server.get("/healthz").status_code == 200

@@ -35,6 +35,20 @@ TABLE = {
     ("mount", "/v1/chat/*", ("*",)): INFERENCE,
     ("mount", "/v1/completions/*", ("*",)): INFERENCE,
     ("mount", "/v1/models/*", ("GET", "HEAD")): INFERENCE,
+    ("mount", "/v1/embeddings/*", ("*",)): INFERENCE,
+    ("mount", "/v1/responses/*", ("*",)): INFERENCE,
+    ("mount", "/v1/audio/*", ("*",)): INFERENCE,
+    ("mount", "/v1/images/*", ("*",)): INFERENCE,
+    ("mount", "/v1/files/*", ("*",)): INFERENCE,
+    ("mount", "/v1/moderations/*", ("*",)): INFERENCE,
+    ("mount", "/v1/batches/*", ("*",)): INFERENCE,
+    ("mount", "/v1/assistants/*", ("*",)): INFERENCE,
+    ("mount", "/v1/threads/*", ("*",)): INFERENCE,
+    ("mount", "/v1/fine_tuning/*", ("*",)): INFERENCE,
+    ("mount", "/v1/uploads/*", ("*",)): INFERENCE,
+    ("mount", "/v1/vector_stores/*", ("*",)): INFERENCE,
+    ("mount", "/v1/realtime/*", ("*",)): INFERENCE,
+    ("mount", "/v1/conversations/*", ("*",)): INFERENCE,
     ("mount", "/v1/*", ("*",)): INFERENCE,
     ("mount", "/v2/*", ("*",)): INFERENCE,
     ("route", "/static/<path:filename>", ("GET", "HEAD")): READ,
@@ -100,7 +114,7 @@ def environ(method: str, raw: str, path_info: str | None = None) -> dict[str, An
 @pytest.mark.parametrize("method,raw,endpoint,scope", [
     ("POST", "/v1/models/m:predict", "tfserving", INFERENCE),
     ("POST", "/v1/models/m/versions/2:generate", "generate", INFERENCE),
-    ("GET", "/v1/models/m:generate", "tfserving", INFERENCE),  # TF Serving answers it: 400 Malformed
+    ("GET", "/v1/models/m:generate", "openai-models", INFERENCE),  # which hands it to TF Serving: 400 Malformed  # TF Serving answers it: 400 Malformed
     ("POST", "/v1/models/m/labels/a/b:generate", "tfserving", INFERENCE),  # not :generate's grammar
     ("POST", "/v1/chat/completions", "openai", INFERENCE),
     ("GET", "/v1/chat/completions", "openai", INFERENCE),  # it answers 405 in OpenAI's shape
@@ -108,15 +122,15 @@ def environ(method: str, raw: str, path_info: str | None = None) -> dict[str, An
     ("GET", "/v1/models", "openai-models", INFERENCE),
     ("HEAD", "/v1/models?x=1", "openai-models", INFERENCE),
     ("POST", "/v1/models", "tfserving", INFERENCE),  # TF Serving's 400 Malformed
-    ("GET", "/v1/models/m", "tfserving", INFERENCE),  # TF Serving's model status, not models.retrieve
-    ("GET", "/v1/models/m:1", "tfserving", INFERENCE),
+    ("GET", "/v1/models/m", "openai-models", INFERENCE),  # hands TF Serving's clients TF Serving's model status
+    ("GET", "/v1/models/m:1", "openai-models", INFERENCE),  # models.retrieve of name:version
     ("POST", "/v1/chat/completions/x", "tfserving", INFERENCE),
     ("GET", "/v2", "kserve", INFERENCE),
     ("GET", "/v2/health/ready", "kserve", OPEN),
     ("POST", "/v2/models/m/infer?x=1", "kserve", INFERENCE),
     # TF Serving matches the undecoded path: still /v1, whatever the name decodes to
     ("POST", "/v1/models/..%2F..%2Fetc:predict", "tfserving", INFERENCE),
-    ("GET", "/v1/models/..%2F..%2Fapi%2Fstatus", "tfserving", INFERENCE),
+    ("GET", "/v1/models/..%2F..%2Fapi%2Fstatus", "openai-models", INFERENCE),  # TF Serving's answer, handed on
     # dot and empty segments as sent: guarded as what they normalise to, answered as sent
     ("POST", "/v1/../api/sync", "tfserving", ADMIN),
     ("GET", "/v1/../api/status", "tfserving", READ),

@@ -1,16 +1,21 @@
 """Text around token streams (appliance/core/text.py): stop strings cut across pieces, chat
 templates found where Hugging Face puts them, their refusals answered as the client's
-mistake and a broken template as the version's."""
+mistake and a broken template as the version's: refused when the version loads (a real
+server), the last good version serving on."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from appliance.core.errors import ApplianceError, InvalidArgument
 from appliance.core.text import DEFAULT_CHAT_TEMPLATE, ChatTemplate, StopText, Vocabulary
+from tests.test_generate import gen_models  # noqa: F401  (the session fixture)
 
 HF_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}"
                "{{ raise_exception('System role not supported') }}{% endif %}"
@@ -76,3 +81,33 @@ def test_a_character_vocabulary_round_trips(tmp_path: Path) -> None:
     assert "".join(map(vocab.decode, vocab.encode("ab a"))) == "ab a"
     with pytest.raises(InvalidArgument, match="'z' at offset 1"):
         vocab.encode("az")
+
+
+# -- at load: a version whose vocabulary or template is broken is refused with the reason ----------
+BROKEN = {
+    "does not parse": ("chat_template.jinja", "{% for m in messages %}{{ m.content }"),
+    "fails on a plain chat": ("chat_template.jinja", "{{ messages[0].content.upper(1, 2, 3) }}"),
+    "vocab.json of this version is not a JSON list of strings": ("vocab.json", '{"a": 1}'),
+}
+
+
+def test_a_broken_version_is_refused_at_load_and_the_last_good_one_serves(start_server: Any, gen_models: Path,
+                                                                          tmp_path: Path) -> None:
+    """Before, a broken template showed only as a 500 on every chat request once the version
+    served. Now each broken version is quarantined at load naming its fault; v1 keeps serving."""
+    base = tmp_path / "models" / "chat"
+    shutil.copytree(gen_models / "gen_tflite" / "1", base / "1")
+    config = tmp_path / "appliance.toml"
+    config.write_text(f'poll_interval_s = 0.2\n[[models]]\nname = "chat"\nbase_path = "{base}"\n')
+    srv = start_server("--config", str(config))
+    for version, (reason, (name, text)) in enumerate(BROKEN.items(), start=2):
+        staged = tmp_path / f"staged-{version}"
+        shutil.copytree(gen_models / "gen_tflite" / "1", staged)
+        (staged / "assets" / name).write_text(text)
+        os.rename(staged, base / str(version))  # appears whole
+        why = srv.wait_for(lambda: srv.status()["models"]["chat"]["quarantined"].get(str(version)), 60,
+                           f"version {version} to be refused")
+        assert reason in why, why
+        assert srv.status()["models"]["chat"]["serving_version"] == 1
+    answer = srv.post("/v1/completions", {"model": "chat", "max_tokens": 3, "prompt": "the model "})
+    assert answer.status_code == 200 and answer.json()["model"] == "chat:1", answer.text

@@ -26,7 +26,8 @@ from urllib.parse import unquote
 import orjson
 
 from appliance.core.errors import ApplianceError, InvalidArgument
-from appliance.core.generation import Generation, Params, Stream
+from appliance.core.generation import Generation
+from appliance.core.streams import Params, Stream
 from appliance.core.text import Vocabulary
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key

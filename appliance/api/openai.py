@@ -40,22 +40,28 @@ Thread-safety: none needed, every request has its own objects.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
-import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from urllib.parse import unquote
 
 import orjson
 
+from appliance.api import openai_fields as fields
 from appliance.api.body import read_raw, route_key
 from appliance.api.errors import as_error, status_line, wsgi_answer
+from appliance.api.openai_answer import Answer
+from appliance.api.openai_fields import CHAT, COMPLETIONS, MAX_STOPS, FieldError, ModelNotFound
+from appliance.api.openai_tools import Tools, read_tools, response_grammar
+from appliance.api import openai_embeddings as embeddings
 from appliance.api.kserve.rest import json_object
 from appliance.api.mounts import INFERENCE, Mount, raw_path
-from appliance.api.sse import StreamBody
+from appliance.api.sse import StreamBody, client_gone
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
-from appliance.core.generation import Generation, Params, Stream
-from appliance.core.text import StopText
+from appliance.core.generation import Generation
+from appliance.core.text import Vocabulary
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -63,35 +69,20 @@ if TYPE_CHECKING:
 JSON = "application/json"
 OWNER = "edge-appliance"
 SSE = "text/event-stream"
-CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
-MODEL_RE = re.compile(r"([^/:]+)(?::([^/:]+))?")  # name[:version|:label] (module docstring)
-MAX_STOPS = 4  # OpenAI's limit
-COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user")
-FIELDS = {CHAT: COMMON + ("messages", "max_completion_tokens"), COMPLETIONS: COMMON + ("prompt",)}
-# Fields this server cannot honour: accepted only with OpenAI's default value (None is also fine).
-DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,), "top_logprobs": (0,),
-    "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
-    "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "store": (False,),
-    "metadata": ({},), "service_tier": ("auto", "default"), "response_format": ({"type": "text"},)}
+MODELS = "/v1/models"
+EMBEDDINGS = "/v1/embeddings"
+# OpenAI's other API families: answered with OpenAI's error, never TF Serving's "Malformed request"
+NOT_SERVED = ("/v1/responses", "/v1/audio", "/v1/images", "/v1/files", "/v1/moderations", "/v1/batches",
+              "/v1/assistants", "/v1/threads", "/v1/fine_tuning", "/v1/uploads", "/v1/vector_stores",
+              "/v1/realtime", "/v1/conversations")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
          429: "rate_limit_error"}
 FIELD_RE = re.compile(r"field '([^']+)'")
-
-
-class FieldError(InvalidArgument):
-    """A 400 naming the request field (OpenAI's ``param``) and, where OpenAI has one, a ``code``."""
-
-    def __init__(self, message: str, param: str | None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-class ModelNotFound(NotFound):
-    """A 404 for a model id that names no loaded model, version or label (OpenAI's code)."""
-
-    param, code = "model", "model_not_found"
+# A bundle's tokenizer is not ours to bound: a prompt is counted on its first
+# context x PREFIX_CHARS_PER_TOKEN characters first, so a huge prompt is refused without
+# tokenizing all of it (no tokenizer's token holds more characters on average).
+PREFIX_CHARS_PER_TOKEN = 32
 
 
 def error_body(exc: BaseException) -> tuple[ApplianceError, bytes]:
@@ -116,8 +107,14 @@ def render(exc: BaseException) -> tuple[int, list[tuple[str, str]], bytes]:
     return error.http_status, headers, body
 
 
+def _json_answer(start_response: Callable[..., Any], obj: Any, method: str = "POST") -> Iterable[bytes]:
+    body = orjson.dumps(obj)
+    return wsgi_answer(start_response, (200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body),
+                       method)
+
+
 class OpenAIAPI:
-    """The three paths (module docstring); a WSGI app per path family, one core."""
+    """The paths (module docstring); a WSGI app per path family, one core."""
 
     def __init__(self, core: "Appliance"):
         self.core = core
@@ -126,25 +123,41 @@ class OpenAIAPI:
     def generation(self) -> Generation:
         return Generation.of(self.core)
 
-    # -- GET /v1/models ----------------------------------------------------------------------
+    # -- GET /v1/models, GET /v1/models/{name:tag} -----------------------------------------------
     def models(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD", "GET")
+        path = raw_path(environ).partition("?")[0]
+        if path != MODELS and ":" not in path and not environ.get("HTTP_X_STAINLESS_LANG"):
+            return self._tf_serving(environ, start_response)
         try:
-            body = orjson.dumps({"object": "list", "data": self._generative_models()})
+            listed = self._generative_models()
+            if path == MODELS:
+                return _json_answer(start_response, {"object": "list", "data": listed}, method)
+            wanted = unquote(path[len(MODELS) + 1:])
+            found = next((m for m in listed if m["id"] == wanted), None)
+            if found is None and not environ.get("HTTP_X_STAINLESS_LANG"):
+                return self._tf_serving(environ, start_response)  # a TF Serving client's model status
+            if found is None:
+                raise ModelNotFound(f"The model '{wanted}' does not exist; GET /v1/models lists the models that "
+                                    "generate")
+            return _json_answer(start_response, found, method)
         except Exception as exc:
             return wsgi_answer(start_response, render(exc), method)
-        return wsgi_answer(start_response, (200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body),
-                           method)
+
+    def _tf_serving(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        from appliance.api.tfserving.rest import V1API  # TF Serving's own answer, as before
+
+        return V1API(self.core, self.core.states)(environ, start_response)  # type: ignore[no-any-return]
 
     def _generative_models(self) -> list[dict[str, Any]]:
-        """Every id that can generate now (module docstring), as OpenAI's model objects."""
+        """Every id that can generate *text* now (module docstring), as OpenAI's model objects."""
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
         out = []
         for name, model in manager.snapshot().items():
             since = {v["version"]: v["available_since"] for v in model["versions"] if v["state"] == "AVAILABLE"}
-            ready = [v for v in sorted(since) if self._generates(name, v)]
+            ready = [v for v in sorted(since) if self._speaks_text(name, v)]
             serving = model["serving_version"]
             ids = ([(name, serving)] if serving in ready else []) + [(f"{name}:{v}", v) for v in ready] + \
                 [(f"{name}:{label}", v) for label, v in sorted(model["labels"].items()) if v in ready]
@@ -152,13 +165,18 @@ class OpenAIAPI:
                     for id_, v in ids]
         return out
 
-    def _generates(self, name: str, version: int) -> bool:
+    def _speaks_text(self, name: str, version: int) -> bool:
+        """It generates and has a tokenizer: what this API needs (a version without a
+        vocabulary generates ids only, which :generate serves)."""
         try:
             handle = self.core.manager.handle(name, version, judged=False)  # type: ignore[union-attr]
         except ApplianceError:  # unloaded meanwhile
             return False
         with handle:
-            return self.generation.can_generate(handle)
+            try:
+                return self.generation.prepare(handle)[1] is not None
+            except InvalidArgument:
+                return False
 
     # -- POST /v1/chat/completions, /v1/completions --------------------------------------------
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -169,41 +187,35 @@ class OpenAIAPI:
         try:
             if environ.get("REQUEST_METHOD") != "POST":
                 raise MethodNotAllowed(f"{path} takes POST")
-            body = _parse(read_raw(environ, self.core.config.server.max_body_bytes), path)
-            name = _model(body["model"])[0]
-            run = self._start(environ, body, path == CHAT)
+            body = fields.read(read_raw(environ, self.core.config.server.max_body_bytes), path)
+            name = fields.model_id(body["model"])[0]
+            answer = self._start(environ, body, path == CHAT)
         except Exception as exc:  # before the first byte
             status, headers, out = render(exc)
             self.core.metrics.observe_request(name, api, status, time.perf_counter() - started)
             start_response(status_line(status), headers)
             return [out]
-        if run.streaming:
+        if answer.streaming:
             start_response("200 OK", [("Content-Type", SSE), ("Cache-Control", "no-cache"),
                                       ("X-Accel-Buffering", "no")])
-            return _EventStream(self, run, api, started)
-        status, headers, out = self._collect(run)
-        self.core.metrics.observe_request(run.stream.model, api, status, time.perf_counter() - started)
+            return _EventStream(self, answer, api, started)
+        status, headers, out = self._collect(answer)
+        self.core.metrics.observe_request(name, api, status, time.perf_counter() - started)
         start_response(status_line(status), headers)
         return [out]
 
-    def _start(self, environ: dict[str, Any], body: dict[str, Any], chat: bool) -> "_Run":
+    def _start(self, environ: dict[str, Any], body: dict[str, Any], chat: bool) -> Answer:
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
-        name, version, label = _model(body["model"])
-        params = _params(body, self.core.config.generation, chat)
+        handle = _handle(manager, environ, body["model"])
         try:
-            handle = manager.handle(name, version, label, route_key(environ))
-        except (NotFound, InvalidArgument) as exc:  # an unknown name, version or label
-            raise ModelNotFound(f"The model '{body['model']}' does not exist ({exc.message}); GET /v1/models "
-                                "lists the models that generate") from exc
-        try:
-            return self._stream(handle, body, chat, params)
+            return self._stream(handle, body, chat, client_gone(environ))
         except BaseException:
             handle.release()
             raise
 
-    def _stream(self, handle: Any, body: dict[str, Any], chat: bool, params: Params) -> "_Run":
+    def _stream(self, handle: Any, body: dict[str, Any], chat: bool, gone: Callable[[], bool]) -> Answer:
         where = "messages" if chat else "prompt"
         try:
             driver, vocab = self.generation.prepare(handle)
@@ -212,227 +224,137 @@ class OpenAIAPI:
         if vocab is None:
             raise FieldError(f"model '{body['model']}' generates token ids only: its version ships no "
                              "tokenizer vocabulary (assets/vocab.json), and this API speaks text", "model")
-        text = self.generation.chat_template(handle).render(_messages(body)) if chat else _prompt(body)
+        tools: Tools | None = None
+        if chat:
+            template = self.generation.chat_template(handle)
+            tools = read_tools(body, template.source)
+            text = template.render(fields.messages(body), tools.tools if tools else None)
+        else:
+            text = fields.prompt(body)
+        prompt = self._tokens(vocab, text, driver.context_length, where, body)
+        grammar = response_grammar(body) or (tools.grammar() if tools else None)
+        stop_ids = frozenset({vocab.eos_id}) if getattr(vocab, "eos_id", None) is not None else frozenset()
+        params = fields.params(body, self.core.config.generation, chat, stop_ids)
+        text_level = not hasattr(vocab, "eos_id")
+        if text_level and (grammar is not None or params.logprobs is not None):
+            raise FieldError(f"model '{body['model']}' is a LiteRT-LM bundle, which decodes by itself: "
+                             "response_format, forced tool calls and logprobs need a token-level model",
+                             "response_format" if grammar is not None else "logprobs")
+        if grammar is not None:
+            grammar.check(self.generation.token_table(handle))
+        streams = self.generation.start_choices(prompt, params, handle, handle.model, text=text,
+                                                n=fields.choices(body), grammar=grammar)
+        overhead = getattr(driver.servable, "prompt_overhead", 0) if text_level else 0
+        return Answer(streams, vocab, body, chat, len(prompt) + overhead, fields.stops(body), tools, gone)
+
+    @staticmethod
+    def _tokens(vocab: Any, text: str, context: int | None, where: str, body: dict[str, Any]) -> list[int]:
+        """The prompt's tokens; a prompt over the context is refused before it is all
+        tokenized (a 10 MB prompt took 19.5 s to refuse), in OpenAI's words."""
+        if context is not None:
+            fewest = vocab.fewest_tokens(text) if hasattr(vocab, "fewest_tokens") else \
+                len(vocab.encode(text[:context * PREFIX_CHARS_PER_TOKEN]))
+            if fewest >= context:
+                raise _too_long(context, fewest, where, at_least=True)
         try:
             prompt = vocab.encode(text)
         except InvalidArgument as exc:
             raise FieldError(f"field '{where}': {exc.message}", where) from exc
         if not prompt:
             raise FieldError(f"field '{where}': the prompt is empty", where)
-        context = driver.context_length
         if context is not None and len(prompt) >= context:
-            raise FieldError(f"the prompt has {len(prompt)} tokens; this model's context holds {context}, so a "
-                             f"prompt may have at most {context - 1}", where, "context_length_exceeded")
-        stream = self.generation.start(prompt, params, handle, handle.model, text=text)
-        overhead = getattr(driver.servable, "prompt_overhead", 0) if stream.text_level else 0
-        return _Run(stream, vocab, body, chat, len(prompt) + overhead)
+            raise _too_long(context, len(prompt), where)
+        return prompt  # type: ignore[no-any-return]
 
     @staticmethod
-    def _collect(run: "_Run") -> tuple[int, list[tuple[str, str]], bytes]:
-        text = []
-        for piece in run.pieces():
-            text.append(piece)
-        if run.error is not None:
-            return render(ApplianceError(f"the model failed while generating: {run.error}"))
-        body = orjson.dumps(run.completion("".join(text)))
+    def _collect(answer: Answer) -> tuple[int, list[tuple[str, str]], bytes]:
+        whole = answer.completion()
+        if answer.error is not None:
+            return render(ApplianceError(f"the model failed while generating: {answer.error}"))
+        body = orjson.dumps(whole)
         return 200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
 
+    # -- POST /v1/embeddings ------------------------------------------------------------------
+    def embeddings(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        started, name = time.perf_counter(), ""
+        try:
+            if environ.get("REQUEST_METHOD") != "POST":
+                raise MethodNotAllowed(f"{EMBEDDINGS} takes POST")
+            body = json_object(read_raw(environ, self.core.config.server.max_body_bytes), "request")
+            unknown = sorted(set(body) - {"model", "input", "encoding_format", "dimensions", "user"})
+            if unknown:
+                raise FieldError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+            if not isinstance(body.get("model"), str):
+                raise FieldError("field 'model' is required", "model")
+            name = fields.model_id(body["model"])[0]
+            out = self._embed(environ, body)
+        except Exception as exc:
+            status, headers, data = render(exc)
+            self.core.metrics.observe_request(name, "embeddings", status, time.perf_counter() - started)
+            start_response(status_line(status), headers)
+            return [data]
+        self.core.metrics.observe_request(name, "embeddings", 200, time.perf_counter() - started)
+        return _json_answer(start_response, out)
 
-class _Run:
-    """One request's stream seen as OpenAI text: pieces with stop strings cut, then the
-    finish reason and usage."""
+    def _embed(self, environ: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+        manager = self.core.manager
+        if manager is None:
+            raise ApplianceError("the service is not started")
+        handle = _handle(manager, environ, body["model"])
+        with handle:
+            sig = embeddings.signature(handle, body["model"])
+            items = embeddings.inputs(body)
+            feeds, tokens = embeddings.feeds(sig, items, Vocabulary.load(handle.path), body["model"])
+            # a WSGI thread: the handle's coroutine runs on a loop of its own (as AsyncFamily's)
+            found = embeddings.vectors(sig, asyncio.run(handle.run(sig.name, feeds)), body["model"])
+            return embeddings.answer(body, found, f"{handle.model}:{handle.version}", tokens)
 
-    def __init__(self, stream: Stream, vocab: Any, body: dict[str, Any], chat: bool, prompt_tokens: int):
-        self.stream, self.vocab, self.chat = stream, vocab, chat
-        self.streaming = bool(body.get("stream", False))
-        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-        self.stop = StopText(_stops(body))
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.answered_by = f"{stream.model}:{stream.version}"  # the id of the version that answered
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-
-    def pieces(self) -> Iterator[str]:
-        """Text as it may be shown; ends with ``finish_reason`` (or ``error``) set."""
-        while True:
-            kind, value = self.stream.events.get()
-            if kind in ("token", "text"):
-                self.completion_tokens += 1
-                text, stopped = self.stop.feed(self.vocab.decode(value) if kind == "token" else value)
-                if text:
-                    yield text
-                if stopped:
-                    self.stream.cancel("stop")  # ended at its next step; its handle released there
-                    self.finish_reason = "stop"
-                    return
-                continue
-            held = self.stop.flush()
-            if held:
-                yield held
-            if kind == "error":
-                self.error = str(value)
-            else:
-                self.finish_reason = "stop" if value["finish_reason"] == "stop" else "length"
-            return
-
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-    def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.answered_by}
-
-    def completion(self, text: str) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": self.usage()}
-
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> bytes:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
-                ({"content": text} if text is not None else {})
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return _event({**self._head(kind), "choices": [choice], **({"usage": None} if self.include_usage else {})})
-
-    def usage_chunk(self) -> bytes:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return _event({**self._head(kind), "choices": [], "usage": self.usage()})
+    # -- what this server does not serve, in OpenAI's words -------------------------------------
+    def not_served(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = raw_path(environ).partition("?")[0]
+        error = NotFound(f"{environ.get('REQUEST_METHOD', 'GET')} {path} is not served by this server; it answers "
+                         "/v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models")
+        return wsgi_answer(start_response, render(error), environ.get("REQUEST_METHOD", "GET"))
 
 
-def _event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+def _handle(manager: Any, environ: dict[str, Any], model: str) -> Any:
+    """The manager's handle of the version an OpenAI model id names (routed like any request)."""
+    name, version, label = fields.model_id(model)
+    try:
+        return manager.handle(name, version, label, route_key(environ))
+    except (NotFound, InvalidArgument) as exc:  # an unknown name, version or label
+        raise ModelNotFound(f"The model '{model}' does not exist ({exc.message}); GET /v1/models lists the models "
+                            "that generate") from exc
+
+
+def _too_long(context: int, tokens: int, where: str, at_least: bool = False) -> FieldError:
+    """OpenAI's own words (what LiteLLM and other clients match to raise their
+    ContextWindowExceededError), with code context_length_exceeded."""
+    said = f"at least {tokens}" if at_least else str(tokens)
+    what = "messages" if where == "messages" else "prompt"
+    return FieldError(f"This model's maximum context length is {context} tokens. However, your {what} resulted in "
+                      f"{said} tokens. Please reduce the length of the {what}.", where, "context_length_exceeded")
 
 
 class _EventStream(StreamBody):
     """The SSE body (OpenAI's: ``data:`` chunks, then ``data: [DONE]``)."""
 
-    def __init__(self, api: OpenAIAPI, run: _Run, name: str, started: float):
-        self.api, self.run, self.name, self.started = api, run, name, started
-        super().__init__(run.stream)
+    def __init__(self, api: OpenAIAPI, answer: Answer, name: str, started: float):
+        self.api, self.answer, self.name, self.started = api, answer, name, started
+        super().__init__(answer)
 
     def events(self) -> Iterator[bytes]:
-        run = self.run
-        if run.chat:
-            yield run.chunk(None, role=True)
-        for piece in run.pieces():
-            yield run.chunk(piece)
+        answer = self.answer
+        yield from answer.chunks()
         self.finished = True
         status = 200
-        if run.error is not None:
-            error, body = error_body(ApplianceError(f"the model failed while generating: {run.error}"))
+        if answer.error is not None:
+            error, body = error_body(ApplianceError(f"the model failed while generating: {answer.error}"))
             status = error.http_status
             yield b"data: " + body + b"\n\n"
-        else:
-            yield run.chunk(None, run.finish_reason)
-            if run.include_usage:
-                yield run.usage_chunk()
-        self.api.core.metrics.observe_request(run.stream.model, self.name, status, time.perf_counter() - self.started)
+        self.api.core.metrics.observe_request(answer.streams[0].model, self.name, status,
+                                              time.perf_counter() - self.started)
         yield b"data: [DONE]\n\n"
-
-
-# -- request fields ---------------------------------------------------------------------------
-def _parse(raw: bytes, path: str) -> dict[str, Any]:
-    body = json_object(raw, "request")
-    for key, value in body.items():
-        if key in FIELDS[path]:
-            continue
-        if key not in DEFAULTS:
-            raise FieldError(f"Unrecognized request argument supplied: {key}", key)
-        if value is not None and value not in DEFAULTS[key]:
-            raise FieldError(f"field '{key}' is not supported by this server (only its default "
-                             f"{DEFAULTS[key][0]!r})", key)
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise FieldError("field 'model' is required: the name of a model that generates (GET /v1/models)", "model")
-    if body.get("n") is not None and (type(body["n"]) is not int or body["n"] != 1):
-        raise FieldError("field 'n': this server generates one choice per request (n = 1)", "n")
-    if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
-        raise FieldError("field 'stream' must be true or false", "stream")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise FieldError("field 'stream_options' takes only include_usage", "stream_options")
-    return body
-
-
-def _model(model: str) -> tuple[str, int | None, str | None]:
-    match = MODEL_RE.fullmatch(model)
-    if match is None:
-        raise FieldError(f"field 'model': {model!r} is not '<name>', '<name>:<version>' or '<name>:<label>'",
-                         "model")
-    name, tag = match.groups()
-    if tag is None:
-        return name, None, None
-    return (name, int(tag), None) if tag.isascii() and tag.isdigit() else (name, None, tag)
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise FieldError("field 'messages' must be a non-empty list of messages", "messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise FieldError(f"field 'messages': message {i} needs a 'role'", "messages")
-        out.append({"role": message["role"], "content": _content(message.get("content"), i)})
-    return out
-
-
-def _content(content: Any, i: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):  # content parts: text only
-        parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
-        if all(isinstance(p, str) for p in parts):
-            return "".join(parts)  # type: ignore[arg-type]
-    raise FieldError(f"field 'messages': message {i}'s content must be a string or text parts "
-                     "(this model takes text only)", "messages")
-
-
-def _prompt(body: dict[str, Any]) -> str:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise FieldError("field 'prompt' must be a non-empty string (one prompt per request)", "prompt")
-    return prompt
-
-
-def _stops(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
-        raise FieldError(f"field 'stop' must be a string or a list of at most {MAX_STOPS} strings", "stop")
-    return stops
-
-
-def _number(body: dict[str, Any], name: str, default: Any, kind: type, low: float, high: float) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or not low <= value <= high:
-        raise FieldError(f"field '{name}' must be {'a number' if kind is float else 'an integer'} "
-                         f"from {low:g} to {high:g}, got {value!r}", name)
-    return kind(value)
-
-
-def _params(body: dict[str, Any], config: Any, chat: bool) -> Params:
-    _stops(body)
-    limit = config.max_new_tokens_limit
-    field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    seed = _number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1)
-    return Params(max_new_tokens=_number(body, field, config.default_max_new_tokens, int, 1, limit),
-                  temperature=_number(body, "temperature", 1.0, float, 0, 2),
-                  top_p=_number(body, "top_p", 1.0, float, 1e-9, 1),
-                  seed=None if seed is None else seed % (1 << 63))  # numpy's generators take no negative seed
 
 
 # -- the route table's mounts and /openapi.json ------------------------------------------------
@@ -484,15 +406,21 @@ OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
 
 
 def mounts(core: "Appliance") -> list[Mount]:
-    """The three paths, ahead of TF Serving's ``/v1`` (module docstring). Specific prefixes,
-    so a ``:predict`` pays no pattern of these."""
+    """The paths, ahead of TF Serving's ``/v1`` (module docstring). Specific prefixes, so a
+    ``:predict`` pays no pattern of these."""
     api = OpenAIAPI(core)
+    gone = "|".join(re.escape(p) for p in NOT_SERVED)
     return [Mount("openai", "/v1/chat/", INFERENCE, api, pattern=re.compile(re.escape(CHAT)),
                   summary="OpenAI chat completions"),
             Mount("openai", "/v1/completions/", INFERENCE, api, pattern=re.compile(re.escape(COMPLETIONS)),
                   summary="OpenAI completions"),
+            Mount("openai-embeddings", "/v1/embeddings/", INFERENCE, api.embeddings,
+                  pattern=re.compile(re.escape(EMBEDDINGS)), summary="OpenAI embeddings"),
             Mount("openai-models", "/v1/models/", INFERENCE, api.models, methods=frozenset({"GET", "HEAD"}),
-                  pattern=re.compile(re.escape(MODELS)), summary="OpenAI model list")]
+                  pattern=re.compile(re.escape(MODELS) + r"(?:/[^/]+)?"),
+                  summary="OpenAI model list and model (TF Serving's model status for its clients)"),
+            *[Mount("openai-not-served", p + "/", INFERENCE, api.not_served, pattern=re.compile(f"(?:{gone})(?:/.*)?"),
+                    summary="OpenAI API families this server does not serve (OpenAI's error)") for p in NOT_SERVED]]
 
 
 __all__ = ["OPENAPI_PATHS", "OpenAIAPI", "error_body", "mounts", "render"]

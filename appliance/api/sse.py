@@ -8,12 +8,22 @@ at its next step and releases its version.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+GONE_KEY = "appliance.client_gone"  # environ: a callable, True once the client went away (the transport sets it)
+
+
+def client_gone(environ: dict[str, Any]) -> Callable[[], bool]:
+    """Whether the request's client is gone, for an answer that writes nothing until it is
+    whole (a non-streamed completion): the HTTP server, or the front worker's link, puts the
+    callable in the environ; without one the answer runs to its end."""
+    gone = environ.get(GONE_KEY)
+    return gone if callable(gone) else (lambda: False)
 
 
 class StreamBody:
     def __init__(self, stream: Any):
-        self.stream = stream  # appliance.core.generation.Stream
+        self.stream = stream  # appliance.core.streams.Stream
         self.finished = False
         self._events = self.events()
 
@@ -31,4 +41,4 @@ class StreamBody:
             self.stream.cancel()
 
 
-__all__ = ["StreamBody"]
+__all__ = ["GONE_KEY", "StreamBody", "client_gone"]

@@ -305,6 +305,8 @@ class GenerationConfig:
     """Token streaming from generative models (``:generate``, appliance/core/generation.py)."""
 
     max_streams: int = 24  # streams at once, all models (each holds an HTTP thread); more: 503 + Retry-After
+    max_streams_per_model: int = 0  # streams at once of one model; 0: no cap of its own (appliance/core/stream_limits.py)
+    reserved_streams_per_model: int = 2  # kept in the pool for each other generative model that holds fewer
     max_streams_per_step: int = 0  # streams per decode call; 0: the model's batching.max_batch_size
     step_batching: bool = True  # false: one decode call per stream per step (the bench's baseline)
     default_max_new_tokens: int = 64  # when a request names none
@@ -314,6 +316,9 @@ class GenerationConfig:
         for name in ("max_streams", "default_max_new_tokens", "max_new_tokens_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{key}.{name}", "must be at least 1")
+        for name in ("max_streams_per_model", "reserved_streams_per_model"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{key}.{name}", "must not be negative (0: off)")
         if self.max_streams_per_step < 0:
             raise ConfigError(f"{key}.max_streams_per_step", "must not be negative (0: batching.max_batch_size)")
         if self.default_max_new_tokens > self.max_new_tokens_limit:

@@ -9,11 +9,25 @@ or cancelled one leaves at once and frees its row. Streams are packed into *lane
 lane is one ``runtimes.generative.Slots`` of ``lane_size`` rows, i.e. one decode call per
 step: the fixed decode batch of a LiteRT LLM, else ``max_streams_per_step`` (default the
 model's ``batching.max_batch_size``); ``step_batching = false`` makes every lane one row
-(one call per stream per step, the bench's baseline).
+(one call per stream per step, the bench's baseline). Which row a stream takes, and at
+which offset (a shared-position conversion aligns streams of any length): appliance/core/lanes.py.
+
+Each step of a stream chooses its token in appliance/core/sampling.py: a constrained stream
+(``Stream.constraint``: OpenAI's ``response_format``, forced tool calls;
+appliance/core/constraints.py) has its own mask over its row's logits, so constrained and
+free streams share lanes and calls. ``n`` choices of one prompt (``start_choices``) are
+prefilled once: the other rows get a copy of that row's cache, and the choices run in the
+same calls.
+
+**Limits** (``generation.max_streams``, all models; ``max_streams_per_model``, 0: no cap
+of its own): a model may not take the last ``reserved_streams_per_model`` streams of the
+pool for each *other* model that can generate and holds fewer than that many, so streams
+on one model never shut every other model out (appliance/core/stream_limits.py).
 
 Text-level servables (a LiteRT-LM ``.litertlm`` bundle) decode by themselves: their
 streams run in appliance/core/text_streams.py under the same limits, handle, status and
-metrics. Prompts as text, chat templates and stop strings: appliance/core/text.py.
+metrics. Prompts as text, chat templates and stop strings: appliance/core/text.py; the
+stream object, its parameters and metrics: appliance/core/streams.py.
 
 A stream holds a manager handle on the version it started on until it ends, so a
 hot-swap never breaks it: new streams get the new version, the old one drains (and
@@ -29,135 +43,23 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
 
 from runtimes import RuntimeFailure, TextServable, generative
 
 from appliance.core.config import GenerationConfig
-from appliance.core.errors import ApplianceError, InvalidArgument, Unavailable, from_runtime
+from appliance.core.constraints import Constraint, Grammar, TokenTable
+from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
+from appliance.core.lanes import Lane, place
+from appliance.core.sampling import choose
+from appliance.core.stream_limits import SharedHandle, StreamLimits
+from appliance.core.streams import GenerationMetrics, Params, Stream, Tagged
 from appliance.core.text import ChatTemplate, Vocabulary
 from appliance.core.text_streams import TextDriver, TextStreams, TextVocabulary
 
 log = logging.getLogger("appliance.generation")
-
-TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-@dataclass(frozen=True)
-class Params:
-    """What a request asks for; validated by the API layer."""
-
-    max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no cut
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: frozenset[int] = frozenset()
-
-
-class Stream:
-    """One generation request. The HTTP side reads ``events``: ("token", id), then one
-    ("done", summary) or ("error", message)."""
-
-    def __init__(self, prompt: list[int], params: Params, handle: Any, model: str):
-        self.prompt, self.params, self.model = prompt, params, model
-        self._handle = handle
-        self.slot = handle.slot
-        self.version = self.slot.version
-        self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.cancelled = threading.Event()
-        self.cancel_reason = "cancelled"
-        self.tokens: list[int] = []
-        self.pieces: list[str] = []  # a text-level servable's output (its ids are not known)
-        self.text_level = False
-        self.rng = np.random.default_rng(params.seed)
-        self.started = time.monotonic()
-        self.first_at: float | None = None
-        self.position = len(prompt) - 1  # where the next decode input (prompt[-1] first) goes
-        self.next_input = prompt[-1]
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        """Ask the loop to drop this stream at its next step: a client went away
-        ("cancelled"), or the API layer found a stop string ("stop")."""
-        self.cancel_reason = reason
-        self.cancelled.set()
-
-    @property
-    def generated(self) -> int:
-        """Tokens generated so far (pieces, for a text-level servable)."""
-        return len(self.tokens) + len(self.pieces)
-
-    def release(self, failure: ApplianceError | None = None) -> None:
-        """Give the version back, reporting the stream's outcome (the rollout judge's, when routed)."""
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.report(failure, time.monotonic() - self.started)
-            handle.release()
-
-    def summary(self, reason: str) -> dict[str, Any]:
-        elapsed = time.monotonic() - self.started
-        ttft = (self.first_at - self.started) if self.first_at else None
-        decode_s = time.monotonic() - self.first_at if self.first_at else 0.0
-        return {"finish_reason": reason, "model_name": self.model, "model_version": str(self.version),
-                "prompt_tokens": len(self.prompt), "completion_tokens": self.generated,
-                "time_to_first_token_ms": round(ttft * 1000, 3) if ttft is not None else None,
-                "tokens_per_s": round((self.generated - 1) / decode_s, 2) if self.generated > 1 and decode_s > 0
-                else None, "elapsed_ms": round(elapsed * 1000, 3)}
-
-
-def sample(logits: np.ndarray, params: Params, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus)."""
-    if params.temperature <= 0:
-        return int(np.argmax(logits))
-    x = logits.astype(np.float64) / params.temperature
-    if 0 < params.top_k < x.size:
-        x[x < np.partition(x, -params.top_k)[-params.top_k]] = -np.inf
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs)
-        before = np.cumsum(probs[order]) - probs[order]  # mass of the more likely tokens
-        probs[order[before >= params.top_p]] = 0.0
-        probs /= probs.sum()
-    return int(rng.choice(probs.size, p=probs))
-
-
-class GenerationMetrics:
-    """Time to first token, tokens/s per stream and in total, active streams, rows per step."""
-
-    def __init__(self, registry: Any):
-        self.ttft = Histogram("edge_appliance_generation_time_to_first_token_seconds",
-                              "From request to first generated token", ["model_name"], buckets=TTFT_BUCKETS_S,
-                              registry=registry)
-        self.tokens = Counter("edge_appliance_generation_tokens", "Generated tokens (rate() = total tokens/s)",
-                              ["model_name"], registry=registry)
-        self.stream_rate = Histogram("edge_appliance_generation_stream_tokens_per_second",
-                                     "Decode speed of each finished stream", ["model_name"], buckets=RATE_BUCKETS,
-                                     registry=registry)
-        self.active = Gauge("edge_appliance_generation_active_streams", "Streams admitted and not finished",
-                            ["model_name"], registry=registry)
-        self.streams = Counter("edge_appliance_generation_streams", "Finished streams by finish reason",
-                               ["model_name", "finish_reason"], registry=registry)
-        self.step_rows = Histogram("edge_appliance_generation_step_rows", "Streams per decode call",
-                                   ["model_name"], buckets=ROW_BUCKETS, registry=registry)
-
-
-@dataclass
-class Lane:
-    """One decode call per step: ``slots`` (the cache rows) and the stream in each row."""
-
-    slots: generative.Slots
-    rows: list[Stream | None] = field(default_factory=list)
-
-    def active(self) -> list[int]:
-        return [i for i, s in enumerate(self.rows) if s is not None]
-
 
 class DecodeLoop:
     """The loop of one model version (module docstring)."""
@@ -205,26 +107,22 @@ class DecodeLoop:
                 self.owner.loops.pop(id(self.slot), None)  # under the lock: no stream can slip in
                 return False
         placed = []
+        rows: dict[int, tuple[Lane, int]] = {}
+        if self.driver.aligned:  # the longest prompt first: the shorter ones then align to it
+            arrived.sort(key=lambda s: -s.position)
         for stream in arrived:
-            if stream.cancelled.is_set():
-                self.owner.ended(stream, stream.cancel_reason)
-                continue
-            lane, row = self._free_row()
+            lane, row, stream.offset = place(self.lanes, self.driver, stream, self.lane_size)
             lane.rows[row] = stream
             placed.append((lane, row, stream))
+            rows[id(stream)] = (lane, row)
         for lane, row, stream in placed:  # all placed first: a failing prefill ends every one of them
-            self.driver.prefill(lane.slots, row, stream.prompt)
+            if stream.leader is None:
+                self.driver.prefill(lane.slots, row, stream.prompt, stream.offset)
+            else:  # another choice of a prompt prefilled above: a copy of its row
+                src, src_row = rows[id(stream.leader)]
+                self.driver.copy_row(src.slots, src_row, lane.slots, row)
         self._drop_cancelled()
         return True
-
-    def _free_row(self) -> tuple[Lane, int]:
-        for lane in self.lanes:
-            for row, stream in enumerate(lane.rows):
-                if stream is None:
-                    return lane, row
-        lane = Lane(self.driver.new_slots(self.lane_size), [None] * self.lane_size)
-        self.lanes.append(lane)
-        return lane, 0
 
     def _drop_cancelled(self) -> None:
         for lane in self.lanes:
@@ -240,28 +138,36 @@ class DecodeLoop:
                 continue
             streams = [lane.rows[r] for r in rows]
             logits = self.driver.decode(lane.slots, rows, [s.next_input for s in streams],  # type: ignore[union-attr]
-                                        [s.position for s in streams])  # type: ignore[union-attr]
-            self._step_rows.observe(len(rows))
+                                        [s.physical for s in streams],  # type: ignore[union-attr]
+                                        [s.offset for s in streams] if self.driver.aligned else None)  # type: ignore[union-attr]
+            for call in lane.slots.calls:
+                self._step_rows.observe(call)
             for i in reversed(range(len(rows))):  # backwards: finishing may move a later row into this one
                 self._advance(lane, rows[i], streams[i], logits[i])  # type: ignore[arg-type]
         self.lanes = [lane for lane in self.lanes if lane.active()]  # an idle lane frees its cache
 
     def _advance(self, lane: Lane, row: int, stream: Stream, logits: np.ndarray) -> None:
-        token = sample(logits, stream.params, stream.rng)
-        if token in stream.params.stop:
+        token, logprob = choose(logits, stream)
+        if token is None or token in stream.params.stop:  # the grammar is complete, or a stop token
             self._finish(lane, row, "stop")
             return
+        if stream.constraint is not None:
+            stream.constraint.advance(token)
         if stream.first_at is None:
             stream.first_at = time.monotonic()
             self._ttft.observe(stream.first_at - stream.started)
+        if logprob is not None:
+            stream.logprobs.append(logprob)  # before the event: its reader finds it there
         stream.tokens.append(token)
         stream.events.put(("token", token))
         self._tokens.inc()
         stream.next_input, stream.position = token, stream.position + 1
         context = self.driver.context_length
-        if len(stream.tokens) >= stream.params.max_new_tokens:
+        if stream.constraint is not None and stream.constraint.finished:
+            self._finish(lane, row, "stop")
+        elif len(stream.tokens) >= stream.params.max_new_tokens:
             self._finish(lane, row, "length")
-        elif context is not None and stream.position >= context:
+        elif context is not None and stream.physical >= context:
             self._finish(lane, row, "context")
 
     def _finish(self, lane: Lane, row: int, reason: str, error: str = "") -> None:
@@ -292,6 +198,7 @@ class Generation:
         self.metrics = GenerationMetrics(core.metrics.registry)
         self.counts = {"streams_started": 0, "streams_cancelled": 0, "tokens_generated": 0}
         self.admitted = 0  # streams queued or running, all versions
+        self.limits = StreamLimits(lambda: self.config, self._generative_models)
         self.status: dict[str, Any] = {}
         self.publish()
         core.add_status("generation", lambda: self.status)
@@ -359,41 +266,86 @@ class Generation:
         """The chat template of the handle's version (appliance/core/text.py)."""
         return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))  # type: ignore[no-any-return]
 
+    def token_table(self, handle: Any) -> TokenTable:
+        """The version's vocabulary as the grammar engine reads it (built once per version)."""
+        _, vocab = self.prepare(handle)
+        if not isinstance(vocab, Vocabulary):
+            raise InvalidArgument("constrained decoding needs a token-level model with its vocabulary "
+                                  "(assets/vocab.json); a LiteRT-LM bundle decodes by itself")
+        return self._read(handle.slot, "token_table", lambda slot: TokenTable.of(vocab))  # type: ignore[no-any-return]
+
     def start(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None) -> Stream:
         """Queue a stream on the handle's version; the loop owns (and releases) the handle.
         ``text``: the prompt as text, for a text-level servable (else its ids are detokenized)."""
-        slot = handle.slot
+        return self.start_choices(prompt, params, handle, model, text, tagged=False)[0]
+
+    def start_choices(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None,
+                      n: int = 1, grammar: Grammar | None = None, tagged: bool = True) -> list[Stream]:
+        """``n`` streams of one prompt (OpenAI's choices), sharing its prefill and the handle
+        (released with the last of them); each constrained by ``grammar`` when given.
+        Admitted together or refused together (``Unavailable`` over the limits). ``tagged``:
+        every stream's events go to one queue, ``streams[0].choice_events``, as (index, kind,
+        value)."""
         driver, vocab = self.prepare(handle)
         text_level = isinstance(driver, TextDriver)
         if text_level and params.stop:
             raise InvalidArgument("field 'stop': stop token ids need a token-level model; this version is a "
                                   "LiteRT-LM bundle, which stops at its own stop tokens")
+        table = self.token_table(handle) if grammar is not None else None
         prompt_text = (text if text is not None else vocab.decode_all(prompt)) if text_level else ""
-        stream = Stream(prompt, params, handle, model)
-        stream.text_level = text_level
-        with self.lock:
-            if self.admitted >= self.config.max_streams:
-                raise Unavailable(f"{self.admitted} streams are running, the limit is generation.max_streams = "
-                                  f"{self.config.max_streams}; retry later")
-            self.admitted += 1
-            self.counts["streams_started"] += 1
-            loop, fresh = None, False
-            if text_level:
-                self.text.count_in(stream)
-            else:
-                loop = self.loops.get(id(slot))
-                fresh = loop is None
-                if loop is None:
-                    loop = self.loops[id(slot)] = DecodeLoop(self, slot, driver, self._lane_size(slot, driver))
-                loop.pending.append(stream)
-        self.metrics.active.labels(model).inc()
+        shared = SharedHandle(handle, n) if n > 1 else handle
+        streams = [Stream(prompt, params, shared, model) for _ in range(n)]
+        merged: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
+        for i, stream in enumerate(streams):
+            stream.text_level, stream.index = text_level, i
+            if i and params.seed is not None:  # each choice samples its own, reproducibly
+                stream.rng = np.random.default_rng((params.seed, i))
+            if tagged:
+                stream.events, stream.choice_events = Tagged(merged, i), merged  # type: ignore[assignment]
+            stream.leader = streams[0] if i and not text_level else None
+            stream.constraint = Constraint(grammar, table) if grammar is not None and table is not None else None
+        self.limits.refresh()
+        loop = self._admit(streams, handle.slot, driver, model, text_level)
+        self.metrics.active.labels(model).inc(n)
         if text_level:
-            self.text.start(stream, driver, prompt_text)
-        elif fresh:
-            assert loop is not None
+            for stream in streams:
+                self.text.start(stream, driver, prompt_text)
+        elif loop is not None:
             loop.thread.start()
         self.publish()
-        return stream
+        return streams
+
+    def _admit(self, streams: list[Stream], slot: Any, driver: Any, model: str, text_level: bool) -> "DecodeLoop | None":
+        """Count the streams in (or refuse them all) and queue them; the loop to start, if new."""
+        with self.lock:
+            self.limits.admit(model, len(streams))
+            self.admitted += len(streams)
+            self.counts["streams_started"] += len(streams)
+            if text_level:
+                for stream in streams:
+                    self.text.count_in(stream)
+                return None
+            loop = self.loops.get(id(slot))
+            fresh = loop is None
+            if loop is None:
+                loop = self.loops[id(slot)] = DecodeLoop(self, slot, driver, self._lane_size(slot, driver))
+            loop.pending.extend(streams)
+            return loop if fresh else None
+
+    def _generative_models(self) -> list[str]:
+        """The models whose serving version can generate (what the stream limits keep room for)."""
+        manager = self.core.manager
+        if manager is None:
+            return []
+        out = []
+        for name in manager.snapshot():
+            try:
+                with manager.handle(name, judged=False) as held:
+                    if self.can_generate(held):
+                        out.append(name)
+            except ApplianceError:  # no version serves now
+                continue
+        return out
 
     def _lane_size(self, slot: Any, driver: generative.Driver) -> int:
         if not self.config.step_batching:
@@ -415,6 +367,7 @@ class Generation:
             m.stream_rate.labels(stream.model).observe(summary["tokens_per_s"])
         with self.lock:
             self.admitted -= 1
+            self.limits.leave(stream.model)
             self.counts["tokens_generated"] += stream.generated
             self.counts["streams_cancelled"] += reason == "cancelled"
         self.publish()
@@ -424,6 +377,7 @@ class Generation:
         with self.lock:
             loops = list(self.loops.values())
             status = {**self.counts, "active_streams": self.admitted, "step_batching": self.config.step_batching,
+                      "streams_per_model": dict(self.limits.running),
                       "loops": [{"model": lp.model, "version": lp.slot.version, "lane_size": lp.lane_size,
                                  **lp.driver.describe()} for lp in loops],
                       "text_streams": self.text.status()}

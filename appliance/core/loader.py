@@ -40,10 +40,12 @@ from runtimes import RuntimeFailure, Servable
 
 from appliance.core.batcher import Batcher
 from appliance.core.config import Config, ModelConfig
+from appliance.core.errors import ApplianceError
 from appliance.core.ledger import MAX_INTERRUPTED, Ledger, mtime
 from appliance.core.loader_api import Api, differences
 from appliance.core.loader_child import examine, failure_code
 from appliance.core.loader_trial import Limits, memory_budget, run_in_child
+from appliance.core.text import check_assets as check_text_assets
 from appliance.core.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -109,6 +111,7 @@ class Loader:
         """Make the version ready to serve (module docstring), comparing its API with
         ``reference`` (version, API) when given. Raises ``LoadError``."""
         self._check_source()
+        self._check_text_assets()
         interrupted = self.env.ledger.interrupted(self.name, self.version, self.path)
         if interrupted >= MAX_INTERRUPTED:
             self._crashed(interrupted)
@@ -125,6 +128,14 @@ class Loader:
         loaded.trial_ms = trial_ms
         loaded.batcher = make_batcher(self.env, self.cfg, self.version, loaded.servable)
         return loaded
+
+    def _check_text_assets(self) -> None:
+        """A generative version's vocabulary and chat template read, parse and render a plain
+        chat (appliance/core/text.py), or it is refused now, not with a 500 per chat request."""
+        try:
+            check_text_assets(self.path)
+        except ApplianceError as exc:
+            raise LoadError(exc.message, "INVALID_ARGUMENT") from exc
 
     def _serve(self, verdict: Mapping[str, Any], reference: tuple[int, Api] | None) -> Loaded:
         """Steps 3 to 5 on the trial's verdict."""

@@ -23,19 +23,33 @@ from appliance.core.errors import ApplianceError, InvalidArgument
 VOCAB_FILE = os.path.join("assets", "vocab.json")
 CHAT_TEMPLATE_FILE = os.path.join("assets", "chat_template.jinja")
 TOKENIZER_CONFIG_FILE = os.path.join("assets", "tokenizer_config.json")
-# The template of a version that ships none: role tags on lines of their own.
-DEFAULT_CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# The template of a version that ships none: role tags on lines of their own; with tools,
+# Hermes' convention (Qwen2.5's and NousResearch's templates): the functions listed as JSON in
+# a system block, a call answered as <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+# a tool's result as a "tool" message.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\nYou may call these functions. To call one, answer "
+    "<tool_call>{\"name\": <name>, \"arguments\": <arguments>}</tool_call>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+    "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{\"name\": {{ call.function.name | tojson }}, "
+    "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 class Vocabulary:
     """``assets/vocab.json`` of a version: a JSON list of token strings (index = id).
-    Text is encoded by greedy longest match, which is exact for character vocabularies."""
+    Text is encoded by greedy longest match, which is exact for character vocabularies.
+    ``eos_id``: the token of ``eos_token`` in ``assets/tokenizer_config.json`` (a stream
+    ends there), ``special_ids``: its special tokens (``added_tokens_decoder``), which no
+    grammar's text may use."""
 
-    def __init__(self, tokens: Sequence[str]):
+    def __init__(self, tokens: Sequence[str], eos: str = "", special: Sequence[str] = ()):
         self.tokens = list(tokens)
         self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
-        self._longest = max((len(t) for t in self.tokens), default=1)
+        self.longest = max((len(t) for t in self.tokens), default=1)
+        self.eos_id = self._ids.get(eos) if eos else None
+        self.special_ids = frozenset(self._ids[t] for t in special if t in self._ids)
 
     @classmethod
     def load(cls, version_dir: str) -> "Vocabulary | None":
@@ -46,12 +60,21 @@ class Vocabulary:
             tokens = json.load(f)
         if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
             raise InvalidArgument(f"{VOCAB_FILE} of this version is not a JSON list of strings")
-        return cls(tokens)
+        config = _tokenizer_config(version_dir)
+        added = config.get("added_tokens_decoder")
+        special = [t.get("content") for t in added.values() if isinstance(t, dict) and t.get("special")] \
+            if isinstance(added, dict) else []
+        return cls(tokens, _special(config.get("eos_token")), [t for t in special if isinstance(t, str)])
+
+    def fewest_tokens(self, text: str) -> int:
+        """The fewest tokens ``text`` can take (its length over the longest token's), known
+        without encoding it: a prompt over the context is refused before any work."""
+        return -(-len(text) // self.longest)
 
     def encode(self, text: str) -> list[int]:
         ids, i = [], 0
         while i < len(text):
-            for size in range(min(self._longest, len(text) - i), 0, -1):
+            for size in range(min(self.longest, len(text) - i), 0, -1):
                 token = self._ids.get(text[i:i + size])
                 if token is not None:
                     ids.append(token)
@@ -81,6 +104,7 @@ class ChatTemplate:
         except TemplateError as exc:  # the version's template is broken: the server's fault, not the client's
             raise ApplianceError(f"the chat template of this version ({origin}) does not parse: {exc}") from exc
         self.origin, self.bos, self.eos = origin, bos, eos
+        self.source = source
         # what a template may raise on messages it cannot take (Jinja's own errors included)
         self.refusals = (TemplateError, TypeError, ValueError, LookupError, AttributeError)
 
@@ -100,12 +124,29 @@ class ChatTemplate:
                        _special(config.get("eos_token")))
         return cls(DEFAULT_CHAT_TEMPLATE, "the default template")
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt of ``messages``; ``tools`` (OpenAI's ``tools`` list) as Hugging Face
+        passes them, the template's ``tools`` variable (None when there are none)."""
         try:
             return str(self.template.render(messages=list(messages), add_generation_prompt=True,
-                                            bos_token=self.bos, eos_token=self.eos))
+                                            bos_token=self.bos, eos_token=self.eos, tools=tools or None))
         except self.refusals as exc:  # the template refused these messages
             raise InvalidArgument(f"field 'messages': the chat template ({self.origin}) failed: {exc}") from exc
+
+    def check(self) -> None:
+        """Render a short conversation (with a tool call and its result): a template that fails
+        on what every chat has is the version's fault, said when the version is first used
+        for chat, not as a 500 on every request."""
+        sample = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                  {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+        try:
+            self.template.render(messages=sample, add_generation_prompt=True, bos_token=self.bos,
+                                 eos_token=self.eos, tools=None)
+        except InvalidArgument:
+            pass  # raise_exception(...) on purpose (e.g. no system role): a refusal of content, not a fault
+        except Exception as exc:
+            raise ApplianceError(f"the chat template of this version ({self.origin}) fails on a plain chat: "
+                                 f"{type(exc).__name__}: {exc}") from exc
 
 
 def _template_error(message: str) -> None:
@@ -128,6 +169,22 @@ def _tokenizer_config(version_dir: str) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"{TOKENIZER_CONFIG_FILE} of this version is not readable JSON: {exc}") from exc
     return config if isinstance(config, dict) else {}
+
+
+def check_assets(version_dir: str) -> None:
+    """At load (appliance/core/manager.py): a version's vocabulary and chat template, where it
+    ships them, must read, parse and render a plain chat; else the version is refused with the
+    reason (``ApplianceError``), instead of a 500 on every chat request later."""
+    try:
+        Vocabulary.load(version_dir)
+    except (OSError, ValueError) as exc:
+        raise ApplianceError(f"{VOCAB_FILE} of this version is not readable JSON: {exc}") from exc
+    except InvalidArgument as exc:
+        raise ApplianceError(exc.message) from exc
+    ships = os.path.isfile(os.path.join(version_dir, CHAT_TEMPLATE_FILE)) or \
+        "chat_template" in _tokenizer_config(version_dir)
+    if ships:
+        ChatTemplate.load(version_dir).check()
 
 
 class StopText:
@@ -162,4 +219,5 @@ class StopText:
         return held
 
 
-__all__ = ["CHAT_TEMPLATE_FILE", "DEFAULT_CHAT_TEMPLATE", "VOCAB_FILE", "ChatTemplate", "StopText", "Vocabulary"]
+__all__ = ["CHAT_TEMPLATE_FILE", "DEFAULT_CHAT_TEMPLATE", "VOCAB_FILE", "ChatTemplate", "StopText", "Vocabulary",
+           "check_assets"]

@@ -17,14 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from runtimes import RuntimeFailure, TextRequest, TextServable
 
 from appliance.core.errors import from_runtime
-
-if TYPE_CHECKING:
-    from appliance.core.generation import Generation, Stream
+from appliance.core.streams import GenerationMetrics, Stream
 
 log = logging.getLogger("appliance.generation")
 
@@ -74,19 +72,28 @@ class TextVocabulary:
             raise from_runtime(exc) from exc
 
 
+class Owner(Protocol):
+    """What text streams need of their owner (appliance/core/generation.py ``Generation``)."""
+
+    lock: threading.Lock
+    metrics: GenerationMetrics
+
+    def ended(self, stream: Stream, reason: str, error: str = "") -> None: ...
+
+
 class TextStreams:
     """The running text streams of every version (module docstring)."""
 
-    def __init__(self, owner: "Generation"):
+    def __init__(self, owner: Owner):
         self.owner = owner
         self.running: dict[tuple[str, int], int] = {}  # (model, version) -> streams; owner.lock
 
-    def count_in(self, stream: "Stream") -> None:
+    def count_in(self, stream: Stream) -> None:
         """(under owner.lock) A stream admitted: counted until it ends."""
         key = (stream.model, stream.version)
         self.running[key] = self.running.get(key, 0) + 1
 
-    def start(self, stream: "Stream", driver: TextDriver, text: str) -> None:
+    def start(self, stream: Stream, driver: TextDriver, text: str) -> None:
         threading.Thread(target=self._run, args=(stream, driver, text), daemon=True,
                          name=f"generate-text-{stream.model}-{stream.version}").start()
 
@@ -94,7 +101,7 @@ class TextStreams:
         """(under owner.lock) The status contribution."""
         return [{"model": m, "version": v, "streams": n} for (m, v), n in sorted(self.running.items())]
 
-    def _run(self, stream: "Stream", driver: TextDriver, text: str) -> None:
+    def _run(self, stream: Stream, driver: TextDriver, text: str) -> None:
         """(its own thread) One stream, start to end; a backend failure ends it, never the service."""
         p = stream.params
         greedy = p.temperature <= 0
@@ -121,7 +128,7 @@ class TextStreams:
                 del self.running[key]
         self.owner.ended(stream, reason, error)
 
-    def _pieces(self, stream: "Stream", driver: TextDriver, request: TextRequest) -> str:
+    def _pieces(self, stream: Stream, driver: TextDriver, request: TextRequest) -> str:
         """Put the pieces on the stream's events; the cancel reason if it was cancelled."""
         metrics = self.owner.metrics
         ttft, tokens = metrics.ttft.labels(stream.model), metrics.tokens.labels(stream.model)

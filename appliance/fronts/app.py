@@ -27,6 +27,7 @@ from appliance.api.body import content_encoding, inflate, read_raw
 from appliance.api.errors import error_body, render_error, status_line
 from appliance.api.family import Answer, AsyncFamily
 from appliance.api.mounts import OPEN_PATHS, Mount, Mounts, normal, raw_path
+from appliance.api.sse import client_gone
 from appliance.core.errors import ApplianceError
 from appliance.core.seams import ServingCore
 from appliance.fronts import messages as m
@@ -34,6 +35,7 @@ from appliance.fronts.link import Link
 from appliance.transport.http.server import AppFacing
 
 WSGIApp = Callable[..., Iterable[bytes]]
+GONE_POLL_S = 0.25  # how often a forwarded request's thread looks whether its client is still there
 
 
 class FrontCore(ServingCore, TokenHolder, Protocol):
@@ -49,7 +51,12 @@ class Forwarder:
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         body = environ["wsgi.input"].read()
         ident, replies = self.link.open(m.WSGI, [m.plain_environ(environ), body])
-        kind, payload = replies.get()
+        reply = _first_reply(replies, client_gone(environ))
+        if reply is None:  # the client went away: the serving process is told to stop (CANCEL)
+            self.link.close_stream(ident)
+            start_response("499 Client Closed Request", [])  # nginx's code; no one reads it
+            return []
+        kind, payload = reply
         if kind == m.ANSWER:
             status, headers, data = payload
             start_response(status, [tuple(h) for h in headers])
@@ -61,6 +68,17 @@ class Forwarder:
         status_code, error_headers, error_body = render_error(m.error_from_plain(payload), "the front worker")
         start_response(status_line(status_code), error_headers)
         return [error_body]
+
+
+def _first_reply(replies: "queue.SimpleQueue[tuple[str, Any]]", gone: Callable[[], bool]) -> tuple[str, Any] | None:
+    """The serving process's first reply; None once the client is gone first (an answer that
+    writes nothing until it is whole, a non-streamed completion, would run on for no one)."""
+    while True:
+        try:
+            return replies.get(timeout=GONE_POLL_S)
+        except queue.Empty:
+            if gone():
+                return None
 
 
 class _Stream:

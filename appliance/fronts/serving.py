@@ -10,7 +10,9 @@ own (``start``):
   they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
 - ``RESOLVE``: what the worker's serving view cannot answer, with the manager's errors.
 - ``WSGI``: a forwarded request runs through the service's own app on a thread of
-  ``threads`` (``server.threads``), answered whole, or streamed chunk by chunk.
+  ``threads`` (``server.threads``), answered whole, or streamed chunk by chunk. The
+  worker's ``CANCEL`` (its client went away) ends a stream, and turns the request's
+  ``appliance.client_gone`` true for an answer that is whole only at its end.
 - ``GRPC``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
   and KServe v2's, on this process's core) with a context of the lean server's kind.
 - ``OBSERVE``: the workers' request metrics join the core's (one registry, one page).
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
+from appliance.api.sse import GONE_KEY
 from appliance.fronts import messages as m
 from appliance.fronts import view as serving_view
 from appliance.core.errors import ApplianceError, Unavailable
@@ -254,7 +257,8 @@ class FrontService:
         env, body = payload
         environ: dict[str, Any] = {**env, "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr,
                                    "wsgi.version": (1, 0), "wsgi.multithread": True, "wsgi.multiprocess": True,
-                                   "wsgi.run_once": False}
+                                   "wsgi.run_once": False,
+                                   GONE_KEY: cancelled.is_set}  # the worker's CANCEL: its client went away
         started: list[Any] = []
 
         def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:

@@ -19,18 +19,22 @@ request bytes, and an idle one little more than its socket. Deadlines are the se
 (appliance/transport/http/server.py sweeps every connection each second).
 
 Thread-safety: every method runs in the loop thread except ``stream_write`` and
-``worker_done``'s callers, which hop to the loop with ``call_soon_threadsafe``.
+``worker_done``'s callers, which hop to the loop with ``call_soon_threadsafe``, and
+``client_gone``, which only asks the socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import select
 import time
 from typing import Any, Callable
 
 import httptools
 
+# poll events of a peer that closed or failed (Linux; elsewhere only a lost connection counts)
+PEER_CLOSED = getattr(select, "POLLRDHUP", 0) and (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
 LINGER_S = 2.0  # after an error answer, how long what the client still sends is read and dropped
 _PHRASES = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
@@ -84,7 +88,7 @@ class Connection(asyncio.Protocol):
 
     __slots__ = ("server", "transport", "parser", "request", "started", "headers_done", "head_bytes",
                  "busy", "pipeline", "last_active", "closing", "lingering_since", "lost", "paused", "peer",
-                 "held", "deferred")
+                 "held", "deferred", "fd")
 
     def __init__(self, server: Any):
         self.server = server
@@ -104,11 +108,14 @@ class Connection(asyncio.Protocol):
         self.peer: Any = None
         self.held = 0  # request body bytes counted against limits.max_buffered_bytes
         self.deferred: Reject | None = None  # an error in pipelined bytes, answered after the worker's answer
+        self.fd = -1  # the socket's descriptor, for client_gone
 
     # -- asyncio callbacks ---------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
+        self.fd = sock.fileno() if sock is not None else -1
         self.server.connection_made(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -116,6 +123,19 @@ class Connection(asyncio.Protocol):
         self.paused = False
         self.release()
         self.server.connection_lost(self)
+
+    def client_gone(self) -> bool:
+        """(any thread) Whether the client went away while a worker serves its request. The
+        connection reads nothing then (``dispatch``), so the loop would learn it only when the
+        answer is written; the socket says it at once: Linux's POLLRDHUP (the peer closed or
+        shut its side, nginx's "client closed request") or an error, asked without reading."""
+        if self.lost:
+            return True
+        if self.fd < 0 or not PEER_CLOSED:
+            return False
+        poller = select.poll()
+        poller.register(self.fd, PEER_CLOSED)
+        return bool(poller.poll(0))
 
     def pause_writing(self) -> None:
         self.paused = True

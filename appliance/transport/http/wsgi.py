@@ -63,6 +63,9 @@ def environ_for(request: Request, conn: Connection, server: Any) -> dict[str, An
         "CONTENT_LENGTH": str(len(body)) if body or request.method in (b"POST", b"PUT", b"PATCH") else "",
         "wsgi.version": (1, 0), "wsgi.url_scheme": server.scheme, "wsgi.input": io.BytesIO(body),
         "wsgi.errors": sys.stderr, "wsgi.multithread": True, "wsgi.multiprocess": False, "wsgi.run_once": False,
+        # whether the client went away: an answer that writes nothing until it is whole (a
+        # non-streamed completion) stops its work then (appliance/api/sse.py client_gone)
+        "appliance.client_gone": conn.client_gone,
     }
     for name, value in request.headers:
         low = name.lower()

@@ -1,0 +1,219 @@
+"""One OpenAI request's streams read as OpenAI's answer: choices, text with stop strings cut,
+logprobs, tool calls, finish reasons, usage; whole (``completion``) or as SSE chunks
+(``chunks``). appliance/api/openai.py starts the streams; this module only reads them.
+
+Events come tagged with their choice's index on one queue (``Generation.start_choices``).
+Logprobs are one entry per generated token, OpenAI's shapes: chat ``{"content": [{"token",
+"logprob", "bytes", "top_logprobs"}]}``, completions ``{"tokens", "token_logprobs",
+"top_logprobs", "text_offset"}``. An answer that may be a tool call (``Tools.reads_calls``)
+is held back while streaming and sent as ``tool_calls`` deltas (the call, then its
+arguments) or as text once it ends. Not thread-safe: one reader per request.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import orjson
+
+from appliance.api.openai_tools import Tools
+from appliance.core.streams import Stream
+from appliance.core.sampling import TokenLogprob
+from appliance.core.text import StopText
+
+POLL_S = 0.25  # how often a whole answer's reader looks whether its client is still there
+
+
+class Choice:
+    """One stream's text, logprobs and end."""
+
+    def __init__(self, stream: Stream, stops: list[str]):
+        self.stream, self.stop = stream, StopText(stops)
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    @property
+    def index(self) -> int:
+        return self.stream.index
+
+    def feed(self, kind: str, value: Any, decode: Callable[[int], str]) -> tuple[str, list[TokenLogprob]]:
+        """One event -> (text that may be shown, the logprobs of its tokens)."""
+        if kind in ("token", "text"):
+            if self.finish_reason is not None:  # after a stop string: neither shown nor counted
+                return "", []
+            self.tokens += 1
+            logprob = self.stream.logprobs[self.tokens - 1:self.tokens] if kind == "token" else []
+            text, stopped = self.stop.feed(decode(value) if kind == "token" else value)
+            if stopped:
+                self.stream.cancel("stop")  # ended at its next step; its handle released there
+                self.finish_reason = "stop"
+            self.text.append(text)
+            self.logprobs += logprob
+            return text, logprob
+        held = self.stop.flush()
+        if self.finish_reason is None:
+            if kind == "error":
+                self.error = str(value)
+            else:
+                self.finish_reason = "stop" if value["finish_reason"] == "stop" else "length"
+        self.text.append(held)
+        return held, []
+
+
+class Answer:
+    """The request's choices (module docstring)."""
+
+    def __init__(self, streams: list[Stream], vocab: Any, body: dict[str, Any], chat: bool, prompt_tokens: int,
+                 stops: list[str], tools: Tools | None, gone: Callable[[], bool]):
+        self.streams, self.vocab, self.chat, self.tools = streams, vocab, chat, tools
+        self.events = streams[0].choice_events
+        self.choices = [Choice(s, stops) for s in streams]
+        self.streaming = bool(body.get("stream", False))
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.answered_by = f"{streams[0].model}:{streams[0].version}"  # the id of the version that answered
+        self.prompt_tokens = prompt_tokens
+        self.logprobs = streams[0].params.logprobs
+        self.gone = gone
+        self._look_at = time.monotonic() + POLL_S  # when to look next whether the client is gone
+        self.open = len(streams)
+
+    @property
+    def error(self) -> str | None:
+        return next((c.error for c in self.choices if c.error is not None), None)
+
+    def cancel(self) -> None:
+        for stream in self.streams:
+            stream.cancel()
+
+    def next_event(self) -> tuple[Choice, str, list[TokenLogprob]] | None:
+        """The next event of any choice as (choice, text, logprobs); None when all ended."""
+        while self.open:
+            index, kind, value = self._get()
+            choice = self.choices[index]
+            if kind in ("done", "error"):
+                self.open -= 1
+            return (choice, *choice.feed(kind, value, self.vocab.decode))
+        return None
+
+    def _get(self) -> tuple[int, str, Any]:
+        if self.streaming:  # the SSE writer notices a client that went away
+            return self.events.get()  # type: ignore[no-any-return]
+        while True:  # a whole answer: look whether its client is still there every POLL_S
+            now = time.monotonic()
+            if now >= self._look_at:
+                self._look_at = now + POLL_S
+                if self.gone():
+                    self.cancel()  # the streams end at their next step; their "done" events follow
+            try:
+                return self.events.get(timeout=POLL_S)  # type: ignore[no-any-return]
+            except queue.Empty:
+                pass
+
+    def usage(self) -> dict[str, int]:
+        done = sum(c.tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.answered_by}
+
+    # -- the whole answer ----------------------------------------------------------------------
+    def completion(self) -> dict[str, Any]:
+        while self.next_event() is not None:
+            pass
+        return {**self.head("chat.completion" if self.chat else "text_completion"),
+                "choices": [self._whole(c) for c in self.choices], "usage": self.usage()}
+
+    def _whole(self, choice: Choice) -> dict[str, Any]:
+        text = "".join(choice.text)
+        logprobs = self._logprobs(choice.logprobs, 0) if self.logprobs is not None else None
+        if not self.chat:
+            return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        calls = self.tools.calls(text) if self.tools else None
+        message = {"role": "assistant", "content": None if calls else text, "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        finish = "tool_calls" if calls else choice.finish_reason
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    # -- logprobs, OpenAI's shapes -------------------------------------------------------------
+    def _logprobs(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
+        text_offset, tokens = [], []
+        for e in entries:
+            text_offset.append(offset)
+            tokens.append(self.vocab.decode(e.token))
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.vocab.decode(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": text_offset}
+
+    def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            text = self.vocab.decode(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+
+    # -- server-sent chunks --------------------------------------------------------------------
+    def chunks(self) -> Iterator[bytes]:
+        """Every chunk but the error event and [DONE] (the caller writes those)."""
+        held = self.tools is not None and self.tools.reads_calls  # a tool call is sent whole, once known
+        if self.chat:
+            for choice in self.choices:
+                yield self.chunk(choice.index, {"role": "assistant", "content": ""})
+        offsets = [0] * len(self.choices)
+        while (event := self.next_event()) is not None:
+            choice, text, logprobs = event
+            if held or (not text and not logprobs):
+                continue
+            lp = self._logprobs(logprobs, offsets[choice.index]) if self.logprobs is not None else None
+            offsets[choice.index] += len(text)
+            yield self.chunk(choice.index, {"content": text} if self.chat else text, logprobs=lp)
+        if self.error is not None:
+            return
+        for choice in self.choices:
+            yield from self._ending(choice, held)
+        if self.include_usage:
+            yield _event({**self.head(self._kind), "choices": [], "usage": self.usage()})
+
+    def _ending(self, choice: Choice, held: bool) -> Iterator[bytes]:
+        finish = choice.finish_reason
+        if held:
+            text = "".join(choice.text)
+            calls = self.tools.calls(text) if self.tools else None
+            if calls:
+                for i, call in enumerate(calls):
+                    named = {**call, "index": i, "function": {"name": call["function"]["name"], "arguments": ""}}
+                    yield self.chunk(choice.index, {"tool_calls": [named]})
+                    yield self.chunk(choice.index, {"tool_calls": [
+                        {"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
+                finish = "tool_calls"
+            elif text:
+                yield self.chunk(choice.index, {"content": text})
+        yield self.chunk(choice.index, {} if self.chat else "", finish=finish)
+
+    @property
+    def _kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, index: int, delta: Any, finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": delta} if self.chat else {"index": index, "text": delta}
+        choice.update({"logprobs": logprobs, "finish_reason": finish})
+        return _event({**self.head(self._kind), "choices": [choice], **({"usage": None} if self.include_usage else {})})
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+__all__ = ["Answer", "Choice"]

@@ -1,0 +1,137 @@
+"""A token stream: what a request asks (``Params``), the stream's own state and the events
+its reader takes (``Stream``), and the metrics every stream reports into
+(``GenerationMetrics``). The step scheduler (appliance/core/generation.py) and the text
+streams of LiteRT-LM bundles (appliance/core/text_streams.py) both drive streams; neither
+needs the other for it.
+
+Thread-safety: a ``Stream`` is written by the one thread that drives it; ``cancel`` and
+reading ``events`` may happen on any thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+
+from appliance.core.constraints import Constraint
+from appliance.core.errors import ApplianceError
+from appliance.core.sampling import TokenLogprob
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class Params:
+    """What a request asks for; validated by the API layer."""
+
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: frozenset[int] = frozenset()
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k best
+
+
+class Stream:
+    """One generation request. The HTTP side reads ``events``: ("token", id), then one
+    ("done", summary) or ("error", message)."""
+
+    def __init__(self, prompt: list[int], params: Params, handle: Any, model: str):
+        self.prompt, self.params, self.model = prompt, params, model
+        self._handle = handle
+        self.slot = handle.slot
+        self.version = self.slot.version
+        self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.cancel_reason = "cancelled"
+        self.tokens: list[int] = []
+        self.pieces: list[str] = []  # a text-level servable's output (its ids are not known)
+        self.text_level = False
+        self.rng = np.random.default_rng(params.seed)
+        self.started = time.monotonic()
+        self.first_at: float | None = None
+        self.position = len(prompt) - 1  # where the next decode input (prompt[-1] first) goes
+        self.offset = 0  # where its sequence starts in its cache row (aligned lanes, lanes.py)
+        self.next_input = prompt[-1]
+        self.constraint: Constraint | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per token, when params.logprobs is set
+        self.leader: Stream | None = None  # another choice of the same prompt whose prefill it copies
+        self.index = 0  # which choice it is (OpenAI's index)
+        self.choice_events: Any = None  # the request's one queue of tagged events (start_choices)
+
+    @property
+    def physical(self) -> int:
+        """The cache position of its next decode input."""
+        return self.offset + self.position
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ask the loop to drop this stream at its next step: a client went away
+        ("cancelled"), or the API layer found a stop string ("stop")."""
+        self.cancel_reason = reason
+        self.cancelled.set()
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far (pieces, for a text-level servable)."""
+        return len(self.tokens) + len(self.pieces)
+
+    def release(self, failure: ApplianceError | None = None) -> None:
+        """Give the version back, reporting the stream's outcome (the rollout judge's, when routed)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.report(failure, time.monotonic() - self.started)
+            handle.release()
+
+    def summary(self, reason: str) -> dict[str, Any]:
+        elapsed = time.monotonic() - self.started
+        ttft = (self.first_at - self.started) if self.first_at else None
+        decode_s = time.monotonic() - self.first_at if self.first_at else 0.0
+        return {"finish_reason": reason, "model_name": self.model, "model_version": str(self.version),
+                "prompt_tokens": len(self.prompt), "completion_tokens": self.generated,
+                "time_to_first_token_ms": round(ttft * 1000, 3) if ttft is not None else None,
+                "tokens_per_s": round((self.generated - 1) / decode_s, 2) if self.generated > 1 and decode_s > 0
+                else None, "elapsed_ms": round(elapsed * 1000, 3)}
+
+
+class Tagged:
+    """A stream's ``events`` put on its request's one queue with the choice's index."""
+
+    def __init__(self, merged: "queue.SimpleQueue[tuple[int, str, Any]]", index: int):
+        self.merged, self.index = merged, index
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self.merged.put((self.index, *item))
+
+
+class GenerationMetrics:
+    """Time to first token, tokens/s per stream and in total, active streams, rows per step."""
+
+    def __init__(self, registry: Any):
+        self.ttft = Histogram("edge_appliance_generation_time_to_first_token_seconds",
+                              "From request to first generated token", ["model_name"], buckets=TTFT_BUCKETS_S,
+                              registry=registry)
+        self.tokens = Counter("edge_appliance_generation_tokens", "Generated tokens (rate() = total tokens/s)",
+                              ["model_name"], registry=registry)
+        self.stream_rate = Histogram("edge_appliance_generation_stream_tokens_per_second",
+                                     "Decode speed of each finished stream", ["model_name"], buckets=RATE_BUCKETS,
+                                     registry=registry)
+        self.active = Gauge("edge_appliance_generation_active_streams", "Streams admitted and not finished",
+                            ["model_name"], registry=registry)
+        self.streams = Counter("edge_appliance_generation_streams", "Finished streams by finish reason",
+                               ["model_name", "finish_reason"], registry=registry)
+        self.step_rows = Histogram("edge_appliance_generation_step_rows",
+                                   "Streams per model call of a decode step (a lane whose streams sit at "
+                                   "different shared positions makes one call per position)",
+                                   ["model_name"], buckets=ROW_BUCKETS, registry=registry)
+
+
+__all__ = ["GenerationMetrics", "Params", "Stream", "Tagged"]
