@@ -135,6 +135,10 @@ class GRPCConfig:
     # address and the reason; true retries with backoff (0.5 s doubling to 30 s) while the
     # device reports not ready and the page shows gRPC as down.
     bind_retry: bool = False
+    # TLS on the TCP port (appliance/service/grpc_tls.py), one of: true, with [security]'s
+    # certificate, key and client CA; or TF Serving's --ssl_config_file (an SSLConfig text proto).
+    tls: bool = False
+    ssl_config_file: str = ""
     # Bounds against hostile or broken clients (appliance/transport/grpc/limits.py). Names after
     # gRPC's own server arguments where it has one (grpc.max_concurrent_streams, ...).
     max_concurrent_streams: int = 100  # calls in flight on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)
@@ -148,12 +152,19 @@ class GRPCConfig:
     # connection and all together; a call past either gets RESOURCE_EXHAUSTED.
     max_connection_buffer_bytes: int = 96 * 1024 * 1024  # at least max_message_bytes + 5
     max_buffer_bytes: int = 512 * 1024 * 1024
+    # Streams open on all connections together (each holds a request or an answer): what clients
+    # that never read their answers (zero windows) can make the device keep, however many
+    # connections they open. Past it new streams are refused (REFUSED_STREAM; clients retry).
+    max_open_streams: int = 4096
 
     def validate(self, key: str) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{key}.port", f"{self.port} is not a TCP port (0 turns gRPC off)")
         if self.transport not in ("lean", "grpcio"):
             raise ConfigError(f"{key}.transport", f"{self.transport!r} is not a gRPC server (lean or grpcio)")
+        if self.tls and self.ssl_config_file:
+            raise ConfigError(f"{key}.tls", "set either tls (the [security] certificate) or ssl_config_file "
+                              "(TF Serving's SSLConfig), not both")
         if self.max_message_bytes < 1024:
             raise ConfigError(f"{key}.max_message_bytes", "must be at least 1024")
         self._validate_bounds(key)
@@ -165,6 +176,9 @@ class GRPCConfig:
             raise ConfigError(f"{key}.max_metadata_size", "must be between 1024 and 1048576")
         if not 1 <= self.max_connections <= 1_000_000:
             raise ConfigError(f"{key}.max_connections", "must be between 1 and 1000000")
+        if not self.max_concurrent_streams <= self.max_open_streams <= 10_000_000:
+            raise ConfigError(f"{key}.max_open_streams", "must be at least max_concurrent_streams (one full "
+                              "connection) and at most 10000000")
         for name in ("handshake_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{key}.{name}", "must be positive")
