@@ -14,7 +14,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
-DIR=$ROOT/appliance/v2_protos
+DIR=$ROOT/appliance/protos/kserve
 if ! "$PY" -c "import grpc_tools" 2>/dev/null; then
   TOOLS=$(mktemp -d)
   trap 'rm -rf "$TOOLS"' EXIT

@@ -301,6 +301,22 @@ class LimitsConfig:
 
 
 @dataclass
+class SharedMemoryConfig:
+    """Triton's system shared-memory extension (appliance/core/shared_memory.py): apps on the
+    device register regions of POSIX shared memory and name them instead of sending tensors."""
+
+    enabled: bool = True
+    max_regions: int = 64  # regions registered at once
+    max_bytes: int = 2 << 30  # their byte_size together
+
+    def validate(self, key: str) -> None:
+        if not 1 <= self.max_regions <= 65536:
+            raise ConfigError(f"{key}.max_regions", "must be between 1 and 65536")
+        if self.max_bytes < 1:
+            raise ConfigError(f"{key}.max_bytes", "must be at least 1")
+
+
+@dataclass
 class GenerationConfig:
     """Token streaming from generative models (``:generate``, appliance/core/generation.py)."""
 
@@ -394,6 +410,7 @@ class Config:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
     models: list[ModelConfig] = field(default_factory=list)
 
     def batching_for(self, model: ModelConfig) -> BatchingConfig:

@@ -19,7 +19,7 @@ import numpy as np
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 
 from appliance import __version__
-from appliance.api.kserve import codec
+from appliance.api.kserve import codec, shared_memory
 from appliance.core.errors import ApplianceError, InvalidArgument
 from appliance.core.handle import Handle, Run, Steps, drive, shape_error
 from appliance.core.policy import State
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 SERVER_NAME = "edge-appliance"
 EXTENSIONS = ("binary_tensor_data",)
+SHARED_MEMORY = "system_shared_memory"  # while [shared_memory] enabled
 
 
 @dataclass
@@ -42,10 +43,12 @@ class Tensor:
 
 @dataclass
 class Requested:
-    """One output a request asks for; ``binary`` None means the request-wide default."""
+    """One output a request asks for; ``binary`` None means the request-wide default;
+    ``region``: the shared-memory bytes it goes to (appliance/api/kserve/shared_memory.py)."""
 
     name: str
     binary: bool | None = None
+    region: Any = None
 
 
 @dataclass
@@ -53,6 +56,7 @@ class InferResult:
     model: str
     version: int
     outputs: list[tuple[Tensor, bool]]  # (tensor, as binary)
+    shared: frozenset[str] = frozenset()  # outputs written into shared memory: answered without their data
 
 
 class V2Service:
@@ -83,7 +87,9 @@ class V2Service:
         return any(s.state == State.AVAILABLE for s in slots)
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+        regions = getattr(self.core, "shared_memory", None)
+        shm = [SHARED_MEMORY] if regions is not None and regions.enabled else []
+        return {"name": SERVER_NAME, "version": __version__, "extensions": [*EXTENSIONS, *shm]}
 
     def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
         versions = [str(s.version) for s in sorted(self.manager.version_states(name), key=lambda s: s.version)
@@ -126,9 +132,12 @@ class V2Service:
         result = []
         for want in wanted:
             arr = outputs[want.name]
+            if want.region is not None:
+                shared_memory.write_output(self.core, want.region, arr, want.name)
             result.append((Tensor(want.name, arr, codec.datatype_of(arr.dtype)),
                            binary_default if want.binary is None else want.binary))
-        return InferResult(name, served, result)
+        shared = frozenset(w.name for w in wanted if w.region is not None)
+        return InferResult(name, served, result, shared)
 
 
 def _default_signature(held: Handle) -> SignatureInfo:

@@ -108,6 +108,8 @@ class FrontApp:
         raw = raw_path(environ).partition("?")[0]
         for mount, handler in self.hot:
             if mount.matches(method, raw) and normal(raw):
+                if _names_a_region(mount, environ):
+                    return None
                 allowed = authorize(self.core, mount.scope, environ.get("HTTP_AUTHORIZATION"))  # type: ignore[arg-type]
                 return handler if allowed.allowed else None
         return None
@@ -123,7 +125,7 @@ class FrontApp:
         for mount, _ in self.hot:
             if mount.matches(method, raw) and normal(raw):
                 answer = getattr(mount.handler, "answer_async", None)
-                if answer is None:
+                if answer is None or _names_a_region(mount, environ):
                     return None
                 if not authorize(self.core, mount.scope, environ.get("HTTP_AUTHORIZATION")).allowed:  # type: ignore[arg-type]
                     return None  # the serving process refuses it, with its headers and counters
@@ -138,6 +140,17 @@ class FrontApp:
         except Unavailable as exc:
             status, headers, body = render_error(exc, "the front worker")
             return status_line(status), headers, body
+
+
+def _names_a_region(mount: Mount, environ: dict[str, Any]) -> bool:
+    """A v2 infer request that uses shared memory: answered by the serving process, which holds
+    the regions (appliance/api/kserve/shared_memory.py; its body carries no tensor to decode)."""
+    if mount.name != "kserve-infer":
+        return False
+    from appliance.api.kserve.shared_memory import uses_shared_memory
+
+    with environ["wsgi.input"].getbuffer() as body:
+        return uses_shared_memory(body)
 
 
 def hot_mounts(core: RemoteCore) -> list[Mount]:
