@@ -31,6 +31,22 @@ class ServerConfig:
     workers: int = 0
     max_body_bytes: int = 64 * 1024 * 1024
     drain_timeout_s: float = 20.0
+    # Also serve REST on this Unix domain socket (HTTP over AF_UNIX, as the Docker API does):
+    # local apps skip TCP, and the file's mode and group decide who may call. Empty: none.
+    socket_path: str = ""
+    socket_mode: str = "0660"  # octal, as chmod takes it
+    socket_group: str = ""  # a group name; empty: the service's own
+
+    def validate(self, key: str) -> None:
+        if self.socket_path:
+            if not os.path.isabs(self.socket_path) or len(os.fsencode(self.socket_path)) > 107:
+                raise ConfigError(f"{key}.socket_path", "must be an absolute path of at most 107 bytes (sun_path)")
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            mode = -1
+        if not 0 <= mode <= 0o777:
+            raise ConfigError(f"{key}.socket_mode", f"{self.socket_mode!r} is not a file mode (octal, as \"0660\")")
 
 
 @dataclass
@@ -492,7 +508,7 @@ def validate(config: Config) -> Config:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")
     if len(config.discovery.name.encode()) > 63:
         raise ConfigError("discovery.name", "must be at most 63 bytes (a DNS label)")
-    for section in ("sync", "grpc", "tfs", "security", "limits", "generation"):
+    for section in ("server", "sync", "grpc", "tfs", "security", "limits", "generation", "shared_memory"):
         getattr(config, section).validate(section)
     names = set()
     for i, model in enumerate(config.models):

@@ -210,7 +210,7 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
     # sync adds routes and gRPC binds its port: both before the first request
     _add_optional_parts(service, ("appliance.parts.sync_loop",))
     try:
-        _add_optional_parts(service, ("appliance.service.grpc_port",))
+        _add_optional_parts(service, API_PARTS)
     except OSError as exc:  # a configured port that cannot be bound: TF Serving exits, so do we
         print(f"edge-appliance: Failed to start server. Error: {exc}", file=sys.stderr, flush=True)
         _abandon(service)
@@ -249,7 +249,7 @@ def _announce_when_ready(service: Service, url: str, banner: Callable[[str, dict
 
 
 # Parts whose failure leaves a configured API not listening: the device is not ready then.
-API_PARTS = ("appliance.service.grpc_port",)
+API_PARTS = ("appliance.service.grpc_port", "appliance.service.rest_socket")
 
 
 def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
