@@ -47,13 +47,19 @@ PREDICT = "/tensorflow.serving.PredictionService/Predict"
 
 
 def predict_bytes(model: str) -> bytes:
-    from appliance.api.tfserving.grpc_service import to_tensor
+    """The PredictRequest TF Serving's own client sends for the REST body's numbers:
+    tensorflow-serving-api's users build tensors with ``tf.make_tensor_proto``, which packs a
+    numeric array into ``tensor_content`` (raw little-endian bytes), not the typed fields."""
     from appliance.protos.tfserving import pb
 
     request = pb.PredictRequest()
     request.model_spec.name = model
     x = np.asarray(json.loads(body(model))["instances"], dtype=np.float32)
-    to_tensor(x, request.inputs["input"])  # the bench models' input (bench/run_bench.py builds them)
+    tensor = request.inputs["input"]  # the bench models' input (bench/run_bench.py builds them)
+    tensor.dtype = 1  # DT_FLOAT
+    for size in x.shape:
+        tensor.tensor_shape.dim.add(size=size)
+    tensor.tensor_content = x.astype("<f4").tobytes()
     return bytes(request.SerializeToString())
 
 

@@ -19,6 +19,7 @@ time: only grpcio and protobuf.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -28,7 +29,8 @@ import numpy as np
 from appliance.api.kserve import codec
 from appliance.api.kserve import shared_memory as shm
 from appliance.core.errors import InvalidArgument, NotFound
-from appliance.api.grpc_errors import guarded, observed
+from appliance.core.handle import drive_async
+from appliance.api.grpc_errors import guarded, guarded_async, observed
 from appliance.protos.kserve import pb
 from appliance.api.kserve.rest import parse_version
 from appliance.api.kserve.service import Requested, Tensor, V2Service
@@ -82,8 +84,9 @@ class V2GRPC:
                                            pb.CudaSharedMemoryUnregisterResponse, self.cuda_unregister),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: grpc.unary_unary_rpc_method_handler(guarded(fn, name), request_deserializer=req.FromString,
-                                                      response_serializer=resp.SerializeToString)
+            name: grpc.unary_unary_rpc_method_handler(
+                (guarded_async if inspect.iscoroutinefunction(fn) else guarded)(fn, name),
+                request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
             for name, (req, resp, fn) in methods.items()})
 
     # -- health and metadata --------------------------------------------------------------
@@ -142,12 +145,14 @@ class V2GRPC:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- inference ------------------------------------------------------------------------
-    def model_infer(self, request: Any) -> Any:
+    async def model_infer(self, request: Any) -> Any:
+        """A coroutine, as TF Serving's Predict: served on the gRPC server's loop, its batch awaited."""
         with observed(self.core.metrics, request.model_name, "v2_infer"):
             inputs = _inputs(request, self.core.config.limits, self.core)
             requested = [_requested(o, self.core) for o in request.outputs] or None
-            result = self.service.infer(request.model_name, _grpc_version(request.model_version), inputs,
-                                        requested, _parameters(request.parameters))
+            result = await drive_async(self.service.infer_steps(
+                request.model_name, _grpc_version(request.model_version), inputs, requested,
+                _parameters(request.parameters)))
             response = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version),
                                              id=request.id)
             for tensor, _ in result.outputs:

@@ -125,12 +125,26 @@ class FrontApp:
         for mount, _ in self.hot:
             if mount.matches(method, raw) and normal(raw):
                 answer = getattr(mount.handler, "answer_async", None)
-                if answer is None or _names_a_region(mount, environ):
+                if answer is None:
                     return None
+                if _names_a_region(mount, environ):  # to the serving process, awaited here on the loop
+                    return self._forward_async
                 if not authorize(self.core, mount.scope, environ.get("HTTP_AUTHORIZATION")).allowed:  # type: ignore[arg-type]
                     return None  # the serving process refuses it, with its headers and counters
                 return lambda env: self._answer_async(answer, env)
         return None
+
+    async def _forward_async(self, environ: dict[str, Any]) -> Answer:
+        """A request the serving process answers whole (its own token check included), awaited on
+        this loop: no thread of this worker waits for it. Only for answers that are one message
+        (not a stream): a v2 infer is."""
+        body = environ["wsgi.input"].read()
+        kind, payload = await self.core.link.acall(m.WSGI, [m.plain_environ(environ), body])
+        if kind == m.ANSWER:
+            status, headers, data = payload
+            return status, [tuple(h) for h in headers], data
+        status_code, headers, data = render_error(m.error_from_plain(payload), "the front worker")
+        return status_line(status_code), headers, data
 
     async def _answer_async(self, answer: Callable[[dict[str, Any]], Awaitable[Answer]],
                             environ: dict[str, Any]) -> Answer:

@@ -63,11 +63,12 @@ def _regions_forwarded(handler: Any, link: Link) -> Any:
 
     fn = handler.unary_unary
 
-    def call(request: Any, context: Any) -> Any:  # V2GRPC's ModelInfer runs on the pool, as this does
+    async def call(request: Any, context: Any) -> Any:  # V2GRPC's ModelInfer is a coroutine
         if not message_names_a_region(request):
-            return fn(request, context)
-        kind, payload = link.call(m.GRPC, [INFER, request.SerializeToString(),
-                                           [list(kv) for kv in context.invocation_metadata()], context.time_remaining()])
+            return await fn(request, context)
+        kind, payload = await link.acall(m.GRPC, [INFER, request.SerializeToString(),
+                                                  [list(kv) for kv in context.invocation_metadata()],
+                                                  context.time_remaining()])
         if kind == m.DONE:
             return pb.ModelInferResponse.FromString(payload[0])
         if kind == m.STATUS:

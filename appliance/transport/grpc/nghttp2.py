@@ -12,7 +12,9 @@ Debian's 1.52.0-1+deb12u1 and upstream 1.57), under our own bounds in connection
 
 Only the stable, documented API of nghttp2 1.x is declared here (the ``nghttp2_session_*``
 calls of nghttp2.h, present since 1.12 unless noted), with structs exactly as nghttp2.h lays
-them out. ``load()`` returns (ffi, lib), or raises ``Missing`` with what to install.
+them out. Two pointer types differ from the header where the ABI is the same: a frame is
+read through its header (``nghttp2_frame_hd *``, the union's first member) and a header
+field's name and value are ``char *`` (``ffi.unpack`` turns those into bytes fastest). ``load()`` returns (ffi, lib), or raises ``Missing`` with what to install.
 
 Thread-safety: a session is used by one thread (the event loop's); the library holds no
 global state.
@@ -44,7 +46,7 @@ void nghttp2_session_callbacks_del(nghttp2_session_callbacks *);
 void nghttp2_session_callbacks_set_on_begin_headers_callback(nghttp2_session_callbacks *,
     int (*)(nghttp2_session *, const nghttp2_frame_hd *, void *));
 void nghttp2_session_callbacks_set_on_header_callback(nghttp2_session_callbacks *,
-    int (*)(nghttp2_session *, const nghttp2_frame_hd *, const uint8_t *, size_t, const uint8_t *, size_t, uint8_t,
+    int (*)(nghttp2_session *, const nghttp2_frame_hd *, const char *, size_t, const char *, size_t, uint8_t,
             void *));
 void nghttp2_session_callbacks_set_on_frame_recv_callback(nghttp2_session_callbacks *,
     int (*)(nghttp2_session *, const nghttp2_frame_hd *, void *));

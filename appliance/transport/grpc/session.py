@@ -233,7 +233,7 @@ def _callbacks() -> Any:
     ffi, lib = ng.load()
     failed = ng.ERR_CALLBACK_FAILURE
 
-    from_handle = ffi.from_handle
+    from_handle, unpack = ffi.from_handle, ffi.unpack
 
     def on_error(exception: Any, value: Any, traceback: Any) -> None:  # a bug of ours: one connection pays
         log.error("gRPC connection callback failed", exc_info=(exception, value, traceback))
@@ -245,14 +245,14 @@ def _callbacks() -> Any:
         s.sink_bytes = 0
         return 0
 
-    @ffi.callback("int(nghttp2_session *, const nghttp2_frame_hd *, const uint8_t *, size_t, const uint8_t *, "
+    @ffi.callback("int(nghttp2_session *, const nghttp2_frame_hd *, const char *, size_t, const char *, "
                   "size_t, uint8_t, void *)", error=failed, onerror=on_error)
     def on_header(session: Any, hd: Any, name: Any, namelen: int, value: Any, valuelen: int, flags: int,
                   user_data: Any) -> int:
         s = from_handle(user_data)
         s.sink_bytes += namelen + valuelen + 32  # RFC 9113 6.5.2's count
         if s.sink is not None and s.sink_bytes <= s.header_limit:
-            s.sink.append((ffi.buffer(name, namelen)[:], ffi.buffer(value, valuelen)[:]))
+            s.sink.append((unpack(name, namelen), unpack(value, valuelen)))
         return 0
 
     @ffi.callback("int(nghttp2_session *, const nghttp2_frame_hd *, void *)", error=failed, onerror=on_error)
