@@ -8,6 +8,8 @@ one call per turn of the loop, its answers written to a transport that only coun
 loop thread's CPU time per call is what the transport (HTTP/2, our accounting and dispatch)
 costs a front worker, without the socket system calls both APIs pay alike. ``TREE``: another
 checkout's appliance/ (a ``git archive`` of an earlier commit), to compare before and after.
+The REST port's transport (httptools, appliance/transport/http/) is measured the same way
+beside it, an echo on its loop (its fast route): the per-call cost gRPC is compared with.
 """
 import os, sys, time, asyncio, struct
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,4 +51,34 @@ async def main():
     t1 = time.thread_time()
     print(f"{os.path.dirname(appliance.__file__)}: {1e6*(t1-t0)/N:.1f} us of CPU per call "
           f"({t.out//N} bytes answered per call, {len(conn.streams)} streams left open)")
+
+
+async def rest() -> None:
+    from appliance.core.config import LimitsConfig
+    from appliance.transport.http.connection import Connection as HTTPConnection
+    from appliance.transport.http.server import HTTPServer
+
+    class Echo:
+        def route(self, environ):
+            async def answer(env):
+                data = env["wsgi.input"].read()
+                return "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))], data
+            return answer
+    server = HTTPServer(lambda e, s: [b""], "127.0.0.1", 0, 1, 1 << 20, LimitsConfig(), fast=Echo())
+    server.loop = asyncio.get_running_loop()
+    request = (b"POST /t HTTP/1.1\r\nHost: 127.0.0.1:8501\r\nUser-Agent: h2load nghttp2/1.52.0\r\nAccept: */*\r\n"
+               b"content-type: application/json\r\nContent-Length: 300\r\n\r\n" + b"x" * 300)
+    conn = HTTPConnection(server)
+    t = T()
+    conn.connection_made(t)
+    t0 = time.thread_time()
+    for _ in range(N):
+        conn.data_received(request)
+        await asyncio.sleep(0); await asyncio.sleep(0)
+    print(f"REST (httptools) beside it: {1e6 * (time.thread_time() - t0) / N:.1f} us of CPU per call")
+    server.sock.close()
+
+
 uvloop.run(main())
+if len(sys.argv) == 1:
+    uvloop.run(rest())
