@@ -36,7 +36,7 @@ from tests.test_grpc_hostile import PREDICT, config_text, predict_request, tree_
 MIB = 1 << 20
 BOUND = 192 * MIB  # what the attacks may add to the service's tree RSS
 HARD_CAP = 1024 * MIB  # past this the attack stops and the service is killed: the machine is shared
-RECOVERY_S = 10.0  # REST and gRPC both answer within this of the attack's end
+RECOVERY_S = 15.0  # REST and gRPC both answer within this of the attack's end (the issue measured 173 s)
 ATTACK_S = 8.0
 
 
@@ -121,7 +121,10 @@ def recovered(srv: Any) -> float:
     """Seconds from now until REST and gRPC both answer (RECOVERY_S + 1 when they do not)."""
     started = time.monotonic()
     while time.monotonic() - started < RECOVERY_S:
-        if answers(srv) == (True, True):
+        rest, rpc = answers(srv)
+        print(f"  {time.monotonic() - started:5.1f} s after: REST {'up' if rest else 'down'}, "
+              f"gRPC {'up' if rpc else 'down'}")
+        if rest and rpc:
             return time.monotonic() - started
         time.sleep(0.2)
     return RECOVERY_S + 1
