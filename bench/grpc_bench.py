@@ -39,7 +39,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import h2load, loadgen  # noqa: E402
+from bench import h2load, loadgen, nghttp2_load  # noqa: E402
 from bench.run_bench import SHAPES, bench_models, body, stop, wait_ready  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
@@ -47,13 +47,19 @@ PREDICT = "/tensorflow.serving.PredictionService/Predict"
 
 
 def predict_bytes(model: str) -> bytes:
-    from appliance.api.tfserving.grpc_service import to_tensor
+    """The PredictRequest TF Serving's own client sends for the REST body's numbers:
+    tensorflow-serving-api's users build tensors with ``tf.make_tensor_proto``, which packs a
+    numeric array into ``tensor_content`` (raw little-endian bytes), not the typed fields."""
     from appliance.protos.tfserving import pb
 
     request = pb.PredictRequest()
     request.model_spec.name = model
     x = np.asarray(json.loads(body(model))["instances"], dtype=np.float32)
-    to_tensor(x, request.inputs["input"])  # the bench models' input (bench/run_bench.py builds them)
+    tensor = request.inputs["input"]  # the bench models' input (bench/run_bench.py builds them)
+    tensor.dtype = 1  # DT_FLOAT
+    for size in x.shape:
+        tensor.tensor_shape.dim.add(size=size)
+    tensor.tensor_content = x.astype("<f4").tobytes()
     return bytes(request.SerializeToString())
 
 
@@ -85,6 +91,17 @@ async def grpc_run(port: int, request: bytes, concurrency: int, duration: float,
             "p99_ms": round(loadgen.percentile(lat, 0.99) * 1000, 3)}
 
 
+def _latency(result: dict[str, Any]) -> str:
+    if "p50_ms" in result:
+        return f"p50 {result['p50_ms']:7.2f} p99 {result['p99_ms']:7.2f} ms"
+    return f"mean {result.get('mean_ms', 0):7.2f} max {result.get('max_ms', 0):7.2f} ms"
+
+
+async def _sync(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """A blocking load generator (h2load, a subprocess) where ``measured`` awaits one."""
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+
+
 def start(root: Path, base: Path, port: int, grpc_port: int, state: Path, transport: str,
           workers: int = 0) -> subprocess.Popen:
     """The service of the checkout at ``root`` (the bench MLP on LiteRT, batching on, gRPC on;
@@ -108,7 +125,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--warmup", type=float, default=2.0)
-    ap.add_argument("--client", choices=["h2", "grpcio"], default="h2", help="the gRPC load generator")
+    ap.add_argument("--client", choices=["nghttp2", "h2", "grpcio"], default="nghttp2",
+                    help="the load generator: nghttp2's h2load for both APIs (C, HTTP/1.1 for REST), or "
+                         "Python ones (bench/loadgen.py for REST with h2: bench/h2load.py; grpcio: grpc.aio)")
     ap.add_argument("--transport", choices=["lean", "grpcio"], default="lean",
                     help="the service's gRPC server ([grpc] transport)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -143,21 +162,24 @@ def main() -> int:
             return result
 
         for i, c in enumerate(c for c in a.concurrency for _ in range(a.rounds)):
-            rest = measured(loadgen.run(url, payload, c, a.duration, a.warmup, b"predictions"))
-            print(f"c={c:3d}  REST          {rest['rps']:8.1f} req/s p50 {rest['p50_ms']:7.2f} p99 "
-                  f"{rest['p99_ms']:7.2f} ms | server CPU {rest['server_cpu_ms_per_request']} ms/req "
+            rest = measured(_sync(nghttp2_load.run, url, payload, c, a.duration, a.warmup, h1=True)
+                            if a.client == "nghttp2" else loadgen.run(url, payload, c, a.duration, a.warmup,
+                                                                       b"predictions"))
+            print(f"c={c:3d}  REST          {rest['rps']:8.1f} req/s {_latency(rest)} | server CPU {rest['server_cpu_ms_per_request']} ms/req "
                   f"(errors {rest['errors']})", flush=True)
             row: dict[str, Any] = {"concurrency": c, "rest": rest}
             for label in sorted(servers, reverse=bool(i % 2)):  # "after" first in even rounds
                 grpc_port = servers[label][2]
-                if a.client == "h2":
+                if a.client == "nghttp2":
+                    run = _sync(nghttp2_load.run, f"http://127.0.0.1:{grpc_port}{PREDICT}",
+                                nghttp2_load.grpc_body(request), c, a.duration, a.warmup, grpc=True)
+                elif a.client == "h2":
                     run = h2load.run("127.0.0.1", grpc_port, PREDICT, request, c, a.duration, a.warmup)
                 else:
                     run = grpc_run(grpc_port, request, c, a.duration, a.warmup)
                 grpc_ = row[f"grpc_{label}"] = measured(run, label)
                 ratio = row[f"ratio_{label}"] = round(grpc_["rps"] / rest["rps"], 2) if rest["rps"] else None
-                print(f"c={c:3d}  gRPC {label:>6s}  {grpc_['rps']:8.1f} req/s p50 {grpc_['p50_ms']:7.2f} p99 "
-                      f"{grpc_['p99_ms']:7.2f} ms | server CPU {grpc_['server_cpu_ms_per_request']} ms/req | "
+                print(f"c={c:3d}  gRPC {label:>6s}  {grpc_['rps']:8.1f} req/s {_latency(grpc_)} | server CPU {grpc_['server_cpu_ms_per_request']} ms/req | "
                       f"gRPC/REST {ratio}x (errors {grpc_['errors']})", flush=True)
             rows.append(row)
     finally:

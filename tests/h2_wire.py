@@ -92,3 +92,33 @@ def frames_until_closed(sock: socket.socket, stop: int | None = None) -> list[tu
         if f[0] == stop:
             break
     return frames
+
+
+def frames_until_ping(sock: socket.socket, data: bytes = b"") -> list[tuple[int, int, int, bytes]]:
+    """Send ``data`` and a PING, then return every frame until a second PING's acknowledgement
+    (or until the server closes the connection): by then every frame the server sent while it
+    processed ``data`` has arrived (servers send PING answers ahead of what they had queued,
+    but in the same write). Answers of calls still running may come later."""
+    frames: list[tuple[int, int, int, bytes]] = []
+    for marker, before in ((b"syncone1", data), (b"synctwo2", b"")):
+        sock.sendall(before + frame(PING, 0, 0, marker))
+        while (f := read_frame(sock)) is not None:
+            if f[0] == PING and f[1] & ACK and f[3] in (b"syncone1", b"synctwo2"):
+                if f[3] == marker:
+                    break
+                continue
+            frames.append(f)
+        else:
+            break
+    return frames
+
+
+def stream_end(sock: socket.socket, stream_id: int) -> list[tuple[int, int, int, bytes]]:
+    """Every frame until ``stream_id`` ends (RST_STREAM, or HEADERS with END_STREAM) or the
+    server closes the connection."""
+    frames = []
+    while (f := read_frame(sock)) is not None:
+        frames.append(f)
+        if f[2] == stream_id and (f[0] == RST_STREAM or (f[0] == HEADERS and f[1] & END_STREAM)):
+            break
+    return frames

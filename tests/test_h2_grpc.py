@@ -295,29 +295,32 @@ def test_data_past_the_granted_window_is_a_flow_control_error(served: Any) -> No
         sock.sendall(frame(h2_grpc.DATA, 0, 1, b"\x00\x00\x00\x00\x0a" + bytes(16379)))
         for _ in range(4):
             sock.sendall(frame(h2_grpc.DATA, 0, 1, bytes(16384)))
-        frames = []
+        # RFC 9113 6.9: a stream error (nghttp2's choice: RST_STREAM) or a connection error (GOAWAY)
         while (f := read_frame(sock)) is not None:
-            frames.append(f)
-        assert any(kind == h2_grpc.GOAWAY and payload[4:8] == b"\x00\x00\x00\x03" for kind, _, _, payload in frames)
+            kind, _, stream_id, payload = f
+            if kind in (h2_grpc.RST_STREAM, h2_grpc.GOAWAY):
+                break
+        assert f is not None, "the server closed the connection without naming the error"
+        code = payload[:4] if kind == h2_grpc.RST_STREAM else payload[4:8]
+        assert code == b"\x00\x00\x00\x03", f"{kind}: {payload!r}"  # FLOW_CONTROL_ERROR
 
 
-def test_a_stream_over_the_limit_ends_only_its_connection_and_the_header_table_stays_in_step(served: Any) -> None:
-    """Adapted for h2: the old framer refused the stream after MAX_STREAMS open ones with
-    REFUSED_STREAM; h2 treats it as a connection error (GOAWAY PROTOCOL_ERROR, its
-    TooManyStreamsError). Clients honour the advertised SETTINGS_MAX_CONCURRENT_STREAMS
+def test_streams_over_the_limit_are_refused_and_the_header_table_stays_in_step(served: Any) -> None:
+    """Streams past the advertised SETTINGS_MAX_CONCURRENT_STREAMS are refused: nghttp2
+    answers REFUSED_STREAM while its SETTINGS are not yet acknowledged and PROTOCOL_ERROR
+    (GOAWAY) after (h2 did the latter). Clients honour the setting
     (test_more_concurrent_calls_than_streams_allowed), so only a broken one meets it. What
     stays: a header block whose call is refused is still decoded, so a later request that
     refers to the header-table entry it added is understood."""
     _, port, _ = served
     encoder, decoder = hpack.Encoder(), hpack.Decoder()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0))
-        for s in range(1, 2 * MAX_STREAMS + 2, 2):  # headers only: requests still arriving
-            sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, s, request_headers(encoder, port)))
-        frames = []
-        while (f := read_frame(sock)) is not None:
-            frames.append(f)
-        assert h2_grpc.goaway_code(frames) == h2_grpc.PROTOCOL_ERROR
+        blocks = b"".join(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, s, request_headers(encoder, port))
+                          for s in range(1, 2 * MAX_STREAMS + 2, 2))  # headers only: requests still arriving
+        frames = h2_grpc.frames_until_ping(sock, h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0) + blocks)
+        refused = {f[2] for f in frames if f[0] == h2_grpc.RST_STREAM and f[3] == b"\x00\x00\x00\x07"}
+        assert refused == {2 * MAX_STREAMS + 1} or h2_grpc.goaway_code(frames) == h2_grpc.PROTOCOL_ERROR, frames
+        assert not any(f[0] == h2_grpc.HEADERS for f in frames), "a stream over the limit was answered"
     probe = (("x-probe", "added-by-a-refused-call"), ("grpc-timeout", "never"))
     encoder = hpack.Encoder()  # a new connection, a new header table
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -458,34 +461,45 @@ def test_grpcio_keepalive_pings_keep_the_connection(served: Any) -> None:
 
 
 def test_metadata_with_nul_cr_or_lf_is_refused(served: Any) -> None:
-    """h2's own header checks are off (connection.py says why); what could reach a service's
-    logs or answers is checked here: a value carrying CR LF gets INVALID_ARGUMENT."""
+    """A value carrying CR LF never reaches a service's logs or answers: nghttp2 refuses the
+    malformed request (RFC 9113 8.2.1: RST_STREAM PROTOCOL_ERROR), and calls.py would answer
+    INVALID_ARGUMENT to whatever got past it. The connection serves on."""
     _, port, _ = served
     encoder, decoder = hpack.Encoder(), hpack.Decoder()
     block = request_headers(encoder, port, extra=(("x-note", "one\r\nx-injected: two"),))
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0) + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, block)
                      + frame(h2_grpc.DATA, h2_grpc.END_STREAM, 1, h2_grpc.message(b"hello")))
+        frames = h2_grpc.stream_end(sock, 1)
         fields: dict[str, str] = {}
-        while "grpc-status" not in fields:
-            kind, _, stream_id, payload = read_frame(sock) or (None, 0, 0, b"")
-            assert kind is not None and kind != h2_grpc.GOAWAY
+        for kind, _, stream_id, payload in frames:
             if kind == h2_grpc.HEADERS and stream_id == 1:
                 fields.update(decoder.decode(payload))
-        assert fields["grpc-status"] == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
-        assert "x-note" in fields["grpc-message"]
+        reset = [f[3] for f in frames if f[0] == h2_grpc.RST_STREAM and f[2] == 1]
+        if reset:
+            assert reset[0] == b"\x00\x00\x00\x01" and "grpc-status" not in fields
+        else:
+            assert fields["grpc-status"] == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
+            assert "x-note" in fields["grpc-message"]
+        fine = request_headers(encoder, port)
+        sock.sendall(frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 3, fine)
+                     + frame(h2_grpc.DATA, h2_grpc.END_STREAM, 3, h2_grpc.message(b"hello")))
+        frames = h2_grpc.stream_end(sock, 3)
+        assert b"hello" in b"".join(f[3] for f in frames if f[0] == h2_grpc.DATA and f[2] == 3)
 
 
-def test_h2_takes_our_settings(served: Any) -> None:
-    """Pins the two values h2 copies at construction (connection.py sets them after): a frame
-    as large as the advertised SETTINGS_MAX_FRAME_SIZE is taken, and a header list over the
-    advertised SETTINGS_MAX_HEADER_LIST_SIZE (yet under the frame guard's bound) is refused by
-    hpack with GOAWAY."""
+def test_our_settings_are_in_force(served: Any) -> None:
+    """Once a client acknowledged our SETTINGS, a frame as large as the advertised
+    SETTINGS_MAX_FRAME_SIZE is taken; and a header list over the advertised
+    SETTINGS_MAX_HEADER_LIST_SIZE (yet under the frame guard's bound) is answered
+    RESOURCE_EXHAUSTED, its fields decoded but never kept."""
     _, port, _ = served
     payload = os.urandom(h2_conn.MAX_FRAME - 5)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         encoder = hpack.Encoder()
-        sock.sendall(h2_grpc.PREFACE + h2_grpc.settings(INITIAL_WINDOW_SIZE=1 << 30)
+        first = read_frame(sock)
+        assert first is not None and first[0] == h2_grpc.SETTINGS
+        sock.sendall(h2_grpc.PREFACE + h2_grpc.settings(INITIAL_WINDOW_SIZE=1 << 30) + frame(h2_grpc.SETTINGS, h2_grpc.ACK, 0)
                      + frame(h2_grpc.WINDOW_UPDATE, 0, 0, (1 << 30).to_bytes(4, "big"))  # the answer's room
                      + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, request_headers(encoder, port))
                      + frame(h2_grpc.DATA, 0, 1, h2_grpc.message(payload)[:5]))
@@ -505,5 +519,7 @@ def test_h2_takes_our_settings(served: Any) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         big = request_headers(hpack.Encoder(), port, extra=(("x-big", "v" * (Limits().max_metadata_size + 1024)),))
         sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0) + frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, 1, big))
-        frames = h2_grpc.frames_until_closed(sock)
-        assert h2_grpc.goaway_code(frames) is not None and not any(f[0] == h2_grpc.HEADERS for f in frames)
+        frames = h2_grpc.stream_end(sock, 1)
+        fields = dict(hpack.Decoder().decode(b"".join(f[3] for f in frames if f[0] == h2_grpc.HEADERS)))
+        assert fields.get("grpc-status") == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]), frames
+        assert "SETTINGS_MAX_HEADER_LIST_SIZE" in fields["grpc-message"]

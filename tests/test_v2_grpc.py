@@ -1,7 +1,7 @@
 """The KServe v2 gRPC service (``inference.GRPCInferenceService``) with Triton's own client.
 
 The service core runs in this process with the real models, and ``v2_grpc.add_to_server``
-registers the service on a real ``grpc.server`` bound to a loopback port (what
+registers the service on the service's own gRPC server bound to a loopback port (what
 ``appliance.service.grpc_port`` does on the service's gRPC port); ``tritonclient.grpc`` talks to
 it over the socket. Answers are compared with the model called in-process. Typed
 ``contents`` (instead of ``raw_input_contents``) are sent with tritonclient's generated
@@ -64,6 +64,7 @@ def port(core: Appliance) -> Iterator[int]:
     v2_grpc.add_to_server(server, core)
     bound = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    list(server.pool.map(time.sleep, [0.05] * 8))  # its pool's threads now, not inside a test (leak check)
     yield bound
     server.stop(None)
 
@@ -97,7 +98,7 @@ def test_health_and_metadata(client: Any) -> None:
     assert client.is_model_ready("keras_mlp_tflite") and client.is_model_ready("keras_mlp", "1")
     assert not client.is_model_ready("keras_mlp", "4") and not client.is_model_ready("no_such_model")
     meta = client.get_server_metadata(as_json=True)
-    assert meta["name"] == "edge-appliance" and meta["extensions"] == ["binary_tensor_data"]
+    assert meta["name"] == "edge-appliance" and meta["extensions"] == ["binary_tensor_data", "system_shared_memory"]
     model = client.get_model_metadata("keras_mlp", as_json=True)
     assert model["versions"] == ["1"] and model["platform"] == "tensorflow_savedmodel"
     assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "64"]}]  # int64 in JSON: strings

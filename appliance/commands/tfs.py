@@ -20,6 +20,7 @@ from typing import Any
 MAPPED: dict[str, tuple[str, Any]] = {
     "port": ("grpc.port", int),
     "grpc_socket_path": ("grpc.socket_path", str),
+    "ssl_config_file": ("grpc.ssl_config_file", str),
     "grpc_max_message_size": ("grpc.max_message_bytes", int),
     "rest_api_port": ("server.port", int),
     "rest_api_num_threads": ("server.threads", int),
@@ -41,7 +42,6 @@ IGNORED: dict[str, str] = {
     "tensorflow_session_parallelism": "TensorFlow's session threads are runtime.tf.intra_op_threads / "
                                       "inter_op_threads here",
     "platform_config_file": "backends are chosen per device and version (runtime.backend, appliance probe)",
-    "ssl_config_file": "TLS is [security] tls_cert_file / tls_key_file (docs/security.md)",
     "per_process_gpu_memory_fraction": "the TF-TRT backend lets TensorFlow grow GPU memory as needed",
     "saved_model_tags": "SavedModels are loaded with the 'serve' tag, as TF Serving's default",
     "max_num_load_retries": "a version that fails to load is quarantined until its files change",

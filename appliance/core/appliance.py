@@ -32,6 +32,7 @@ from appliance.core.manager import Manager
 from appliance.core.metrics import Metrics
 from appliance.core.problems import Inputs, ProblemLog, find_problems
 from appliance.core.rollout import Rollouts
+from appliance.core.shared_memory import SharedMemory
 from appliance.core.sources import DirectorySource, scan_interval
 from appliance.core.state import StateDB
 
@@ -83,6 +84,9 @@ class Appliance:
         self.footprint = TreeSampler()
         self.db.subscribe(self.metrics.on_event)  # edge_appliance_events_total{kind}
         self.db.subscribe(self.problem_log.on_event)
+        # Triton's system shared-memory regions (the KServe v2 API registers and reads them)
+        self.shared_memory = SharedMemory(lambda: self.config.shared_memory)
+        self.add_status("shared_memory", self.shared_memory.summary)
 
     def start(self) -> "Appliance":
         with self._lock:
@@ -135,6 +139,7 @@ class Appliance:
         if manager is not None:
             manager.close(self.config.server.drain_timeout_s)
             self.db.event("service_stop", "edge-appliance stopped")
+        self.shared_memory.unregister()  # their descriptors
         self.db.close()
 
     def request_config(self, config: Config, why: str) -> None:

@@ -34,6 +34,22 @@ class ServerConfig:
     worker_timeout_s: float = 10.0
     max_body_bytes: int = 64 * 1024 * 1024
     drain_timeout_s: float = 20.0
+    # Also serve REST on this Unix domain socket (HTTP over AF_UNIX, as the Docker API does):
+    # local apps skip TCP, and the file's mode and group decide who may call. Empty: none.
+    socket_path: str = ""
+    socket_mode: str = "0660"  # octal, as chmod takes it
+    socket_group: str = ""  # a group name; empty: the service's own
+
+    def validate(self, key: str) -> None:
+        if self.socket_path:
+            if not os.path.isabs(self.socket_path) or len(os.fsencode(self.socket_path)) > 107:
+                raise ConfigError(f"{key}.socket_path", "must be an absolute path of at most 107 bytes (sun_path)")
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            mode = -1
+        if not 0 <= mode <= 0o777:
+            raise ConfigError(f"{key}.socket_mode", f"{self.socket_mode!r} is not a file mode (octal, as \"0660\")")
 
 
 @dataclass
@@ -149,6 +165,10 @@ class GRPCConfig:
     # address and the reason; true retries with backoff (0.5 s doubling to 30 s) while the
     # device reports not ready and the page shows gRPC as down.
     bind_retry: bool = False
+    # TLS on the TCP port (appliance/core/grpc_tls.py), one of: true, with [security]'s
+    # certificate, key and client CA; or TF Serving's --ssl_config_file (an SSLConfig text proto).
+    tls: bool = False
+    ssl_config_file: str = ""
     # Bounds against hostile or broken clients (appliance/transport/grpc/limits.py). Names after
     # gRPC's own server arguments where it has one (grpc.max_concurrent_streams, ...).
     max_concurrent_streams: int = 100  # calls in flight on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)
@@ -162,12 +182,19 @@ class GRPCConfig:
     # connection and all together; a call past either gets RESOURCE_EXHAUSTED.
     max_connection_buffer_bytes: int = 96 * 1024 * 1024  # at least max_message_bytes + 5
     max_buffer_bytes: int = 512 * 1024 * 1024
+    # Streams open on all connections together (each holds a request or an answer): what clients
+    # that never read their answers (zero windows) can make the device keep, however many
+    # connections they open. Past it new streams are refused (REFUSED_STREAM; clients retry).
+    max_open_streams: int = 4096
 
     def validate(self, key: str) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"{key}.port", f"{self.port} is not a TCP port (0 turns gRPC off)")
         if self.transport not in ("lean", "grpcio"):
             raise ConfigError(f"{key}.transport", f"{self.transport!r} is not a gRPC server (lean or grpcio)")
+        if self.tls and self.ssl_config_file:
+            raise ConfigError(f"{key}.tls", "set either tls (the [security] certificate) or ssl_config_file "
+                              "(TF Serving's SSLConfig), not both")
         if self.max_message_bytes < 1024:
             raise ConfigError(f"{key}.max_message_bytes", "must be at least 1024")
         self._validate_bounds(key)
@@ -179,6 +206,9 @@ class GRPCConfig:
             raise ConfigError(f"{key}.max_metadata_size", "must be between 1024 and 1048576")
         if not 1 <= self.max_connections <= 1_000_000:
             raise ConfigError(f"{key}.max_connections", "must be between 1 and 1000000")
+        if not self.max_concurrent_streams <= self.max_open_streams <= 10_000_000:
+            raise ConfigError(f"{key}.max_open_streams", "must be at least max_concurrent_streams (one full "
+                              "connection) and at most 10000000")
         for name in ("handshake_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{key}.{name}", "must be positive")
@@ -301,6 +331,22 @@ class LimitsConfig:
 
 
 @dataclass
+class SharedMemoryConfig:
+    """Triton's system shared-memory extension (appliance/core/shared_memory.py): apps on the
+    device register regions of POSIX shared memory and name them instead of sending tensors."""
+
+    enabled: bool = True
+    max_regions: int = 64  # regions registered at once
+    max_bytes: int = 2 << 30  # their byte_size together
+
+    def validate(self, key: str) -> None:
+        if not 1 <= self.max_regions <= 65536:
+            raise ConfigError(f"{key}.max_regions", "must be between 1 and 65536")
+        if self.max_bytes < 1:
+            raise ConfigError(f"{key}.max_bytes", "must be at least 1")
+
+
+@dataclass
 class GenerationConfig:
     """Token streaming from generative models (``:generate``, appliance/core/generation.py)."""
 
@@ -404,6 +450,7 @@ class Config:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
     models: list[ModelConfig] = field(default_factory=list)
 
     def batching_for(self, model: ModelConfig) -> BatchingConfig:
@@ -493,7 +540,7 @@ def validate(config: Config) -> Config:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")
     if len(config.discovery.name.encode()) > 63:
         raise ConfigError("discovery.name", "must be at most 63 bytes (a DNS label)")
-    for section in ("sync", "grpc", "tfs", "security", "limits", "generation"):
+    for section in ("server", "sync", "grpc", "tfs", "security", "limits", "generation", "shared_memory"):
         getattr(config, section).validate(section)
     names = set()
     for i, model in enumerate(config.models):

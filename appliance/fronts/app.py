@@ -20,7 +20,7 @@ import asyncio
 import contextvars
 import io
 import queue
-from typing import Any, Awaitable, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Iterator, Protocol
 
 from appliance.api.auth import TokenHolder, authorize
 from appliance.api.body import content_encoding, inflate, read_raw
@@ -33,6 +33,10 @@ from appliance.core.seams import ServingCore
 from appliance.fronts import messages as m
 from appliance.fronts.link import Link
 from appliance.transport.http.server import AppFacing
+
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
+    from appliance.core.shared_memory import SharedMemory
 
 WSGIApp = Callable[..., Iterable[bytes]]
 GONE_POLL_S = 0.25  # how often a forwarded request's thread looks whether its client is still there
@@ -105,11 +109,29 @@ class _Stream:
             self.link.close_stream(self.ident)
 
 
-class FrontApp:
-    """The front path (module docstring): the HTTP server's WSGI app and its ``FastRoutes``."""
+async def forward_whole(link: Link, environ: dict[str, Any]) -> Answer:
+    """A request the serving process answers whole (its own token check included), awaited on
+    the worker's loop: no thread of the worker waits for it. For answers that are one message
+    (not a stream): a v2 infer naming shared memory is."""
+    body = environ["wsgi.input"].read()
+    kind, payload = await link.call(m.WSGI, [m.plain_environ(environ), body])
+    if kind == m.ANSWER:
+        status, headers, data = payload
+        return status, [tuple(h) for h in headers], data
+    status_code, error_headers, error_body = render_error(m.error_from_plain(payload), "the front worker")
+    return status_line(status_code), error_headers, error_body
 
-    def __init__(self, core: FrontCore, hot: list[Mount], fallback: WSGIApp):
-        self.core, self.fallback = core, fallback
+
+class FrontApp:
+    """The front path (module docstring): the HTTP server's WSGI app and its ``FastRoutes``.
+
+    ``regions_elsewhere``: how a v2 infer naming shared-memory regions is answered by the
+    process that holds them (appliance/api/kserve/shared_memory.py): in a worker, forwarded
+    whole; None in the serving process, whose families read the regions themselves."""
+
+    def __init__(self, core: FrontCore, hot: list[Mount], fallback: WSGIApp,
+                 regions_elsewhere: Callable[[dict[str, Any]], Awaitable[Answer]] | None = None):
+        self.core, self.fallback, self.regions_elsewhere = core, fallback, regions_elsewhere
         self.hot = Mounts()
         for mount in hot:
             self.hot.add(mount)
@@ -126,6 +148,8 @@ class FrontApp:
         family = mount.handler if mount is not None else None
         if mount is None or not isinstance(family, AsyncFamily) or not normal(raw):
             return None
+        if self.regions_elsewhere is not None and mount.name == "kserve-infer" and _names_a_region(environ):
+            return self.regions_elsewhere
         if not authorize(self.core, mount.scope, environ.get("HTTP_AUTHORIZATION")).allowed:
             return None
         return lambda env: self._answer(family, env)
@@ -149,18 +173,26 @@ class FrontApp:
         environ.pop("HTTP_CONTENT_ENCODING", None)
 
 
-def hot_mounts(core: ServingCore) -> list[Mount]:
+def _names_a_region(environ: dict[str, Any]) -> bool:
+    from appliance.api.kserve.shared_memory import uses_shared_memory
+
+    with environ["wsgi.input"].getbuffer() as body:  # searched in place, never copied
+        return uses_shared_memory(body)
+
+
+def hot_mounts(core: ServingCore, regions: "SharedMemory | None" = None) -> list[Mount]:
     """What the front path answers on its loop: TF Serving's predict/classify/regress and KServe
     v2's infer (the requests whose JSON is the work). Metadata, model status, health and
     everything else goes to the fallback: cheap to answer there, and always answered by the
-    process that holds the versions."""
+    process that holds the versions. ``regions``: the serving process's shared memory."""
     from appliance.api.kserve.rest import V2API
     from appliance.api.kserve.service import V2Service
     from appliance.api.mounts import INFERENCE
     from appliance.api.tfserving.rest import POST_RE, V1API
 
     return [Mount("tfserving-infer", "/v1/", INFERENCE, V1API(core), methods=frozenset({"POST"}), pattern=POST_RE),
-            Mount("kserve-infer", "/v2/models/", INFERENCE, V2API(V2Service(core)), methods=frozenset({"POST"}),
+            Mount("kserve-infer", "/v2/models/", INFERENCE, V2API(V2Service(core, regions=regions)),
+                  methods=frozenset({"POST"}),
                   suffix="/infer")]
 
 
@@ -169,3 +201,10 @@ def facing(alone_var: "contextvars.ContextVar[Any] | None" = None) -> AppFacing:
     writes itself are ``{"error": ...}``, and (in the process that batches) how a lone call is
     told apart."""
     return AppFacing(frozenset(p.encode() for p in OPEN_PATHS), error_body, alone_var)
+
+
+def serving_front(core: "Appliance", app: WSGIApp) -> FrontApp:
+    """The front path in the process that holds the versions (one process, or its REST Unix
+    socket): the families on the core's own seams, the regions read here, ``app`` (the Flask app)
+    for everything else."""
+    return FrontApp(core, hot_mounts(core, core.shared_memory), app)

@@ -23,10 +23,11 @@ from appliance.api.kserve.service import V2Service
 from appliance.api.tfserving.grpc_service import PREDICTION_SERVICE, TFServingGRPC
 from appliance.fronts.link import Link
 from appliance.fronts.remote import RemoteCore
+from appliance.protos.kserve import pb
 
+INFER = f"/{SERVICE_NAME}/ModelInfer"
 HOT = frozenset({f"/{PREDICTION_SERVICE}/Predict", f"/{PREDICTION_SERVICE}/Classify",
-                 f"/{PREDICTION_SERVICE}/Regress", f"/{PREDICTION_SERVICE}/MultiInference",
-                 f"/{SERVICE_NAME}/ModelInfer"})
+                 f"/{PREDICTION_SERVICE}/Regress", f"/{PREDICTION_SERVICE}/MultiInference", INFER})
 
 
 class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]
@@ -46,8 +47,35 @@ class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]
         for generic in self.local:
             handler = generic.service(details)
             if handler is not None:
+                if details.method == INFER:
+                    return _regions_forwarded(handler, self.link)
                 return handler
         return None
+
+
+def _regions_forwarded(handler: Any, link: Link) -> Any:
+    """ModelInfer answered here, except a request naming a shared-memory region: the serving
+    process, which holds the regions, answers it (appliance/api/kserve/shared_memory.py). Such
+    a request carries no tensor, so passing it on whole costs little."""
+    from appliance.api.kserve.shared_memory import message_names_a_region
+
+    fn = handler.unary_unary
+
+    async def call(request: Any, context: Any) -> Any:  # V2GRPC's ModelInfer is a coroutine
+        if not message_names_a_region(request):
+            return await fn(request, context)
+        kind, payload = await link.call(m.GRPC, [INFER, request.SerializeToString(),
+                                                 [list(kv) for kv in context.invocation_metadata()],
+                                                 context.time_remaining()])
+        if kind == m.DONE:
+            return pb.ModelInferResponse.FromString(payload[0])
+        if kind == m.STATUS:
+            code, details, trailing = payload
+            context.set_trailing_metadata([tuple(kv) for kv in trailing])
+            context.abort(grpc.StatusCode[code], details)
+        context.abort(grpc.StatusCode.UNAVAILABLE, m.error_from_plain(payload).message)
+    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)
 
 
 def _forwarding(method: str, link: Link) -> Any:

@@ -39,7 +39,8 @@ def worker_limits(limits: LimitsConfig, workers: int) -> LimitsConfig:
 def worker_grpc(cfg: GRPCConfig, workers: int) -> GRPCConfig:
     """One worker's share of the gRPC port's limits (a connection's own bound stays)."""
     return dataclasses.replace(cfg, max_connections=_share(cfg.max_connections, workers),
-                               max_buffer_bytes=_share(cfg.max_buffer_bytes, workers))
+                               max_buffer_bytes=_share(cfg.max_buffer_bytes, workers),
+                               max_open_streams=max(cfg.max_concurrent_streams, _share(cfg.max_open_streams, workers)))
 
 
 def _share(total: int, workers: int) -> int:

@@ -34,10 +34,11 @@ import signal
 import socket
 import sys
 import threading
+from functools import partial
 from typing import Any
 
 from appliance.fronts import messages as m
-from appliance.fronts.app import Forwarder, FrontApp, facing, hot_mounts
+from appliance.fronts.app import Forwarder, FrontApp, facing, forward_whole, hot_mounts
 from appliance.fronts.remote import RemoteCore
 from appliance.fronts.link import Link
 from appliance.core import logs, memory
@@ -74,7 +75,7 @@ class Worker:
         config = m.config_from_plain(first[2])
         logs.setup(config.log_level)
         core = self.core = RemoteCore(config, self.link)
-        app = FrontApp(core, hot_mounts(core), Forwarder(self.link))
+        app = FrontApp(core, hot_mounts(core), Forwarder(self.link), partial(forward_whole, self.link))
         context = None
         if config.security.tls_cert_file:
             from appliance.core.tls import tls_context
@@ -96,26 +97,24 @@ class Worker:
         Serving's and KServe v2's services, the token check, the ``[grpc]`` bounds shared out."""
         from appliance.api.auth import grpc_interceptor
         from appliance.fronts.grpc_front import FrontGRPC
-        from appliance.transport.grpc.limits import connection_share
+        from appliance.transport.grpc.limits import grpc_limits
+        from appliance.core.grpc_tls import grpc_tls
         from appliance.transport.grpc.h2_server import LeanServer
-        from appliance.transport.grpc.limits import Limits
 
         config = core.config
         cfg = worker_grpc(config.grpc, workers)
-        rest = self.server.max_connections if self.server is not None else 0
-        limits = Limits(max_concurrent_streams=cfg.max_concurrent_streams, max_metadata_size=cfg.max_metadata_size,
-                        max_connections=connection_share(cfg.max_connections, rest),
-                        handshake_timeout_s=cfg.handshake_timeout_s,
-                        stall_timeout_s=cfg.stall_timeout_s,
-                        max_connection_buffer_bytes=cfg.max_connection_buffer_bytes,
-                        max_buffer_bytes=cfg.max_buffer_bytes)
+        limits = grpc_limits(cfg, self.server.max_connections if self.server is not None else 0)
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes)]
         server = LeanServer(config.server.threads, options, [grpc_interceptor(core)], limits=limits, loop=loop)
         server.add_generic_rpc_handlers([FrontGRPC(core)])
         host = config.server.host or "0.0.0.0"
-        server.add_insecure_port(f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}",
-                                 reuse_port=True)
+        address = f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}"
+        tls = grpc_tls(config)  # checked by the serving process before it started the workers
+        if tls is not None:
+            server.add_secure_port(address, tls.context, reuse_port=True)
+        else:
+            server.add_insecure_port(address, reuse_port=True)
         server.start()
         return server
 

@@ -36,7 +36,7 @@ from appliance.core.config import Config
 from appliance.core.config_file import load as load_config
 from appliance.core.errors import ConfigError
 from appliance.core.batcher import LONE_CALL
-from appliance.fronts.app import FrontApp, facing, hot_mounts
+from appliance.fronts.app import facing, serving_front
 from appliance.fronts.pool import Fronts, workers_for
 from appliance.service import listening
 from appliance.service.state_lock import StateDirBusy, lock_state_dir
@@ -87,7 +87,7 @@ class Service:
             self.core.add_status("workers", fronts.workers_status)
         else:
             # one process: the same front path as a worker's, on the core's own seams (appliance/fronts/app.py)
-            front = FrontApp(self.core, hot_mounts(self.core), self.app)
+            front = serving_front(self.core, self.app)
             self.server = HTTPServer(front, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context,
                                      fast=front, facing=facing(LONE_CALL))
         server = self.server
@@ -213,7 +213,7 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
     # sync adds routes and gRPC binds its port: both before the first request
     _add_optional_parts(service, ("appliance.parts.sync_loop",))
     try:
-        _add_optional_parts(service, ("appliance.service.grpc_port",))
+        _add_optional_parts(service, API_PARTS)
     except OSError as exc:  # a configured port that cannot be bound: TF Serving exits, so do we
         print(f"edge-appliance: Failed to start server. Error: {exc}", file=sys.stderr, flush=True)
         _abandon(service)
@@ -253,7 +253,7 @@ def _announce_when_ready(service: Service, url: str, banner: Callable[[str, dict
 
 
 # Parts whose failure leaves a configured API not listening: the device is not ready then.
-API_PARTS = ("appliance.service.grpc_port",)
+API_PARTS = ("appliance.service.grpc_port", "appliance.service.rest_socket")
 
 
 def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:

@@ -44,9 +44,11 @@ from appliance.api.kserve import grpc_service as v2_grpc
 from appliance.api.tfserving import grpc_service as tfs_grpc
 from appliance.core.batcher import LONE_CALL
 from appliance.fronts.pool import Fronts
+from appliance.core.grpc_tls import GRPCTLS, grpc_tls
+from appliance.transport.grpc import nghttp2
 from appliance.transport.grpc.aio_server import AioServer
 from appliance.transport.grpc.h2_server import LeanServer
-from appliance.transport.grpc.limits import Limits, connection_share
+from appliance.transport.grpc.limits import grpc_limits
 
 log = logging.getLogger("appliance.grpc")
 PART = __name__  # the name gRPC's problem is reported under (appliance/service/__init__.py API_PARTS)
@@ -59,7 +61,9 @@ def attach(service: Any) -> "GRPCServer | None":
     cfg = service.config.grpc
     if not cfg.port and not cfg.socket_path:
         return None
-    if isinstance(service.server, Fronts) and cfg.port and _to_workers(service, cfg):
+    tls = grpc_tls(service.config)  # a bad certificate or SSLConfig stops start-up here, by its key
+    if isinstance(service.server, Fronts) and cfg.port and transport_of(cfg)[0] == "lean" \
+            and _to_workers(service, cfg, tls):
         if not cfg.socket_path:
             return None
         cfg = dataclasses.replace(cfg, port=0)  # the Unix socket stays here
@@ -74,7 +78,20 @@ def attach(service: Any) -> "GRPCServer | None":
         return None
 
 
-def _to_workers(service: Any, cfg: Any) -> bool:
+def transport_of(cfg: Any) -> tuple[str, str]:
+    """The gRPC server to run and why: ``[grpc] transport``, except that "lean" without a
+    usable libnghttp2 falls back to grpcio (logged, and shown in ``/api/status``)."""
+    if cfg.transport != "lean":
+        return cfg.transport, ""
+    try:
+        nghttp2.load()
+    except nghttp2.Missing as exc:
+        log.warning("the lean gRPC server cannot run: %s; serving gRPC with grpcio instead", exc)
+        return "grpcio", str(exc)
+    return "lean", ""
+
+
+def _to_workers(service: Any, cfg: Any, tls: GRPCTLS | None) -> bool:
     """The TCP port to the front workers (appliance/fronts/pool.py); False when it is busy
     and ``bind_retry`` says to retry here, OSError when busy without it."""
     host = service.config.server.host or "0.0.0.0"
@@ -87,7 +104,8 @@ def _to_workers(service: Any, cfg: Any) -> bool:
         raise OSError(f"cannot listen for gRPC on {address}: {(exc.strerror or str(exc)).lower()}") from exc
     services = [tfs_grpc.PREDICTION_SERVICE, tfs_grpc.MODEL_SERVICE, v2_grpc.SERVICE_NAME]
     section = {"addresses": [f"{host}:{port}"], "transport": "lean", "served_by": "front workers",
-               "max_message_bytes": cfg.max_message_bytes, "services": services}
+               "max_message_bytes": cfg.max_message_bytes, "services": services,
+               "http2": f"libnghttp2 {nghttp2.version()}", **(tls.describe() if tls else {"tls": False})}
     fronts = service.server
     service.core.add_status("grpc", lambda: {**section, **fronts.grpc_stats()})
     log.info("gRPC served by the front workers on %s:%d", host, port)
@@ -133,12 +151,10 @@ class GRPCServer:
         # As many pool threads as HTTP workers: a method run there waits on a batch like an HTTP worker.
         threads = service.config.server.threads
         rest = getattr(service.server, "max_connections", 0)
-        limits = Limits(max_concurrent_streams=cfg.max_concurrent_streams, max_metadata_size=cfg.max_metadata_size,
-                        max_connections=connection_share(cfg.max_connections, rest),
-                        handshake_timeout_s=cfg.handshake_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
-                        max_connection_buffer_bytes=cfg.max_connection_buffer_bytes,
-                        max_buffer_bytes=cfg.max_buffer_bytes)
-        if cfg.transport == "lean":  # it tells the batcher which calls are alone (core/batcher.py LONE_CALL)
+        limits = grpc_limits(cfg, rest)
+        self.transport, self.fallback = transport_of(cfg)
+        self.tls = grpc_tls(service.config)
+        if self.transport == "lean":  # it tells the batcher which calls are alone (core/batcher.py LONE_CALL)
             self.server: Any = LeanServer(threads, options, interceptors, alone_var=LONE_CALL, limits=limits)
         else:  # grpcio's names for the bounds it has
             options += [("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
@@ -158,7 +174,7 @@ class GRPCServer:
         if cfg.port:
             address = f"[{host}]:{cfg.port}" if ":" in host else f"{host}:{cfg.port}"
             try:
-                bound = self.server.add_insecure_port(address)
+                bound = self._add_tcp_port(address)
             except RuntimeError as exc:
                 raise OSError(f"cannot listen for gRPC on {address}: {exc.__cause__ or exc}") from exc
             if not bound:
@@ -173,11 +189,30 @@ class GRPCServer:
                 raise OSError(f"cannot listen for gRPC on unix:{cfg.socket_path}: {exc.__cause__ or exc}") from exc
             self.addresses.append(f"unix:{cfg.socket_path}")
 
+    def _add_tcp_port(self, address: str) -> int:
+        """The TCP port, over TLS when ``[grpc]`` says so (the Unix socket never is)."""
+        tls = self.tls
+        if tls is None:
+            return int(self.server.add_insecure_port(address))
+        if self.transport == "lean":
+            return int(self.server.add_secure_port(address, tls.context))
+        import grpc
+
+        credentials = grpc.ssl_server_credentials([(tls.private_key, tls.cert_chain)], root_certificates=tls.client_ca,
+                                                  require_client_auth=tls.require_client_certificate)
+        return int(self.server.add_secure_port(address, credentials))
+
     def start(self) -> None:
         self.server.start()
-        section = {"addresses": self.addresses, "transport": self.service.config.grpc.transport,
-                   "max_message_bytes": self.service.config.grpc.max_message_bytes,
-                   "services": [tfs_grpc.PREDICTION_SERVICE, tfs_grpc.MODEL_SERVICE, v2_grpc.SERVICE_NAME]}
+        section: dict[str, Any] = {
+            "addresses": self.addresses, "transport": self.transport,
+            "max_message_bytes": self.service.config.grpc.max_message_bytes,
+            "services": [tfs_grpc.PREDICTION_SERVICE, tfs_grpc.MODEL_SERVICE, v2_grpc.SERVICE_NAME],
+            **(self.tls.describe() if self.tls else {"tls": False})}
+        if self.fallback:
+            section["lean_unavailable"] = self.fallback
+        elif self.transport == "lean":
+            section["http2"] = f"libnghttp2 {nghttp2.version()}"
         server = self.server
         if isinstance(server, LeanServer):  # live figures: connections, bytes held, what was refused
             section["max_connections"] = server.limits.max_connections

@@ -226,6 +226,16 @@ def to_raw(arr: np.ndarray) -> bytes:
     return np.ascontiguousarray(arr).tobytes()
 
 
+def raw_view(arr: np.ndarray) -> memoryview:
+    """``to_raw`` as a view, without copying an array whose own bytes are its binary form
+    (contiguous little-endian numbers): what is written straight into a shared-memory region."""
+    if arr.dtype.kind in "OSU":
+        return memoryview(to_raw(arr))
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return memoryview(np.ascontiguousarray(arr)).cast("B")
+
+
 # --- the binary tensor extension over HTTP ------------------------------------------------------
 def header_length(value: str | None, body_size: int) -> int | None:
     """``Inference-Header-Content-Length``: None when absent (the whole body is JSON)."""

@@ -26,8 +26,10 @@ import grpc
 import numpy as np
 
 from appliance.api.kserve import codec
+from appliance.api.kserve import shared_memory as shm
 from appliance.core.errors import InvalidArgument, NotFound
 from appliance.api.grpc_errors import guarded, observed
+from appliance.core.shared_memory import SharedMemory
 from appliance.protos.kserve import pb
 from appliance.api.kserve.rest import parse_version
 from appliance.api.kserve.service import Requested, Tensor, V2Service
@@ -49,7 +51,7 @@ _ALL_FIELDS = tuple(sorted(set(_CONTENTS_FIELD.values())))
 
 def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register ``inference.GRPCInferenceService`` on ``server`` (before ``server.start()``)."""
-    server.add_generic_rpc_handlers((V2GRPC(V2Service(core, core.states, core.ready)).handler(),))
+    server.add_generic_rpc_handlers((V2GRPC(V2Service(core, core.states, core.ready, core.shared_memory)).handler(),))
 
 
 class V2GRPC:
@@ -66,10 +68,23 @@ class V2GRPC:
             "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse, self.server_metadata),
             "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse, self.model_metadata),
             "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse, self.model_infer),
+            "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, pb.SystemSharedMemoryStatusResponse,
+                                         self.shm_status),
+            "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest,
+                                           pb.SystemSharedMemoryRegisterResponse, self.shm_register),
+            "SystemSharedMemoryUnregister": (pb.SystemSharedMemoryUnregisterRequest,
+                                             pb.SystemSharedMemoryUnregisterResponse, self.shm_unregister),
+            "CudaSharedMemoryStatus": (pb.CudaSharedMemoryStatusRequest, pb.CudaSharedMemoryStatusResponse,
+                                       self.cuda_status),
+            "CudaSharedMemoryRegister": (pb.CudaSharedMemoryRegisterRequest, pb.CudaSharedMemoryRegisterResponse,
+                                         self.cuda_register),
+            "CudaSharedMemoryUnregister": (pb.CudaSharedMemoryUnregisterRequest,
+                                           pb.CudaSharedMemoryUnregisterResponse, self.cuda_unregister),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: grpc.unary_unary_rpc_method_handler(guarded(fn, name), request_deserializer=req.FromString,
-                                                      response_serializer=resp.SerializeToString)
+            name: grpc.unary_unary_rpc_method_handler(
+                guarded(fn, name),
+                request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
             for name, (req, resp, fn) in methods.items()})
 
     # -- health and metadata --------------------------------------------------------------
@@ -96,18 +111,51 @@ class V2GRPC:
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[tensor(**t) for t in meta["inputs"]], outputs=[tensor(**t) for t in meta["outputs"]])
 
+    # -- shared memory (appliance/api/kserve/shared_memory.py) ------------------------------
+    async def shm_status(self, request: Any) -> Any:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in shm.registry(self.service.regions).status(request.name or None):
+            response.regions[region["name"]].CopyFrom(response.RegionStatus(**region))
+        return response
+
+    async def shm_register(self, request: Any) -> Any:
+        if not request.name:
+            raise InvalidArgument("'region name' is necessary to register system shared memory region")
+        shm.registry(self.service.regions).register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def shm_unregister(self, request: Any) -> Any:
+        shm.registry(self.service.regions).unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def cuda_status(self, request: Any) -> Any:
+        response = pb.CudaSharedMemoryStatusResponse()
+        for region in shm.CUDA_REGIONS.status(request.name or None):
+            response.regions[region["name"]].CopyFrom(response.RegionStatus(**region))
+        return response
+
+    async def cuda_register(self, request: Any) -> Any:
+        shm.CUDA_REGIONS.register(request.name, request.raw_handle, request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def cuda_unregister(self, request: Any) -> Any:
+        shm.CUDA_REGIONS.unregister(request.name or None)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # -- inference ------------------------------------------------------------------------
     async def model_infer(self, request: Any) -> Any:
         with observed(self.core.metrics, request.model_name, "v2_infer"):
-            inputs = _inputs(request, self.core.config.limits)
-            requested = [Requested(o.name) for o in request.outputs] or None
+            regions = self.service.regions
+            inputs = _inputs(request, self.core.config.limits, regions)
+            requested = [_requested(o, regions) for o in request.outputs] or None
             result = await self.service.infer(request.model_name, _grpc_version(request.model_version), inputs,
-                                        requested, _parameters(request.parameters))
+                                              requested, _parameters(request.parameters))
             response = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version),
                                              id=request.id)
             for tensor, _ in result.outputs:
                 response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.array.shape)
-                response.raw_output_contents.append(codec.to_raw(tensor.array))
+                # one entry per output, in order (Triton's): empty for one written into shared memory
+                response.raw_output_contents.append(b"" if tensor.name in result.shared else codec.to_raw(tensor.array))
             return response
 
 
@@ -123,28 +171,44 @@ def _parameters(params: Any) -> dict[str, Any]:
     return out
 
 
-def _inputs(request: Any, limits: Any) -> list[Tensor]:
+def _inputs(request: Any, limits: Any, regions: SharedMemory | None = None) -> list[Tensor]:
     """The request's tensors; every shape is checked, and the elements they declare counted
-    against ``limits.max_tensor_elements``, before any array is built."""
+    against ``limits.max_tensor_elements``, before any array is built. Inputs in shared memory
+    (their parameters name a region) take no raw_input_contents entry, as tritonclient sends them."""
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidArgument(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
-                              "it needs one per input, in input order")
+    regions = [shm.named_slice(regions, _parameters(item.parameters), f"input '{item.name}'") if item.parameters
+               else None for item in request.inputs]
+    carried = sum(1 for region in regions if region is None)
+    if raw and len(raw) != carried:
+        raise InvalidArgument(f"raw_input_contents has {len(raw)} entries for {carried} inputs not in shared "
+                              "memory; it needs one per such input, in input order")
     shapes = [_declared_shape(item) for item in request.inputs]
     codec.check_declared_elements([(item.name, shape) for item, shape in zip(request.inputs, shapes)], limits)
-    tensors = []
-    for i, (item, shape) in enumerate(zip(request.inputs, shapes)):
+    tensors, next_raw = [], 0
+    for item, shape, region in zip(request.inputs, shapes, regions):
         where = f"input '{item.name}'"
         has_contents = item.HasField("contents") and any(len(getattr(item.contents, f)) for f in _ALL_FIELDS)
-        if raw:
+        if region is not None:
+            if has_contents:
+                raise InvalidArgument(f"unexpected 'content' provided when using shared memory for input tensor "
+                                      f"'{item.name}' for model '{request.model_name}'")
+            array = shm.read_input(regions, region, item.datatype, shape)
+        elif raw:
             if has_contents:
                 raise InvalidArgument(f"{where} sets 'contents' while the request uses raw_input_contents; "
                                       "use one of the two for every input")
-            array = codec.from_raw(memoryview(raw[i]), item.datatype, shape, where)
+            array = codec.from_raw(memoryview(raw[next_raw]), item.datatype, shape, where)
+            next_raw += 1
         else:
             array = _from_contents(item, shape, where)
         tensors.append(Tensor(item.name, array, item.datatype))
     return tensors
+
+
+def _requested(output: Any, regions: SharedMemory | None) -> Requested:
+    """One requested output; written into shared memory when its parameters name a region."""
+    params = _parameters(output.parameters) if output.parameters else {}
+    return Requested(output.name, region=shm.named_slice(regions, params, f"output '{output.name}'"))
 
 
 def _declared_shape(item: Any) -> tuple[int, ...]:

@@ -23,7 +23,9 @@ import orjson
 from appliance.api import tensor_limits
 from appliance.api import json_arrays
 from appliance.api.kserve import codec
+from appliance.api.kserve import shared_memory as shm
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
+from appliance.core.shared_memory import SharedMemory
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
@@ -75,6 +77,9 @@ class V2API(AsyncFamily):
             route, model, version = _route(path)
             if route == "infer":
                 return await self._infer(environ, method, model, version)
+            if route in (shm.SYSTEM, shm.CUDA):  # model: the region's name, version: its action
+                body = _read_body(environ, self.core.config.server.max_body_bytes) if method == "POST" else b""
+                return shm.answer(self.service.regions, route, model, str(version), method, body)
             if method != "GET":
                 raise MethodNotAllowed(f"method {method} not allowed on {path}")
             return await self._get(route, model, version)
@@ -101,7 +106,8 @@ class V2API(AsyncFamily):
         try:
             body = _read_body(environ, self.core.config.server.max_body_bytes)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
-                                          environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits)
+                                          environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits,
+                                          self.service.regions)
             result = await self.service.infer(model, version, request.inputs, request.outputs, request.parameters,
                                               request.binary_default, route_key(environ))
             return render_infer_response(result, request.id)
@@ -114,16 +120,20 @@ class V2API(AsyncFamily):
 
 def mounts(core: "Appliance") -> list[Mount]:
     """``/v2...`` (raw path), inference; its health probes open (they carry no secrets)."""
-    api = V2API(V2Service(core, core.states, core.ready))
+    api = V2API(V2Service(core, core.states, core.ready, core.shared_memory))
     return [Mount("kserve", "/v2/", INFERENCE, api, summary="KServe v2 REST API"),
             Mount("kserve-health", "/v2/health/", OPEN, api, summary="KServe v2 health probes")]
 
 
-def _route(path: str) -> tuple[str, str, int | None]:
-    """(route, model, version) of a /v2 path; NotFound for anything the protocol lacks."""
+def _route(path: str) -> tuple[str, str, Any]:
+    """(route, model, version) of a /v2 path; NotFound for anything the protocol lacks. The
+    shared-memory endpoints are (kind, region name, action) (appliance/api/kserve/shared_memory.py)."""
     parts = path.split("/")[2:]  # "", "v2", ...
     if parts in ([], [""]):
         return "server", "", None
+    region = shm.route(parts)
+    if region is not None:
+        return region
     if parts[0] == "health" and len(parts) == 2 and parts[1] in ("live", "ready"):
         return parts[1], "", None
     if parts[0] == "models" and len(parts) >= 2 and parts[1]:
@@ -154,10 +164,12 @@ class InferRequest:
     binary_default: bool
 
 
-def parse_infer_request(body: bytes, header_length: str | None, encoding: str | None, limits: Any) -> InferRequest:
-    """An infer request body: JSON alone, or (binary extension) a JSON header then tensor bytes.
-    ``limits.max_tensor_elements`` is checked on the JSON's bytes before it is parsed, then on
-    the shapes the inputs declare before any tensor is built."""
+def parse_infer_request(body: bytes, header_length: str | None, encoding: str | None, limits: Any,
+                        regions: SharedMemory | None = None) -> InferRequest:
+    """An infer request body: JSON alone, or (binary extension) a JSON header then tensor bytes,
+    or inputs read from shared memory (``regions``). ``limits.max_tensor_elements`` is
+    checked on the JSON's bytes before it is parsed, then on the shapes the inputs declare
+    before any tensor is built."""
     if encoding and encoding.strip().lower() not in ("identity", ""):
         raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
     length = codec.header_length(header_length, len(body))
@@ -172,12 +184,12 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
         raise
     parameters = _parameters(header.get("parameters"), "request")
     binary = codec.BinaryBody(body, length) if length is not None else None
-    declared = [_declared(item, i) for i, item in enumerate(_list(header, "inputs", required=True))]
+    declared = [_declared(item, i, regions) for i, item in enumerate(_list(header, "inputs", required=True))]
     codec.check_declared_elements([(d.name, d.shape) for d in declared], limits)
-    inputs = [_input(d, binary) for d in declared]
+    inputs = [_input(d, binary, regions) for d in declared]
     if binary is not None:
         binary.finish()
-    outputs = [_requested(item, i) for i, item in enumerate(_list(header, "outputs"))] or None
+    outputs = [_requested(item, i, regions) for i, item in enumerate(_list(header, "outputs"))] or None
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidArgument("'id' must be a string")
@@ -230,26 +242,33 @@ class _Declared:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    binary_size: int | None  # None: its elements are in "data"
+    binary_size: int | None  # None: its elements are in "data" or in shared memory
+    region: Any = None  # the shared-memory bytes that hold it (appliance/api/kserve/shared_memory.py)
 
 
-def _declared(item: Any, index: int) -> _Declared:
+def _declared(item: Any, index: int, regions: SharedMemory | None = None) -> _Declared:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise InvalidArgument(f"inputs[{index}] must be an object with a string 'name'")
     where = f"input '{item['name']}'"
     codec.dtype_of(item.get("datatype"), where)
     shape = codec.check_shape(item.get("shape"), where)
-    size = codec.binary_size(_parameters(item.get("parameters"), where), where)
-    has_data = "data" in item
-    if (size is None) == (not has_data):
-        raise InvalidArgument(f"{where} must set exactly one of 'data' and parameters.binary_data_size, "
-                              f"but sets {'both' if has_data else 'neither'}")
-    return _Declared(item, item["name"], item["datatype"], shape, size)
+    params = _parameters(item.get("parameters"), where)
+    size = codec.binary_size(params, where)
+    sources = [k for k, on in (("'data'", "data" in item), ("parameters.binary_data_size", size is not None),
+                               (f"parameters.{shm.REGION}", shm.REGION in params)) if on]
+    if len(sources) != 1:
+        sets = {0: "neither", 2: "both " + " and ".join(sources), 3: "all three"}[len(sources)]
+        raise InvalidArgument(f"{where} must set exactly one of 'data', parameters.binary_data_size and "
+                              f"parameters.{shm.REGION}, but sets {sets}")
+    region = shm.named_slice(regions, params, where) if shm.REGION in params else None
+    return _Declared(item, item["name"], item["datatype"], shape, size, region)
 
 
-def _input(declared: _Declared, binary: codec.BinaryBody | None) -> Tensor:
+def _input(declared: _Declared, binary: codec.BinaryBody | None, regions: SharedMemory | None = None) -> Tensor:
     name, datatype, shape, size = declared.name, declared.datatype, declared.shape, declared.binary_size
     where = f"input '{name}'"
+    if declared.region is not None:
+        return Tensor(name, shm.read_input(regions, declared.region, datatype, shape), datatype)
     if size is None:
         return Tensor(name, codec.from_json(declared.item["data"], datatype, shape, where), datatype)
     if binary is None:
@@ -259,23 +278,29 @@ def _input(declared: _Declared, binary: codec.BinaryBody | None) -> Tensor:
     return Tensor(name, codec.from_raw(binary.take(size, where), datatype, shape, where), datatype)
 
 
-def _requested(item: Any, index: int) -> Requested:
+def _requested(item: Any, index: int, regions: SharedMemory | None = None) -> Requested:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise InvalidArgument(f"outputs[{index}] must be an object with a string 'name'")
-    params = _parameters(item.get("parameters"), f"output '{item['name']}'")
+    where = f"output '{item['name']}'"
+    params = _parameters(item.get("parameters"), where)
     if params.get("classification"):
-        raise InvalidArgument(f"output '{item['name']}': the classification extension is not supported")
+        raise InvalidArgument(f"{where}: the classification extension is not supported")
     binary = params.get("binary_data")
     if binary is not None and not isinstance(binary, bool):
-        raise InvalidArgument(f"output '{item['name']}': parameter 'binary_data' must be true or false")
-    return Requested(item["name"], binary)
+        raise InvalidArgument(f"{where}: parameter 'binary_data' must be true or false")
+    region = shm.named_slice(regions, params, where)
+    if region is not None and binary:
+        raise InvalidArgument(f"{where}: Output can't set both '{shm.REGION}' and 'binary_data'")
+    return Requested(item["name"], binary, region)
 
 
 def render_infer_response(result: InferResult, request_id: str | None) -> Response:
     outputs, chunks = [], []
     for tensor, binary in result.outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.array.shape)}
-        if binary:
+        if tensor.name in result.shared:  # in the app's region already: described, never sent
+            pass
+        elif binary:
             raw = codec.to_raw(tensor.array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
@@ -327,6 +352,7 @@ def _openapi_paths() -> dict[str, Any]:
             "responses": {"200": {"description": "outputs", "content": {
                 JSON: {"schema": {"type": "object"}}, OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
                 "400": error, "404": error, "413": error, "503": error}}}
+    paths.update(shm.OPENAPI_PATHS)
     return paths
 
 

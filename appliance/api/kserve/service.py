@@ -19,14 +19,16 @@ import numpy as np
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 
 from appliance.version import __version__
-from appliance.api.kserve import codec
+from appliance.api.kserve import codec, shared_memory
 from appliance.core.errors import InvalidArgument, Unavailable
 from appliance.core.handle import shape_error
 from appliance.core.policy import State
 from appliance.core.seams import ModelHandle, ModelStates, RouteKey, ServingCore
+from appliance.core.shared_memory import SharedMemory, Slice
 
 SERVER_NAME = "edge-appliance"
 EXTENSIONS = ("binary_tensor_data",)
+SHARED_MEMORY = "system_shared_memory"  # while [shared_memory] enabled
 
 
 @dataclass
@@ -40,10 +42,12 @@ class Tensor:
 
 @dataclass
 class Requested:
-    """One output a request asks for; ``binary`` None means the request-wide default."""
+    """One output a request asks for; ``binary`` None means the request-wide default;
+    ``region``: the shared-memory bytes it goes to (appliance/api/kserve/shared_memory.py)."""
 
     name: str
     binary: bool | None = None
+    region: Slice | None = None
 
 
 @dataclass
@@ -51,6 +55,7 @@ class InferResult:
     model: str
     version: int
     outputs: list[tuple[Tensor, bool]]  # (tensor, as binary)
+    shared: frozenset[str] = frozenset()  # outputs written into shared memory: answered without their data
 
 
 class V2Service:
@@ -63,8 +68,10 @@ class V2Service:
     """
 
     def __init__(self, core: ServingCore, states: ModelStates | None = None,
-                 ready: Callable[[], bool] | None = None):
-        self.core, self.states, self._ready = core, states, ready
+                 ready: Callable[[], bool] | None = None, regions: SharedMemory | None = None):
+        """``regions``: the shared-memory regions apps registered (the serving process's;
+        appliance/core/shared_memory.py)."""
+        self.core, self.states, self._ready, self.regions = core, states, ready, regions
 
     # -- health and metadata --------------------------------------------------------------
     def live(self) -> bool:
@@ -78,7 +85,8 @@ class V2Service:
         return any(s.state == State.AVAILABLE for s in slots)
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+        shm = [SHARED_MEMORY] if self.regions is not None and self.regions.enabled else []
+        return {"name": SERVER_NAME, "version": __version__, "extensions": [*EXTENSIONS, *shm]}
 
     async def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
         versions = [str(s.version) for s in sorted(self._states().version_states(name), key=lambda s: s.version)
@@ -120,9 +128,12 @@ class V2Service:
         result = []
         for want in wanted:
             arr = outputs[want.name]
+            if want.region is not None:
+                shared_memory.write_output(self.regions, want.region, arr, want.name)
             result.append((Tensor(want.name, arr, codec.datatype_of(arr.dtype)),
                            binary_default if want.binary is None else want.binary))
-        return InferResult(name, served, result)
+        shared = frozenset(w.name for w in wanted if w.region is not None)
+        return InferResult(name, served, result, shared)
 
 
 def _default_signature(held: ModelHandle) -> SignatureInfo:

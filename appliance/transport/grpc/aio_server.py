@@ -32,6 +32,11 @@ class AioServer(LoopThread):
             return self.server.add_insecure_port(address)
         return self.run(add())
 
+    def add_secure_port(self, address: str, credentials: Any) -> int:
+        async def add() -> int:
+            return self.server.add_secure_port(address, credentials)
+        return self.run(add())
+
     def start(self) -> None:
         self.run(self.server.start())
 

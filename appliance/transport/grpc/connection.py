@@ -1,27 +1,35 @@
-"""One gRPC connection: bytes in, python-hyper's ``h2`` state machine (frames, HPACK, stream
-states, flow-control windows, SETTINGS and PING answers), unary calls out, answers back
-through h2's API. What is ours sits above h2: which calls run, when a stream gets credit,
-the bytes held for calls, and the bounds on what a hostile client can make us do.
+"""One gRPC connection: bytes in, libnghttp2's session (appliance/transport/grpc/session.py:
+frames, HPACK, stream states, flow-control accounting, SETTINGS and PING answers), unary calls
+out, answers back through nghttp2. What is ours sits above it: which calls run, when a stream
+gets credit, the bytes held for calls, and the bounds on what a hostile client can make us do.
 
-Flow control, receiving: a new stream may send h2's initial window (64 KiB); once its
+Flow control, receiving: a new stream may send the initial window (64 KiB); once its
 message's length prefix is in, the stream is *admitted* (oldest first) while the messages
 admitted on the connection fit a budget (the largest message + ``CONNECTION_WINDOW``), and
-h2 grants it credit for its whole message at once. The oldest waiting stream is always
-admitted when none is, so requests that together exceed the budget take turns. The
-connection window is topped up as bytes arrive: the streams' credit is what bounds memory.
-Sending: an answer goes out as far as h2's windows allow and the socket takes it; the rest
-waits for WINDOW_UPDATE or for the socket to drain (``pause_writing``), counted as held.
+gets credit for its whole message at once. The oldest waiting stream is always admitted when
+none is, so requests that together exceed the budget take turns. The connection window is
+given back as bytes arrive: the streams' credit is what bounds memory. Sending: an answer goes
+out as far as the peer's windows allow and the socket takes it; the rest waits for
+WINDOW_UPDATE or for the socket to drain (``pause_writing``), counted as held.
+
+Calls are dispatched once the bytes of a read are all processed: a stream opened and reset
+in one read (rapid reset, CVE-2023-44487) never becomes a call.
 
 Held bytes (``Limits.max_connection_buffer_bytes``, ``max_buffer_bytes``): request messages
 handed to methods plus answers not yet written. A call that would pass either bound is
 answered RESOURCE_EXHAUSTED instead (gzip requests count as the largest message until
-inflated, so inflation itself stays within the bound). A request or answer that moves no
-byte for ``stall_timeout_s`` is reset, and what it held is freed.
+inflated). Open streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
+the whole server (``Limits.max_open_streams``, refused with REFUSED_STREAM past it), so a
+client that never opens its window (zero-window stalls) holds a bounded number of answers, and
+a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed.
 
-GOAWAY on drain: h2 moves to CLOSED as soon as it sends or receives GOAWAY and then refuses to
-send anything (python-hyper/h2 issue 1181), so a graceful drain writes hyperframe's GOAWAY
-frame itself and keeps h2 open until the calls in flight are answered; new streams are
-refused meanwhile. A GOAWAY from the client ends the connection: h2 cannot answer after it.
+Client resets are rate-limited per connection and over the whole server (limits.py), so an
+attacker that reconnects before a connection's budget runs out still meets one; a connection
+refused for it is closed at once, and what it had sent but we had not read is dropped by the
+kernel, not processed.
+
+Lifetime: ``connection_lost`` frees the nghttp2 session and drops every reference the
+connection holds (streams, transport, its handle), so nothing waits for the cyclic collector.
 
 Thread-safety: everything here runs on the server's event loop thread.
 """
@@ -35,17 +43,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Sequence
 
 import grpc
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
-import h2.settings
-from h2.errors import ErrorCodes
-from hyperframe.frame import GoAwayFrame
 
+from appliance.transport.grpc import nghttp2 as ng
 from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort, CallDetails, Context, Refused,
                                             Request, declared_size, message_of, status_trailers)
-from appliance.transport.grpc.limits import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, FrameGuard, TokenBucket
+from appliance.transport.grpc.limits import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, TokenBucket
+from appliance.transport.grpc.session import Session, SessionError
 
 if TYPE_CHECKING:
     from appliance.transport.grpc.h2_server import LeanServer
@@ -53,37 +56,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("appliance.grpc")
 
 MAX_FRAME = 1 << 20  # advertised SETTINGS_MAX_FRAME_SIZE: large messages arrive in fewer frames
-STREAM_WINDOW = 65535  # h2's initial stream window, which we leave as it is
+STREAM_WINDOW = 65535  # the initial stream window, which we leave as it is
 CONNECTION_WINDOW = 16 << 20
 GRANT_SLACK = 16384  # over a message's own size: room for padding
-WRITE_CHUNK = 256 * 1024  # answer bytes handed to the socket at a time, so pause_writing can stop us
-# h2's configuration, shared by every connection (h2 only reads it). Headers stay bytes (no
-# decoding per field). Outbound headers are neither validated nor normalized: they are our own
-# constants and the services' trailing metadata, lower-cased in calls.py. Inbound ones are not
-# normalized (that only joins cookies, which gRPC does not use) and not validated by h2 either:
-# its checks (pseudo-header order and presence, connection-specific fields, te, upper case,
-# host against :authority) guard proxies and caches, and cost 10-15 % of h2's time per call
-# (bench/h2_cost.py); this server reads only :method, :path, content-type and grpc-* itself,
-# answers anything that is not a gRPC POST with an HTTP error, refuses metadata carrying NUL,
-# CR or LF (calls.py), and leaves the rest to the services as strings. HPACK, the header list
-# size and every frame-level rule of RFC 9113 stay h2's.
-H2_CONFIG = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=False,
-                                      normalize_inbound_headers=False, validate_outbound_headers=False,
-                                      normalize_outbound_headers=False)
+CONSUME_BATCH = 1 << 20  # connection-level credit is given back in steps this large (one C call each)
 
 
 class Stream:
-    __slots__ = ("id", "headers", "body", "granted", "need", "admitted", "dispatched", "message_bytes",
-                 "pending", "trailers", "headers_sent", "task", "timer", "last")
+    __slots__ = ("id", "headers", "header_bytes", "body", "granted", "need", "admitted", "dispatched",
+                 "answered", "message_bytes", "pending", "trailers", "task", "timer", "last")
 
-    def __init__(self, stream_id: int, headers: Sequence[tuple[bytes, bytes]]):
-        self.id, self.headers = stream_id, headers
+    def __init__(self, stream_id: int):
+        self.id = stream_id
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.header_bytes = 0
         self.body = bytearray()
         self.granted = STREAM_WINDOW  # the credit it has had in all
         self.need: int | None = None  # its message's size with the prefix, once the prefix is in
-        self.admitted = self.dispatched = self.headers_sent = False
+        self.admitted = self.dispatched = self.answered = False  # answered: headers submitted
         self.message_bytes = 0  # its request message, held while the method runs
-        self.pending: memoryview | None = None  # the answer's bytes not yet handed to h2
+        self.pending: memoryview | None = None  # the answer's bytes not yet handed to nghttp2
         self.trailers: Sequence[tuple[bytes, bytes]] = OK_TRAILERS
         self.task: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -91,36 +83,26 @@ class Stream:
 
 
 class Connection(asyncio.Protocol):
-    """One HTTP/2 connection: h2's events in, calls out, answers back in order of completion."""
+    """One HTTP/2 connection: nghttp2's events in, calls out, answers back as they complete."""
 
     def __init__(self, server: "LeanServer"):
         self.server, self.limits = server, server.limits
-        self.h2 = h2.connection.H2Connection(H2_CONFIG)
-        self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.ENABLE_PUSH: 0,
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.limits.max_concurrent_streams,
-            h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: self.limits.max_metadata_size})
-        # values given as initial ones are in force at once; h2 copied two of them at construction
-        self.h2.max_inbound_frame_size = MAX_FRAME
-        self.h2.decoder.max_header_list_size = self.limits.max_metadata_size
-        self.guard = FrameGuard(MAX_FRAME, self.limits.max_metadata_size)
+        self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
+        self.ended: list[Stream] = []  # requests complete in the read under way: dispatched after it
+        self.stop_after_send: list[int] = []  # answered while still arriving: RST_STREAM once the answer is out
         self.opened = self.last_active = time.monotonic()
-        self.handshaken = self.going_away = self.paused = self.write_soon = False
+        self.paused_since = 0.0
+        self.handshaken = self.going_away = self.paused = self.write_soon = self.failed = False
         self.held = 0  # request messages in methods + answers not yet written
         self.calls = 0  # calls dispatched on this connection and not finished
-        self.received = 0  # DATA bytes since the connection window was last topped up
         self.committed = 0  # the sizes of the admitted requests still arriving
+        self.unconsumed = 0  # DATA bytes taken but not yet given back to the connection window
         self.waiting = 0  # streams whose size is known, not admitted yet
         self.resets = TokenBucket(RESET_BURST, RESET_RATE)
         self.control = TokenBucket(CONTROL_BURST, CONTROL_RATE)
         self.peer = "unknown"
-        self.on_event = {h2.events.RequestReceived: self.on_request, h2.events.DataReceived: self.on_data,
-                         h2.events.StreamEnded: self.on_end, h2.events.StreamReset: self.on_reset,
-                         h2.events.WindowUpdated: self.on_window, h2.events.RemoteSettingsChanged: self.on_settings,
-                         h2.events.PingReceived: self.on_ping, h2.events.ConnectionTerminated: self.on_goaway}
 
     @property
     def buffered(self) -> int:
@@ -137,19 +119,33 @@ class Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else f"unix:{peer or ''}"
         self.server.connection_made(self)
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None and ssl_object.selected_alpn_protocol() not in (None, "h2"):
+            log.info("gRPC connection from %s closed: TLS negotiated %s, not h2", self.peer,
+                     ssl_object.selected_alpn_protocol())
+            self.close_now()
+            return
+        limits = self.limits
+        self.session = Session(self, {ng.SETTINGS_ENABLE_PUSH: 0,
+                                      ng.SETTINGS_MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
+                                      ng.SETTINGS_MAX_FRAME_SIZE: MAX_FRAME,
+                                      ng.SETTINGS_MAX_HEADER_LIST_SIZE: limits.max_metadata_size},
+                               CONNECTION_WINDOW, RESET_BURST, RESET_RATE, limits.max_metadata_size)
         self.write_out()
 
     def connection_lost(self, exc: Exception | None) -> None:
         for stream in list(self.streams.values()):
             self.done(stream)
+        self.ended.clear()
+        if self.session is not None:
+            self.session.close()
+        self.session, self.transport = None, None
         self.server.connection_lost(self)
 
     def pause_writing(self) -> None:
         """The client is not reading: stop reading it too (no new calls, no PING answers
         piling up) and hold answers, until the socket's buffer drains."""
-        self.paused = True
+        self.paused, self.paused_since = True, time.monotonic()
         if self.transport is not None:
             self.transport.pause_reading()
 
@@ -158,51 +154,60 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return
         self.transport.resume_reading()
-        self.flush_all()
+        self.write_out()
 
     def data_received(self, data: bytes) -> None:
-        refused = self.guard.feed(data)
-        if refused is not None:
-            self.fail(*refused)
-            return
-        try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:  # h2 has queued its GOAWAY
-            log.info("gRPC connection from %s closed: %s", self.peer, exc)
-            self.close_now()
+        session = self.session
+        if session is None or self.failed:
             return
         self.last_active = time.monotonic()
         try:
-            for event in events:
-                handler = self.on_event.get(type(event))
-                if handler is not None:
-                    handler(event)
-                if self.transport is None or self.transport.is_closing():
-                    return
-        except Exception as exc:  # a bug here must cost one connection, never the loop
-            log.exception("gRPC connection from %s: unexpected error", self.peer)
-            self.fail(ErrorCodes.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+            session.feed(data)
+        except SessionError as exc:  # nghttp2 has queued its GOAWAY, if any
+            if not self.failed:
+                log.info("gRPC connection from %s closed: %s", self.peer, exc)
+                self.server.count("refused_connections")
+                self.failed = True
+                session.goaway(ng.ENHANCE_YOUR_CALM if "flood" in str(exc).lower() or "too many" in str(exc).lower()
+                               else ng.PROTOCOL_ERROR, str(exc).encode()[:256])
+        if self.failed:  # a bound was passed (fail) or nghttp2 refused the bytes
+            self.close_now()
             return
-        self.write_out()
+        if self.ended:
+            ended, self.ended = self.ended, []
+            for stream in ended:
+                if self.streams.get(stream.id) is stream and not self.failed:
+                    self.dispatch(stream)
+        if session.wants_write():  # SETTINGS and PING answers, credit, refusals
+            self.write_out()
 
-    # -- h2's events -----------------------------------------------------------------------
-    def on_request(self, event: h2.events.RequestReceived) -> None:
-        sid = event.stream_id
-        if self.going_away or self.server.closing:  # a client that has not seen our GOAWAY yet
-            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
-            return
-        self.streams[sid] = Stream(sid, event.headers)
+    # -- nghttp2's events (session.Events) ---------------------------------------------------
+    def on_stream(self, stream_id: int) -> list[tuple[bytes, bytes]] | None:
+        """A new stream (its header fields go into the list returned), or request trailers
+        (None: gRPC clients send none, and nothing here reads them)."""
+        if stream_id in self.streams:
+            return None
+        server = self.server
+        if self.going_away or server.closing or server.open_streams >= self.limits.max_open_streams:
+            assert self.session is not None
+            self.session.reset(stream_id, ng.REFUSED_STREAM)  # the client may retry it elsewhere
+            server.count("refused_streams")
+            return None
+        stream = self.streams[stream_id] = Stream(stream_id)
+        server.open_streams += 1
+        return stream.headers
 
-    def on_data(self, event: h2.events.DataReceived) -> None:
-        self.received += event.flow_controlled_length
-        if self.received >= CONNECTION_WINDOW // 2:  # top the connection window up
-            self.h2.increment_flow_control_window(self.received)
-            self.received = 0
-        stream = self.streams.get(event.stream_id)
+    def on_data(self, stream_id: int, data: Any, length: int) -> None:
+        assert self.session is not None
+        self.unconsumed += length  # the connection window: streams' credit bounds memory
+        if self.unconsumed >= CONSUME_BATCH:
+            self.session.consumed(self.unconsumed)
+            self.unconsumed = 0
+        stream = self.streams.get(stream_id)
         if stream is None or stream.dispatched:
             return
         body = stream.body
-        body += event.data
+        body += self.session.ffi.buffer(data, length)
         stream.last = self.last_active
         max_receive = self.server.max_receive
         if stream.need is None and len(body) >= 5:
@@ -216,41 +221,60 @@ class Connection(asyncio.Protocol):
         if len(body) > max_receive + 5:
             self.refuse_oversized(stream, len(body) - 5)
 
-    def on_end(self, event: h2.events.StreamEnded) -> None:
-        stream = self.streams.get(event.stream_id)
+    def on_headers(self, stream_id: int, end_stream: bool, size: int) -> None:
+        """A header block is complete: one over the advertised SETTINGS_MAX_HEADER_LIST_SIZE
+        is answered RESOURCE_EXHAUSTED at once (its fields were decoded by nghttp2, so the
+        header table stays in step, but never kept)."""
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.dispatched:
+            return
+        stream.header_bytes = size
+        if size > self.limits.max_metadata_size:
+            stream.dispatched = True  # nothing more of it is taken
+            self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the request's metadata ({stream.header_bytes} bytes) is over the "
+                        f"{self.limits.max_metadata_size} advertised (SETTINGS_MAX_HEADER_LIST_SIZE)")
+            if not end_stream:
+                self.stop_after_send.append(stream_id)
+        elif end_stream:
+            self.ended.append(stream)
+
+    def on_request_end(self, stream_id: int) -> None:
+        stream = self.streams.get(stream_id)
         if stream is not None and not stream.dispatched:
-            self.dispatch(stream)
+            self.ended.append(stream)
 
-    def on_reset(self, event: h2.events.StreamReset) -> None:
-        stream = self.streams.get(event.stream_id)
-        if stream is None:
+    def on_client_reset(self, stream_id: int) -> None:
+        """RST_STREAM from the client: its stream's call is cancelled (on_stream_closed);
+        past the reset budgets, the connection ends."""
+        if self.failed:
             return
-        self.done(stream)  # its call is cancelled; a drain waiting on it is told
-        if event.remote_reset and not self.resets.take():
-            self.fail(ErrorCodes.ENHANCE_YOUR_CALM, "too many streams reset by the client (rapid reset)")
+        if not self.resets.take():
+            self.fail(ng.ENHANCE_YOUR_CALM, "too many streams reset by the client (rapid reset)")
+        elif not self.server.resets.take():
+            self.server.count("reset_budget_refusals")
+            self.fail(ng.ENHANCE_YOUR_CALM, "too many streams reset by clients on this server (rapid reset)")
 
-    def on_window(self, event: h2.events.WindowUpdated) -> None:
-        if event.stream_id == 0:
-            self.flush_all()
-            return
-        stream = self.streams.get(event.stream_id)
-        if stream is not None and stream.pending is not None:
-            self.flush(stream)
+    def on_stream_closed(self, stream_id: int) -> None:
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            self.done(stream)  # its call is cancelled; a drain waiting on it is told
 
-    def on_settings(self, event: h2.events.RemoteSettingsChanged) -> None:
+    def on_settings(self) -> None:
         self.handshaken = True
         if not self.control.take():
-            self.fail(ErrorCodes.ENHANCE_YOUR_CALM, "too many SETTINGS frames")
-            return
-        self.flush_all()  # the initial window or the frame size may have grown
+            self.fail(ng.ENHANCE_YOUR_CALM, "too many SETTINGS frames")
 
-    def on_ping(self, event: h2.events.PingReceived) -> None:
+    def on_ping(self) -> None:
         self.server.count("pings")
-        if not self.control.take():  # h2 has queued its answer; this one is the last
-            self.fail(ErrorCodes.ENHANCE_YOUR_CALM, "too many PING frames")
+        if not self.control.take():  # nghttp2 has queued its answer; this one is the last
+            self.fail(ng.ENHANCE_YOUR_CALM, "too many PING frames")
 
-    def on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
-        self.close_now()  # h2 sends nothing after a GOAWAY: what is in flight cannot be answered
+    def on_goaway(self) -> None:
+        """The client will open no more streams; those in flight are still answered."""
+        self.going_away = True
+        if not self.streams and not self.calls:
+            self.write_later_close()
 
     # -- receiving -------------------------------------------------------------------------
     def refuse_oversized(self, stream: Stream, size: int) -> None:
@@ -273,14 +297,18 @@ class Connection(asyncio.Protocol):
             self.committed += stream.need
             if stream.need > stream.granted:
                 increment = stream.need + GRANT_SLACK - stream.granted
-                self.h2.increment_flow_control_window(increment, stream.id)
+                assert self.session is not None
+                self.session.grant(stream.id, increment)
                 stream.granted += increment
 
     def release(self, stream: Stream) -> None:
         """A stream's request leaves the connection's accounts (handed to its call, answered
         or reset): its bytes and its admission; waiting streams may be admitted now."""
+        need = stream.need
+        if need == -1:
+            return  # released already
         stream.body = bytearray()
-        need, stream.need = stream.need, -1  # accounted for, before admit() looks at the streams again
+        stream.need = -1  # accounted for, before admit() looks at the streams again
         if stream.admitted:
             stream.admitted = False
             self.committed -= need or 0
@@ -304,11 +332,14 @@ class Connection(asyncio.Protocol):
         if not self.may_hold(reserve):
             self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self.full_message())
             return
-        try:
-            message = message_of(body, request.encoding, server.max_receive)
-        except Refused as exc:
-            self.finish(stream, exc.code, exc.details)
-            return
+        if body[:1] == b"\x00" and declared_size(body) == len(body) - 5:  # the common case: one plain message
+            message = bytes(memoryview(body)[5:])
+        else:
+            try:
+                message = message_of(body, request.encoding, server.max_receive)
+            except Refused as exc:
+                self.finish(stream, exc.code, exc.details)
+                return
         self.release(stream)
         stream.message_bytes = len(message)
         self.hold(len(message))
@@ -338,7 +369,7 @@ class Connection(asyncio.Protocol):
             del message
             self.unhold_message(stream)
             fn = handler.unary_unary
-            if asyncio.iscoroutinefunction(fn):
+            if server.is_coroutine(fn):
                 response = await fn(request, context)
             else:
                 response = await server.loop.run_in_executor(server.pool, fn, request, context)
@@ -363,6 +394,8 @@ class Connection(asyncio.Protocol):
         self.calls -= 1
         self.server.in_flight -= 1
         self.unhold_message(stream)
+        if self.going_away and not self.streams and not self.calls:
+            self.write_later_close()
 
     def expire(self, stream: Stream) -> None:
         stream.timer = None
@@ -391,94 +424,83 @@ class Connection(asyncio.Protocol):
     # -- answers ---------------------------------------------------------------------------
     def respond(self, stream: Stream, payload: bytes, trailing: Sequence[tuple[str, Any]] = ()) -> None:
         """Headers, the length-prefixed message and the trailers, as far as the windows allow."""
-        if self.streams.get(stream.id) is not stream:
+        if self.streams.get(stream.id) is not stream or self.session is None:
             return  # reset or expired meanwhile
         self.control.give()  # a call answered earns a PING back (see limits.py)
         data = b"\x00" + len(payload).to_bytes(4, "big") + payload
-        trailers = OK_TRAILERS if not trailing else status_trailers(grpc.StatusCode.OK, "", trailing)
-        conn, sid = self.h2, stream.id
-        room = 0 if self.paused else conn.local_flow_control_window(sid)
-        if len(data) <= room and len(data) <= conn.max_outbound_frame_size:  # the common case: all at once
-            conn.send_headers(sid, RESPONSE_HEADERS)
-            conn.send_data(sid, data)
-            conn.send_headers(sid, trailers, end_stream=True)
-            self.done(stream)
-            if self.calls > 1:  # others may finish in this turn of the loop: one write for all
-                self.write_later()
-            else:
-                self.write_out()
-            return
-        if len(data) > room and not self.may_hold(len(data) - room):
-            self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self.full_message())
-            return
-        conn.send_headers(sid, RESPONSE_HEADERS)
-        stream.headers_sent = True
-        stream.pending, stream.trailers = memoryview(data), trailers
+        if not self.may_hold(len(data)):  # what the windows let out at once is never held
+            room = 0 if self.paused else self.session.stream_window(stream.id)
+            if len(data) > room and not self.may_hold(len(data) - room):
+                self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self.full_message())
+                return
+        stream.pending, stream.answered = memoryview(data), True
+        stream.trailers = OK_TRAILERS if not trailing else status_trailers(grpc.StatusCode.OK, "", trailing)
         self.hold(len(data))
-        self.flush(stream)
+        self.session.respond(stream.id, RESPONSE_HEADERS, with_body=True)
+        if self.calls > 1:  # others may finish in this turn of the loop: one write for all
+            self.write_later()
+        else:
+            self.write_out(check_end=False)
 
-    def flush(self, stream: Stream) -> None:
-        """Hand h2 what its windows allow of a waiting answer, a chunk at a time to the socket
-        (which pauses us when the client does not read); the trailers once the data is out."""
-        conn, sid, view = self.h2, stream.id, stream.pending
-        assert view is not None
-        sent = 0
-        while sent < len(view) and not self.paused:
-            n = min(len(view) - sent, conn.local_flow_control_window(sid), conn.max_outbound_frame_size,
-                    WRITE_CHUNK)
-            if n <= 0:
-                break
-            conn.send_data(sid, view[sent:sent + n])
-            sent += n
-            self.write_out()
-        if sent:
-            stream.pending = view[sent:]
-            stream.last = time.monotonic()
-            self.hold(-sent)
-        if not stream.pending:
-            stream.pending = None
-            conn.send_headers(sid, stream.trailers, end_stream=True)
-            self.done(stream)
-        self.write_later()
-
-    def flush_all(self) -> None:
-        for stream in list(self.streams.values()):
-            if stream.pending is not None and not self.paused:
-                self.flush(stream)
+    def read_answer(self, stream_id: int, buf: Any, length: int) -> tuple[int, bool]:
+        """(session.Events) Up to ``length`` bytes of the stream's answer into ``buf``; True
+        with the last of them, once its trailers are submitted to follow. A stream we reset
+        meanwhile is deferred: its RST_STREAM, already queued, ends it."""
+        stream = self.streams.get(stream_id)
+        view = stream.pending if stream is not None else None
+        if stream is None or view is None or self.session is None:
+            return ng.ERR_DEFERRED, False
+        n = min(length, len(view))
+        self.session.ffi.memmove(buf, view[:n], n)
+        stream.pending = view[n:]
+        stream.last = time.monotonic()
+        self.hold(-n)
+        if len(view) > n:
+            return n, False
+        stream.pending = None
+        self.session.trailers(stream_id, stream.trailers)
+        return n, True
 
     def finish(self, stream: Stream, code: grpc.StatusCode, message: str,
                trailing: Sequence[tuple[str, Any]] = ()) -> None:
-        """End the stream with a status: trailers-only, or trailers after headers already sent."""
-        if self.streams.get(stream.id) is not stream:
+        """End the stream with a trailers-only status (RST_STREAM CANCEL once its answer's
+        headers are out: a deadline that passes while the client does not read it)."""
+        if self.streams.get(stream.id) is not stream or self.session is None:
             return
-        block = status_trailers(code, message, trailing)
-        if not stream.headers_sent:  # a trailers-only response
-            block = [*RESPONSE_HEADERS, *block]
-        self.h2.send_headers(stream.id, block, end_stream=True)
-        if not stream.dispatched:  # its request is still arriving: stop it
-            self.h2.reset_stream(stream.id, ErrorCodes.NO_ERROR)
+        if stream.answered:
+            self.reset(stream, ng.CANCEL)
+            return
+        stream.answered = True
+        self.session.respond(stream.id, [*RESPONSE_HEADERS, *status_trailers(code, message, trailing)],
+                             with_body=False)
+        if not stream.dispatched:  # its request is still arriving: stop it, after the answer (nghttp2
+            self.stop_after_send.append(stream.id)  # drops a response submitted before an RST_STREAM)
+            stream.dispatched = True
         self.done(stream)
         self.write_later()
 
     def http_error(self, stream: Stream, status: int, message: str) -> None:
         """A request that is not gRPC: an HTTP status."""
-        block = [(b":status", str(status).encode()), (b"content-type", b"application/grpc"),
-                 *status_trailers(grpc.StatusCode.INTERNAL, message)]
-        self.h2.send_headers(stream.id, block, end_stream=True)
+        assert self.session is not None
+        stream.answered = True
+        self.session.respond(stream.id, [(b":status", str(status).encode()), (b"content-type", b"application/grpc"),
+                                         *status_trailers(grpc.StatusCode.INTERNAL, message)], with_body=False)
         self.done(stream)
         self.write_later()
 
-    def reset(self, stream: Stream, code: ErrorCodes) -> None:
+    def reset(self, stream: Stream, code: int) -> None:
         """End one stream with RST_STREAM ``code`` (a stream error: the connection lives on)."""
-        self.h2.reset_stream(stream.id, code)
+        if self.session is not None:
+            self.session.reset(stream.id, code)
         self.done(stream)
         self.write_later()
 
     def done(self, stream: Stream) -> None:
-        """The stream is over (answered, reset by either side, expired, stalled): out of the
-        accounts, its timer and its call cancelled, the connection closed if going away."""
+        """The stream is over for us (answered, reset by either side, expired, stalled): out
+        of the accounts, its timer and its call cancelled, the connection closed if going away."""
         if self.streams.pop(stream.id, None) is None:
             return
+        self.server.open_streams -= 1
         self.release(stream)
         if stream.pending is not None:
             self.hold(-len(stream.pending))
@@ -488,9 +510,8 @@ class Connection(asyncio.Protocol):
             stream.timer = None
         if stream.task is not None and stream.task is not asyncio.current_task():
             stream.task.cancel()  # over before its call finished: its result is not wanted
-        if self.going_away and not self.streams:
-            self.write_out()
-            self.close_now()
+        if self.going_away and not self.streams and not self.calls:
+            self.write_later_close()
         self.server.stream_done(self)
 
     # -- housekeeping (the server's sweep, once a second) -----------------------------------
@@ -501,10 +522,16 @@ class Connection(asyncio.Protocol):
                      self.peer, limits.handshake_timeout_s)
             self.close_now()
             return
+        if self.paused and now - self.paused_since > limits.stall_timeout_s:
+            log.info("gRPC connection from %s closed: it has read nothing for %g s", self.peer,
+                     limits.stall_timeout_s)
+            self.server.count("stalled_connections")
+            self.abort()
+            return
         for stream in list(self.streams.values()):
             moving = stream.pending is not None or not stream.dispatched
             if moving and now - stream.last > limits.stall_timeout_s:
-                self.reset(stream, ErrorCodes.CANCEL)
+                self.reset(stream, ng.CANCEL)
                 self.server.count("stalled_streams")
 
     # -- the connection --------------------------------------------------------------------
@@ -514,39 +541,63 @@ class Connection(asyncio.Protocol):
             self.write_soon = True
             self.server.loop.call_soon(self.write_out)
 
-    def write_out(self) -> None:
+    def write_out(self, check_end: bool = True) -> None:
+        """Everything nghttp2 has to send, in one write; ``check_end``: close the socket if
+        the session is over (a GOAWAY nghttp2 sent on its own, after a protocol error)."""
         self.write_soon = False
-        data = self.h2.data_to_send()
-        if data and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        session, transport = self.session, self.transport
+        if session is None or transport is None or transport.is_closing() or self.paused:
+            return
+        try:
+            data = session.output()
+            if self.stop_after_send:
+                for stream_id in self.stop_after_send:
+                    session.reset(stream_id, ng.NO_ERROR)
+                self.stop_after_send.clear()
+                data += session.output()
+        except SessionError as exc:
+            log.info("gRPC connection from %s closed: %s", self.peer, exc)
+            self.abort()
+            return
+        if data:
+            transport.write(data)
+        if check_end and not session.wants_io():  # a GOAWAY sent (ours or nghttp2's own) or received, all sent
+            transport.close()
+
+    def write_later_close(self) -> None:
+        self.server.loop.call_soon(self.close_now)
 
     def go_away(self) -> None:
-        """Graceful: no new streams; those in flight finish (module docstring: why this GOAWAY
-        is written here and not through h2)."""
-        if self.going_away:
+        """Graceful: no new streams (nghttp2 refuses them); those in flight finish."""
+        if self.going_away or self.session is None:
+            if self.session is None:
+                self.close_now()
             return
         self.going_away = True
+        self.session.goaway(ng.NO_ERROR, graceful=True)
         self.write_out()
-        frame = GoAwayFrame(0, last_stream_id=self.h2.highest_inbound_stream_id, error_code=0)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame.serialize())
-        if not self.streams:
+        if not self.streams and not self.calls:
             self.close_now()
 
     def fail(self, code: int, message: str) -> None:
-        """Close the connection with GOAWAY ``code``. What h2 had queued for it (the answers to
-        a flood, say) is dropped: the GOAWAY is all it gets."""
+        """Close the connection with GOAWAY ``code``, at once: what it sent and we have not
+        read yet is dropped, not processed. Called inside nghttp2's callbacks too: the rest of
+        the read is skipped (session.py) and the close happens after it."""
+        if self.failed:
+            return
+        self.failed = True
         log.info("gRPC connection from %s closed: %s", self.peer, message)
         self.server.count("refused_connections")
-        self.h2.data_to_send()
-        try:
-            self.h2.close_connection(code, message.encode()[:256])
-        except h2.exceptions.ProtocolError:
-            pass  # h2 has closed it already
-        self.write_out()
-        self.close_now()
+        if self.session is not None:
+            self.session.goaway(code, message.encode()[:256])
+        self.write_later_close()
 
     def close_now(self) -> None:
         self.write_out()
         if self.transport is not None:
             self.transport.close()
+
+    def abort(self) -> None:
+        """Close without flushing: a client that reads nothing gets nothing more."""
+        if self.transport is not None:
+            self.transport.abort()

@@ -1,24 +1,29 @@
-"""The service's gRPC server for unary calls: HTTP/2 from python-hyper's ``h2`` state machine
-(appliance/transport/grpc/connection.py), gRPC's thin layer over it (calls.py), our bounds
-(limits.py), on one asyncio event loop of its own thread.
+"""The service's gRPC server for unary calls: HTTP/2 from libnghttp2 (appliance/transport/grpc/
+session.py, through cffi: nghttp2.py), gRPC's thin layer over it (calls.py), our bounds
+(limits.py) and the calls' accounting (connection.py), on one asyncio event loop.
 
 Why not grpcio's server by default: on a small device its per-call machinery (Cython call
 objects, a polling thread, status sending) cost about three times this server's CPU per call,
-more than the whole REST path (bench/RESULTS.md). Every RPC this service offers (TF
+more than the whole REST path (bench/RESULTS.md). Why not python-hyper's h2 any more: the same
+HTTP/2 state machine in pure Python cost ~90 µs of CPU per call, so gRPC stayed slower than
+REST through the front workers; nghttp2 does that work in C. Every RPC this service offers (TF
 Serving's and KServe v2's) is unary, so the part of gRPC it needs is small: one request
 message in, one answer or a status out. It takes the same ``grpc.GenericRpcHandler`` objects
 and ``grpc.aio.ServerInterceptor`` as a grpc.aio server, so the services and the token check
 do not know which server runs them (``[grpc] transport``: "lean", the default, or "grpcio").
 It knows nothing of models and holds no global state: it can run in any process.
 
-What it does: TCP or Unix socket listeners; at most ``Limits.max_connections`` connections
-(at the cap the connection idle longest makes room for a new one that is waiting; with none
-idle, new ones wait in the kernel's queue, so the descriptors gRPC takes are bounded and REST
-keeps its own); a handshake deadline; ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip and deflate
-requests, the maximum message size both ways (RESOURCE_EXHAUSTED); graceful drain (GOAWAY,
-then in-flight calls finish within the grace). What it does not: TLS (the gRPC port is
-plaintext, as before), streaming RPCs (none are served), server push. The loop is uvloop's
-where it is installed (appliance/transport/loop_thread.py).
+What it does: TCP or Unix socket listeners, plaintext or TLS (``ssl_context``: ALPN h2, and
+client certificates when the context requires them; the handshake bounded by
+``handshake_timeout_s``); at most ``Limits.max_connections`` connections (at the cap the
+connection idle longest makes room for a new one that is waiting; with none idle, new ones
+wait in the kernel's queue, so the descriptors gRPC takes are bounded and REST keeps its own);
+at most ``Limits.max_open_streams`` streams on all of them; a server-wide budget of client
+resets (limits.py); a handshake deadline; ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip and
+deflate requests, the maximum message size both ways (RESOURCE_EXHAUSTED); graceful drain
+(GOAWAY, then in-flight calls finish within the grace). What it does not: streaming RPCs (none
+are served), server push. The loop is uvloop's where it is installed
+(appliance/transport/loop_thread.py).
 
 Thread-safety: the grpc.Server calls (add handlers and ports, start, stop) from any thread but
 the loop's; everything else runs on the loop.
@@ -32,6 +37,7 @@ import logging
 import os
 import select
 import socket
+import ssl
 import time
 from functools import partial
 from typing import Any, Sequence
@@ -39,7 +45,7 @@ from typing import Any, Sequence
 import grpc
 
 from appliance.transport.grpc.connection import Connection
-from appliance.transport.grpc.limits import Limits
+from appliance.transport.grpc.limits import SERVER_RESET_BURST, SERVER_RESET_RATE, Limits, TokenBucket
 from appliance.transport.loop_thread import LoopThread, new_event_loop
 
 log = logging.getLogger("appliance.grpc")
@@ -74,10 +80,14 @@ class LeanServer(LoopThread):
         self.closing = False
         self.held = 0  # bytes held for calls, every connection together (connection.py)
         self.in_flight = 0  # calls dispatched and not finished (their tasks), on every connection
+        self.open_streams = 0  # streams open on every connection (Limits.max_open_streams)
+        self.resets = TokenBucket(SERVER_RESET_BURST, SERVER_RESET_RATE)  # client resets, all connections
+        self.tls: dict[socket.socket, ssl.SSLContext] = {}  # the listeners that speak TLS
         self.stats: dict[str, int] = {}
         self._all_closed: asyncio.Event | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._cache: dict[str, Any] = {}
+        self._coroutines: dict[Any, bool] = {}
         self.lookup = self._chain()
 
     def alone(self) -> bool:
@@ -94,6 +104,14 @@ class LeanServer(LoopThread):
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self.handlers.extend(handlers)
         self._cache.clear()
+
+    def add_secure_port(self, address: str, context: ssl.SSLContext, reuse_port: bool = False) -> int:
+        """``add_insecure_port``, speaking TLS with ``context`` (ALPN h2; client certificates
+        when it requires them: appliance/core/grpc_tls.py makes it). The handshake must end
+        within ``Limits.handshake_timeout_s``."""
+        bound = self.add_insecure_port(address, reuse_port)
+        self.tls[self.listeners[-1]] = context
+        return bound
 
     def add_insecure_port(self, address: str, reuse_port: bool = False) -> int:
         """``host:port`` or ``[v6]:port`` (port 0: any free one) or ``unix:PATH``; the port bound.
@@ -192,7 +210,11 @@ class LeanServer(LoopThread):
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.opening += 1
-            task = self.loop.create_task(self.loop.connect_accepted_socket(partial(Connection, self), sock))
+            context = self.tls.get(listener)
+            connect = (self.loop.connect_accepted_socket(partial(Connection, self), sock) if context is None
+                       else self.loop.connect_accepted_socket(partial(Connection, self), sock, ssl=context,
+                                                              ssl_handshake_timeout=self.limits.handshake_timeout_s))
+            task = self.loop.create_task(connect)
             task.add_done_callback(partial(self._opened, sock))
 
     def _opened(self, sock: socket.socket, task: asyncio.Task[Any]) -> None:
@@ -249,6 +271,15 @@ class LeanServer(LoopThread):
         self._resume_accepting()  # after a failed accept (out of descriptors)
 
     # -- handlers --------------------------------------------------------------------------
+    def is_coroutine(self, fn: Any) -> bool:
+        """Whether a method runs on the loop (a coroutine) or on the pool; remembered per method."""
+        known = self._coroutines.get(fn)
+        if known is None:
+            if len(self._coroutines) > 4096:  # denying handlers are made per call: never grow without bound
+                self._coroutines.clear()
+            known = self._coroutines[fn] = asyncio.iscoroutinefunction(fn)
+        return known
+
     async def _find(self, details: Any) -> Any:
         handler = self._cache.get(details.method)
         if handler is None:

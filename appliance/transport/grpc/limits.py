@@ -1,6 +1,7 @@
-"""What the gRPC server bounds against hostile or broken clients, and the two small tools it
-bounds them with: a token bucket (floods and rapid reset) and a look at frame headers before h2
-parses them (header blocks larger than advertised, frames larger than allowed).
+"""What the gRPC server bounds against hostile or broken clients, and the token bucket it
+bounds floods and rapid reset with. Frame sizes, CONTINUATION floods, the size of a header
+field and the connection preface are libnghttp2's to check (appliance/transport/grpc/
+nghttp2.py); what it allows is bounded here and in connection.py.
 
 The values come from ``[grpc]`` (appliance/core/config.py ``GRPCConfig``, documented there and
 in systemd/appliance.toml); the rates below are the ones mature HTTP/2 stacks chose after the
@@ -13,8 +14,11 @@ import logging
 import resource
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from appliance.transport.http.server import FD_RESERVE
+
+log = logging.getLogger("appliance.grpc")
 
 MIB = 1 << 20
 
@@ -32,12 +36,22 @@ class Limits:
     stall_timeout_s: float = 30.0  # a request or answer that moves no byte this long is reset
     max_connection_buffer_bytes: int = 96 * MIB
     max_buffer_bytes: int = 512 * MIB
+    # Streams open on every connection together: what a client that never reads its answers
+    # (zero windows) or never finishes its requests can make us keep, whatever the number of
+    # connections it opens. Past it a new stream is refused (REFUSED_STREAM: clients retry).
+    max_open_streams: int = 4096
 
 
 # Rapid reset (CVE-2023-44487): streams the client opens and resets itself cost us work and
 # send nothing back. nghttp2's answer: a bucket of 1000 resets refilled at 33 a second, then
 # GOAWAY ENHANCE_YOUR_CALM. A client that cancels now and then never comes near it.
 RESET_BURST, RESET_RATE = 1000, 33.0
+# ... and the same attack from a client that reconnects before a connection's bucket is empty
+# (900 resets a connection, then a new one): one bucket for the whole server. Once it is empty
+# every connection that resets a stream is closed at its first reset, and what it had sent
+# and we had not read is dropped unprocessed, so the attack's backlog costs nothing after it
+# ends. Cancellations of well-behaved clients (a few a second at most) never empty it.
+SERVER_RESET_BURST, SERVER_RESET_RATE = 2000, 200.0
 # PING and SETTINGS frames each make us send an acknowledgement (the 2019 flood advisories,
 # CVE-2019-9512/9515). grpcio's keepalive and BDP pings are a few a second at most, and a ping
 # that comes with calls earns its token back (as gRPC's own servers reset their ping strikes
@@ -67,69 +81,6 @@ class TokenBucket:
         self.tokens = min(self.burst, self.tokens + 1)
 
 
-HEADERS, CONTINUATION, END_HEADERS = 0x1, 0x9, 0x4
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-PROTOCOL_ERROR, FRAME_SIZE_ERROR, ENHANCE_YOUR_CALM = 0x1, 0x6, 0xB
-# Huffman codes are at most 30 bits for a byte: a header list within the advertised size is at
-# most 3.75 times as long encoded, so nothing a conforming client sends is refused here.
-HUFFMAN_GROWTH = 4
-
-
-class FrameGuard:
-    """Reads only the 9-byte frame headers of what arrives, before h2 does.
-
-    Why: h2 checks a frame's length only once the whole frame is buffered, and joins a header
-    block's frames (up to 64 CONTINUATIONs) before hpack decodes it; hpack checks the header
-    list's size only after each field is decoded. A 1 MB Huffman-coded field would be buffered
-    and decoded first. Here a frame over ``max_frame`` and a header block over
-    ``HUFFMAN_GROWTH`` x ``max_header_list`` are refused as soon as their headers arrive, and
-    a connection that does not start with the preface is refused here too (h2 raises before
-    it can queue a GOAWAY for that). ``feed`` returns (HTTP/2 error code, problem), or None;
-    it keeps the few bytes of a header split across reads."""
-
-    __slots__ = ("max_frame", "max_block", "skip", "partial", "block", "preface")
-
-    def __init__(self, max_frame: int, max_header_list: int):
-        self.max_frame, self.max_block = max_frame, HUFFMAN_GROWTH * max_header_list
-        self.skip = len(PREFACE)  # bytes still to pass before the next frame header
-        self.partial = b""
-        self.block = 0  # bytes of the header block under way
-        self.preface: bytes | None = b""  # as much of it as has arrived
-
-    def feed(self, data: bytes) -> tuple[int, str] | None:
-        n, pos = len(data), self.skip
-        if self.preface is not None:
-            self.preface += bytes(data[:len(PREFACE) - len(self.preface)])
-            if not PREFACE.startswith(self.preface):
-                return PROTOCOL_ERROR, "not an HTTP/2 connection preface"
-            if len(self.preface) == len(PREFACE):
-                self.preface = None
-        while pos < n:
-            if self.partial or n - pos < 9:
-                take = 9 - len(self.partial)
-                self.partial += bytes(data[pos:pos + take])
-                pos = min(n, pos + take)
-                if len(self.partial) < 9:
-                    break
-                head, at = self.partial, 0
-                self.partial = b""
-            else:
-                head, at = data, pos
-                pos += 9
-            length = int.from_bytes(head[at:at + 3], "big")
-            if length > self.max_frame:
-                return FRAME_SIZE_ERROR, f"a frame of {length} bytes, over the {self.max_frame} advertised"
-            if head[at + 3] in (HEADERS, CONTINUATION):
-                self.block += length
-                if self.block > self.max_block:
-                    return ENHANCE_YOUR_CALM, f"a header block of {self.block} bytes or more, over {self.max_block}"
-                if head[at + 4] & END_HEADERS:
-                    self.block = 0
-            pos += length
-        self.skip = pos - n
-        return None
-
-
 def connection_share(wanted: int, rest_connections: int) -> int:
     """``wanted``, or what the descriptor limit leaves after REST's connections and FD_RESERVE."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -137,6 +88,15 @@ def connection_share(wanted: int, rest_connections: int) -> int:
         return wanted
     room = max(16, soft - rest_connections - FD_RESERVE)
     if room < wanted:
-        logging.getLogger("appliance.grpc").warning("grpc.max_connections = %d, but the descriptor limit is %d and REST may hold %d: "
+        log.warning("grpc.max_connections = %d, but the descriptor limit is %d and REST may hold %d: "
                     "at most %d gRPC connections", wanted, soft, rest_connections, room)
     return min(wanted, room)
+
+
+def grpc_limits(cfg: Any, rest_connections: int) -> Limits:
+    """The transport's bounds from ``[grpc]`` (one process's share of them, for a front worker)."""
+    return Limits(max_concurrent_streams=cfg.max_concurrent_streams, max_metadata_size=cfg.max_metadata_size,
+                  max_connections=connection_share(cfg.max_connections, rest_connections),
+                  handshake_timeout_s=cfg.handshake_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
+                  max_connection_buffer_bytes=cfg.max_connection_buffer_bytes, max_buffer_bytes=cfg.max_buffer_bytes,
+                  max_open_streams=cfg.max_open_streams)

@@ -228,7 +228,10 @@ class HTTPServer:
         self.queue_delay = QueueDelay(limits.max_queue_wait_s) if limits.max_queue_wait_s else None
         self.sock = sock or listen(host, port)
         self.sock.setblocking(False)
-        self.host, self.port = self.sock.getsockname()[:2]
+        if self.sock.family == socket.AF_UNIX:  # a Unix socket (appliance/service/rest_socket.py): its path
+            self.host, self.port = "localhost", 0
+        else:
+            self.host, self.port = self.sock.getsockname()[:2]
         self.conns: dict[Connection, None] = {}  # insertion order: oldest first
         self.opening = 0  # accepted, TLS handshake under way
         self.buffered = 0  # request body bytes held, all connections together
@@ -357,7 +360,8 @@ class HTTPServer:
                 log.warning("accept failed: %s", exc)
                 self._pause_accepting()
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.opening += 1
             task = self.loop.create_task(self.loop.connect_accepted_socket(
                 partial(Connection, self), sock, ssl=self.ssl_context,
@@ -573,8 +577,8 @@ def _quiet_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> 
 
 def refuse_new_handshakes(sock: socket.socket) -> bool:
     """Drop new SYNs arriving at listener ``sock`` (Linux); False where unsupported."""
-    if not sys.platform.startswith("linux") or sock.fileno() < 0:
-        return False
+    if not sys.platform.startswith("linux") or sock.fileno() < 0 or sock.family == socket.AF_UNIX:
+        return False  # (a Unix socket has no SYNs: its listener closes after what is queued is accepted)
     code = b"".join(struct.pack("HBBI", *insn) for insn in _DROP_SYN)
     buf = ctypes.create_string_buffer(code, len(code))
     prog = struct.pack("HL", len(_DROP_SYN), ctypes.addressof(buf))
