@@ -124,9 +124,10 @@ def test_compose_validation_catches_a_misspelt_field(tmp_path: Path) -> None:
 
 
 # --- Quadlet ---------------------------------------------------------------------------------------
-def quadlet() -> str | None:
+def find_quadlet() -> str | None:
     """podman's Quadlet generator: $QUADLET, podman 4.4+'s own, or the one scripts/test.sh
-    takes from Debian's podman package when the installed podman is older."""
+    takes from Debian's podman package when the installed podman is older. Looked up once, at
+    import: the tests run with a private HOME (conftest's private_home), not the user's."""
     for candidate in (os.environ.get("QUADLET", ""), "/usr/libexec/podman/quadlet",
                       os.path.expanduser("~/.cache/edge-appliance/quadlet/usr/libexec/podman/quadlet")):
         if candidate and os.access(candidate, os.X_OK):
@@ -134,9 +135,12 @@ def quadlet() -> str | None:
     return None
 
 
-@pytest.mark.skipif(quadlet() is None, reason="no Quadlet generator (podman 4.4+; scripts/test.sh fetches one)")
+QUADLET = find_quadlet()
+
+
+@pytest.mark.skipif(QUADLET is None, reason="no Quadlet generator (podman 4.4+; scripts/test.sh fetches one)")
 def test_the_quadlet_unit_generates_a_service_systemd_accepts(tmp_path: Path) -> None:
-    done = run(quadlet() or "", "-dryrun", env={"QUADLET_UNIT_DIRS": str(QUADLET_UNIT.parent)})
+    done = run(QUADLET or "", "-dryrun", env={"QUADLET_UNIT_DIRS": str(QUADLET_UNIT.parent)})
     assert done.returncode == 0, done.stderr
     assert "---edge-appliance.service---" in done.stdout, done.stdout
     service = done.stdout.split("---edge-appliance.service---", 1)[1].split("\n---", 1)[0]
@@ -156,9 +160,9 @@ def test_the_quadlet_unit_generates_a_service_systemd_accepts(tmp_path: Path) ->
 
 
 def test_a_broken_quadlet_unit_is_refused(tmp_path: Path) -> None:
-    if quadlet() is None:
+    if QUADLET is None:
         pytest.skip("no Quadlet generator")
     (tmp_path / "edge-appliance.container").write_text(QUADLET_UNIT.read_text().replace("Image=", "Imag="))
-    done = run(quadlet() or "", "-dryrun", env={"QUADLET_UNIT_DIRS": str(tmp_path)})
+    done = run(QUADLET or "", "-dryrun", env={"QUADLET_UNIT_DIRS": str(tmp_path)})
     assert "---edge-appliance.service---" not in done.stdout
     assert "Image" in done.stderr or "Imag" in done.stderr, done.stderr

@@ -12,6 +12,7 @@ token to the last position the cache holds.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -179,17 +180,19 @@ def test_metadata_shapes_are_the_models_own(server: Any) -> None:
 
 @pytest.mark.parametrize(("model", "reason"), [
     ("lt_ambiguous", "the KV cache layout cannot be decided"),
-    ("g3_b4", "XNNPack delegate failed to reshape"),  # LiteRT's own words, from the warm-up step
+    # LiteRT's own words, from the warm-up step: which of its two depends on where it is caught
+    # (in the process, XNNPack's reshape; in the trial's child, the allocation that follows it)
+    ("g3_b4", "XNNPack delegate failed to reshape|Failed to allocate tensors"),
 ])
 def test_a_version_that_cannot_generate_is_refused_at_load(start_server: Any, lt_models: Path, tmp_path: Path,
                                                            model: str, reason: str) -> None:
     base = model_copy(lt_models, tmp_path, model)
     srv = start_server("--models", str(base), ready=False)
     error = srv.wait_for(lambda: _version(srv, model).get("error"), 120, f"{model} version 1 to be refused")
-    assert reason in error, error
+    assert re.search(reason, error), error
     assert _version(srv, model)["state"] == "END"
     events = [e for e in srv.status()["events"] if e["kind"] == "load_failed" and e["model"] == model]
-    assert events and reason in events[0]["message"]
+    assert events and re.search(reason, events[0]["message"])
     assert generate(srv, model, input_ids=[1, 2], max_new_tokens=2).status_code in (404, 503)
 
 

@@ -135,10 +135,19 @@ class TreeSampler:
 
 
 def _role(proc: psutil.Process, root_pid: int) -> str:
+    """What a process of the tree is, where the caller's ``roles`` did not say: the front
+    workers' zygote is a fork of the serving process (same command line, its direct child;
+    appliance/fronts/zygote.py), a worker started as a fresh interpreter runs
+    ``appliance.fronts.worker``, a version's trial ``appliance.core.loader_child``."""
     if proc.pid == root_pid:
         return "serving"
     try:
-        cmdline = " ".join(proc.cmdline()[1:4])
+        cmdline = proc.cmdline()
+        if proc.ppid() == root_pid and cmdline == psutil.Process(root_pid).cmdline():
+            return "zygote"
     except psutil.Error:
-        cmdline = ""
-    return "front worker" if "fronts.worker" in cmdline else "child"
+        cmdline = []
+    words = " ".join(cmdline[1:4])
+    if "fronts.worker" in words:
+        return "front worker"
+    return "version trial" if "loader_child" in words else "child"
