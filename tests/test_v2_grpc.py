@@ -217,6 +217,50 @@ def test_unknown_model_is_not_found_and_metrics_count_v2(stub: Any, core: Applia
     assert b'API="v2_infer",entrypoint="GRPC",model_name="keras_mlp_tflite",status="OK"' in text
 
 
+@pytest.fixture(scope="module")
+def shm_tracker() -> None:
+    """multiprocessing's resource tracker (a child process for the rest of the run), which
+    tritonclient's shared-memory utilities start on first use: started before the test, so the
+    leak check does not count it as the test's."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+@pytest.mark.usefixtures("shm_tracker")
+def test_shared_memory_in_one_process(client: Any) -> None:
+    """Without front workers the gRPC port's own v2 service reads and writes the regions: the
+    input read from one, the output written into another, the same numbers as raw contents
+    (tests/test_v2_shared_memory.py runs the same through the workers of ``appliance serve``)."""
+    import uuid
+
+    import tritonclient.utils.shared_memory as shm
+
+    x = rng_x(2, seed=5)
+    out_bytes = 2 * 10 * 4
+    keys = {name: f"/edge-test-{uuid.uuid4().hex[:12]}" for name in ("in", "out")}
+    handles = {"in": shm.create_shared_memory_region("in", keys["in"], x.nbytes),
+               "out": shm.create_shared_memory_region("out", keys["out"], out_bytes)}
+    try:
+        shm.set_shared_memory_region(handles["in"], [x])
+        client.register_system_shared_memory("in", keys["in"], x.nbytes)
+        client.register_system_shared_memory("out", keys["out"], out_bytes)
+        assert sorted(client.get_system_shared_memory_status().regions) == ["in", "out"]
+        inp = tc_grpc.InferInput("x", list(x.shape), "FP32")
+        inp.set_shared_memory("in", x.nbytes)
+        out = tc_grpc.InferRequestedOutput("probs")
+        out.set_shared_memory("out", out_bytes)
+        result = client.infer("keras_mlp_tflite", [inp], outputs=[out])
+        assert result.get_response().raw_output_contents == [b""]
+        got = shm.get_contents_as_numpy(handles["out"], np.float32, [2, 10])
+        np.testing.assert_allclose(got, client.infer("keras_mlp_tflite", [x_input(x)]).as_numpy("probs"), rtol=1e-6)
+    finally:
+        client.unregister_system_shared_memory()
+        for handle in handles.values():
+            shm.destroy_shared_memory_region(handle)
+    assert not client.get_system_shared_memory_status().regions
+
+
 @pytest.mark.skipif(importlib.util.find_spec("appliance.service.grpc_port") is None,
                     reason="appliance.transport.grpc.server (the service's gRPC port) is not in this checkout yet")
 def test_served_on_the_service_grpc_port(start_server: Any, models: Path) -> None:

@@ -55,8 +55,9 @@ class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]
 
 def _regions_forwarded(handler: Any, link: Link) -> Any:
     """ModelInfer answered here, except a request naming a shared-memory region: the serving
-    process, which holds the regions, answers it (appliance/api/kserve/shared_memory.py). Such
-    a request carries no tensor, so passing it on whole costs little."""
+    process, which holds the regions, answers it (appliance/api/kserve/shared_memory.py), as
+    it answers the shared-memory RPCs themselves (forwarded whole, ``_forwarding``). Such a
+    request carries no tensor, so passing it on whole costs little."""
     from appliance.api.kserve.shared_memory import message_names_a_region
 
     fn = handler.unary_unary
@@ -64,16 +65,7 @@ def _regions_forwarded(handler: Any, link: Link) -> Any:
     async def call(request: Any, context: Any) -> Any:  # V2GRPC's ModelInfer is a coroutine
         if not message_names_a_region(request):
             return await fn(request, context)
-        kind, payload = await link.call(m.GRPC, [INFER, request.SerializeToString(),
-                                                 [list(kv) for kv in context.invocation_metadata()],
-                                                 context.time_remaining()])
-        if kind == m.DONE:
-            return pb.ModelInferResponse.FromString(payload[0])
-        if kind == m.STATUS:
-            code, details, trailing = payload
-            context.set_trailing_metadata([tuple(kv) for kv in trailing])
-            context.abort(grpc.StatusCode[code], details)
-        context.abort(grpc.StatusCode.UNAVAILABLE, m.error_from_plain(payload).message)
+        return pb.ModelInferResponse.FromString(await _forward(INFER, request.SerializeToString(), context, link))
     return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
                                                response_serializer=handler.response_serializer)
 
@@ -81,13 +73,20 @@ def _regions_forwarded(handler: Any, link: Link) -> Any:
 def _forwarding(method: str, link: Link) -> Any:
     """A handler of raw bytes: the call answered by the serving process's own handler."""
     async def call(request: bytes, context: Any) -> bytes:
-        kind, payload = await link.call(m.GRPC, [method, request, [list(kv) for kv in context.invocation_metadata()],
-                                                  context.time_remaining()])
-        if kind == m.DONE:
-            return payload[0]  # type: ignore[no-any-return]
-        if kind == m.STATUS:
-            code, details, trailing = payload
-            context.set_trailing_metadata([tuple(kv) for kv in trailing])
-            context.abort(grpc.StatusCode[code], details)
-        context.abort(grpc.StatusCode.UNAVAILABLE, m.error_from_plain(payload).message)
+        return await _forward(method, request, context, link)
     return grpc.unary_unary_rpc_method_handler(call)
+
+
+async def _forward(method: str, request: bytes, context: Any, link: Link) -> bytes:
+    """The serving process's answer to a call (appliance/fronts/serving.py ``_grpc``): its
+    response's bytes, or its status and trailing metadata given to this call."""
+    kind, payload = await link.call(m.GRPC, [method, request, [list(kv) for kv in context.invocation_metadata()],
+                                             context.time_remaining()])
+    if kind == m.DONE:
+        return payload[0]  # type: ignore[no-any-return]
+    if kind == m.STATUS:
+        code, details, trailing = payload
+        context.set_trailing_metadata([tuple(kv) for kv in trailing])
+        context.abort(grpc.StatusCode[code], details)
+    context.abort(grpc.StatusCode.UNAVAILABLE, m.error_from_plain(payload).message)
+    raise AssertionError("context.abort returns only by raising")

@@ -233,7 +233,7 @@ class FrontService:
 
             core = self.core
             self._grpc_handlers = [*TFServingGRPC(core, core.states, core.request_config).handlers(),
-                                   V2GRPC(V2Service(core, core.states, core.ready)).handler()]
+                                   V2GRPC(V2Service.serving(core)).handler()]
         details = CallDetails(method, metadata)
         for generic in self._grpc_handlers:
             handler = generic.service(details)

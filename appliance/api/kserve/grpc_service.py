@@ -51,7 +51,7 @@ _ALL_FIELDS = tuple(sorted(set(_CONTENTS_FIELD.values())))
 
 def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register ``inference.GRPCInferenceService`` on ``server`` (before ``server.start()``)."""
-    server.add_generic_rpc_handlers((V2GRPC(V2Service(core, core.states, core.ready, core.shared_memory)).handler(),))
+    server.add_generic_rpc_handlers((V2GRPC(V2Service.serving(core)).handler(),))
 
 
 class V2GRPC:
@@ -176,16 +176,16 @@ def _inputs(request: Any, limits: Any, regions: SharedMemory | None = None) -> l
     against ``limits.max_tensor_elements``, before any array is built. Inputs in shared memory
     (their parameters name a region) take no raw_input_contents entry, as tritonclient sends them."""
     raw = request.raw_input_contents
-    regions = [shm.named_slice(regions, _parameters(item.parameters), f"input '{item.name}'") if item.parameters
-               else None for item in request.inputs]
-    carried = sum(1 for region in regions if region is None)
+    slices = [shm.named_slice(regions, _parameters(item.parameters), f"input '{item.name}'") if item.parameters
+              else None for item in request.inputs]
+    carried = sum(1 for piece in slices if piece is None)
     if raw and len(raw) != carried:
         raise InvalidArgument(f"raw_input_contents has {len(raw)} entries for {carried} inputs not in shared "
                               "memory; it needs one per such input, in input order")
     shapes = [_declared_shape(item) for item in request.inputs]
     codec.check_declared_elements([(item.name, shape) for item, shape in zip(request.inputs, shapes)], limits)
     tensors, next_raw = [], 0
-    for item, shape, region in zip(request.inputs, shapes, regions):
+    for item, shape, region in zip(request.inputs, shapes, slices):
         where = f"input '{item.name}'"
         has_contents = item.HasField("contents") and any(len(getattr(item.contents, f)) for f in _ALL_FIELDS)
         if region is not None:

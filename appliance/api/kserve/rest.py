@@ -120,7 +120,7 @@ class V2API(AsyncFamily):
 
 def mounts(core: "Appliance") -> list[Mount]:
     """``/v2...`` (raw path), inference; its health probes open (they carry no secrets)."""
-    api = V2API(V2Service(core, core.states, core.ready, core.shared_memory))
+    api = V2API(V2Service.serving(core))
     return [Mount("kserve", "/v2/", INFERENCE, api, summary="KServe v2 REST API"),
             Mount("kserve-health", "/v2/health/", OPEN, api, summary="KServe v2 health probes")]
 

@@ -12,7 +12,7 @@ name, as model metadata says); a request picks another with the request paramete
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from appliance.core.handle import shape_error
 from appliance.core.policy import State
 from appliance.core.seams import ModelHandle, ModelStates, RouteKey, ServingCore
 from appliance.core.shared_memory import SharedMemory, Slice
+
+if TYPE_CHECKING:
+    from appliance.core.appliance import Appliance
 
 SERVER_NAME = "edge-appliance"
 EXTENSIONS = ("binary_tensor_data",)
@@ -72,6 +75,14 @@ class V2Service:
         """``regions``: the shared-memory regions apps registered (the serving process's;
         appliance/core/shared_memory.py)."""
         self.core, self.states, self._ready, self.regions = core, states, ready, regions
+
+    @classmethod
+    def serving(cls, core: "Appliance") -> "V2Service":
+        """The service of the process that holds the versions and the shared-memory regions:
+        what its REST app, its gRPC port, and the REST requests and gRPC calls a front worker
+        forwards to it (appliance/fronts/serving.py) all answer with, so a call answers the
+        same whichever process it reached first."""
+        return cls(core, core.states, core.ready, core.shared_memory)
 
     # -- health and metadata --------------------------------------------------------------
     def live(self) -> bool:

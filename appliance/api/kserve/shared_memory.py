@@ -118,8 +118,8 @@ def answer(regions: SharedMemory | None, kind: str, name: str, action: str, meth
     if action == "status" and method != "GET" or action != "status" and method != "POST":
         raise MethodNotAllowed(f"Method Not Allowed: {method} on {kind} {action}")
     if action == "status":
-        regions = registry(regions).status(name or None) if kind == SYSTEM else CUDA_REGIONS.status(name or None)
-        return 200, orjson.dumps(regions), _JSON
+        listed = registry(regions).status(name or None) if kind == SYSTEM else CUDA_REGIONS.status(name or None)
+        return 200, orjson.dumps(listed), _JSON
     if action == "unregister":
         (registry(regions) if kind == SYSTEM else CUDA_REGIONS).unregister(name or None)
         return 200, b"", _JSON
