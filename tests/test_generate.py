@@ -7,9 +7,8 @@ import json
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import requests
@@ -169,47 +168,85 @@ def test_disconnect_cancels_a_running_stream(start_server: Any, gen_models: Path
     assert 'edge_appliance_generation_streams_total{finish_reason="cancelled",model_name="gen_slow"} 1.0' in metrics
 
 
+class StreamChain:
+    """Streams that overlap, one after another, until ``stop``: ``run(next_one)`` is one stream
+    (what it returns goes to ``results``); it calls ``next_one()`` part of the way in, which
+    starts the next. So from the first stream's start until ``stop``, some stream that started
+    a fraction of a stream's time ago is running, however fast the model steps on this machine
+    and however long a new version's trial takes. ``start`` also restarts a broken chain (a
+    stream that ended before calling ``next_one``)."""
+
+    def __init__(self, run: Callable[[Callable[[], None]], Any], most: int = 200):
+        self._run, self._most = run, most
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.threads: list[threading.Thread] = []
+        self.results: list[Any] = []
+
+    def start(self) -> None:
+        with self._lock:
+            if self._stopped or len(self.threads) >= self._most:
+                return
+            thread = threading.Thread(target=lambda: self.results.append(self._run(self.start)), name="stream")
+            self.threads.append(thread)
+        thread.start()
+
+    def running(self) -> bool:
+        with self._lock:
+            return any(t.is_alive() for t in self.threads)
+
+    def stop(self, timeout: float) -> None:
+        with self._lock:
+            self._stopped = True
+        for thread in self.threads:
+            thread.join(timeout)
+
+
 def test_hot_swap_mid_stream_finishes_on_the_old_version(start_server: Any, gen_models: Path,
                                                          tmp_path: Path) -> None:
     """A new version becomes AVAILABLE while streams hold version 1: each of them finishes on
-    version 1, unbroken, and version 1 unloads once they end. A 60-token stream lasts ~5 s and
-    a new version's trial (TensorFlow imported in a child) may take longer, so streams are
-    started every 2 s, overlapping, until the swap is seen: one of them holds version 1 then."""
+    version 1, unbroken, and version 1 stays UNLOADING (draining) until they end, then
+    unloads. How long a stream runs (60 steps of the slow model) against how long the new
+    version's trial takes (TensorFlow imported in a child) depends on the machine, so streams
+    are chained until the swap is seen, each starting the next a third of the way in: when
+    version 2 becomes AVAILABLE, a stream on version 1 has two thirds of its steps or more to
+    run, and holds version 1 in UNLOADING meanwhile."""
     base = model_copy(gen_models, tmp_path, "gen_slow")
     srv = start_server("--models", str(base), "--poll-interval", "0.2")
     old = generate(srv, "gen_slow", input_ids=[1, 2, 3], max_new_tokens=60).json()["tokens"]
-    results: list[list[tuple[str, dict[str, Any]]]] = []
-    threads: list[threading.Thread] = []
 
-    def stream() -> None:
+    def stream(next_one: Callable[[], None]) -> list[tuple[str, dict[str, Any]]]:
+        events = []
         with requests.post(f"{srv.url}/v1/models/gen_slow:generate", stream=True, timeout=120,
                            data=json.dumps({"input_ids": [1, 2, 3], "max_new_tokens": 60, "stream": True})) as r:
-            results.append(list(sse(r)))
+            for event in sse(r):
+                events.append(event)
+                if len(events) == 20:
+                    next_one()
+        return events
 
     def states() -> dict[int, str]:
         return {v["version"]: v["state"] for v in srv.status()["models"]["gen_slow"]["versions"]}
 
     def swapped() -> bool:
+        if not chain.running():
+            chain.start()
         now = states()
-        if now.get(2) != "AVAILABLE" and (not threads or time.monotonic() - threads[-1].started > 2):
-            threads.append(threading.Thread(target=stream, name="stream"))
-            threads[-1].started = time.monotonic()  # type: ignore[attr-defined]
-            threads[-1].start()
         return now.get(2) == "AVAILABLE" and now.get(1) == "UNLOADING"  # held by one of our streams
 
+    chain = StreamChain(stream)
     try:
-        stream_started = threading.Thread(target=stream)  # the first stream is under way before v2 appears
-        stream_started.started = time.monotonic()  # type: ignore[attr-defined]
-        threads.append(stream_started)
-        stream_started.start()
+        chain.start()  # the first stream is under way before v2 appears
         shutil.copytree(gen_models / "gen_slow_v2" / "2", base / "gen_slow" / "2")  # a new version appears
         srv.wait_for(swapped, 120, "version 2 to serve while version 1 drains")
         new = generate(srv, "gen_slow", input_ids=[1, 2, 3], max_new_tokens=5).json()
     finally:
-        for thread in threads:
-            thread.join(120)
-    on_v1 = [events for events in results if events[-1][0] == "done" and events[-1][1]["model_version"] == "1"]
-    assert on_v1 and len(results) == len(threads)
+        chain.stop(120)
+    results = chain.results
+    assert len(results) == len(chain.threads)  # every stream answered
+    assert all(events[-1][0] == "done" for events in results), [events[-1] for events in results]
+    on_v1 = [events for events in results if events[-1][1]["model_version"] == "1"]
+    assert on_v1
     for events in on_v1:
         assert [d["token"] for name, d in events if name == "message"] == old  # finished on version 1, unbroken
     assert new["model_version"] == "2" and new["tokens"] != old[:5]

@@ -16,14 +16,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import requests
 
 from tests import litert_llm
 from tests.conftest import model_copy
-from tests.test_generate import gen_models  # noqa: F401  (the session fixture, for the swap test)
+from tests.test_generate import StreamChain, gen_models  # noqa: F401  (the session fixture, for the swap test)
 
 openai = pytest.importorskip("openai", reason="the official OpenAI client (the test extra)")
 pytest.importorskip("litert_torch", reason="litert-torch converts the models (the test extra)")
@@ -225,29 +225,50 @@ def test_requests_are_counted_per_api(client: Any, server: Any) -> None:
 
 def test_a_hot_swap_mid_stream_finishes_on_the_old_version(start_server: Any, gen_models: Path,  # noqa: F811
                                                             tmp_path: Path) -> None:
-    """genmodel's slow model (~80 ms a step) keeps its stream open across the swap."""
+    """Streams of genmodel's slow model keep version 1 across the swap: each finishes on the
+    version it started on, unbroken, and version 1 drains until its streams end. A stream's
+    length against the new version's trial depends on the machine, so streams are chained
+    until the swap is seen (tests/test_generate.py ``StreamChain``), each starting the next a
+    quarter of the way in."""
     base = model_copy(gen_models, tmp_path, "gen_slow")
     srv = start_server("--models", str(base), "--poll-interval", "0.2")
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stream(next_one: Callable[[], None]) -> list[Any]:
+        chunks = []
+        for chunk in c.completions.create(model="gen_slow", prompt="the model ", max_tokens=40, temperature=0,
+                                          stream=True):
+            chunks.append(chunk)
+            if len(chunks) == 10:
+                next_one()
+        return chunks
+
+    def versions() -> dict[int, str]:
+        return {v["version"]: v["state"] for v in srv.status()["models"]["gen_slow"]["versions"]}
+
+    def swapped() -> bool:
+        if not chain.running():
+            chain.start()
+        now = versions()
+        return now.get(2) == "AVAILABLE" and now.get(1) == "UNLOADING"  # held by one of our streams
+
+    chain = StreamChain(stream)
     try:
         old = c.completions.create(model="gen_slow", prompt="the model ", max_tokens=40, temperature=0)
-        stream = iter(c.completions.create(model="gen_slow", prompt="the model ", max_tokens=40, temperature=0,
-                                           stream=True))
-        chunks = [next(stream)]
+        chain.start()  # the first stream is under way before v2 appears
         shutil.copytree(gen_models / "gen_slow_v2" / "2", base / "gen_slow" / "2")  # a new version appears
-
-        def versions() -> dict[int, str]:
-            return {v["version"]: v["state"] for v in srv.status()["models"]["gen_slow"]["versions"]}
-
-        srv.wait_for(lambda: versions().get(2) == "AVAILABLE" and versions().get(1) == "UNLOADING", 60,
-                     "version 2 to serve while version 1 drains (held by the stream)")
+        srv.wait_for(swapped, 120, "version 2 to serve while version 1 drains (held by a stream)")
         new = c.completions.create(model="gen_slow", prompt="the model ", max_tokens=5, temperature=0)
-        chunks += list(stream)
     finally:
+        chain.stop(120)
         c.close()
-    assert "".join(ch.choices[0].text for ch in chunks) == old.choices[0].text  # unbroken, on version 1
-    assert {ch.model for ch in chunks} == {"gen_slow:1"} and new.model == "gen_slow:2"
-    srv.wait_for(lambda: versions().get(1) == "END", 30, "version 1 to unload once its stream ended")
+    assert len(chain.results) == len(chain.threads)  # every stream answered
+    assert all(len({ch.model for ch in chunks}) == 1 for chunks in chain.results)  # each on one version
+    on_v1 = [chunks for chunks in chain.results if chunks[0].model == "gen_slow:1"]
+    assert on_v1 and new.model == "gen_slow:2"
+    for chunks in on_v1:
+        assert "".join(ch.choices[0].text for ch in chunks) == old.choices[0].text  # unbroken, on version 1
+    srv.wait_for(lambda: versions().get(1) == "END", 30, "version 1 to unload once its streams ended")
 
 
 def tiny_version(lt_models: Path, version_dir: Path) -> Path:
