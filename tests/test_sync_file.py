@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.conftest import ROOT, free_port
 from tests.sync_scenario import hpt, scenario, signing, start_device  # noqa: F401 (fixtures)
 from tests.sync_support import events, predict, serving_version, store_is_complete, version_of, wait

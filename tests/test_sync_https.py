@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.sync_scenario import hpt, scenario, signing, start_device  # noqa: F401 (fixtures)
 from tests.sync_support import StaticHTTPS, TCPProxy, self_signed_cert
 

@@ -34,7 +34,7 @@ import requests
 from sync.fetcher import FREE_MARGIN_BYTES, DiskFull, fetch
 from sync.manifest import MANIFEST, verify
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.source_file import FileSource
 from sync.store import Store
 from tests.conftest import ROOT, free_port
