@@ -32,7 +32,7 @@ import psutil
 
 from sync.follower import Follower, Options
 from sync.publisher import publish, set_channel
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.store import Store
 from tests.seaweed import SeaweedS3
 

@@ -40,7 +40,7 @@ from sync.fleet_view import device_row
 from sync.listing import ReportCache, list_reports
 from sync.publisher import publish, repair, set_channel
 from sync.rollout_guard import watch_round
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.conftest import free_port
 from tests.fleet_support import write_half_plus
 from tests.sync_support import TCPProxy

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from sync.listing import ReportCache, list_reports
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.fleet_support import device_ids, fleet_report, write_reports
 
 ROOT = Path(__file__).resolve().parent.parent

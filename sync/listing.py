@@ -30,7 +30,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 from urllib.parse import urlparse
 
 from .errors import Refused, SourceError

@@ -1,4 +1,4 @@
-"""The bucket source interface and ``open_source(url)``.
+"""The bucket source interface (``open_source(url)`` in sync/open_source.py picks one).
 
 A source is a flat key space under the bucket URL's prefix (keys are ``/``-joined and
 relative). Every method counts the requests it makes in ``requests`` (the fleet
@@ -19,11 +19,9 @@ stays for a ranged resume.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
-from urllib.parse import urlparse
 
 from .errors import Refused, SourceError
 
@@ -99,25 +97,6 @@ class Source(Protocol):
 
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
-
-
-def open_source(url: str, s3_endpoint_url: str = "", s3_region: str = "", limits: Limits | None = None) -> Any:
-    """A source for ``file:///path``, a plain path, ``s3://bucket/prefix`` or ``https://host/prefix``."""
-    parsed = urlparse(url)
-    limits = limits or Limits()
-    if parsed.scheme in ("", "file"):
-        from .source_file import FileSource
-
-        return FileSource(url, os.path.abspath(parsed.path if parsed.scheme else url), limits)
-    if parsed.scheme == "s3":
-        from .source_s3 import S3Source
-
-        return S3Source(url, parsed.netloc, parsed.path.strip("/"), s3_endpoint_url, s3_region, limits)
-    if parsed.scheme in ("https", "http"):
-        from .source_https import HTTPSource
-
-        return HTTPSource(url, limits)
-    raise ValueError(f"bucket URL {url!r}: use file:///path, s3://bucket/prefix or https://host/prefix")
 
 
 class Pacer:

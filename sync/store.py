@@ -39,7 +39,6 @@ from .manifest import MANIFEST, MAX_VERSION, sha256_file
 
 log = logging.getLogger("sync.store")
 PRIVATE = 0o700
-MAX_VERSION = (1 << 63) - 1  # versions are int64, as TF Serving's
 KEEP_SERVED = 50  # versions remembered per model in sync/served.json
 SHARED_READ_ONLY = 0o755  # others may read and traverse, only the service writes
 

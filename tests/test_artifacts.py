@@ -23,7 +23,7 @@ import pytest
 from sync.errors import Refused
 from sync.follower import Follower, LocalModel, Options
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.store import Store, check_version_tree, unsafe_entries
 from tests.conftest import ROOT
 from tests.sync_support import predict, sync_models, version_of

@@ -302,7 +302,7 @@ def test_grpc_interceptor_applies_the_tokens(kind: str) -> None:
 # -- rollback through the API (fleet sync from a folder bucket) ------------------------------
 def test_rollback_endpoint_pins_and_unpins(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
     from sync.publisher import publish
-    from sync.source import open_source
+    from sync.open_source import open_source
     from tests.conftest import free_port
     from tests.sync_scenario import device_config
 

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.conftest import free_port
 from tests.fleet_support import lite_device, lite_models, report_of
 

@@ -18,7 +18,7 @@ import pytest
 
 from sync.publisher import publish, set_channel
 from sync.report import SIGNED, UNREGISTERED, MISSIGNED, load_registry, register_keys, trust_mark
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.conftest import ROOT, poll_until
 from tests.fleet_support import lite_device, lite_models, report_of
 

@@ -34,7 +34,7 @@ import requests
 
 from sync import manifest as mf
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.store import verify_version
 from tests.conftest import ROOT, free_port, launch
 from tests.sync_support import store_is_complete

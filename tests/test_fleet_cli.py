@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sync.listing import ReportCache, list_reports
 from sync.publisher import publish
 from sync.report import public_text
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.waves import share
 from tests.conftest import ROOT
 from tests.fleet_support import device_ids, fleet_report, write_reports

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from sync.publisher import halt_channel, publish, set_channel
 from sync.report import register_keys, sign_report
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.conftest import ARTIFACTS, ROOT, free_port, poll_until, stop_process
 from tests.fleet_support import device_ids, fleet_report
 from tests.test_ui import CHROMIUM_ARGS, CHROMIUM, _browser_missing

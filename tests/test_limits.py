@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from appliance.core import config_file
+from appliance.api import tensor_limits
 from appliance.api.tfserving import json_format as tfs_json
 from appliance.api.body import GzipBodies, read_body
 from appliance.core.config import LimitsConfig
@@ -40,9 +41,9 @@ def test_bad_values_name_the_key(key: str, value: int) -> None:
 
 # --- counting and nesting -------------------------------------------------------------------
 def test_count_values_is_exact() -> None:
-    assert tfs_json.count_values(b'{"instances": [[1, 2], [3, 4]], "signature_name": "a,b,[c"}') == 5
-    assert tfs_json.count_values(b'[[], {}, [1], {"a": [true, null]}]') == 3
-    assert tfs_json.count_values(b'{"s": "x\\"],[,,", "t": [1,2]}') == 3  # an escaped quote does not end the string
+    assert tensor_limits.count_values(b'{"instances": [[1, 2], [3, 4]], "signature_name": "a,b,[c"}') == 5
+    assert tensor_limits.count_values(b'[[], {}, [1], {"a": [true, null]}]') == 3
+    assert tensor_limits.count_values(b'{"s": "x\\"],[,,", "t": [1,2]}') == 3  # an escaped quote does not end the string
 
 
 def test_loads_refuses_deep_nesting_and_too_many_values() -> None:
@@ -53,7 +54,7 @@ def test_loads_refuses_deep_nesting_and_too_many_values() -> None:
         with pytest.raises(InvalidArgument, match="limits.max_json_depth"):
             tfs_json.loads(deep, small)
     with pytest.raises(InvalidArgument, match="limits.max_tensor_elements"):
-        tfs_json.loads(b"[" + b"1," * (4 + tfs_json.ENVELOPE_VALUES) + b"1]", small)
+        tfs_json.loads(b"[" + b"1," * (4 + tensor_limits.ENVELOPE_VALUES) + b"1]", small)
     assert tfs_json.loads(b"[" + b" " * 200 + b"1, 2]", small) == [1, 2]  # long, but few values
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sync.publisher import publish, set_channel
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.sync_scenario import hpt, start_device  # noqa: F401 (fixture)
 from tests.sync_support import Load, events, serving_version, version_of, predict, wait
 

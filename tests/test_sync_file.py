@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.conftest import ROOT, free_port
 from tests.sync_scenario import hpt, scenario, signing, start_device  # noqa: F401 (fixtures)
 from tests.sync_support import events, predict, serving_version, store_is_complete, version_of, wait
@@ -75,8 +74,9 @@ def test_unsigned_version_and_unloadable_version_are_refused(start_server: Any, 
     publish(bucket, "hpt", str(broken), 3, channel="stable", sign_key=key)  # verifies, fails to load
     server.wait_for(lambda: "3" in server.status()["models"]["hpt"]["quarantined"], 60, "quarantine of 3")
     assert version_of(predict(server.url)) == 1
-    time.sleep(2)  # several polls: never retried in a loop
-    status = server.status()
+    polled = server.status()["sync"]["polls"]
+    server.wait_for(lambda: server.status()["sync"]["polls"] >= polled + 3, 60, "three more polls of the bucket")
+    status = server.status()  # after several polls, version 3 was never retried in a loop
     assert len([e for e in events(status, "load_failed") if e["version"] == 3]) == 1
     assert serving_version(status) == 1
 

@@ -25,7 +25,7 @@ from sync.errors import Refused
 from sync.follower import Follower, LocalModel, Options
 from sync.manifest import MAX_VERSION
 from sync.publisher import publish, repair, set_channel
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.source_file import FileSource
 from sync.store import Store
 from tests.conftest import ROOT

@@ -34,7 +34,7 @@ import requests
 from sync.fetcher import FREE_MARGIN_BYTES, DiskFull, fetch
 from sync.manifest import MANIFEST, verify
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.source_file import FileSource
 from sync.store import Store
 from tests.conftest import ROOT, free_port
@@ -126,7 +126,8 @@ def test_version_too_big_for_the_disk_is_deferred_then_installed(start_server: A
             assert any("hpt version 2 needs" in m and "MiB free" in m for m in sync_errors(server)), status["events"]
             assert serving_version(status) == 1 and not (state / "models/hpt/2").exists()
             assert staged_files(state) == []
-            time.sleep(1.0)  # a few backed-off retries: still refused, still nothing staged
+            polled = server.status()["sync"]["polls"]  # a few backed-off retries: still refused, nothing staged
+            server.wait_for(lambda: server.status()["sync"]["polls"] >= polled + 2, 60, "two more polls")
             assert staged_files(state) == [] and serving_version(server.status()) == 1
             filler.unlink()  # room again: the device installs version 2 on its own
             server.wait_for(lambda: serving_version(server.status()) == 2, 90, "version 2 after the disk freed up")

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import pytest
 
 from sync.publisher import publish
-from sync.source import open_source
+from sync.open_source import open_source
 from tests.sync_scenario import hpt, scenario, start_device  # noqa: F401 (fixtures)
 from tests.sync_support import TCPProxy, wait
 

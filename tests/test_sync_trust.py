@@ -26,7 +26,8 @@ from sync.errors import Refused, SourceError
 from sync.fetcher import fetch
 from sync.follower import Follower, LocalModel, Options
 from sync.publisher import publish, set_channel
-from sync.source import Limits, open_source
+from sync.source import Limits
+from sync.open_source import open_source
 from sync.source_https import HTTPSource
 from sync.store import Store, check_version_tree, verify_version
 from tests.conftest import free_port, poll_until

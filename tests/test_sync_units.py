@@ -18,7 +18,7 @@ from sync import manifest as mf
 from sync.errors import Refused, SourceError
 from sync.follower import Follower, LocalModel, Options
 from sync.publisher import publish, set_channel
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.store import Store, set_pin
 
 

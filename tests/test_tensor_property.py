@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from appliance.api.tfserving import json_format as tfs_json
+from appliance.core.handle import shape_error
 from appliance.api.tfserving.json_tensor_errors import predict_error
 from appliance.core.errors import InvalidArgument
 from runtimes import SignatureInfo, TensorSpec
@@ -236,7 +237,7 @@ def test_json_to_tensor_and_back_or_a_400_naming_the_problem(dtype: Any, shape: 
     arr = inputs["x"]
     assert arr.dtype == want
     assert same(arr, expected(input_value(body), want)), (body, arr)
-    problem = tfs_json.shape_error(arr, sig.inputs["x"], "input 'x'")
+    problem = shape_error(arr, sig.inputs["x"], "input 'x'")
     assert problem is None or "input 'x'" in problem
     assert same(back(tfs_json.encode_predict({"y": arr}, row_format), want), arr)
 

@@ -85,7 +85,7 @@ class Degraded:
 
     def publish_unsigned(self, version: int) -> None:
         from sync.publisher import publish
-        from sync.source import open_source
+        from sync.open_source import open_source
 
         publish(open_source(f"file://{self.bucket}"), MODEL, str(self.version_dir), version)
 
@@ -104,7 +104,7 @@ def degraded(module_server: Any, models_dir: Path, tmp_path_factory: pytest.Temp
              taken_port: int) -> Degraded:
     from sync import manifest as mf
     from sync.publisher import publish
-    from sync.source import open_source
+    from sync.open_source import open_source
 
     tmp = tmp_path_factory.mktemp("degraded")
     mf.keygen(str(tmp / "k.key"), str(tmp / "k.pub"))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sync.publisher import publish, set_channel
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.store import Store
 from tests.conftest import ROOT, free_port
 from tests.sync_support import predict, serving_version, sync_models, version_of

@@ -15,7 +15,7 @@ import pytest
 from sync.errors import Refused
 from sync.follower import Follower, LocalModel, Options
 from sync.publisher import halt_channel, publish, set_channel
-from sync.source import open_source
+from sync.open_source import open_source
 from sync.store import Store
 from sync.waves import admission, parse_waves, share
 

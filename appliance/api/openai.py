@@ -65,6 +65,8 @@ from appliance.core.text import Vocabulary
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
+    from appliance.core.handle import Handle
+    from appliance.core.manager import Manager
 
 JSON = "application/json"
 OWNER = "edge-appliance"
@@ -317,7 +319,7 @@ class OpenAIAPI:
         return wsgi_answer(start_response, render(error), environ.get("REQUEST_METHOD", "GET"))
 
 
-def _handle(manager: Any, environ: dict[str, Any], model: str) -> Any:
+def _handle(manager: "Manager", environ: dict[str, Any], model: str) -> "Handle":
     """The manager's handle of the version an OpenAI model id names (routed like any request)."""
     name, version, label = fields.model_id(model)
     try:

@@ -17,7 +17,7 @@ BUCKET_HELP = "bucket URL: s3://bucket/prefix, file:///path or https://host/pref
 
 def source(args: argparse.Namespace) -> Any:
     """The bucket of ``--bucket`` (and ``--s3-endpoint-url`` where the command has it)."""
-    from sync.source import open_source
+    from sync.open_source import open_source
 
     return open_source(args.bucket, getattr(args, "s3_endpoint_url", "") or "")
 

@@ -88,7 +88,7 @@ def embedded_default(config: Config) -> bool:
     if not uses_embedded_default(config):  # a bucket's synced store, or the models configured
         return False
     from sync.publisher import publish
-    from sync.source import open_source
+    from sync.open_source import open_source
 
     bucket = os.path.join(config.state_dir, "bucket")
     os.makedirs(bucket, exist_ok=True)

@@ -37,7 +37,6 @@ no TensorFlow needed.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 

@@ -51,7 +51,6 @@ from appliance.fronts import zygote
 from appliance.core.config import Config
 from appliance.fronts.health import RestartCounters, process_memory, serving_problem
 from appliance.fronts.serving import FrontService
-from appliance.fronts.shares import workers_for  # noqa: F401 (the service asks the pool how many)
 from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
 from appliance.fronts.supervisor import Exit, Supervisor
 

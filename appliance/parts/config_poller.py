@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
 
 from appliance.parts.host import Host
 

@@ -45,18 +45,20 @@ from sync import faults
 from sync.errors import SourceError, Throttled
 from sync.follower import Follower, LocalModel, Options
 from sync.manifest import load_public_key
-from sync.source import Limits, open_source
+from sync.source import Limits
+from sync.open_source import open_source
 from sync.store import Store, rollout_policies, set_pin
 
 from appliance.api.errors import flask_error
 from appliance.api.routes import ADMIN
 from appliance.parts.device_report import Reporter
+from appliance.parts.host import Host
 
 log = logging.getLogger("appliance.sync")
 RELOAD_WAIT_S = 120.0
 
 
-def attach(service: Any) -> "SyncLoop | None":
+def attach(service: Host) -> "SyncLoop | None":
     reloads = Reloads(service)
     service.hooks.append(reloads.on_hook)
     if not service.config.sync.bucket:
@@ -72,13 +74,13 @@ def attach(service: Any) -> "SyncLoop | None":
 class Reloads:
     """``POST /api/reload``: ask the service's main loop for a SIGHUP reload and wait for it."""
 
-    def __init__(self, service: Any):
+    def __init__(self, service: Host):
         self.service = service
         self._done = threading.Condition()
         self._count = 0
         self._last: tuple[bool, str] = (True, "")
 
-    def on_hook(self, what: str, service: Any) -> None:
+    def on_hook(self, what: str, service: Host) -> None:
         if what in ("reloaded", "reload_failed"):
             with self._done:
                 self._count += 1
@@ -125,7 +127,7 @@ def device_tags(device: dict[str, Any]) -> frozenset[str]:
 
 
 class SyncLoop:
-    def __init__(self, service: Any):
+    def __init__(self, service: Host):
         self.service = service
         self.core = service.core
         cfg = service.config.sync
@@ -183,7 +185,7 @@ class SyncLoop:
                 "polls": self.polls_done, "requests": {"polls": self.source.requests, "reports": reports},
                 "report_error": self.reporter.last_error if self.reporter is not None else ""}
 
-    def on_hook(self, what: str, service: Any) -> None:
+    def on_hook(self, what: str, service: Host) -> None:
         if what == "stopping":
             self.close()
 
@@ -292,7 +294,7 @@ def _error(status: int, message: str) -> Response:
     return flask_error(status, message)  # the REST app's one error renderer
 
 
-def _register_routes(service: Any, loop: SyncLoop | None, reloads: Reloads) -> None:
+def _register_routes(service: Host, loop: SyncLoop | None, reloads: Reloads) -> None:
     """Admin endpoints, into the app's route table with the admin scope (appliance/api/routes.py;
     the token check is appliance/api/auth.py's)."""
     bp = Blueprint("admin", __name__)

@@ -37,7 +37,8 @@ from appliance.core.config_file import load as load_config
 from appliance.core.errors import ConfigError
 from appliance.core.batcher import LONE_CALL
 from appliance.fronts.app import facing, serving_front
-from appliance.fronts.pool import Fronts, workers_for
+from appliance.fronts.pool import Fronts
+from appliance.fronts.shares import workers_for
 from appliance.service import listening
 from appliance.service.state_lock import StateDirBusy, lock_state_dir
 from appliance.core.tls import tls_context

@@ -42,11 +42,9 @@ import orjson
 from runtimes import SignatureInfo, TensorSpec
 
 from appliance.api import json_arrays
-# the element limit is shared with KServe v2; ENVELOPE_VALUES and count_values named here for callers
-from appliance.api.tfserving.b64 import b64_decode, url_safe_hint  # noqa: F401 (b64_decode: callers name it here)
-from appliance.api.tensor_limits import ENVELOPE_VALUES, check_body_values, check_elements, count_values  # noqa: F401
+from appliance.api.tfserving.b64 import b64_decode
+from appliance.api.tensor_limits import check_body_values, check_elements  # shared with KServe v2
 from appliance.api.tfserving.service import data_type_string
-from appliance.core.handle import shape_error  # noqa: F401 (the shape rule is the handle's; named here for callers)
 from appliance.core.config import LimitsConfig
 from appliance.core.errors import InvalidArgument
 

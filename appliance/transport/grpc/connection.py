@@ -30,8 +30,8 @@ kernel, not processed.
 
 Lifetime: ``connection_lost`` frees the nghttp2 session and drops every reference the
 connection holds (streams, transport, its handle), so nothing waits for the cyclic collector.
-
-Thread-safety: everything here runs on the server's event loop thread.
+The server is seen through ``ServerSide`` (server_side.py). Thread-safety: everything here
+runs on the server's event loop thread.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import asyncio
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import grpc
 
@@ -48,10 +48,8 @@ from appliance.transport.grpc import nghttp2 as ng
 from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort, CallDetails, Context, Refused,
                                             Request, declared_size, message_of, status_trailers)
 from appliance.transport.grpc.limits import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, TokenBucket
+from appliance.transport.grpc.server_side import ServerSide
 from appliance.transport.grpc.session import Session, SessionError
-
-if TYPE_CHECKING:
-    from appliance.transport.grpc.h2_server import LeanServer
 
 log = logging.getLogger("appliance.grpc")
 
@@ -85,7 +83,7 @@ class Stream:
 class Connection(asyncio.Protocol):
     """One HTTP/2 connection: nghttp2's events in, calls out, answers back as they complete."""
 
-    def __init__(self, server: "LeanServer"):
+    def __init__(self, server: ServerSide):
         self.server, self.limits = server, server.limits
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
@@ -274,7 +272,7 @@ class Connection(asyncio.Protocol):
         """The client will open no more streams; those in flight are still answered."""
         self.going_away = True
         if not self.streams and not self.calls:
-            self.write_later_close()
+            self.server.loop.call_soon(self.close_now)
 
     # -- receiving -------------------------------------------------------------------------
     def refuse_oversized(self, stream: Stream, size: int) -> None:
@@ -395,7 +393,7 @@ class Connection(asyncio.Protocol):
         self.server.in_flight -= 1
         self.unhold_message(stream)
         if self.going_away and not self.streams and not self.calls:
-            self.write_later_close()
+            self.server.loop.call_soon(self.close_now)
 
     def expire(self, stream: Stream) -> None:
         stream.timer = None
@@ -511,7 +509,7 @@ class Connection(asyncio.Protocol):
         if stream.task is not None and stream.task is not asyncio.current_task():
             stream.task.cancel()  # over before its call finished: its result is not wanted
         if self.going_away and not self.streams and not self.calls:
-            self.write_later_close()
+            self.server.loop.call_soon(self.close_now)
         self.server.stream_done(self)
 
     # -- housekeeping (the server's sweep, once a second) -----------------------------------
@@ -564,9 +562,6 @@ class Connection(asyncio.Protocol):
         if check_end and not session.wants_io():  # a GOAWAY sent (ours or nghttp2's own) or received, all sent
             transport.close()
 
-    def write_later_close(self) -> None:
-        self.server.loop.call_soon(self.close_now)
-
     def go_away(self) -> None:
         """Graceful: no new streams (nghttp2 refuses them); those in flight finish."""
         if self.going_away or self.session is None:
@@ -590,7 +585,7 @@ class Connection(asyncio.Protocol):
         self.server.count("refused_connections")
         if self.session is not None:
             self.session.goaway(code, message.encode()[:256])
-        self.write_later_close()
+        self.server.loop.call_soon(self.close_now)
 
     def close_now(self) -> None:
         self.write_out()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import ctypes
+import importlib.util
 import logging
 import resource
 import select
@@ -559,11 +560,8 @@ def _overload_error(waited: float, delay: QueueDelay, allowed: float) -> str:
 
 
 def _loop_name() -> str:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
+    # whether uvloop is installed, without importing it (a worker that does not use it keeps its pages)
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def _quiet_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

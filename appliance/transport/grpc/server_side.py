@@ -1,0 +1,53 @@
+"""What one gRPC connection (connection.py) needs of the server that accepted it (h2_server.py).
+
+The server owns what every connection shares: the bounds (``limits``), the counts a hostile
+client is measured against over the whole server (open streams, resets, bytes held, calls in
+flight), the method table and the loop. A connection reads and updates them through this face
+and never names the server's class, so the two modules do not import each other.
+
+Thread-safety: every member is used on the server's event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from appliance.transport.grpc.limits import Limits, TokenBucket
+
+if TYPE_CHECKING:
+    from appliance.transport.grpc.calls import CallDetails
+
+
+class ServerSide(Protocol):
+    limits: Limits
+    loop: asyncio.AbstractEventLoop
+    closing: bool
+    max_receive: int  # the largest request message, bytes
+    max_send: int  # the largest answer message, bytes
+    open_streams: int  # on every connection together (Limits.max_open_streams)
+    in_flight: int  # calls dispatched and not finished, every connection
+    held: int  # bytes held for calls, every connection
+    resets: TokenBucket  # client resets, over the whole server
+    alone_var: "contextvars.ContextVar[Any] | None"  # set to ``alone`` in each call's context
+    lookup: "Callable[[CallDetails], Any]"  # awaitable: the method handler for a call, or None
+
+    def alone(self) -> bool:
+        """Whether the calling call is the only one in flight."""
+
+    def is_coroutine(self, fn: Any) -> bool:
+        """Whether a method is written as a coroutine (else it runs on the server's threads)."""
+
+    def count(self, what: str) -> None:
+        """Adds one to the server's counter ``what`` (shown in status)."""
+
+    def connection_made(self, connection: Any) -> None: ...
+
+    def connection_lost(self, connection: Any) -> None: ...
+
+    def stream_done(self, connection: Any) -> None:
+        """A stream of ``connection`` ended: a stream may open again under the server's bound."""
+
+
+__all__ = ["ServerSide"]
