@@ -3,7 +3,7 @@
 Each module of ``COMMAND_MODULES`` adds its subcommands with ``add_commands(subparsers)``
 and imports only the standard library at module level; what a verb needs (Flask, the
 model manager, numpy, boto3, zeroconf ...) it imports when it runs. So ``appliance
---help`` builds every parser without importing the server (tests/test_cli.py checks it).
+--help`` builds every parser without importing the server (tests/commands/test_cli.py checks it).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from sync.follower import Follower, Options
 from sync.publisher import publish, set_channel
 from sync.open_source import open_source
 from sync.store import Store
-from tests.seaweed import SeaweedS3
+from tests.support.seaweed import SeaweedS3
 
 FILE_BYTES = 256 * 1024
 

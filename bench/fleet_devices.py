@@ -41,9 +41,9 @@ from sync.listing import ReportCache, list_reports
 from sync.publisher import publish, repair, set_channel
 from sync.rollout_guard import watch_round
 from sync.open_source import open_source
-from tests.conftest import free_port
-from tests.fleet_support import write_half_plus
-from tests.sync_support import TCPProxy
+from tests.support.servers import free_port
+from tests.support.fleet_support import write_half_plus
+from tests.support.sync_support import TCPProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 

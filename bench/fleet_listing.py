@@ -21,7 +21,7 @@ import psutil
 
 from sync.listing import ReportCache, list_reports
 from sync.open_source import open_source
-from tests.fleet_support import device_ids, fleet_report, write_reports
+from tests.support.fleet_support import device_ids, fleet_report, write_reports
 
 ROOT = Path(__file__).resolve().parent.parent
 

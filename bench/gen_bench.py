@@ -4,8 +4,8 @@ streams, with step batching on and off (``[generation] step_batching``).
 Off, every stream gets its own decode call per step (what serving the streams one step
 call each costs); on, the streams of a version share one call per step (up to the decode
 batch: 4 rows for the LiteRT export, ``max_batch_size`` for the dynamic ``generate_step``).
-The models are ``tests/genmodel.py``'s (a 2-layer character transformer, d=32) or, by name,
-models litert-torch really converted (``tests/litert_llm.py``: ``lt_b4`` has a decode batch
+The models are ``tests/support/genmodel.py``'s (a 2-layer character transformer, d=32) or, by name,
+models litert-torch really converted (``tests/support/litert_llm.py``: ``lt_b4`` has a decode batch
 of 4 sharing one position, ``lt_plain`` litert-torch's default batch 1); the server is the
 real ``appliance serve`` on a loopback port, the clients are threads reading SSE.
 
@@ -36,8 +36,8 @@ from typing import Any
 
 import requests
 
-from tests import genmodel, litert_llm
-from tests.conftest import launch, model_copy
+from tests.support import genmodel, litert_llm
+from tests.support.servers import launch, model_copy
 
 LEVELS = (1, 4, 16)
 NEW_TOKENS = 48

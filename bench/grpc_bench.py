@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import h2load, loadgen, nghttp2_load  # noqa: E402
 from bench.run_bench import SHAPES, bench_models, body, stop, wait_ready  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
 

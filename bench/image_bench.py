@@ -34,8 +34,8 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.conftest import ROOT, free_port  # noqa: E402
-from tests.podman_support import IMAGE_SH, Container, podman  # noqa: E402
+from tests.support.servers import ROOT, free_port  # noqa: E402
+from tests.support.podman_support import IMAGE_SH, Container, podman  # noqa: E402
 
 LITE = "localhost/edge-appliance:lite"
 

@@ -1,6 +1,6 @@
 """What serving a LiteRT-LM bundle from a child process would cost (issue 35, isolation).
 
-Measures, on the tiny test bundle (tests/test_litertlm.py's builder): the tokens/s of one
+Measures, on the tiny test bundle (tests/runtimes/test_litertlm.py's builder): the tokens/s of one
 stream decoded in this process, and the same stream's pieces sent from a child process over a
 pipe (one message per piece, what a child-served bundle adds to every token); the memory a
 child holding the bundle costs (its PSS: the interpreter, numpy, LiteRT-LM, the engine), against
@@ -72,8 +72,8 @@ def _through_child(conn: Any) -> int:
 
 
 def main() -> int:
-    from tests import litert_llm
-    from tests.test_litertlm import bundle
+    from tests.support import litert_llm
+    from tests.runtimes.test_litertlm import bundle
 
     work = Path(tempfile.mkdtemp())
     version = str(bundle(litert_llm.models(work / "build"), "lt_t", work / "bundle"))

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
 from bench.run_bench import bench_models, body, start_service, stop  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
 
 
 async def _reply(reader: asyncio.StreamReader) -> tuple[int, bool, bool]:

@@ -40,7 +40,7 @@ MODELS_CACHE = Path(os.environ.get("EDGE_BENCH_MODELS", "/tmp/edge-appliance-ben
 
 def bench_models() -> Path:
     if not (MODELS_CACHE / ".complete").exists():
-        from tests import modelgen
+        from tests.support import modelgen
 
         shutil.rmtree(MODELS_CACHE, ignore_errors=True)
         modelgen.build_bench_models(str(MODELS_CACHE))

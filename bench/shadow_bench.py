@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
 from bench.run_bench import bench_models, body, stop, wait_ready  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
 
 CONFIG = """
 state_dir = "{state}"

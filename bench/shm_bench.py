@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.run_bench import SHAPES, _tree_cpu, bench_models, start_service, stop  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
 
 
 def modes(api: str, address: str, model: str) -> tuple[Any, dict[str, Callable[[], np.ndarray]], Callable[[], None]]:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
 from bench.run_bench import bench_models, body, stop  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
 
 FD_SLACK = 4  # sockets of clients reconnecting at the moment of the sample
 RSS_LIMIT = 0.10

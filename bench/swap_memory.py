@@ -43,9 +43,9 @@ CONTROL_EVERY = 25
 
 
 def model_file() -> Path:
-    from tests import modelgen  # builds with TensorFlow once; the runs themselves use LiteRT only
+    from tests.support import modelgen  # builds with TensorFlow once; the runs themselves use LiteRT only
 
-    digest = hashlib.sha256((ROOT / "tests" / "modelgen.py").read_bytes() + repr(MLP).encode()).hexdigest()[:12]
+    digest = hashlib.sha256((ROOT / "tests" / "support" / "modelgen.py").read_bytes() + repr(MLP).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / f"swapmlp-{digest}"
     if not (cache / ".complete").exists():
         build = cache.with_name(cache.name + f".build-{os.getpid()}")

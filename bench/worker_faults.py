@@ -167,7 +167,7 @@ def start_tls(models: Path, port: int, state: Path, extra: str, context: ssl.SSL
 
 
 def crash_loop(models: Path, state: Path) -> dict[str, Any]:
-    from tests.test_tls import make_cert
+    from tests.transport.test_tls import make_cert
 
     cert, key, _, _ = make_cert(state, "server")
     extra = f'[server]\nworkers = 2\n[security]\ntls_cert_file = "{cert}"\ntls_key_file = "{key}"\n'

@@ -22,7 +22,7 @@
 # 4. scripts/arm64_smoke.py runs in the chroot with that venv's Python: probe, the embedded
 #    default and a TFLite model folder over REST, TF Serving gRPC and KServe v2 gRPC, a hot
 #    swap from a folder bucket, /readyz, /api/status, cold start and idle RSS. Its test
-#    models are built here first with the x86-64 .venv's TensorFlow (tests/modelgen.py).
+#    models are built here first with the x86-64 .venv's TensorFlow (tests/support/modelgen.py).
 #
 # Emulated times are not device times: qemu-user runs aarch64 code several times slower.
 set -euo pipefail

@@ -3,7 +3,7 @@
     python scripts/arm64_smoke.py prepare OUT            # on the host, with TensorFlow: the models
     python scripts/arm64_smoke.py device MODELS OUT.json  # on the device, in the LiteRT-only venv
 
-``prepare`` builds with tests/modelgen.py a TFLite model folder (``folder/``: the Keras MLP,
+``prepare`` builds with tests/support/modelgen.py a TFLite model folder (``folder/``: the Keras MLP,
 the two-signature model, the model without signature defs), a ``half_plus_three`` LiteRT
 model (``v2/``: the hot-swap version) and the MLP's answer on this host's LiteRT
 (``reference.json``), so the device's answers are compared across architectures.
@@ -43,7 +43,7 @@ def prepare(out: Path) -> None:
     import numpy as np
     import tensorflow as tf
 
-    from tests import modelgen
+    from tests.support import modelgen
 
     modelgen.build_keras_mlp_tflite(out / "folder" / "mlp" / "1")
     modelgen.build_multisig_tflite(out / "folder" / "multisig" / "1")

@@ -9,7 +9,7 @@
 #
 # Steps: GPU gate (nvidia-smi lists a GPU and /dev/nvidia* exist) -> install (.venv by
 # scripts/setup-venv.sh tf,tflite,test, plus tensorflow[and-cuda] at the installed TF version:
-# the tf-gpu runtime needs the CUDA/cuDNN wheels) -> build the bench CNN (tests/modelgen.py)
+# the tf-gpu runtime needs the CUDA/cuDNN wheels) -> build the bench CNN (tests/support/modelgen.py)
 # -> `appliance probe --json --models` (what `auto` chooses, with its timings) -> pytest -m
 # gpu -> samples/s of tf-gpu, tf-cpu, tflite on the CNN -> TF-TRT FP16 and FP32 through the
 # tf-gpu backend's own conversion and cache. TensorFlow dropped TensorRT after 2.17 (the 2.18

@@ -29,7 +29,7 @@ SHAPE = (96, 96, 3)
 
 
 def build(out: str) -> None:
-    from tests import modelgen
+    from tests.support import modelgen
 
     target = Path(out) / "cnn" / "1"
     if (target / "model.tflite").exists() and (target / "saved_model.pb").exists():

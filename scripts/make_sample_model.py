@@ -14,9 +14,9 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.modelgen
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.support.modelgen
 
-from tests import modelgen  # noqa: E402
+from tests.support import modelgen  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "appliance", "sample_models", "half_plus_two", "1")  # this checkout's, wherever it runs

@@ -11,7 +11,7 @@ command -v chromium >/dev/null || need+=(chromium)
 command -v systemd-analyze >/dev/null || need+=(systemd)
 command -v ip >/dev/null || need+=(iproute2)
 command -v h2load >/dev/null || need+=(nghttp2-client)  # nghttp2's h2load: an HTTP/2 client for the gRPC port's interop test
-# The OCI image's tests (tests/test_image.py): podman with runc, and mmdebstrap for the Debian
+# The OCI image's tests (tests/deploy/test_image.py): podman with runc, and mmdebstrap for the Debian
 # base images (scripts/image.sh); their caches (base images, layers, pip downloads) live in
 # podman's storage, outside the checkout, so a later run on this machine reuses them.
 command -v podman >/dev/null || need+=(podman runc conmon catatonit uidmap containernetworking-plugins)
@@ -23,7 +23,7 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "missing system packages (${need[*]}): sudo apt-get install ${need[*]}; the tests that need them will skip" >&2
   fi
 fi
-# grpc-js, Node's gRPC client, for the gRPC port's interop test (tests/test_h2_grpc.py): into a
+# grpc-js, Node's gRPC client, for the gRPC port's interop test (tests/transport/test_h2_grpc.py): into a
 # cache outside the tree (the test skips only where node and npm are missing).
 GRPC_JS_DIR="${EDGE_GRPC_JS_DIR:-$HOME/.cache/edge-appliance/grpc-js}"
 if command -v npm >/dev/null && [ ! -d "$GRPC_JS_DIR/node_modules/@grpc/grpc-js" ]; then
@@ -31,7 +31,7 @@ if command -v npm >/dev/null && [ ! -d "$GRPC_JS_DIR/node_modules/@grpc/grpc-js"
   npm install --no-audit --no-fund --silent --prefix "$GRPC_JS_DIR" "@grpc/grpc-js@^1.14" >/dev/null \
     || echo "could not install @grpc/grpc-js into $GRPC_JS_DIR; the grpc-js test will try again" >&2
 fi
-# podman's Quadlet generator for tests/test_deploy.py: Debian's podman 4.3 has none (Quadlet came
+# podman's Quadlet generator for tests/deploy/test_deploy.py: Debian's podman 4.3 has none (Quadlet came
 # with 4.4), so it is taken from Debian's newer podman package (trixie) into a cache, with a
 # private apt state: nothing is installed or changed on the host.
 QUADLET_DIR="$HOME/.cache/edge-appliance/quadlet"
@@ -49,7 +49,7 @@ if [ ! -x /usr/libexec/podman/quadlet ] && [ ! -x "$QUADLET_DIR/usr/libexec/podm
   fi
   rm -rf "$apt_dir"
 fi
-# Screenshots of the status page (tests/test_ui.py) go here; the tests write nowhere else in the tree.
+# Screenshots of the status page (tests/ui/test_ui.py) go here; the tests write nowhere else in the tree.
 export EDGE_TEST_ARTIFACTS="${EDGE_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 # ARM64=1: then the aarch64 check (scripts/arm64-check.sh: the LiteRT-only install served
 # under qemu-user emulation). Opt-in: it takes longer than CI's whole budget.

@@ -28,7 +28,7 @@ TEMPLATE = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor 
 
 
 def main(argv: list[str]) -> int:
-    from tests import litert_llm  # litert-torch's builders, as the test suite converts them
+    from tests.support import litert_llm  # litert-torch's builders, as the test suite converts them
 
     version = Path(argv[0] if argv else "models").resolve() / "chat" / "1"
     if (version / "model.tflite").exists():

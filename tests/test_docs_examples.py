@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import ROOT, Server, free_port
+from tests.support.servers import ROOT, Server, free_port
 
 pytest.importorskip("litert_torch", reason="scripts/tiny_chat_model.py converts with litert-torch (the test extra)")
 pytest.importorskip("openai", reason="the docs' client is the official openai package (the test extra)")

@@ -1,7 +1,7 @@
 """The OpenAPI description served at /openapi.json (hand-written: the API is TF Serving's).
 
 Every path the service answers is here, each with every status it can answer and the
-body that comes with it; tests/test_openapi_contract.py runs schemathesis against a live
+body that comes with it; tests/api/test_openapi_contract.py runs schemathesis against a live
 server to keep it so. API families (appliance/api/families.py ``API_MOUNTS``) describe their own
 paths: a layer module that exports ``OPENAPI_PATHS`` has them merged in, with the
 statuses every layer's requests can get from outside it (authentication, overload).

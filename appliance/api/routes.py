@@ -58,7 +58,7 @@ class Route(Rule):
 
 @dataclass(frozen=True)
 class Entry:
-    """One line of ``RouteTable.entries``: what a reviewer (and tests/test_routes.py) reads."""
+    """One line of ``RouteTable.entries``: what a reviewer (and tests/api/test_routes.py) reads."""
 
     kind: str  # "mount" or "route"
     path: str

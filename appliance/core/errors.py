@@ -20,7 +20,7 @@
 
 Columns: ``http_status`` and ``grpc_code`` as the class sets or inherits them (a gRPC
 service may override a code per class: appliance/api/grpc_errors.py ``guarded``).
-tests/test_errors.py reads this tree and compares it with the classes.
+tests/core/test_errors.py reads this tree and compares it with the classes.
 
 Backends raise ``runtimes.InputFailure`` / ``LoadFailure`` / ``MissingDependency``;
 ``from_runtime`` turns those into this hierarchy at the boundary. ``runtimes`` (and so

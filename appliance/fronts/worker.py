@@ -49,7 +49,7 @@ from appliance.transport.http.server import HTTPServer, listen
 log = logging.getLogger("appliance.workers")
 
 # Libraries worth naming when a worker holds them (``/api/status`` ``workers[].imported``): what
-# its request path needs, and what it must never hold (tests/test_worker_supervision.py).
+# its request path needs, and what it must never hold (tests/fronts/test_worker_supervision.py).
 NAMED_MODULES = ("numpy", "uvloop", "httptools", "orjson", "simdjson", "rapidjson", "msgpack", "grpc", "h2",
                  "google.protobuf", "flask", "werkzeug", "jinja2", "tensorflow", "ai_edge_litert", "tflite_runtime",
                  "litert_lm", "sqlite_utils", "prometheus_client", "zeroconf", "boto3", "cryptography", "psutil")

@@ -1,4 +1,4 @@
-"""Make the JSON schemas tests/test_deploy.py validates the KServe examples against.
+"""Make the JSON schemas tests/deploy/test_deploy.py validates the KServe examples against.
 
 KServe publishes its resources' schemas only inside its CRDs (``openAPIV3Schema``), the schema
 the API server itself enforces. This takes them from a checkout of kserve/kserve
