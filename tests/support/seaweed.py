@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.support.servers import free_port
+
 ACCESS_KEY = "edge-test-access"
 SECRET_KEY = "edge-test-secret-key-0123456789"
 
@@ -26,9 +28,7 @@ def _free_ports(n: int) -> list[int]:
     """n free loopback ports whose +10000 gRPC twins are free too (weed's default)."""
     ports: list[int] = []
     while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         if port + 10000 < 65536 and port not in ports and _is_free(port + 10000):
             ports.append(port)
     return ports

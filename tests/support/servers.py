@@ -61,9 +61,18 @@ def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", con
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now. Under pytest-xdist each worker takes only ports of its own
+    residue (port % workers == its index), so two workers never pick the same port between
+    choosing it and their server binding it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if count <= 1 or port % count == int(worker or 0):
+            return port
+    raise RuntimeError(f"no free loopback port for test worker {worker} of {count}")
 
 
 def modelgen_digest() -> str:

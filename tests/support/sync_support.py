@@ -17,7 +17,7 @@ from typing import Any
 
 import requests
 
-from tests.support.servers import poll_until
+from tests.support.servers import free_port, poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 OFFSETS = {1: 2.0, 2: 3.0, 3: 4.0}  # version -> b in y = 0.5 x + b
@@ -126,12 +126,8 @@ class TCPProxy:
     ``up()`` listens again on the same port. Real sockets, so clients see real errors."""
 
     def __init__(self, target_port: int):
-        import socket
-
         self.target_port = target_port
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self._listener: Any = None
         self._threads: list[threading.Thread] = []
         self._conns: list[Any] = []
