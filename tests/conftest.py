@@ -16,8 +16,6 @@ without ``--state`` keeps its state there.
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from tests.support.cache import built_once
 from tests.support.servers import Server, launch, modelgen_digest
 
 # What ``private_home`` points elsewhere. XDG_RUNTIME_DIR stays: it is the session's sockets.
@@ -51,20 +50,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every test model, built once (cached across runs by modelgen's content hash)."""
     from tests.support import modelgen
 
-    digest = modelgen_digest()
-    cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / digest
-    if not (cache / ".complete").exists():
-        build = tmp_path_factory.mktemp("models-build")
-        modelgen.build_all(build)
-        (build / ".complete").write_text("ok")
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        staged = cache.parent / f".{digest}-{os.getpid()}"
-        shutil.copytree(build, staged)
-        try:
-            os.rename(staged, cache)  # atomic: a concurrent session sees all of it or none
-        except OSError:  # another session got there first; theirs is as good
-            shutil.rmtree(staged, ignore_errors=True)
-    return cache
+    return built_once(modelgen_digest(), modelgen.build_all)
 
 
 @pytest.fixture

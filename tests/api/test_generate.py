@@ -4,7 +4,6 @@ character-level transformer trained by ``tests/support/genmodel.py`` and exporte
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import requests
 
+from tests.support.cache import built_once
 from tests.support import genmodel
 from tests.support.servers import model_copy
 
@@ -29,19 +29,7 @@ def gen_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import hashlib
 
     digest = hashlib.sha256(Path(genmodel.__file__).read_bytes()).hexdigest()[:12]
-    cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / f"gen-{digest}"
-    if not (cache / ".complete").exists():
-        build = tmp_path_factory.mktemp("gen-build")
-        genmodel.build(build)
-        (build / ".complete").write_text("ok")
-        staged = cache.parent / f".gen-{digest}-{os.getpid()}"
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(build, staged)
-        try:
-            os.rename(staged, cache)
-        except OSError:
-            shutil.rmtree(staged, ignore_errors=True)
-    return cache
+    return built_once(f"gen-{digest}", genmodel.build)
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ BUNDLE_SKIP = "LiteRT-LM's engine (litert-lm-api, the test extra) builds and run
 
 @pytest.fixture(scope="module")
 def lt_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return litert_llm.models(tmp_path_factory.mktemp("litert-llm-build"))
+    return litert_llm.models()
 
 
 def make_bundle(lt_models: Path, build: Path, target: Path) -> bool:

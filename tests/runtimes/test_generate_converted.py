@@ -33,7 +33,7 @@ LENGTHS = (1, 2, 9, 33, 70)  # one token; inside one window; past the 8 and the 
 @pytest.fixture(scope="session")
 def lt_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("litert_torch", reason="litert-torch converts the models (the test extra)")
-    return litert_llm.models(tmp_path_factory.mktemp("litert-llm-build"))
+    return litert_llm.models()
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def bundle(models: Path, model: str, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def lt_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return litert_llm.models(tmp_path_factory.mktemp("litert-llm-build"))
+    return litert_llm.models()
 
 
 def test_a_bundle_generates_the_reference_tokens(lt_models: Path, tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from sync import manifest as mf
 from sync.publisher import publish
 from sync.open_source import open_source
 from sync.store import verify_version
+from tests.support.cache import built_once
 from tests.support.servers import ROOT, free_port, launch
 from tests.support.sync_support import store_is_complete
 
@@ -50,16 +51,12 @@ def small_models() -> Path:
     from tests.support import modelgen
 
     digest = hashlib.sha256((ROOT / "tests" / "support" / "modelgen.py").read_bytes() + repr(SMALL).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / f"small-{digest}"
-    if not (cache / ".complete").exists():
-        build = cache.with_name(cache.name + f".build-{os.getpid()}")
-        shutil.rmtree(build, ignore_errors=True)
+
+    def build(folder: Path) -> None:
         for v in (1, 2, 3):
-            modelgen.build_keras_mlp_tflite(str(build / "small" / str(v)), seed=v, **SMALL)
-        (build / ".complete").write_text("ok")
-        shutil.rmtree(cache, ignore_errors=True)
-        build.rename(cache)
-    return cache / "small"
+            modelgen.build_keras_mlp_tflite(str(folder / "small" / str(v)), seed=v, **SMALL)
+
+    return built_once(f"small-{digest}", build) / "small"
 
 
 class ThrottledMirror:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
+from tests.support.cache import built_once
 from tests.support.servers import free_port
 from tests.support.sync_support import OFFSETS
 
@@ -24,18 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def lite_models() -> Path:
     """<cache>/hpt/<v>/model.tflite for v in OFFSETS."""
     digest = hashlib.sha256(Path(__file__).read_bytes() + json.dumps(OFFSETS).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / f"fleet-{digest}"
-    if not (cache / ".complete").exists():
-        build = cache.with_name(f"{cache.name}.build-{os.getpid()}")
-        shutil.rmtree(build, ignore_errors=True)
+
+    def build(folder: Path) -> None:
         for version, b in OFFSETS.items():
-            write_half_plus(build / "hpt" / str(version) / "model.tflite", b)
-        try:
-            build.rename(cache)
-        except OSError:  # another session built it first
-            shutil.rmtree(build, ignore_errors=True)
-        (cache / ".complete").write_text("ok")
-    return cache / "hpt"
+            write_half_plus(folder / "hpt" / str(version) / "model.tflite", b)
+
+    return built_once(f"fleet-{digest}", build) / "hpt"
 
 
 def write_half_plus(path: Path, b: float, padding_bytes: int = 0) -> None:

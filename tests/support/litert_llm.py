@@ -23,7 +23,6 @@ a wrong, answer.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,22 +78,11 @@ def digest() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def models(scratch: Path) -> Path:
-    """Every model of SPECS, built once and cached (atomic rename: all of it or none)."""
-    key = digest()
-    cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / f"litert-llm-{key}"
-    if (cache / ".complete").exists():
-        return cache
-    build(scratch)
-    (scratch / ".complete").write_text("ok")
-    staged = cache.parent / f".litert-llm-{key}-{os.getpid()}"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(scratch, staged)
-    try:
-        os.rename(staged, cache)
-    except OSError:  # another session got there first
-        shutil.rmtree(staged, ignore_errors=True)
-    return cache
+def models() -> Path:
+    """Every model of SPECS, built once and cached (tests/support/cache.py)."""
+    from tests.support.cache import built_once
+
+    return built_once(f"litert-llm-{digest()}", build)
 
 
 def _config(spec: Spec) -> Any:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
 import requests
 
+from tests.support.cache import built_once
 from tests.support.servers import free_port, poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,17 +27,12 @@ def sync_models() -> Path:
     from tests.support import modelgen
 
     digest = hashlib.sha256((ROOT / "tests" / "support" / "modelgen.py").read_bytes() + json.dumps(OFFSETS).encode())
-    cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / \
-        f"sync-{digest.hexdigest()[:12]}"
-    if not (cache / ".complete").exists():
-        build = cache.with_name(cache.name + ".build")
-        shutil.rmtree(build, ignore_errors=True)
+
+    def build(folder: Path) -> None:
         for version, b in OFFSETS.items():
-            modelgen.build_half_plus_two(str(build / "hpt" / str(version)), b=b, warmup=True)
-        shutil.rmtree(cache, ignore_errors=True)
-        build.rename(cache)
-        (cache / ".complete").write_text("ok")
-    return cache
+            modelgen.build_half_plus_two(str(folder / "hpt" / str(version)), b=b, warmup=True)
+
+    return built_once(f"sync-{digest.hexdigest()[:12]}", build)
 
 
 def predict(url: str, model: str = "hpt", timeout: float = 10) -> float:

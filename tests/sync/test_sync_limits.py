@@ -37,6 +37,7 @@ from sync.publisher import publish
 from sync.open_source import open_source
 from sync.source_file import FileSource
 from sync.store import Store
+from tests.support.cache import built_once
 from tests.support.servers import ROOT, free_port
 from tests.support.sync_scenario import hpt, start_device  # noqa: F401 (fixture)
 from tests.support.sync_support import Load, events, serving_version, store_is_complete, wait
@@ -288,16 +289,12 @@ def dense_models() -> Path:
     from tests.support import modelgen
 
     digest = hashlib.sha256((ROOT / "tests" / "support" / "modelgen.py").read_bytes() + repr((DENSE, SWAPS)).encode()).hexdigest()
-    cache = Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models")) / f"dense-{digest[:12]}"
-    if not (cache / ".complete").exists():
-        build = cache.with_name(cache.name + f".build-{os.getpid()}")
-        shutil.rmtree(build, ignore_errors=True)
+
+    def build(folder: Path) -> None:
         for v in range(1, SWAPS + 2):
-            modelgen.build_keras_mlp_tflite(str(build / "dense" / str(v)), seed=v, **DENSE)
-        (build / ".complete").write_text("ok")
-        shutil.rmtree(cache, ignore_errors=True)
-        build.rename(cache)
-    return cache / "dense"
+            modelgen.build_keras_mlp_tflite(str(folder / "dense" / str(v)), seed=v, **DENSE)
+
+    return built_once(f"dense-{digest[:12]}", build) / "dense"
 
 
 def exercise(url: str, threads: int = 4, each: int = 25) -> None:

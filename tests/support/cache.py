@@ -1,0 +1,46 @@
+"""Test models built once, on this machine, for every test worker and every later session.
+
+``built_once(name, build)`` returns ``<cache>/<name>`` (``$EDGE_TEST_MODEL_CACHE``, else
+``/tmp/edge-appliance-test-models``), calling ``build(folder)`` only when no complete copy is
+there. Builders take seconds to minutes (TensorFlow, litert-torch), and pytest-xdist runs
+several test processes at once: an exclusive ``flock`` on ``.<name>.lock`` makes the others
+wait for the one that builds, instead of building the same thing beside it. The build goes to
+a staging folder renamed into place, so a session killed mid-build leaves no half cache that
+looks complete (``.complete`` is written last).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EDGE_TEST_MODEL_CACHE", "/tmp/edge-appliance-test-models"))
+
+
+def built_once(name: str, build: Callable[[Path], None]) -> Path:
+    """``<cache>/<name>``, built by ``build(folder)`` if no complete copy exists (module docstring)."""
+    root = cache_root()
+    cache = root / name
+    if (cache / ".complete").exists():
+        return cache
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if (cache / ".complete").exists():  # built by the worker we waited for
+            return cache
+        staged = root / f".{name}.build-{os.getpid()}"
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.mkdir()
+        build(staged)
+        (staged / ".complete").write_text("ok")
+        shutil.rmtree(cache, ignore_errors=True)  # what a killed session left, incomplete
+        os.rename(staged, cache)
+    return cache
+
+
+__all__ = ["built_once", "cache_root"]
