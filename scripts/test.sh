@@ -53,8 +53,15 @@ fi
 export EDGE_TEST_ARTIFACTS="${EDGE_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 # ARM64=1: then the aarch64 check (scripts/arm64-check.sh: the LiteRT-only install served
 # under qemu-user emulation). Opt-in: it takes longer than CI's whole budget.
+# The suite runs on pytest-xdist workers, one test file per worker at a time (--dist loadfile:
+# a file's module fixtures, one server or one SeaweedFS, are built once). Most of the time is
+# spent waiting on child processes, so two workers halve the wall time even on 2 cores; more
+# than 4 buys little and costs memory. EDGE_TEST_WORKERS overrides (0: no workers, in-process).
+workers="${EDGE_TEST_WORKERS:-$(n=$(nproc); [ "$n" -lt 2 ] && n=2; [ "$n" -gt 4 ] && n=4; echo "$n")}"
+xdist=()
+[ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadfile)
 if [ "${ARM64:-0}" = 1 ]; then
-  .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+  .venv/bin/python -m pytest -q -p no:cacheprovider "${xdist[@]}" "$@"
   exec scripts/arm64-check.sh
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "${xdist[@]}" "$@"

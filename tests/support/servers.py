@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -61,18 +62,25 @@ def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", con
 
 
 def free_port() -> int:
-    """A loopback port free now. Under pytest-xdist each worker takes only ports of its own
-    residue (port % workers == its index), so two workers never pick the same port between
-    choosing it and their server binding it."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    """A loopback port free now, below the kernel's ephemeral range (32768-60999 on Linux) so
+    that no outgoing connection takes it between our choosing it and a server binding it, and
+    low enough that SeaweedFS's port+10000 gRPC twin stays below that range too.
+
+    Under pytest-xdist each worker takes only ports of its own residue (port % workers == its
+    index), so two workers never pick the same port. Not ``bind(0)``: Linux hands those out
+    with one parity, which would starve every other residue."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     for _ in range(1000):
+        port = random.randrange(10000, 22000)
+        port -= (port - worker) % count
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if count <= 1 or port % count == int(worker or 0):
-            return port
-    raise RuntimeError(f"no free loopback port for test worker {worker} of {count}")
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port in 10000-22000 for test worker {worker} of {count}")
 
 
 def modelgen_digest() -> str:
