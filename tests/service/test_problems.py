@@ -86,7 +86,7 @@ def device(module_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Devi
     port = free_port()
     config = tmp / "device.toml"
     config.write_text("\n".join([
-        "[server]", "workers = 2", "[sync]", f'bucket = "file://{bucket}"', "poll_interval_s = 0.5", "jitter = 0.1",
+        "[server]", "workers = 2", "worker_timeout_s = 120", "[sync]", f'bucket = "file://{bucket}"', "poll_interval_s = 0.5", "jitter = 0.1",
         "max_backoff_s = 2.0", "report_interval_s = 1.0", "[security]", f'admin_token_file = "{token}"']) + "\n")
     publish(bucket, tmp, 1)
     return Device(module_server("--config", str(config), port=port, timeout=240), bucket, tmp)

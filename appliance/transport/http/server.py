@@ -380,8 +380,9 @@ class HTTPServer:
             self.loop.add_reader(self.sock.fileno(), self._accept)
 
     def _opened(self, sock: socket.socket, task: asyncio.Task[Any]) -> None:
-        self.opening -= 1
         exc = task.exception() if not task.cancelled() else None
+        if exc is not None or task.cancelled():  # never made: connection_made did not count it over
+            self.opening -= 1
         if exc is not None:  # the TLS handshake failed or timed out
             self.count("cut_tls_handshake_timeout" if isinstance(exc, (TimeoutError, asyncio.TimeoutError))
                        else "tls_handshake_failed")
@@ -401,6 +402,9 @@ class HTTPServer:
         return True
 
     def connection_made(self, conn: Connection) -> None:
+        # from opening to open in one step: a connection is never counted twice (the cap, the
+        # status figure), and the accepting task's callback, which runs later, leaves it alone
+        self.opening -= 1
         self.conns[conn] = None
 
     def connection_lost(self, conn: Connection) -> None:
