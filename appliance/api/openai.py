@@ -170,8 +170,11 @@ class OpenAIAPI:
     def _speaks_text(self, name: str, version: int) -> bool:
         """It generates and has a tokenizer: what this API needs (a version without a
         vocabulary generates ids only, which :generate serves)."""
+        manager = self.core.manager
+        if manager is None:
+            return False
         try:
-            handle = self.core.manager.handle(name, version, judged=False)  # type: ignore[union-attr]
+            handle = manager.handle(name, version, judged=False)
         except ApplianceError:  # unloaded meanwhile
             return False
         with handle:
@@ -217,7 +220,7 @@ class OpenAIAPI:
             handle.release()
             raise
 
-    def _stream(self, handle: Any, body: dict[str, Any], chat: bool, gone: Callable[[], bool]) -> Answer:
+    def _stream(self, handle: "Handle", body: dict[str, Any], chat: bool, gone: Callable[[], bool]) -> Answer:
         where = "messages" if chat else "prompt"
         try:
             driver, vocab = self.generation.prepare(handle)

@@ -19,7 +19,7 @@ the version's handle like any ``:predict`` (batching, labels, rollouts, metrics)
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,10 +27,14 @@ from appliance.api.openai_fields import FieldError
 from appliance.core.errors import InvalidArgument
 from appliance.core.text import Vocabulary
 
+if TYPE_CHECKING:
+    from appliance.core.seams import ModelHandle
+    from runtimes import SignatureInfo
+
 SIGNATURES = ("embed", "serving_default")
 
 
-def signature(handle: Any, model: str) -> Any:
+def signature(handle: "ModelHandle", model: str) -> "SignatureInfo":
     for name in SIGNATURES:
         sig = handle.signatures.get(name)
         if sig is not None:

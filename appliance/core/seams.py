@@ -98,6 +98,9 @@ class VersionStatus(Protocol):
     @property
     def error(self) -> str: ...
 
+    @property
+    def error_code(self) -> str: ...
+
 
 class ModelStates(Protocol):
     """Model status: every known version of a model, newest first, or the one asked for.

@@ -81,7 +81,7 @@ def error_from_plain(data: list[Any]) -> errors.ApplianceError:
     exc = cls.__new__(cls)
     errors.ApplianceError.__init__(exc, message)
     exc.retry_after = retry_after
-    if cls is errors.ConfigError:
+    if isinstance(exc, errors.ConfigError):
         exc.key = ""
     return exc
 

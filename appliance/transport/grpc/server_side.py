@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from appliance.transport.grpc.limits import Limits, TokenBucket
 
 if TYPE_CHECKING:
+    import concurrent.futures
+
     from appliance.transport.grpc.calls import CallDetails
 
 
 class ServerSide(Protocol):
     limits: Limits
     loop: asyncio.AbstractEventLoop
+    pool: "concurrent.futures.ThreadPoolExecutor"  # runs the methods not written as coroutines
     closing: bool
     max_receive: int  # the largest request message, bytes
     max_send: int  # the largest answer message, bytes
