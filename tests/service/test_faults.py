@@ -16,7 +16,6 @@ in ``/readyz``'s body and ``/api/status`` instead of crash-looping.
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import os
 import random
@@ -37,6 +36,7 @@ from sync.publisher import publish
 from sync.open_source import open_source
 from sync.store import verify_version
 from tests.support.cache import built_once
+from tests.support.mirror import Mirror
 from tests.support.servers import ROOT, free_port, launch
 from tests.support.sync_support import store_is_complete
 
@@ -59,70 +59,27 @@ def small_models() -> Path:
     return built_once(f"small-{digest}", build) / "small"
 
 
-class ThrottledMirror:
+class ThrottledMirror(Mirror):
     """A read-only loopback HTTP mirror of a bucket folder that sends at ``RATE`` bytes/s
     (Range supported), so the device spends real time mid-download."""
 
-    def __init__(self, root: Path):
-        outer = self
-        self.root = root
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                try:
-                    outer.serve(self)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="mirror", daemon=True)
-
     def serve(self, h: Any) -> None:
-        key = h.path.lstrip("/")
-        path = self.root / key
-        try:
-            data = path.read_bytes() if ".." not in key.split("/") else None
-        except OSError:
-            data = None
-        if data is None:
-            h.send_response(404)
-            h.send_header("Content-Length", "0")
-            h.end_headers()
+        found = self.found(h)
+        if found is None:
             return
-        rng = h.headers.get("Range", "")
-        start = int(rng[6:-1]) if rng.startswith("bytes=") and rng[6:-1].isdigit() else 0
+        _, data, start = found
         if start >= len(data) > 0:
             h.send_response(416)
             h.send_header("Content-Length", "0")
             h.end_headers()
             return
+        self.head(h, data, start)
         body = data[start:]
-        h.send_response(206 if start else 200)
-        if start:
-            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
         step = 32 << 10
         for i in range(0, len(body), step):
             h.wfile.write(body[i:i + step])
             if len(body) > step:
                 time.sleep(step / RATE)
-
-    def start(self) -> "ThrottledMirror":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
 
 
 class Publisher(threading.Thread):

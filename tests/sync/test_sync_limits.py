@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import http.server
 import os
 import shutil
 import subprocess
@@ -38,6 +37,7 @@ from sync.open_source import open_source
 from sync.source_file import FileSource
 from sync.store import Store
 from tests.support.cache import built_once
+from tests.support.mirror import Mirror
 from tests.support.servers import ROOT, free_port
 from tests.support.sync_scenario import hpt, start_device  # noqa: F401 (fixture)
 from tests.support.sync_support import Load, events, serving_version, store_is_complete, wait
@@ -142,68 +142,36 @@ def test_version_too_big_for_the_disk_is_deferred_then_installed(start_server: A
 
 
 # -- disk full while writing (paced loopback HTTP mirror) ----------------------------------
-class PacedMirror:
-    """A plain-HTTP static server over a bucket folder. The first GET of ``gated`` sends
+class PacedMirror(Mirror):
+    """The loopback mirror of a bucket folder. The first GET of ``gated`` sends
     ``gate_bytes`` and then waits for ``go`` before the rest: the device is mid-download,
     past its free-space check, for as long as the test needs."""
 
     def __init__(self, root: Path, gated: str, gate_bytes: int):
-        self.root, self.gated, self.gate_bytes = root, gated, gate_bytes
+        super().__init__(root, "paced-mirror")
+        self.gated, self.gate_bytes = gated, gate_bytes
         self.halfway, self.go = threading.Event(), threading.Event()
         self._gate_used = False
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                outer.serve(self)
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="paced-mirror", daemon=True)
 
     def serve(self, h: Any) -> None:
-        key = h.path.split("?")[0].lstrip("/")
-        path = self.root / key
-        if ".." in key.split("/") or not path.is_file():
-            h.send_response(404)
-            h.send_header("Content-Length", "0")
-            h.end_headers()
+        found = self.found(h)
+        if found is None:
             return
-        data = path.read_bytes()
-        start = int(h.headers["Range"][6:-1]) if str(h.headers.get("Range", "")).startswith("bytes=") else 0
-        h.send_response(206 if start else 200)
-        if start:
-            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        h.send_header("Content-Length", str(len(data) - start))
-        h.end_headers()
+        key, data, start = found
+        self.head(h, data, start)
         body = data[start:]
-        try:
-            if key == self.gated and not self._gate_used:
-                self._gate_used = True
-                h.wfile.write(body[:self.gate_bytes])
-                h.wfile.flush()
-                self.halfway.set()
-                self.go.wait(60)
-                body = body[self.gate_bytes:]
-            h.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):  # the device gave up on this download
-            pass
-
-    def start(self) -> "PacedMirror":
-        self._thread.start()
-        return self
+        if key == self.gated and not self._gate_used:
+            self._gate_used = True
+            h.wfile.write(body[:self.gate_bytes])
+            h.wfile.flush()
+            self.halfway.set()
+            self.go.wait(60)
+            body = body[self.gate_bytes:]
+        h.wfile.write(body)
 
     def stop(self) -> None:
-        self.go.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self.go.set()  # the gated answer ends first
+        super().stop()
 
 
 def test_disk_filling_up_during_the_download_is_cleaned_and_retried(start_server: Any, tmpfs: Any,

