@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import h2load, loadgen, nghttp2_load  # noqa: E402
-from bench.run_bench import SHAPES, bench_models, body, stop, wait_ready  # noqa: E402
+from bench.run_bench import SHAPES, _tree_cpu, bench_models, body, stop, wait_ready  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
@@ -152,11 +152,10 @@ def main() -> int:
         def measured(run: Any, label: str = "after") -> dict[str, Any]:
             """The run's figures plus the server's CPU per request: what the API costs the
             device, whatever the load generator (Python on the same CPUs) costs itself."""
-            root = psutil.Process(servers[label][0].pid)
-            procs = [root, *root.children()]  # with its front workers
-            before = sum(sum(p.cpu_times()[:2]) for p in procs)
+            pid = servers[label][0].pid  # the whole tree: the zygote's front workers are grandchildren
+            before = _tree_cpu(pid)
             result = asyncio.run(run)
-            spent = sum(sum(p.cpu_times()[:2]) for p in procs) - before
+            spent = _tree_cpu(pid) - before
             total = result["ok"] * (a.duration + a.warmup) / a.duration  # warm-up requests cost CPU too
             result["server_cpu_ms_per_request"] = round(1000 * spent / total, 3) if total else None
             return result

@@ -52,7 +52,7 @@ def predicts(port: int, seconds: float) -> dict:
 
 def tree_rss(server: psutil.Process) -> int:
     """The service's RSS with its front workers (where connections are held when it has some)."""
-    return sum(p.memory_info().rss for p in (server, *server.children()))
+    return sum(p.memory_info().rss for p in (server, *server.children(recursive=True)))
 
 
 def open_many(port: int, n: int, payload: bytes, seconds: float) -> list[socket.socket]:
