@@ -108,7 +108,7 @@ def run(models: list[str], seconds: float, work: Path) -> list[dict[str, Any]]:
     if len(converted) < len(models):
         genmodel.build(built)
     if converted:  # built once, cached under /tmp like the test suite's
-        cache = litert_llm.models(work / "litert-llm-build")
+        cache = litert_llm.models()
         for name in converted:
             shutil.copytree(cache / name, built / name)
     rows = []
@@ -194,7 +194,7 @@ def paired(a: Any, b: Any, rounds: int, seconds: float) -> tuple[float, float, f
 
 def issue35(seconds: float, work: Path, rounds: int = 5) -> None:
     """Both issue-35 tables from one server, in one window, as paired ratios (``paired``)."""
-    cache = litert_llm.models(work / "litert-llm-build")
+    cache = litert_llm.models()
     base = work / "models"
     for name in SAME_WEIGHTS:
         shutil.copytree(cache / name, base / name)

@@ -76,7 +76,7 @@ def main() -> int:
     from tests.runtimes.test_litertlm import bundle
 
     work = Path(tempfile.mkdtemp())
-    version = str(bundle(litert_llm.models(work / "build"), "lt_t", work / "bundle"))
+    version = str(bundle(litert_llm.models(), "lt_t", work / "bundle"))
     before = _rss_kb()
     servable = _load(version)
     engine_kb = _rss_kb() - before
