@@ -45,14 +45,6 @@ def server(module_server: Any, models_dir: Path, tmp_path_factory: pytest.TempPa
     return srv
 
 
-@pytest.fixture(scope="module")
-def channel(server: Any) -> Any:
-    ch = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
-    grpc.channel_ready_future(ch).result(timeout=30)
-    yield ch
-    ch.close()
-
-
 @pytest.fixture
 def predict_stub(channel: Any) -> Any:
     return prediction_service_pb2_grpc.PredictionServiceStub(channel)

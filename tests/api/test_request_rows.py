@@ -41,14 +41,6 @@ def server(module_server: Any, models_dir: Path, tmp_path_factory: pytest.TempPa
     return srv
 
 
-@pytest.fixture(scope="module")
-def channel(server: Any) -> Any:
-    ch = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
-    grpc.channel_ready_future(ch).result(timeout=30)
-    yield ch
-    ch.close()
-
-
 def x_rows(n: int) -> np.ndarray:
     return np.random.default_rng(n).standard_normal((n, 64)).astype(np.float32)
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import requests
 
@@ -174,3 +174,10 @@ def _ready(server: Server) -> bool:
         return server.get("/readyz", timeout=2).status_code == 200
     except requests.RequestException:
         return False
+
+
+def echo_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+    """A WSGI app answering ``ok N`` (N: the request body's length): the transport tests' app."""
+    body = environ["wsgi.input"].read()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok %d" % len(body)]

@@ -1,4 +1,5 @@
-"""Helpers shared by the sync tests: versioned models, load generators, store checks.
+"""Helpers shared by the sync tests: versioned models, load generators, store checks, and a
+device's sync side without a service (``Device``: a store, a source, a follower).
 
 ``sync_models()`` builds TF Serving's half_plus_two three times with different ``b``
 (version 1: y = x/2 + 2, version 2: + 3, version 3: + 4), cached across runs like the
@@ -19,6 +20,7 @@ from tests.support.cache import built_once
 from tests.support.servers import free_port, poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
+CPU_TAGS = frozenset({"any", "x86_64", "tflite", "tf"})  # what an x86 device with both runtimes matches
 OFFSETS = {1: 2.0, 2: 3.0, 3: 4.0}  # version -> b in y = 0.5 x + b
 
 
@@ -295,3 +297,42 @@ class StaticHTTPS:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)
+
+
+def make_version(base: Path, name: str, files: dict[str, bytes]) -> Path:
+    """A version folder ``base/name`` holding ``files`` (relative path -> bytes)."""
+    d = base / name
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    return d
+
+
+class Device:
+    """One device's sync side, no service: a store under ``tmp``, a source over the bucket (a
+    folder, or a source's URL; ``source``: one made already), a follower of ``models`` with
+    ``opts`` as its Options, and the events it reported."""
+
+    def __init__(self, tmp: Path, bucket: Path | str, source: Any = None, models: tuple[str, ...] = ("m",),
+                 **opts: Any):
+        from sync.follower import Follower, LocalModel, Options
+        from sync.open_source import open_source
+        from sync.store import Store
+
+        self.events: list[tuple[str, str, Any]] = []
+        self.store = Store(str(tmp / "device")).open()
+        self.source = source or open_source(bucket if isinstance(bucket, str) else f"file://{bucket}")
+        options = Options(**{"models": list(models), "device_tags": CPU_TAGS, **opts})
+        self.follower = Follower(self.source, self.store, options,
+                                 lambda kind, msg, model="", version=None, **d: self.events.append((kind, msg, version)),
+                                 lambda: {m: LocalModel(self.serving(m)) for m in models})
+
+    def serving(self, model: str = "m") -> int | None:
+        versions = self.store.versions(model)
+        return max(versions) if versions else None
+
+    def kinds(self) -> list[str]:
+        return [k for k, _, _ in self.events]
+
+    def refusals(self) -> list[str]:
+        return [msg for kind, msg, _ in self.events if kind == "sync_refused"]

@@ -26,17 +26,9 @@ from sync.publisher import publish
 from sync.open_source import open_source
 from sync.store import Store, check_version_tree, unsafe_entries
 from tests.support.servers import ROOT
-from tests.support.sync_support import predict, sync_models, version_of
+from tests.support.sync_support import make_version, predict, sync_models, version_of
 
 CUSTOM_OP = "EdgeApplianceCustomOp"
-
-
-def make_version(base: Path, name: str, files: dict[str, bytes]) -> Path:
-    d = base / name
-    for rel, data in files.items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_bytes(data)
-    return d
 
 
 def follow(tmp: Path, bucket: Path) -> tuple[Store, Any]:

@@ -23,7 +23,6 @@ import pytest
 from sync import manifest as mf
 from sync.errors import Refused, SourceError
 from sync.fetcher import fetch
-from sync.follower import Follower, LocalModel, Options
 from sync.publisher import publish, set_channel
 from sync.source import Limits
 from sync.open_source import open_source
@@ -32,40 +31,11 @@ from sync.store import Store, check_version_tree, verify_version
 from tests.support.mirror import Mirror
 from tests.support.servers import free_port, poll_until
 from tests.support.sync_scenario import hpt  # noqa: F401 (fixture)
-from tests.support.sync_support import events, predict, serving_version, store_is_complete, version_of
-
-CPU_TAGS = frozenset({"any", "x86_64", "tflite", "tf"})
+from tests.support.sync_support import (CPU_TAGS, Device, events, make_version, predict, serving_version,
+                                        store_is_complete, version_of)
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def make_version(base: Path, name: str, files: dict[str, bytes]) -> Path:
-    d = base / name
-    for rel, data in files.items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_bytes(data)
-    return d
-
-
-class Device:
-    """One device's sync side: a store, a source over the bucket, a follower, its events."""
-
-    def __init__(self, tmp: Path, bucket: str, source: Any = None, models: tuple[str, ...] = ("m",), **opts: Any):
-        self.events: list[tuple[str, str, Any]] = []
-        self.store = Store(str(tmp / "device")).open()
-        self.source = source or open_source(bucket)
-        options = Options(**{"models": list(models), "device_tags": CPU_TAGS, **opts})
-        self.follower = Follower(self.source, self.store, options,
-                                 lambda kind, msg, model="", version=None, **d: self.events.append((kind, msg, version)),
-                                 lambda: {m: LocalModel(self.serving(m)) for m in models})
-
-    def serving(self, model: str = "m") -> int | None:
-        versions = self.store.versions(model)
-        return max(versions) if versions else None
-
-    def refusals(self) -> list[str]:
-        return [msg for kind, msg, _ in self.events if kind == "sync_refused"]
-
-
 @pytest.fixture
 def bucket(tmp_path: Path) -> Path:
     b = tmp_path / "bucket"

@@ -16,35 +16,10 @@ import pytest
 
 from sync import manifest as mf
 from sync.errors import Refused, SourceError
-from sync.follower import Follower, LocalModel, Options
 from sync.publisher import publish, set_channel
 from sync.open_source import open_source
 from sync.store import Store, set_pin
-
-
-def make_version(base: Path, name: str, files: dict[str, bytes]) -> Path:
-    d = base / name
-    for rel, data in files.items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_bytes(data)
-    return d
-
-
-class Device:
-    def __init__(self, tmp: Path, bucket: Path, **opts: Any):
-        self.events: list[tuple[str, str, Any]] = []
-        self.store = Store(str(tmp / "device")).open()
-        self.source = open_source(f"file://{bucket}")
-        self.follower = Follower(self.source, self.store, Options(**{"models": ["m"], **opts}),
-                                 lambda kind, msg, model="", version=None, **d: self.events.append((kind, msg, version)),
-                                 lambda: {"m": LocalModel(self.serving())})
-
-    def serving(self) -> int | None:
-        versions = self.store.versions("m")
-        return max(versions) if versions else None
-
-    def kinds(self) -> list[str]:
-        return [k for k, _, _ in self.events]
+from tests.support.sync_support import Device, make_version
 
 
 @pytest.fixture

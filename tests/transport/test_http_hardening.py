@@ -17,13 +17,7 @@ import requests
 
 from appliance.core.config import LimitsConfig
 from appliance.transport.http.server import HTTPServer
-from tests.support.servers import poll_until
-
-
-def echo_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-    body = environ["wsgi.input"].read()
-    start_response("200 OK", [("Content-Type", "text/plain")])
-    return [b"ok %d" % len(body)]
+from tests.support.servers import echo_app, poll_until
 
 
 @pytest.fixture

@@ -20,15 +20,9 @@ import requests
 from appliance.core.config import LimitsConfig
 from appliance.fronts.app import facing
 from appliance.transport.http.server import HTTPServer
-from tests.support.servers import poll_until
+from tests.support.servers import echo_app, poll_until
 
 SLACK_S = 15.0  # generous: a loaded CI box; the point is "cut", not "cut on time"
-
-
-def echo_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-    body = environ["wsgi.input"].read()
-    start_response("200 OK", [("Content-Type", "text/plain")])
-    return [b"ok %d" % len(body)]
 
 
 @pytest.fixture
