@@ -519,6 +519,11 @@ def from_dict(data: dict[str, Any]) -> Config:
 def validate(config: Config) -> Config:
     if not 0 < config.server.port < 65536:
         raise ConfigError("server.port", f"{config.server.port} is not a TCP port")
+    if config.grpc.port == config.server.port:  # TF Serving refuses it too (server.cc)
+        # Both listen with SO_REUSEPORT for the front workers, so the kernel would hand REST
+        # clients to the gRPC server and the other way round, a connection at a time.
+        raise ConfigError("grpc.port", f"{config.grpc.port} is the REST port (server.port) too: give gRPC another "
+                          "port (--grpc-port), or 0 to turn it off")
     if config.server.workers < 0:
         raise ConfigError("server.workers", "must be 0 (one per CPU) or a number of processes")
     if not 2.0 <= config.server.worker_timeout_s <= 3600:  # a worker's heartbeat comes every second

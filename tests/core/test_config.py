@@ -41,6 +41,21 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert config.batching.max_batch_size >= 1
 
 
+def test_the_grpc_port_may_not_be_the_rest_port(tmp_path: Path) -> None:
+    """Both listen with SO_REUSEPORT: one port would mix REST and gRPC clients a connection at
+    a time. From the file and from the flags (overrides) alike, named, with what to do."""
+    err = refused(tmp_path, """
+        [server]
+        port = 9200
+        [grpc]
+        port = 9200
+        """)
+    assert err.key == "grpc.port" and "REST port" in str(err) and "--grpc-port" in str(err)
+    with pytest.raises(ConfigError, match="grpc.port"):
+        load(None, {"state_dir": str(tmp_path), "server.port": 8500})  # the default gRPC port
+    assert load(None, {"state_dir": str(tmp_path), "server.port": 8500, "grpc.port": 0}).grpc.port == 0
+
+
 def test_file_values_are_read(tmp_path: Path) -> None:
     config = load(write(tmp_path, """
         poll_interval_s = 0.5

@@ -61,6 +61,9 @@ def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", con
         time.sleep(0.2)
 
 
+_HANDED_OUT: set[int] = set()  # every port free_port gave in this process
+
+
 def free_port() -> int:
     """A loopback port free now, below the kernel's ephemeral range (32768-60999 on Linux) so
     that no outgoing connection takes it between our choosing it and a server binding it, and
@@ -74,11 +77,14 @@ def free_port() -> int:
     for _ in range(1000):
         port = random.randrange(10000, 22000)
         port -= (port - worker) % count
+        if port in _HANDED_OUT:  # free now, but a test may hold it for a server not started yet
+            continue            # (a REST and a gRPC port picked one after the other, say)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        _HANDED_OUT.add(port)
         return port
     raise RuntimeError(f"no free loopback port in 10000-22000 for test worker {worker} of {count}")
 
