@@ -61,8 +61,14 @@ def tune_gc(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> None:
 def release_freed_memory() -> bool:
     """Collect reference cycles (an unloaded model's objects), then return freed heap memory
     to the OS; True when the C library did it. Thread-safe."""
-    global _trim
     gc.collect()
+    return trim_heap()
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the OS (``malloc_trim(0)``), without a collection:
+    what is still referenced stays. True when the C library did it. Thread-safe."""
+    global _trim
     if _trim is False:
         try:
             _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim

@@ -23,8 +23,6 @@ measured at the end, on a server in this process whose methods answer megabytes
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import gzip
 import os
 import resource
@@ -40,6 +38,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 
+from appliance.core.memory import trim_heap  # noqa: E402
 from tests.support import h2_wire as w  # noqa: E402
 from tests.support.servers import free_port, poll_until, spawn  # noqa: E402
 
@@ -368,13 +367,14 @@ def test_held_answers_are_bounded_and_freed() -> None:
         for _, reader in socks:
             poll_until(lambda: ended(reader) >= set(streams), 60, "the stalled answers to time out")
         poll_until(lambda: server.buffered_bytes() == 0, 30, "the server's accounts to empty")
-        # The answers must be unreferenced, not merely unaccounted: with the bytes freed, glibc's
-        # malloc_trim gives their pages back (no gc.collect: a connection must not wait for the
+        # The answers must be unreferenced, not merely unaccounted: with the bytes freed, the
+        # heap's trim gives their pages back (no gc.collect: a connection must not wait for the
         # cyclic collector). Without the trim, whether freed heap returns to the OS depends on
         # what else this pytest worker allocated before, which made the check flaky.
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        poll_until(lambda: trim(0) is not None and me.memory_info().rss <= rss0 + 32 * MIB, 30,
-                   "this process's RSS to come back (freed answers trimmed)")
+        def came_back() -> bool:
+            trim_heap()
+            return me.memory_info().rss <= rss0 + 32 * MIB
+        poll_until(came_back, 30, "this process's RSS to come back (freed answers trimmed)")
     finally:
         stack.close()
         server.stop(None)
