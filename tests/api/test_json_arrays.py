@@ -257,3 +257,24 @@ def test_an_int8_input_takes_what_tf_serving_takes_as_list_or_numpy(start_server
         assert status == 400 and got["error"] == (
             f"Failed to process element: {len(values) - 1} of 'instances' list. Error: INVALID_ARGUMENT: JSON Value: "
             f"{json.dumps(values[-1])} Type: {values[-1]} is not of expected type: int8"), got
+
+
+def test_only_list_tensors_pay_for_the_numbers_only_pass(monkeypatch):
+    """decode_predict asks numbers_only (a pass over every byte of the body) only for a tensor
+    that arrived as lists; an image json_arrays made numpy never pays for it, and both decode
+    to the same float32 values."""
+    from appliance.api.tfserving import json_format
+    from runtimes import SignatureInfo, TensorSpec
+
+    calls = []
+    real = json_format.numbers_only
+    monkeypatch.setattr(json_format, "numbers_only", lambda raw, body: calls.append(len(raw)) or real(raw, body))
+    rng = np.random.default_rng(3)
+    for shape, scans in (((1, 32, 32, 3), 0), ((1, 8), 1)):  # above MIN_VALUES: numpy; below: lists
+        x = rng.standard_normal(shape).round(4)
+        raw = orjson.dumps({"instances": x.tolist()})
+        sig = SignatureInfo("serving_default", {"x": TensorSpec("x", np.dtype(np.float32), (-1, *shape[1:]))}, {})
+        calls.clear()
+        inputs, _ = json_format.decode_predict(json_format.loads(raw), sig, raw)
+        assert len(calls) == scans, (shape, calls)
+        np.testing.assert_array_equal(inputs["x"], x.astype(np.float32))
