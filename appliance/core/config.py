@@ -524,6 +524,11 @@ def validate(config: Config) -> Config:
         # clients to the gRPC server and the other way round, a connection at a time.
         raise ConfigError("grpc.port", f"{config.grpc.port} is the REST port (server.port) too: give gRPC another "
                           "port (--grpc-port), or 0 to turn it off")
+    grpc_socket, rest_socket = config.grpc.socket_path, config.server.socket_path
+    if grpc_socket and rest_socket and os.path.normpath(grpc_socket) == os.path.normpath(rest_socket):
+        # Each removes a stale socket file before it listens: the second would unlink the first's.
+        raise ConfigError("grpc.socket_path", f"{config.grpc.socket_path} is the REST socket (server.socket_path) "
+                          "too: give each its own path")
     if config.server.workers < 0:
         raise ConfigError("server.workers", "must be 0 (one per CPU) or a number of processes")
     if not 2.0 <= config.server.worker_timeout_s <= 3600:  # a worker's heartbeat comes every second

@@ -41,9 +41,10 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert config.batching.max_batch_size >= 1
 
 
-def test_the_grpc_port_may_not_be_the_rest_port(tmp_path: Path) -> None:
+def test_grpc_may_not_listen_where_rest_does(tmp_path: Path) -> None:
     """Both listen with SO_REUSEPORT: one port would mix REST and gRPC clients a connection at
-    a time. From the file and from the flags (overrides) alike, named, with what to do."""
+    a time; one socket path, each would unlink the other's. From the file and from the flags
+    (overrides) alike, named, with what to do."""
     err = refused(tmp_path, """
         [server]
         port = 9200
@@ -54,6 +55,13 @@ def test_the_grpc_port_may_not_be_the_rest_port(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="grpc.port"):
         load(None, {"state_dir": str(tmp_path), "server.port": 8500})  # the default gRPC port
     assert load(None, {"state_dir": str(tmp_path), "server.port": 8500, "grpc.port": 0}).grpc.port == 0
+    err = refused(tmp_path, """
+        [server]
+        socket_path = "/run/edge/api.sock"
+        [grpc]
+        socket_path = "/run/edge//api.sock"
+        """)
+    assert err.key == "grpc.socket_path" and "REST socket" in str(err)
 
 
 def test_file_values_are_read(tmp_path: Path) -> None:
