@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import h2load, loadgen, nghttp2_load  # noqa: E402
-from bench.run_bench import SHAPES, _tree_cpu, bench_models, body, stop, wait_ready  # noqa: E402
+from bench.run_bench import SHAPES, tree_cpu, bench_models, body, stop, wait_ready  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
@@ -153,9 +153,9 @@ def main() -> int:
             """The run's figures plus the server's CPU per request: what the API costs the
             device, whatever the load generator (Python on the same CPUs) costs itself."""
             pid = servers[label][0].pid  # the whole tree: the zygote's front workers are grandchildren
-            before = _tree_cpu(pid)
+            before = tree_cpu(pid)
             result = asyncio.run(run)
-            spent = _tree_cpu(pid) - before
+            spent = tree_cpu(pid) - before
             total = result["ok"] * (a.duration + a.warmup) / a.duration  # warm-up requests cost CPU too
             result["server_cpu_ms_per_request"] = round(1000 * spent / total, 3) if total else None
             return result

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
-from bench.run_bench import _tree_cpu, bench_models, body, stop, wait_ready  # noqa: E402
+from bench.run_bench import tree_cpu, bench_models, body, stop, wait_ready  # noqa: E402
 
 
 def wsgi_to_asgi(app: Any, threads: int) -> Any:
@@ -141,10 +141,10 @@ def main() -> None:
         proc = start(kind, base, port, work, args.baseline_root)
         try:
             for c in (int(x) for x in args.conc.split(",")):
-                cpu0, t0 = _tree_cpu(proc.pid), time.perf_counter()
+                cpu0, t0 = tree_cpu(proc.pid), time.perf_counter()
                 r = asyncio.run(loadgen.run(f"http://127.0.0.1:{port}/v1/models/mlp:predict", body("mlp"), c,
                                             args.duration, 1.0, b"predictions"))
-                r["server_cpu_pct"] = round(100 * (_tree_cpu(proc.pid) - cpu0) / (time.perf_counter() - t0), 1)
+                r["server_cpu_pct"] = round(100 * (tree_cpu(proc.pid) - cpu0) / (time.perf_counter() - t0), 1)
                 r.update(server=kind, concurrency=c)
                 print(json.dumps(r), flush=True)
         finally:

@@ -155,18 +155,18 @@ def load_points(label: str, port: int, models: list[str], conc: list[int], durat
     rows = []
     for model in models:
         for c in conc:
-            cpu0 = _tree_cpu(proc.pid)
+            cpu0 = tree_cpu(proc.pid)
             t0 = time.perf_counter()
             r = asyncio.run(loadgen.run(f"http://127.0.0.1:{port}/v1/models/{model}:predict", body(model), c,
                                         duration, 1.0, b"predictions"))
-            r["server_cpu_pct"] = round(100 * (_tree_cpu(proc.pid) - cpu0) / (time.perf_counter() - t0), 1)
+            r["server_cpu_pct"] = round(100 * (tree_cpu(proc.pid) - cpu0) / (time.perf_counter() - t0), 1)
             r.update(server=label, model=model)
             print(json.dumps(r), flush=True)
             rows.append(r)
     return rows
 
 
-def _tree_cpu(pid: int) -> float:
+def tree_cpu(pid: int) -> float:
     try:
         p = psutil.Process(pid)
         procs = [p, *p.children(recursive=True)]

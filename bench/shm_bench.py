@@ -35,7 +35,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.run_bench import SHAPES, _tree_cpu, bench_models, start_service, stop  # noqa: E402
+from bench.run_bench import SHAPES, tree_cpu, bench_models, start_service, stop  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 
 
@@ -102,13 +102,13 @@ def modes(api: str, address: str, model: str) -> tuple[Any, dict[str, Callable[[
 def timed(call: Callable[[], Any], seconds: float, pid: int) -> dict[str, Any]:
     for _ in range(20):
         call()
-    cpu0, n, started = _tree_cpu(pid), 0, time.perf_counter()
+    cpu0, n, started = tree_cpu(pid), 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         call()
         n += 1
     elapsed = time.perf_counter() - started
     return {"rps": round(n / elapsed, 1), "ms": round(1000 * elapsed / n, 3),
-            "server_cpu_ms_per_request": round(1000 * (_tree_cpu(pid) - cpu0) / n, 3)}
+            "server_cpu_ms_per_request": round(1000 * (tree_cpu(pid) - cpu0) / n, 3)}
 
 
 def main() -> int:

@@ -16,6 +16,9 @@ from typing import Any
 
 import requests
 
+from sync.follower import Follower, LocalModel, Options
+from sync.open_source import open_source
+from sync.store import Store
 from tests.support.cache import built_once
 from tests.support.servers import free_port, poll_until
 
@@ -315,10 +318,6 @@ class Device:
 
     def __init__(self, tmp: Path, bucket: Path | str, source: Any = None, models: tuple[str, ...] = ("m",),
                  **opts: Any):
-        from sync.follower import Follower, LocalModel, Options
-        from sync.open_source import open_source
-        from sync.store import Store
-
         self.events: list[tuple[str, str, Any]] = []
         self.store = Store(str(tmp / "device")).open()
         self.source = source or open_source(bucket if isinstance(bucket, str) else f"file://{bucket}")
