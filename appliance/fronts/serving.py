@@ -9,8 +9,11 @@ own (``start``):
   take (decoded against a view older than a swap to another signature) run on the version
   they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
 - ``RESOLVE``: what the worker's serving view cannot answer, with the manager's errors.
-- ``WSGI``: a forwarded request runs through the service's own app on a thread of
-  ``threads`` (``server.threads``), answered whole, or streamed chunk by chunk. The
+- ``WSGI``: a forwarded request that this process's front path answers on its loop (a KServe
+  v2 infer naming shared-memory regions, which only this process reads: appliance/fronts/app.py
+  ``serving_front``) runs there, as the same request would in one process; any other runs
+  through the service's own app on a thread of ``threads`` (``server.threads``), answered
+  whole, or streamed chunk by chunk. The
   worker's ``CANCEL`` (its client went away) ends a stream, and turns the request's
   ``appliance.client_gone`` true for an answer that is whole only at its end.
 - ``GRPC``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
@@ -43,6 +46,7 @@ import grpc
 
 from appliance.api.sse import GONE_KEY
 from appliance.fronts import messages as m
+from appliance.fronts.app import serving_front
 from appliance.fronts import view as serving_view
 from appliance.core.errors import ApplianceError, Unavailable
 from appliance.core.handle import shape_error
@@ -73,6 +77,7 @@ class FrontService:
         """``on_listening(index)``: a worker's first figures arrived: it listens on the port;
         ``on_heard(index)``: its figures arrived again (its heartbeat, appliance/fronts/supervisor.py)."""
         self.core, self.app, self.threads, self.on_listening = core, app, threads, on_listening
+        self.front = serving_front(core, app)  # what this process answers on its loop (``_fast``)
         self.on_heard = on_heard
         self.turned = time.monotonic()  # when this side's loop last turned (``_turn``)
         self.links: dict[int, ChannelProtocol] = {}  # worker index -> its channel
@@ -144,9 +149,14 @@ class FrontService:
         elif kind == m.RESOLVE:
             proto.send(self._resolve(ident, *payload))
         elif kind == m.WSGI:
+            environ = self._environ(*payload)
+            fast = self.front.route(environ)
+            if fast is not None:  # no thread hand-off, no Flask: the loop's own answer
+                asyncio.get_running_loop().create_task(self._fast(proto, ident, fast, environ))
+                return
             cancelled = self._streams[(proto.index, ident)] = threading.Event()
             assert self._pool is not None
-            self._pool.submit(self._wsgi, proto, ident, payload, cancelled)
+            self._pool.submit(self._wsgi, proto, ident, environ, cancelled)
         elif kind == m.GRPC:
             asyncio.get_running_loop().create_task(self._grpc(proto, ident, *payload))
         elif kind == m.CANCEL:
@@ -252,13 +262,23 @@ class FrontService:
             return (m.FAIL, ident, m.error_to_plain(exc))
 
     # -- forwarded requests (pool threads) -----------------------------------------------------
-    def _wsgi(self, proto: ChannelProtocol, ident: int, payload: tuple[dict[str, str], bytes],
-              cancelled: threading.Event) -> None:
-        env, body = payload
-        environ: dict[str, Any] = {**env, "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr,
-                                   "wsgi.version": (1, 0), "wsgi.multithread": True, "wsgi.multiprocess": True,
-                                   "wsgi.run_once": False,
-                                   GONE_KEY: cancelled.is_set}  # the worker's CANCEL: its client went away
+    @staticmethod
+    def _environ(env: dict[str, str], body: bytes) -> dict[str, Any]:
+        return {**env, "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
+                "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False}
+
+    async def _fast(self, proto: ChannelProtocol, ident: int, answer: Callable[[dict[str, Any]], Any],
+                    environ: dict[str, Any]) -> None:
+        """(loop) A forwarded request the front path answers here, whole."""
+        try:
+            status, headers, body = await answer(environ)
+            proto.send((m.ANSWER, ident, [status, headers, body]))
+        except Exception as exc:  # the families answer their own errors; this is a bug of ours
+            log.exception("forwarded %s %s failed", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
+            proto.send((m.FAIL, ident, m.error_to_plain(exc)))
+
+    def _wsgi(self, proto: ChannelProtocol, ident: int, environ: dict[str, Any], cancelled: threading.Event) -> None:
+        environ[GONE_KEY] = cancelled.is_set  # the worker's CANCEL: its client went away
         started: list[Any] = []
 
         def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
@@ -273,7 +293,7 @@ class FrontService:
                 return
             self._stream(proto, ident, result, started, cancelled)
         except Exception as exc:  # the app's own failure: logged here, a 500 there
-            log.exception("forwarded %s %s failed", env.get("REQUEST_METHOD"), env.get("PATH_INFO"))
+            log.exception("forwarded %s %s failed", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
             proto.send_threadsafe((m.FAIL, ident, m.error_to_plain(exc)))
         finally:
             self._streams.pop((proto.index, ident), None)

@@ -310,6 +310,69 @@ def test_the_view_is_pushed_and_a_stale_one_never_gives_a_wrong_answer(models_di
         core.close()
 
 
+def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, tmp_path: Path) -> None:
+    """A request a worker forwards whole that the serving process's front path takes (a v2
+    infer naming shared-memory regions is one: only that process reads the regions) is
+    answered on its loop by the API family, as in one process: not through the WSGI app and
+    its thread pool. Anything else forwarded still goes to the app."""
+    import asyncio
+
+    from appliance.core.appliance import Appliance
+    from appliance.core.config import Config, ModelConfig
+    from appliance.fronts import messages as m
+    from appliance.fronts.link import Link
+    from appliance.fronts.serving import FrontService
+    from appliance.transport.channel import ChannelProtocol
+
+    config = Config()
+    config.state_dir = str(tmp_path / "state")
+    config.models = [ModelConfig(name=MLP, base_path=str(models(models_dir, tmp_path, MLP) / MLP))]
+    config.runtime.backend = "tflite"
+    core = Appliance(config).start()
+    called: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        called.append(environ["PATH_INFO"])
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"the app"]
+
+    front = FrontService(core, app, threads=2)
+    front.start()
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    ours, theirs = socket.socketpair()
+    link = Link(lambda message: None)
+
+    async def connect() -> None:
+        _, proto = await loop.connect_accepted_socket(lambda: ChannelProtocol(link.on_message, link.on_lost), ours)
+        link.attach(loop, proto)
+
+    def forwarded(method: str, path: str, body: bytes = b"") -> Any:
+        environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "REQUEST_URI": path, "CONTENT_LENGTH": str(len(body)),
+                   "CONTENT_TYPE": "application/json", "wsgi.url_scheme": "http"}
+        return asyncio.run_coroutine_threadsafe(link.call(m.WSGI, [environ, body]), loop).result(30)
+
+    try:
+        asyncio.run_coroutine_threadsafe(connect(), loop).result(10)
+        front.attach(0, theirs)
+        poll_until(core.ready, 60, "the MLP loaded")
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": ROW}]}).encode()
+        kind, (status, _, data) = forwarded("POST", f"/v2/models/{MLP}/infer", body)
+        assert (kind, status) == (m.ANSWER, "200 OK"), data
+        assert np.asarray(json.loads(data)["outputs"][0]["data"]).size == 10
+        kind, (status, _, data) = forwarded("POST", "/v2/models/nope/infer", body)
+        assert status.startswith("404") and b"nope" in data, data  # the family's own error, on the loop too
+        assert called == []
+        kind, (status, _, data) = forwarded("GET", f"/v1/models/{MLP}")
+        assert (status, data, called) == ("200 OK", b"the app", [f"/v1/models/{MLP}"])
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        front.close()
+        core.close()
+
+
 def test_grpc_through_the_workers_answers_as_one_process(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
     """The gRPC port served by the workers (Predict there; model status forwarded): the real
     TF Serving client gets the answers, codes and texts one process gives."""
