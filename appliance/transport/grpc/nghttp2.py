@@ -66,7 +66,7 @@ void nghttp2_option_set_stream_reset_rate_limit(nghttp2_option *, uint64_t, uint
 int nghttp2_session_server_new2(nghttp2_session **, const nghttp2_session_callbacks *, void *, const nghttp2_option *);
 void nghttp2_session_del(nghttp2_session *);
 ssize_t nghttp2_session_mem_recv(nghttp2_session *, const uint8_t *, size_t);
-ssize_t nghttp2_session_mem_send(nghttp2_session *, const uint8_t **);
+ssize_t nghttp2_session_mem_send(nghttp2_session *, const char **);  /* const uint8_t **: char, so cffi's unpack gives bytes */
 int nghttp2_session_want_read(nghttp2_session *);
 int nghttp2_session_want_write(nghttp2_session *);
 int nghttp2_session_consume_connection(nghttp2_session *, size_t);

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, Sequence
 
+from _cffi_backend import from_handle as _from_handle, unpack as _unpack  # FFI's own methods wrap these
+
 from appliance.transport.grpc import nghttp2 as ng
 
 log = logging.getLogger("appliance.grpc")
@@ -75,7 +77,7 @@ class Session:
         finally:
             lib.nghttp2_option_del(option[0])
         self.ptr = out[0]
-        self._out = ffi.new("const uint8_t **")
+        self._out = ffi.new("const char **")
         iv = ffi.new("nghttp2_settings_entry[]", [(k, v) for k, v in settings.items()])
         _check(lib, lib.nghttp2_submit_settings(self.ptr, 0, iv, len(settings)))
         _check(lib, lib.nghttp2_session_set_local_window_size(self.ptr, 0, 0, connection_window))
@@ -102,19 +104,24 @@ class Session:
             raise SessionError(self.ffi.string(self.lib.nghttp2_strerror(rv)).decode())
 
     def output(self) -> bytes:
-        """Every frame nghttp2 has to send now, answers' DATA as far as windows allow."""
-        if self.ptr is None:
+        """Every frame nghttp2 has to send now, answers' DATA as far as windows allow (nghttp2
+        hands them over a frame at a time: an answer is three, HEADERS, DATA and trailers)."""
+        ptr = self.ptr
+        if ptr is None:
             return b""
-        lib, ffi, out = self.lib, self.ffi, self._out
-        chunks = []
-        while True:
-            n = lib.nghttp2_session_mem_send(self.ptr, out)
-            if n <= 0:
-                if n < 0:
-                    raise SessionError(ffi.string(lib.nghttp2_strerror(n)).decode())
-                break
-            chunks.append(ffi.buffer(out[0], n)[:])
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        send, out = self.lib.nghttp2_session_mem_send, self._out
+        n = send(ptr, out)
+        if n <= 0:
+            return self._sent(n, b"")
+        data = _unpack(out[0], n)
+        while (n := send(ptr, out)) > 0:
+            data += _unpack(out[0], n)
+        return self._sent(n, data)
+
+    def _sent(self, n: int, data: bytes) -> bytes:
+        if n < 0:
+            raise SessionError(self.ffi.string(self.lib.nghttp2_strerror(n)).decode())
+        return data
 
     def wants_write(self) -> bool:
         return self.ptr is not None and bool(self.lib.nghttp2_session_want_write(self.ptr))
@@ -233,7 +240,7 @@ def _callbacks() -> Any:
     ffi, lib = ng.load()
     failed = ng.ERR_CALLBACK_FAILURE
 
-    from_handle, unpack = ffi.from_handle, ffi.unpack
+    from_handle, unpack = _from_handle, _unpack  # callbacks run per header: no wrapper call in between
 
     def on_error(exception: Any, value: Any, traceback: Any) -> None:  # a bug of ours: one connection pays
         log.error("gRPC connection callback failed", exc_info=(exception, value, traceback))
@@ -250,9 +257,10 @@ def _callbacks() -> Any:
     def on_header(session: Any, hd: Any, name: Any, namelen: int, value: Any, valuelen: int, flags: int,
                   user_data: Any) -> int:
         s = from_handle(user_data)
-        s.sink_bytes += namelen + valuelen + 32  # RFC 9113 6.5.2's count
-        if s.sink is not None and s.sink_bytes <= s.header_limit:
-            s.sink.append((unpack(name, namelen), unpack(value, valuelen)))
+        size = s.sink_bytes = s.sink_bytes + namelen + valuelen + 32  # RFC 9113 6.5.2's count
+        sink = s.sink
+        if sink is not None and size <= s.header_limit:
+            sink.append((unpack(name, namelen), unpack(value, valuelen)))
         return 0
 
     @ffi.callback("int(nghttp2_session *, const nghttp2_frame_hd *, void *)", error=failed, onerror=on_error)
