@@ -5,7 +5,9 @@ own (``start``):
 
 - ``RUN``: ``manager.handle`` resolves the request as the client named it (rollouts route
   it here, exactly as in one process), then ``await handle.run``: the model's one batch
-  queue takes requests from every worker. Inputs the answering version's signature cannot
+  queue takes requests from every worker. A run that is the only one in flight from all the
+  workers is told so (core/batcher.py ``LONE_CALL``), so a quick model's lone call runs on
+  this loop instead of paying two thread hand-offs, as it does in one process. Inputs the answering version's signature cannot
   take (decoded against a view older than a swap to another signature) run on the version
   they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
 - ``RESOLVE``: what the worker's serving view cannot answer, with the manager's errors.
@@ -48,6 +50,7 @@ from appliance.api.sse import GONE_KEY
 from appliance.fronts import messages as m
 from appliance.fronts.app import serving_front
 from appliance.fronts import view as serving_view
+from appliance.core.batcher import LONE_CALL
 from appliance.core.errors import ApplianceError, Unavailable
 from appliance.core.handle import shape_error
 from appliance.fronts.view import ServingView, version_view
@@ -88,6 +91,7 @@ class FrontService:
         self._grpc_handlers: list[Any] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._view_due = False  # a rebuild of the view is scheduled on the loop
+        self._runs = 0  # RUNs in flight (loop)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,6 +149,7 @@ class FrontService:
     def _on_message(self, proto: ChannelProtocol, message: Message) -> None:
         kind, ident, payload = message
         if kind == m.RUN:
+            self._runs += 1  # counted on arrival: of a burst read at once, none is alone
             asyncio.get_running_loop().create_task(self._run(proto, ident, m.RunRequest.from_plain(payload)))
         elif kind == m.RESOLVE:
             proto.send(self._resolve(ident, *payload))
@@ -184,12 +189,18 @@ class FrontService:
                 flag.set()
 
     async def _run(self, proto: ChannelProtocol, ident: int, request: m.RunRequest) -> None:
+        LONE_CALL.set(self._alone)  # this task's own context
         try:
             with self._answering(request) as held:
                 outputs = await held.run(request.signature, request.inputs)
                 proto.send((m.DONE, ident, [held.version, outputs]))
         except Exception as exc:  # the core's own errors, to the client as they are
             proto.send((m.FAIL, ident, m.error_to_plain(exc)))
+        finally:
+            self._runs -= 1
+
+    def _alone(self) -> bool:
+        return self._runs == 1
 
     def _answering(self, request: m.RunRequest) -> "Handle":
         """The handle that runs ``request``: as the client named the version, or, when that one

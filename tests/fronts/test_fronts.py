@@ -7,6 +7,7 @@ tests single-process on a one-CPU machine and prove nothing there.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -16,7 +17,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import psutil
@@ -310,16 +311,14 @@ def test_the_view_is_pushed_and_a_stale_one_never_gives_a_wrong_answer(models_di
         core.close()
 
 
-def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, tmp_path: Path) -> None:
-    """A request a worker forwards whole that the serving process's front path takes (a v2
-    infer naming shared-memory regions is one: only that process reads the regions) is
-    answered on its loop by the API family, as in one process: not through the WSGI app and
-    its thread pool. Anything else forwarded still goes to the app."""
+@contextlib.contextmanager
+def serving_side(models_dir: Path, tmp_path: Path, app: Any) -> Iterator[tuple[Any, Any]]:
+    """A ``FrontService`` over the MLP with ``app`` as its WSGI app, and ``call(kind, payload)``:
+    a message sent as a worker sends it, its reply awaited."""
     import asyncio
 
     from appliance.core.appliance import Appliance
     from appliance.core.config import Config, ModelConfig
-    from appliance.fronts import messages as m
     from appliance.fronts.link import Link
     from appliance.fronts.serving import FrontService
     from appliance.transport.channel import ChannelProtocol
@@ -329,13 +328,6 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
     config.models = [ModelConfig(name=MLP, base_path=str(models(models_dir, tmp_path, MLP) / MLP))]
     config.runtime.backend = "tflite"
     core = Appliance(config).start()
-    called: list[str] = []
-
-    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
-        called.append(environ["PATH_INFO"])
-        start_response("200 OK", [("Content-Type", "text/plain")])
-        return [b"the app"]
-
     front = FrontService(core, app, threads=2)
     front.start()
     loop = asyncio.new_event_loop()
@@ -348,15 +340,41 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
         _, proto = await loop.connect_accepted_socket(lambda: ChannelProtocol(link.on_message, link.on_lost), ours)
         link.attach(loop, proto)
 
-    def forwarded(method: str, path: str, body: bytes = b"") -> Any:
-        environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "REQUEST_URI": path, "CONTENT_LENGTH": str(len(body)),
-                   "CONTENT_TYPE": "application/json", "wsgi.url_scheme": "http"}
-        return asyncio.run_coroutine_threadsafe(link.call(m.WSGI, [environ, body]), loop).result(30)
+    def call(kind: str, payload: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(link.call(kind, payload), loop).result(30)
 
     try:
         asyncio.run_coroutine_threadsafe(connect(), loop).result(10)
         front.attach(0, theirs)
         poll_until(core.ready, 60, "the MLP loaded")
+        yield front, call
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        front.close()
+        core.close()
+
+
+def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, tmp_path: Path) -> None:
+    """A request a worker forwards whole that the serving process's front path takes (a v2
+    infer naming shared-memory regions is one: only that process reads the regions) is
+    answered on its loop by the API family, as in one process: not through the WSGI app and
+    its thread pool. Anything else forwarded still goes to the app."""
+    from appliance.fronts import messages as m
+
+    called: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        called.append(environ["PATH_INFO"])
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"the app"]
+
+    def forwarded(method: str, path: str, body: bytes = b"") -> Any:
+        environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "REQUEST_URI": path, "CONTENT_LENGTH": str(len(body)),
+                   "CONTENT_TYPE": "application/json", "wsgi.url_scheme": "http"}
+        return call(m.WSGI, [environ, body])
+
+    with serving_side(models_dir, tmp_path, app) as (_, call):
         body = json.dumps({"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": ROW}]}).encode()
         kind, (status, _, data) = forwarded("POST", f"/v2/models/{MLP}/infer", body)
         assert (kind, status) == (m.ANSWER, "200 OK"), data
@@ -366,11 +384,38 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
         assert called == []
         kind, (status, _, data) = forwarded("GET", f"/v1/models/{MLP}")
         assert (status, data, called) == ("200 OK", b"the app", [f"/v1/models/{MLP}"])
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(10)
-        front.close()
-        core.close()
+
+
+def test_a_lone_run_from_the_workers_is_told_it_is_alone(models_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RUN that is the only one in flight from all the workers runs with LONE_CALL saying so
+    (a quick model's lone call then runs on the serving loop, core/batcher.py); once it is
+    answered, or has failed, the next is alone again."""
+    from appliance.core import batcher as batcher_module
+    from appliance.fronts import messages as m
+
+    told: list[bool | None] = []
+    claim = batcher_module.Batcher._claim_idle
+
+    def recording(self: Any) -> bool:
+        alone = batcher_module.LONE_CALL.get()
+        told.append(None if alone is None else alone())
+        return claim(self)
+
+    monkeypatch.setattr(batcher_module.Batcher, "_claim_idle", recording)
+    row = np.asarray([ROW], dtype=np.float32)
+    with serving_side(models_dir, tmp_path, lambda environ, start_response: []) as (front, call):
+        def run(version: int | None) -> Any:
+            return call(m.RUN, m.RunRequest(MLP, version, None, {}, "serving_default", {"x": row}, 1).plain())
+
+        for _ in range(3):
+            kind, payload = run(None)
+            assert kind == m.DONE and np.asarray(payload[1]["probs"]).shape == (1, 10), payload
+        kind, _ = run(9)  # no such version: failed, and no longer in flight
+        assert kind == m.FAIL
+        kind, _ = run(None)
+        assert kind == m.DONE
+        assert told == [True] * 4 and front._runs == 0
 
 
 def test_grpc_through_the_workers_answers_as_one_process(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
