@@ -12,6 +12,10 @@ thread-safe (a TFLite interpreter) guards or pools it internally. ``close()`` is
 idempotent and frees the framework objects; no ``run`` may be in flight when it is
 called (the model manager's handles guarantee that).
 
+Optional: ``run_wide(signature, inputs)``, the same call when the caller runs nothing else
+beside it (a batch alone, core/batcher.py): a backend whose batch slots each get a share of
+the cores may give this one all of them. A backend without it is called with ``run``.
+
 This module imports numpy only: heavy libraries are imported inside each backend.
 """
 

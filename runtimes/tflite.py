@@ -3,7 +3,12 @@
 Interpreters are not thread-safe and allocate on every resize, so a servable keeps a
 small pool of interpreters; each remembers the input shapes it was last allocated for
 and only re-allocates when a batch of a new size arrives (with ``allowed_batch_sizes``
-that happens once per size). Models without signature defs (input ``x``, shape
+that happens once per size). Each pooled interpreter has ``num_threads``, its batch slot's
+share of the cores; with ``wide_threads`` a batch that runs alone (``run_wide``) gets one more
+interpreter, made the first time one does, with that many threads: a lone request on a
+two-core device runs the bench CNN in 0.75 ms instead of 1.4 (bench/RESULTS.md), as TF
+Serving gives a lone request its whole intra-op pool. One interpreter more in memory (its
+arena and XNNPACK's packed weights), only where a batch has run alone. Models without signature defs (input ``x``, shape
 ``[1, 1]``) are served by their input/output details as signature ``serving_default``.
 
 Signatures, as TF Serving's TFLite session finds them (servables/tensorflow/tflite_session.cc
@@ -94,8 +99,8 @@ def litert_version(module: str) -> str | None:
 
 
 class TFLiteBackend:
-    """See module docstring. Options: ``num_threads``, ``delegate`` (auto|gpu|edgetpu|none),
-    ``gpu_delegate_path``, ``edgetpu_delegate_path``, ``pool_size``."""
+    """See module docstring. Options: ``num_threads``, ``wide_threads``, ``delegate``
+    (auto|gpu|edgetpu|none), ``gpu_delegate_path``, ``edgetpu_delegate_path``, ``pool_size``."""
 
     name = NAME
 
@@ -251,6 +256,8 @@ class TFLiteServable:
         self._pool_size = max(1, int(options.get("pool_size") or os.cpu_count() or 1))
         self._lock = threading.Lock()
         self._sigdefs: SignatureDefs | None = None  # read once LiteRT has accepted the file
+        self._wide: dict[str, _Program] | None = None  # the lone batches' interpreter, once one has run
+        self._wide_lock = threading.Lock()
         self._parser: ExampleParser | None = None
         try:
             first = self._first_interpreter()
@@ -290,11 +297,14 @@ class TFLiteServable:
             self.delegate_reason = "; ".join(reasons) + "; falling back to XNNPACK on CPU"
         return []
 
-    def _new_interpreter(self) -> dict[str, Any]:
+    def _new_interpreter(self, threads: int | None = None) -> dict[str, Any]:
+        """A pooled interpreter (counted in ``_created``); with ``threads``, the wide one (not)."""
+        pooled = threads is None
         if self._parser is not None:
-            self._created += 1
+            self._created += pooled
             return self._parser_programs()
-        threads = self.options.get("num_threads")
+        if pooled:
+            threads = self.options.get("num_threads")
         try:
             interp = self.module.Interpreter(
                 model_path=self.path, num_threads=threads, experimental_delegates=self._delegates or None
@@ -306,7 +316,7 @@ class TFLiteServable:
             self.delegate_reason += f"; delegate rejected the model ({exc}); XNNPACK on CPU"
             self._delegates = []
             interp = self.module.Interpreter(model_path=self.path, num_threads=threads)
-        self._created += 1
+        self._created += pooled
         return self._programs(interp)
 
     def _programs(self, interp: Any) -> dict[str, Any]:
@@ -397,19 +407,50 @@ class TFLiteServable:
         return self._pool.get()
 
     def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        info = self._info(signature)
+        programs = self._acquire()
+        try:
+            return self._invoke(programs, info, signature, inputs)
+        finally:
+            if programs[signature].refused:
+                programs = self._replacement()
+            self._pool.put(programs)
+
+    def run_wide(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``run`` for a batch alone: on the interpreter of ``wide_threads`` (module docstring),
+        made now if this is the first; as ``run`` without that option, with a delegate (it is
+        not the CPU's threads that run the model), or while another lone batch holds it."""
+        wide = int(self.options.get("wide_threads") or 0)
+        if wide <= 1 or self._delegates or self._parser is not None or not self._wide_lock.acquire(blocking=False):
+            return self.run(signature, inputs)
+        try:
+            info = self._info(signature)
+            if self._wide is None:
+                programs = self._new_interpreter(wide)
+                programs.pop("__info__")
+                self._wide = programs
+            try:
+                return self._invoke(self._wide, info, signature, inputs)
+            finally:
+                if self._wide[signature].refused:
+                    self._wide = None  # half-prepared (see _replacement): a fresh one next time
+        finally:
+            self._wide_lock.release()
+
+    def _info(self, signature: str) -> SignatureInfo:
         info = self.signatures.get(signature)
         if info is None:
             raise InputFailure(f"signature {signature!r} not found")
-        programs = self._acquire()
+        return info
+
+    @staticmethod
+    def _invoke(programs: dict[str, _Program], info: SignatureInfo, signature: str,
+                inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
             feeds = {n: np.asarray(a, dtype=info.inputs[n].dtype, order="C") for n, a in inputs.items()}
             return programs[signature].run(feeds)
         except (ValueError, RuntimeError) as exc:
             raise InputFailure(f"LiteRT rejected the input: {exc}") from exc
-        finally:
-            if programs[signature].refused:
-                programs = self._replacement()
-            self._pool.put(programs)
 
     def _replacement(self) -> dict[str, _Program]:
         """A fresh interpreter for one whose resize or allocation failed: LiteRT leaves such an
@@ -422,6 +463,7 @@ class TFLiteServable:
         return programs
 
     def close(self) -> None:
+        self._wide = None
         while True:
             try:
                 self._pool.get_nowait()

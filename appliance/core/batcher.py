@@ -27,7 +27,9 @@ server's, the front service's); the batches run on this batcher's own threads (a
 with one call into their loop, not one per request. A request that is due to lead while a
 thread is free starts that thread at once, so a lone request pays one hand-off each way; and
 a lone call on a loop that says it is alone (``LONE_CALL``) of a quick model runs right there
-(``_claim_idle``).
+(``_claim_idle``). A batch that a batcher thread runs with no other batch running and nothing
+queued behind it goes to ``run_wide`` when the servable has one (runtimes/base.py): the cores
+that batch slots share under load are all its own then.
 
 Thread-safety: ``submit`` may be awaited from any event loop; ``close`` is idempotent. There
 is nothing to start: the threads start with the first batch.
@@ -153,8 +155,10 @@ class Batcher:
     """The queues and worker threads of one servable (see module docstring)."""
 
     def __init__(self, run: RunFn, params: Any, name: str = "", threads: int = 1,
-                 observe: Callable[[str, int, int, float, float], None] | None = None):
+                 observe: Callable[[str, int, int, float, float], None] | None = None,
+                 run_wide: RunFn | None = None):
         self._run = run
+        self._run_wide = run_wide or run
         self.params = params
         self.name = name
         self._threads_wanted = max(1, threads)
@@ -311,7 +315,8 @@ class Batcher:
                     self._hand_over()
                     return
                 batch = self._pop_batch()
-            self._execute(batch)
+                alone = self._busy == 1 and not self._queued_rows
+            self._execute(batch, alone)
 
     def _hand_over(self) -> None:
         """Under the lock: a thread for each free slot while tasks wait that no thread serves."""
@@ -364,12 +369,13 @@ class Batcher:
             merged[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return merged
 
-    def _execute(self, batch: list[_Task]) -> None:
+    def _execute(self, batch: list[_Task], alone: bool = False) -> None:
+        """Run ``batch``; ``alone``: no other batch runs and none waits (``run_wide``)."""
         started = time.perf_counter()
         rows = sum(t.rows for t in batch)
         padded = self._padded_size(rows)
         try:
-            outputs = self._run(batch[0].signature, self._merge(batch, padded))
+            outputs = (self._run_wide if alone else self._run)(batch[0].signature, self._merge(batch, padded))
             self._split(batch, outputs, padded)
         except InputFailure as exc:
             if len(batch) > 1:  # isolate the bad member: run each alone

@@ -305,8 +305,10 @@ def backend_options(env: LoadEnv, name: str, version: int) -> dict[str, dict[str
     threads = config.batching.num_batch_threads or device.get("cpu_count", 1)
     cpus = device.get("cpu_count", 1)
     tflite = {
-        # Batch slots run side by side: give each interpreter its share of the cores, not all of them.
+        # Batch slots run side by side: give each interpreter its share of the cores, not all of them;
+        # a batch that runs alone gets them all (runtimes/tflite.py run_wide) unless num_threads is set.
         "num_threads": rt.tflite.num_threads or max(1, cpus // threads),
+        "wide_threads": 0 if rt.tflite.num_threads or cpus <= max(1, cpus // threads) else cpus,
         "delegate": rt.tflite.delegate,
         "gpu_delegate_path": rt.tflite.gpu_delegate_path,
         "edgetpu_delegate_path": rt.tflite.edgetpu_delegate_path,
@@ -336,7 +338,8 @@ def make_batcher(env: LoadEnv, cfg: ModelConfig, version: int, servable: Servabl
         return None
     threads = params.num_batch_threads or env.device.get("cpu_count", 1)
     observe = env.metrics.batch_observer(cfg.name, servable.backend) if env.metrics is not None else None
-    return Batcher(servable.run, params, f"{cfg.name}:{version}", threads, observe=observe)
+    return Batcher(servable.run, params, f"{cfg.name}:{version}", threads, observe=observe,
+                   run_wide=getattr(servable, "run_wide", None))  # optional (runtimes/base.py)
 
 
 __all__ = ["LoadEnv", "LoadError", "Loaded", "Loader", "backend_options", "make_batcher"]

@@ -499,3 +499,27 @@ def test_a_lone_call_of_a_quick_model_runs_on_its_loop_and_others_queue(batcher_
 
 async def _thread_name() -> str:
     return threading.current_thread().name
+
+
+def test_a_batch_alone_goes_to_the_wide_run_and_batches_side_by_side_do_not() -> None:
+    """With ``run_wide`` (a servable that can give a lone batch every core, runtimes/base.py),
+    a batch a batcher thread takes while no other batch runs and none waits goes there; one
+    taken while another batch runs goes to ``run``."""
+    narrow, wide = Gated(), Gated()
+    batcher = Batcher(narrow, params(max_batch_size=1), "test", 2, run_wide=wide)
+    try:
+        wide.open()
+        np.testing.assert_allclose(submit(batcher, "serving_default", {"x": rows(1)})["y"], 2 * rows(1) + 1)
+        assert [len(b) for b in wide.batches] == [1] and narrow.batches == []
+        wide._gate.clear()  # the next lone batch waits inside the wide run
+        first = Client(batcher, rows(2)[:1])
+        assert wide.entered.wait(WAIT)
+        narrow.open()
+        second = Client(batcher, rows(3)[:1])  # taken by the other thread while the first runs: not alone
+        np.testing.assert_allclose(second.outcome()["y"], 2 * rows(3)[:1] + 1)
+        assert len(narrow.batches) == 1
+        wide.open()
+        first.outcome()
+        assert len(wide.batches) == 2
+    finally:
+        batcher.close()

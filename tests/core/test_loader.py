@@ -131,3 +131,25 @@ def test_an_event_never_overflows_the_state_database(tmp_path: Path) -> None:
         assert rows[0]["version"] == (1 << 63) - 1
     finally:
         db.close()
+
+
+def test_litert_batch_slots_share_the_cores_and_a_lone_batch_gets_them_all() -> None:
+    """LiteRT's options: each batch slot's interpreter its share of the cores (``num_threads``),
+    a batch alone all of them (``wide_threads``, runtimes/tflite.py run_wide); a ``num_threads``
+    the config sets is every interpreter's, with no wider one; one slot has nothing to widen."""
+    from appliance.core.config import Config
+    from appliance.core.loader import LoadEnv, backend_options
+
+    def options(cpus: int, slots: int = 0, num_threads: int = 0) -> dict:
+        config = Config()
+        config.batching.num_batch_threads = slots
+        config.runtime.tflite.num_threads = num_threads
+        env = LoadEnv(config, {"cpu_count": cpus}, {}, None, "")  # type: ignore[arg-type]
+        tflite = backend_options(env, "m", 1)["tflite"]
+        return {k: tflite[k] for k in ("num_threads", "wide_threads")}
+
+    assert options(4) == {"num_threads": 1, "wide_threads": 4}  # a slot per CPU by default
+    assert options(8, slots=2) == {"num_threads": 4, "wide_threads": 8}
+    assert options(4, num_threads=2) == {"num_threads": 2, "wide_threads": 0}
+    assert options(4, slots=1) == {"num_threads": 4, "wide_threads": 0}
+    assert options(1) == {"num_threads": 1, "wide_threads": 0}

@@ -204,6 +204,40 @@ def test_tflite_wrong_shape_is_an_input_failure_and_leaves_the_pool_healthy(mode
         servable.close()
 
 
+def test_tflite_a_lone_batch_runs_on_an_interpreter_of_every_core(models_dir: Path) -> None:
+    """``run_wide`` (a batch alone, core/batcher.py) runs on an interpreter of ``wide_threads``
+    threads, made on its first call and kept beside the pool (XNNPACK's thread pool starts
+    the threads: the process has more); its answers are ``run``'s; an input it refuses leaves
+    nothing half-prepared behind; without ``wide_threads`` it is ``run``."""
+    import psutil
+
+    path = mlp_tflite(models_dir)
+    x = np.random.default_rng(5).standard_normal((2, 64)).astype(np.float32)
+    want = reference_predict_tflite(path, {"x": x})["probs"]
+    me = psutil.Process()
+    narrow = TFLiteBackend().load(os.path.dirname(path), {"num_threads": 1, "delegate": "none", "pool_size": 1})
+    try:
+        np.testing.assert_allclose(narrow.run_wide("serving_default", {"x": x})["probs"], want, rtol=RTOL, atol=ATOL)
+        assert narrow._wide is None and narrow._created == 1
+    finally:
+        narrow.close()
+    servable = TFLiteBackend().load(os.path.dirname(path), {"num_threads": 1, "wide_threads": 3, "delegate": "none",
+                                                            "pool_size": 1})
+    try:
+        threads = me.num_threads()
+        np.testing.assert_allclose(servable.run("serving_default", {"x": x})["probs"], want, rtol=RTOL, atol=ATOL)
+        assert me.num_threads() == threads  # the pooled interpreter: one thread, the caller's
+        np.testing.assert_allclose(servable.run_wide("serving_default", {"x": x})["probs"], want, rtol=RTOL, atol=ATOL)
+        assert servable._wide is not None and servable._created == 1
+        assert me.num_threads() >= threads + 2  # the wide one's pool: its own threads beside the caller's
+        with pytest.raises(InputFailure):
+            servable.run_wide("serving_default", {"x": np.zeros((1, 63), np.float32)})
+        assert servable._wide is None  # refused: dropped, made again next time
+        np.testing.assert_allclose(servable.run_wide("serving_default", {"x": x})["probs"], want, rtol=RTOL, atol=ATOL)
+    finally:
+        servable.close()
+
+
 def test_tflite_multi_signature(models_dir: Path) -> None:
     path = os.path.join(vdir(models_dir, "multisig_tflite"), "model.tflite")
     servable = TFLiteBackend().load(vdir(models_dir, "multisig_tflite"), {"num_threads": 1})
