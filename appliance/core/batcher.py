@@ -28,8 +28,9 @@ with one call into their loop, not one per request. A request that is due to lea
 thread is free starts that thread at once, so a lone request pays one hand-off each way; and
 a lone call on a loop that says it is alone (``LONE_CALL``) of a quick model runs right there
 (``_claim_idle``). A batch that a batcher thread runs with no other batch running and nothing
-queued behind it goes to ``run_wide`` when the servable has one (runtimes/base.py): the cores
-that batch slots share under load are all its own then.
+queued behind it goes to ``run_wide`` when the servable has one (runtimes/base.py) and the
+model is measured slow (INLINE_RUN_S): the cores that batch slots share under load are all
+its own then.
 
 Thread-safety: ``submit`` may be awaited from any event loop; ``close`` is idempotent. There
 is nothing to start: the threads start with the first batch.
@@ -229,15 +230,25 @@ class Batcher:
         is nothing to batch it with. With other calls in flight it queues, so that they can
         share its batch (a first version that ran any call on an idle batcher there served
         up to a fifth fewer requests/s at 32 clients); a slow model never runs on the loop."""
-        s = self.stats
         alone = LONE_CALL.get()
-        if alone is None or not s.batches or s.run_seconds > INLINE_RUN_S * s.batches or not alone():
+        if alone is None or not self._quick() or not alone():
             return False
         with self._cond:
             if self._busy or self._queued_rows or self._frozen or self._closed:
                 return False
             self._busy += 1
             return True
+
+    def _quick(self) -> bool:
+        """This model's batches are measured to average under INLINE_RUN_S."""
+        s = self.stats
+        return bool(s.batches) and s.run_seconds <= INLINE_RUN_S * s.batches
+
+    def _slow(self) -> bool:
+        """Measured to average over INLINE_RUN_S: more threads for a lone batch pay (a quick
+        model's would cost more to wake and wait for than they save)."""
+        s = self.stats
+        return bool(s.batches) and s.run_seconds > INLINE_RUN_S * s.batches
 
     def _run_here(self, task: _Task) -> dict[str, np.ndarray]:
         try:
@@ -315,7 +326,7 @@ class Batcher:
                     self._hand_over()
                     return
                 batch = self._pop_batch()
-                alone = self._busy == 1 and not self._queued_rows
+                alone = self._busy == 1 and not self._queued_rows and self._slow()
             self._execute(batch, alone)
 
     def _hand_over(self) -> None:

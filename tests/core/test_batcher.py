@@ -503,18 +503,31 @@ async def _thread_name() -> str:
 
 def test_a_batch_alone_goes_to_the_wide_run_and_batches_side_by_side_do_not() -> None:
     """With ``run_wide`` (a servable that can give a lone batch every core, runtimes/base.py),
-    a batch a batcher thread takes while no other batch runs and none waits goes there; one
-    taken while another batch runs goes to ``run``."""
+    a batch a batcher thread takes while no other batch runs and none waits goes there, once
+    the model is measured slow; one taken while another batch runs, or of a quick model, goes
+    to ``run``. (The test sets what the model measured, as the lone-call test does.)"""
+    from appliance.core import batcher as batcher_module
+
     narrow, wide = Gated(), Gated()
     batcher = Batcher(narrow, params(max_batch_size=1), "test", 2, run_wide=wide)
     try:
+        narrow.open()
+        submit(batcher, "serving_default", {"x": rows(0)})  # not measured yet: as any batch
+        batcher.stats.run_seconds = 0.0  # measured quick: more threads would not pay
+        submit(batcher, "serving_default", {"x": rows(0)})
+        assert len(narrow.batches) == 2 and wide.batches == []
+        narrow.batches.clear()
+        narrow._gate.clear()
+        batcher.stats.run_seconds = batcher.stats.batches * 2 * batcher_module.INLINE_RUN_S  # as a slow model
         wide.open()
         np.testing.assert_allclose(submit(batcher, "serving_default", {"x": rows(1)})["y"], 2 * rows(1) + 1)
         assert [len(b) for b in wide.batches] == [1] and narrow.batches == []
         wide._gate.clear()  # the next lone batch waits inside the wide run
+        wide.entered.clear()
         first = Client(batcher, rows(2)[:1])
         assert wide.entered.wait(WAIT)
         narrow.open()
+        batcher.stats.run_seconds = 1e6  # still slow, whatever the first batches measured
         second = Client(batcher, rows(3)[:1])  # taken by the other thread while the first runs: not alone
         np.testing.assert_allclose(second.outcome()["y"], 2 * rows(3)[:1] + 1)
         assert len(narrow.batches) == 1
