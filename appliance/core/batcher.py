@@ -27,10 +27,12 @@ server's, the front service's); the batches run on this batcher's own threads (a
 with one call into their loop, not one per request. A request that is due to lead while a
 thread is free starts that thread at once, so a lone request pays one hand-off each way; and
 a lone call on a loop that says it is alone (``LONE_CALL``) of a quick model runs right there
-(``_claim_idle``). A batch that a batcher thread runs with no other batch running and nothing
-queued behind it goes to ``run_wide`` when the servable has one (runtimes/base.py) and the
-model is measured slow (INLINE_RUN_S): the cores that batch slots share under load are all
-its own then.
+(``_claim_idle``). A lone call of a slow model (measured over INLINE_RUN_S) runs on a batcher
+thread through the servable's ``run_wide`` when it has one (runtimes/base.py), provided no
+other batch runs and nothing is queued behind it: the cores that batch slots share under load
+are all its own then. Only a call its server says is alone: under load a batch that happens
+to run by itself shares the cores with the servers' decoding, and more threads there cost
+the CNN 9-12 % of its requests/s at 32 clients (bench/RESULTS.md).
 
 Thread-safety: ``submit`` may be awaited from any event loop; ``close`` is idempotent. There
 is nothing to start: the threads start with the first batch.
@@ -105,7 +107,7 @@ class _Runners:
 
 
 class _Task:
-    __slots__ = ("signature", "inputs", "rows", "done", "lead", "result", "error", "enqueued", "future")
+    __slots__ = ("signature", "inputs", "rows", "done", "lead", "result", "error", "enqueued", "future", "lone")
 
     def __init__(self, signature: str, inputs: Mapping[str, np.ndarray], rows: int):
         self.signature, self.inputs, self.rows = signature, inputs, rows
@@ -115,6 +117,7 @@ class _Task:
         self.error: BaseException | None = None
         self.enqueued = time.perf_counter()
         self.future: asyncio.Future[None] | None = None  # resolved in its caller's loop
+        self.lone = False  # its caller said it was the only call in flight (LONE_CALL)
 
 
 @dataclass
@@ -209,6 +212,9 @@ class Batcher:
             return await loop.run_in_executor(None, self._direct, signature, inputs)
         if len(tasks) == 1 and self._claim_idle():
             return self._run_here(tasks[0])
+        alone = LONE_CALL.get()
+        if len(tasks) == 1 and alone is not None and alone():
+            tasks[0].lone = True
         for task in tasks:
             task.future = loop.create_future()
         self._enqueue(tasks)
@@ -326,7 +332,8 @@ class Batcher:
                     self._hand_over()
                     return
                 batch = self._pop_batch()
-                alone = self._busy == 1 and not self._queued_rows and self._slow()
+                alone = (len(batch) == 1 and batch[0].lone and self._busy == 1 and not self._queued_rows
+                         and self._slow())
             self._execute(batch, alone)
 
     def _hand_over(self) -> None:

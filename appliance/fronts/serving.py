@@ -5,9 +5,10 @@ own (``start``):
 
 - ``RUN``: ``manager.handle`` resolves the request as the client named it (rollouts route
   it here, exactly as in one process), then ``await handle.run``: the model's one batch
-  queue takes requests from every worker. A run that is the only one in flight from all the
-  workers is told so (core/batcher.py ``LONE_CALL``), so a quick model's lone call runs on
-  this loop instead of paying two thread hand-offs, as it does in one process. Inputs the answering version's signature cannot
+  queue takes requests from every worker. A run that is the only call in flight from all the
+  workers (RUN, GRPC, a WSGI answered on the loop: ``_runs``) is told so (core/batcher.py
+  ``LONE_CALL``), so a quick model's lone call runs on this loop instead of paying two thread
+  hand-offs, and a slow one's gets every core, as in one process. Inputs the answering version's signature cannot
   take (decoded against a view older than a swap to another signature) run on the version
   they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
 - ``RESOLVE``: what the worker's serving view cannot answer, with the manager's errors.
@@ -91,7 +92,7 @@ class FrontService:
         self._grpc_handlers: list[Any] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._view_due = False  # a rebuild of the view is scheduled on the loop
-        self._runs = 0  # RUNs in flight (loop)
+        self._runs = 0  # calls in flight on the loop: RUN, forwarded gRPC, forwarded requests answered here
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,12 +158,14 @@ class FrontService:
             environ = self._environ(*payload)
             fast = self.front.route(environ)
             if fast is not None:  # no thread hand-off, no Flask: the loop's own answer
+                self._runs += 1
                 asyncio.get_running_loop().create_task(self._fast(proto, ident, fast, environ))
                 return
             cancelled = self._streams[(proto.index, ident)] = threading.Event()
             assert self._pool is not None
             self._pool.submit(self._wsgi, proto, ident, environ, cancelled)
         elif kind == m.GRPC:
+            self._runs += 1
             asyncio.get_running_loop().create_task(self._grpc(proto, ident, *payload))
         elif kind == m.CANCEL:
             flag = self._streams.get((proto.index, payload))
@@ -223,6 +226,7 @@ class FrontService:
     async def _grpc(self, proto: ChannelProtocol, ident: int, method: str, request: bytes,
                     metadata: list[list[Any]], seconds_left: float | None) -> None:
         """A gRPC call a worker forwarded, answered by this process's handler for it."""
+        LONE_CALL.set(self._alone)
         pairs = tuple((k, v) for k, v in metadata)
         deadline = None if seconds_left is None else time.monotonic() + seconds_left
         context = Context(pairs, deadline, "front worker")
@@ -245,6 +249,8 @@ class FrontService:
         except Exception:  # a handler's own bug: logged here, INTERNAL there
             log.exception("forwarded gRPC %s failed", method)
             proto.send((m.STATUS, ident, [grpc.StatusCode.INTERNAL.name, "internal error: see the service log", []]))
+        finally:
+            self._runs -= 1
 
     def _grpc_handler(self, method: str, metadata: tuple[tuple[str, Any], ...]) -> Any:
         if self._grpc_handlers is None:  # built on first use: a service without gRPC never imports it
@@ -281,12 +287,15 @@ class FrontService:
     async def _fast(self, proto: ChannelProtocol, ident: int, answer: Callable[[dict[str, Any]], Any],
                     environ: dict[str, Any]) -> None:
         """(loop) A forwarded request the front path answers here, whole."""
+        LONE_CALL.set(self._alone)
         try:
             status, headers, body = await answer(environ)
             proto.send((m.ANSWER, ident, [status, headers, body]))
         except Exception as exc:  # the families answer their own errors; this is a bug of ours
             log.exception("forwarded %s %s failed", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
             proto.send((m.FAIL, ident, m.error_to_plain(exc)))
+        finally:
+            self._runs -= 1
 
     def _wsgi(self, proto: ChannelProtocol, ident: int, environ: dict[str, Any], cancelled: threading.Event) -> None:
         environ[GONE_KEY] = cancelled.is_set  # the worker's CANCEL: its client went away

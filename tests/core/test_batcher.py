@@ -501,38 +501,48 @@ async def _thread_name() -> str:
     return threading.current_thread().name
 
 
-def test_a_batch_alone_goes_to_the_wide_run_and_batches_side_by_side_do_not() -> None:
+def test_a_lone_call_of_a_slow_model_goes_to_the_wide_run_and_others_do_not(loop_thread) -> None:
     """With ``run_wide`` (a servable that can give a lone batch every core, runtimes/base.py),
-    a batch a batcher thread takes while no other batch runs and none waits goes there, once
-    the model is measured slow; one taken while another batch runs, or of a quick model, goes
-    to ``run``. (The test sets what the model measured, as the lone-call test does.)"""
+    a call its server says is alone (LONE_CALL) of a model measured slow goes there when no
+    other batch runs; a call not said alone, one taken while another batch runs, or one of a
+    quick model goes to ``run``. (The test sets what the model measured, as the lone-call
+    test does.)"""
     from appliance.core import batcher as batcher_module
 
     narrow, wide = Gated(), Gated()
     batcher = Batcher(narrow, params(max_batch_size=1), "test", 2, run_wide=wide)
+
+    async def call(x: np.ndarray, lone: bool) -> Any:
+        batcher_module.LONE_CALL.set(lambda: lone)  # this task's own context, as a server sets it
+        return await batcher.submit("serving_default", {"x": x})
+
+    def run(x: np.ndarray, lone: bool) -> Any:
+        return loop_thread.submit(call(x, lone))
+
     try:
         narrow.open()
-        submit(batcher, "serving_default", {"x": rows(0)})  # not measured yet: as any batch
+        run(rows(0), True).result(WAIT)  # not measured yet: as any batch
         batcher.stats.run_seconds = 0.0  # measured quick: more threads would not pay
-        submit(batcher, "serving_default", {"x": rows(0)})
+        run(rows(0), True).result(WAIT)
         assert len(narrow.batches) == 2 and wide.batches == []
+        batcher.stats.run_seconds = 1e6  # as a slow model, whatever the next batches measure
+        run(rows(0), False).result(WAIT)  # not said alone: as any batch
+        assert len(narrow.batches) == 3 and wide.batches == []
         narrow.batches.clear()
         narrow._gate.clear()
-        batcher.stats.run_seconds = batcher.stats.batches * 2 * batcher_module.INLINE_RUN_S  # as a slow model
         wide.open()
-        np.testing.assert_allclose(submit(batcher, "serving_default", {"x": rows(1)})["y"], 2 * rows(1) + 1)
+        np.testing.assert_allclose(run(rows(1), True).result(WAIT)["y"], 2 * rows(1) + 1)
         assert [len(b) for b in wide.batches] == [1] and narrow.batches == []
-        wide._gate.clear()  # the next lone batch waits inside the wide run
+        wide._gate.clear()  # the next lone call waits inside the wide run
         wide.entered.clear()
-        first = Client(batcher, rows(2)[:1])
+        first = run(rows(2), True)
         assert wide.entered.wait(WAIT)
         narrow.open()
-        batcher.stats.run_seconds = 1e6  # still slow, whatever the first batches measured
-        second = Client(batcher, rows(3)[:1])  # taken by the other thread while the first runs: not alone
-        np.testing.assert_allclose(second.outcome()["y"], 2 * rows(3)[:1] + 1)
+        second = run(rows(3), True)  # taken by the other thread while the first runs: not alone
+        np.testing.assert_allclose(second.result(WAIT)["y"], 2 * rows(3) + 1)
         assert len(narrow.batches) == 1
         wide.open()
-        first.outcome()
+        first.result(WAIT)
         assert len(wide.batches) == 2
     finally:
         batcher.close()

@@ -374,7 +374,7 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
                    "CONTENT_TYPE": "application/json", "wsgi.url_scheme": "http"}
         return call(m.WSGI, [environ, body])
 
-    with serving_side(models_dir, tmp_path, app) as (_, call):
+    with serving_side(models_dir, tmp_path, app) as (front, call):
         body = json.dumps({"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": ROW}]}).encode()
         kind, (status, _, data) = forwarded("POST", f"/v2/models/{MLP}/infer", body)
         assert (kind, status) == (m.ANSWER, "200 OK"), data
@@ -384,6 +384,7 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
         assert called == []
         kind, (status, _, data) = forwarded("GET", f"/v1/models/{MLP}")
         assert (status, data, called) == ("200 OK", b"the app", [f"/v1/models/{MLP}"])
+        assert front._runs == 0  # those answered on the loop counted in flight while they ran, and out
 
 
 def test_a_lone_run_from_the_workers_is_told_it_is_alone(models_dir: Path, tmp_path: Path,
