@@ -192,9 +192,13 @@ def test_a_killed_worker_is_replaced_and_costs_only_its_connections(start_server
     finally:
         clients.finish()
     failures = clients.failures()
-    # The killed worker's connections end (at most one request each); nothing else fails.
+    # The killed worker's connections end; nothing else fails. Each client can lose the request
+    # in flight on its connection and, at most, the first on its new one: on SIGKILL the kernel
+    # frees the process's memory before it closes its files, so for those milliseconds the dead
+    # worker's listener is still in the SO_REUSEPORT group and a reconnection may be queued on
+    # it, then reset (the suite on a loaded box saw 8 cuts with 6 clients).
     assert all(kind == "cut" for _, kind, _ in failures), failures
-    assert len(failures) <= 6, failures
+    assert len(failures) <= 2 * 6, failures
     events = [e for e in server.status()["events"] if e["kind"] == "worker_exited"]
     assert events and str(victim) in events[0]["message"] and "signal 9" in events[0]["message"]
 
