@@ -210,10 +210,10 @@ class Batcher:
         tasks = self._tasks(signature, inputs)
         if tasks is None:
             return await loop.run_in_executor(None, self._direct, signature, inputs)
-        if len(tasks) == 1 and self._claim_idle():
-            return self._run_here(tasks[0])
         alone = LONE_CALL.get()
-        if len(tasks) == 1 and alone is not None and alone():
+        if len(tasks) == 1 and alone is not None and alone():  # asked once: it says so for both uses
+            if self._claim_idle():
+                return self._run_here(tasks[0])
             tasks[0].lone = True
         for task in tasks:
             task.future = loop.create_future()
@@ -230,14 +230,13 @@ class Batcher:
         return _joined(tasks)
 
     def _claim_idle(self) -> bool:
-        """Take the execution slot for a call on an event loop when it is alone (LONE_CALL),
+        """(A call its loop says is alone, LONE_CALL) Take the execution slot for it when
         nothing is queued or running and this model's batches are quick (INLINE_RUN_S):
         running it right there costs less than the two thread hand-offs of a batch, and there
         is nothing to batch it with. With other calls in flight it queues, so that they can
         share its batch (a first version that ran any call on an idle batcher there served
         up to a fifth fewer requests/s at 32 clients); a slow model never runs on the loop."""
-        alone = LONE_CALL.get()
-        if alone is None or not self._quick() or not alone():
+        if not self._quick():
             return False
         with self._cond:
             if self._busy or self._queued_rows or self._frozen or self._closed:
@@ -251,10 +250,9 @@ class Batcher:
         return bool(s.batches) and s.run_seconds <= INLINE_RUN_S * s.batches
 
     def _slow(self) -> bool:
-        """Measured to average over INLINE_RUN_S: more threads for a lone batch pay (a quick
-        model's would cost more to wake and wait for than they save)."""
-        s = self.stats
-        return bool(s.batches) and s.run_seconds > INLINE_RUN_S * s.batches
+        """Measured, and not quick: more threads for a lone batch pay (a quick model's would
+        cost more to wake and wait for than they save)."""
+        return bool(self.stats.batches) and not self._quick()
 
     def _run_here(self, task: _Task) -> dict[str, np.ndarray]:
         try:
