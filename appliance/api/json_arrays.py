@@ -134,18 +134,23 @@ def _rectangular(raw: bytes, key: str, shape: tuple[int, ...]) -> bool:
     """Whether the array under ``key`` in ``raw`` has exactly the rectangle's skeleton."""
     quoted = b'"' + key.encode() + b'"'
     at = raw.find(quoted)
-    if at < 0 or raw.find(quoted, at + 1) >= 0:  # escaped, or the key twice: which array is it?
+    if at < 0:  # escaped: which array is it?
         return False
-    at = _skip(raw, at + len(quoted))
-    if raw[at:at + 1] != b":":
+    colon = _skip(raw, at + len(quoted))
+    start = _skip(raw, colon + 1)
+    if raw[colon:colon + 1] != b":" or raw[start:start + 1] != b"[":
         return False
-    at = _skip(raw, at + 1)
-    if raw[at:at + 1] != b"[":
+    # The array holds only numbers (its buffer was read): no quote in it, so the first quote
+    # from its start lies past its end, and a second occurrence of the key (which array is
+    # it?) can only be there; memchr finds that quote at memory speed, where looking for the
+    # key through the array's bytes cost a fifth of a CNN request's decode.
+    after = raw.find(b'"', start)
+    if raw.find(quoted, at + 1, start) >= 0 or (after >= 0 and raw.find(quoted, after) >= 0):
         return False
-    # The array holds only numbers (its buffer was read), so deleting number characters and
-    # whitespace leaves its skeleton, then the rest of the document's. Both the array's and
-    # the rectangle's skeletons are balanced, so the one starts with the other only if equal.
-    return raw[at:].translate(None, _NOT_SKELETON).startswith(skeleton(shape))
+    # Deleting number characters and whitespace leaves the array's skeleton, then what follows
+    # it up to that quote. Both the array's and the rectangle's skeletons are balanced, so the
+    # one starts with the other only if equal.
+    return raw[start:after if after >= 0 else len(raw)].translate(None, _NOT_SKELETON).startswith(skeleton(shape))
 
 
 def _skip(raw: bytes, at: int) -> int:
