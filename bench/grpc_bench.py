@@ -4,14 +4,15 @@
         [--rounds N] [--transport lean|grpcio] [--baseline-root DIR]
 
 One service (the bench MLP, LiteRT, batching on) on loopback, with gRPC on. For each
-concurrency, alternately: REST (bench/loadgen.py: keep-alive HTTP/1.1 connections, the JSON
-request built once) and gRPC (bench/h2load.py: HTTP/2 connections, the protobuf request
-serialized once). The two generators do the same work per call (send prebuilt bytes, frame
-the reply, parse nothing), so on a 2-core machine, where the generator's CPU is taken from
-the server, neither API is favoured by its client. ``--client grpcio`` uses grpc.aio instead
-(one channel, bytes in and out): a real client, at about three times the CPU per call.
-Prints requests/s and p50/p99 per API, the gRPC/REST ratio (the issue's target: >= 1.3) and
-the server's CPU per request.
+concurrency, alternately: REST and gRPC, both from nghttp2's ``h2load`` by default
+(bench/nghttp2_load.py: HTTP/1.1 for REST, h2 for gRPC, the request built once, c connections
+with one call in flight each), so one C client does the same work for both and takes little
+of the CPUs the server shares. ``--client h2`` uses the Python generators instead
+(bench/loadgen.py for REST, bench/h2load.py for gRPC); ``--client grpcio`` calls gRPC with grpc.aio
+(one channel, bytes in and out; REST as with h2): a real client, at about three times the
+CPU per call.
+Prints requests/s and p50/p99 per API, the gRPC/REST ratio (issue 37's bar: >= 1 at 8 and
+32 clients through the default workers) and the server's CPU per request (the whole tree).
 
 ``--baseline-root DIR``: a second service from another checkout (a ``git archive`` of the
 commit before, say) runs beside this tree's, and every round measures REST (this tree),
@@ -25,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -91,6 +93,17 @@ async def grpc_run(port: int, request: bytes, concurrency: int, duration: float,
             "p99_ms": round(loadgen.percentile(lat, 0.99) * 1000, 3)}
 
 
+def _split(result: dict[str, Any]) -> str:
+    split = result.get("cpu_us_per_request")
+    return "(us/req: " + ", ".join(f"{k} {v}" for k, v in split.items() if v is not None) + ") " if split else ""
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's waited-for children (h2load runs to its end as one)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _latency(result: dict[str, Any]) -> str:
     if "p50_ms" in result:
         return f"p50 {result['p50_ms']:7.2f} p99 {result['p99_ms']:7.2f} ms"
@@ -153,11 +166,16 @@ def main() -> int:
             """The run's figures plus the server's CPU per request: what the API costs the
             device, whatever the load generator (Python on the same CPUs) costs itself."""
             pid = servers[label][0].pid  # the whole tree: the zygote's front workers are grandchildren
-            before = tree_cpu(pid)
+            before, serving, client = tree_cpu(pid), tree_cpu(pid, alone=True), _children_cpu()
             result = asyncio.run(run)
             spent = tree_cpu(pid) - before
+            serving, client = tree_cpu(pid, alone=True) - serving, _children_cpu() - client
             total = result["ok"] * (a.duration + a.warmup) / a.duration  # warm-up requests cost CPU too
             result["server_cpu_ms_per_request"] = round(1000 * spent / total, 3) if total else None
+            if total:  # where it went: the serving process, the workers (and zygote), h2load itself
+                result["cpu_us_per_request"] = {"serving": round(1e6 * serving / total, 1),
+                                                "workers": round(1e6 * (spent - serving) / total, 1),
+                                                "client": round(1e6 * client / total, 1) if a.client == "nghttp2" else None}
             return result
 
         for i, c in enumerate(c for c in a.concurrency for _ in range(a.rounds)):
@@ -165,7 +183,7 @@ def main() -> int:
                             if a.client == "nghttp2" else loadgen.run(url, payload, c, a.duration, a.warmup,
                                                                        b"predictions"))
             print(f"c={c:3d}  REST          {rest['rps']:8.1f} req/s {_latency(rest)} | server CPU {rest['server_cpu_ms_per_request']} ms/req "
-                  f"(errors {rest['errors']})", flush=True)
+                  f"{_split(rest)}(errors {rest['errors']})", flush=True)
             row: dict[str, Any] = {"concurrency": c, "rest": rest}
             for label in sorted(servers, reverse=bool(i % 2)):  # "after" first in even rounds
                 grpc_port = servers[label][2]
@@ -179,7 +197,7 @@ def main() -> int:
                 grpc_ = row[f"grpc_{label}"] = measured(run, label)
                 ratio = row[f"ratio_{label}"] = round(grpc_["rps"] / rest["rps"], 2) if rest["rps"] else None
                 print(f"c={c:3d}  gRPC {label:>6s}  {grpc_['rps']:8.1f} req/s {_latency(grpc_)} | server CPU {grpc_['server_cpu_ms_per_request']} ms/req | "
-                      f"gRPC/REST {ratio}x (errors {grpc_['errors']})", flush=True)
+                      f"gRPC/REST {ratio}x {_split(grpc_)}(errors {grpc_['errors']})", flush=True)
             rows.append(row)
     finally:
         for proc, _, _ in servers.values():

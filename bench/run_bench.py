@@ -166,10 +166,11 @@ def load_points(label: str, port: int, models: list[str], conc: list[int], durat
     return rows
 
 
-def tree_cpu(pid: int) -> float:
+def tree_cpu(pid: int, alone: bool = False) -> float:
+    """CPU seconds (user + system) of the process and its descendants, or of it ``alone``."""
     try:
         p = psutil.Process(pid)
-        procs = [p, *p.children(recursive=True)]
+        procs = [p] if alone else [p, *p.children(recursive=True)]
         return sum(sum(x.cpu_times()[:2]) for x in procs)
     except psutil.Error:
         return 0.0
