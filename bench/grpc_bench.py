@@ -98,10 +98,11 @@ def _split(result: dict[str, Any]) -> str:
     return "(us/req: " + ", ".join(f"{k} {v}" for k, v in split.items() if v is not None) + ") " if split else ""
 
 
-def _children_cpu() -> float:
-    """CPU seconds of this process's waited-for children (h2load runs to its end as one)."""
+def _cpu(pid: int) -> tuple[float, float, float]:
+    """CPU seconds so far of the service's whole tree, of its serving process alone, and of
+    this process's waited-for children (each h2load run is one; the services are not waited for)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return tree_cpu(pid), tree_cpu(pid, alone=True), usage.ru_utime + usage.ru_stime
 
 
 def _latency(result: dict[str, Any]) -> str:
@@ -166,10 +167,9 @@ def main() -> int:
             """The run's figures plus the server's CPU per request: what the API costs the
             device, whatever the load generator (Python on the same CPUs) costs itself."""
             pid = servers[label][0].pid  # the whole tree: the zygote's front workers are grandchildren
-            before, serving, client = tree_cpu(pid), tree_cpu(pid, alone=True), _children_cpu()
+            before = _cpu(pid)
             result = asyncio.run(run)
-            spent = tree_cpu(pid) - before
-            serving, client = tree_cpu(pid, alone=True) - serving, _children_cpu() - client
+            spent, serving, client = (after - was for was, after in zip(before, _cpu(pid)))
             total = result["ok"] * (a.duration + a.warmup) / a.duration  # warm-up requests cost CPU too
             result["server_cpu_ms_per_request"] = round(1000 * spent / total, 3) if total else None
             if total:  # where it went: the serving process, the workers (and zygote), h2load itself

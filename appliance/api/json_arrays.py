@@ -140,17 +140,19 @@ def _rectangular(raw: bytes, key: str, shape: tuple[int, ...]) -> bool:
     start = _skip(raw, colon + 1)
     if raw[colon:colon + 1] != b":" or raw[start:start + 1] != b"[":
         return False
-    # The array holds only numbers (its buffer was read): no quote in it, so the first quote
+    # The array holds only numbers (its buffer was read), so it holds no quote: the first quote
     # from its start lies past its end, and a second occurrence of the key (which array is
-    # it?) can only be there; memchr finds that quote at memory speed, where looking for the
-    # key through the array's bytes cost a fifth of a CNN request's decode.
+    # it?) can only be from there on (before it, back to the first, are only the colon and
+    # whitespace). memchr finds that quote at memory speed; looking for the key through the
+    # array's bytes cost a fifth of a CNN request's decode.
     after = raw.find(b'"', start)
-    if raw.find(quoted, at + 1, start) >= 0 or (after >= 0 and raw.find(quoted, after) >= 0):
+    end = len(raw) if after < 0 else after
+    if raw.find(quoted, end) >= 0:
         return False
     # Deleting number characters and whitespace leaves the array's skeleton, then what follows
     # it up to that quote. Both the array's and the rectangle's skeletons are balanced, so the
     # one starts with the other only if equal.
-    return raw[start:after if after >= 0 else len(raw)].translate(None, _NOT_SKELETON).startswith(skeleton(shape))
+    return raw[start:end].translate(None, _NOT_SKELETON).startswith(skeleton(shape))
 
 
 def _skip(raw: bytes, at: int) -> int:

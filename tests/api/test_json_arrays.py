@@ -16,7 +16,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.api import json_arrays
 from appliance.api.json_arrays import MIN_VALUES, loads, skeleton
 
 
@@ -71,8 +70,15 @@ def test_documents_simdjson_refuses_are_left_whole():
     assert loads(b'{"instances": [1, 2]}') is None  # too short to be worth it
 
 
-def test_a_key_seen_twice_is_left_to_the_caller():
-    raw = json.dumps({"inputs": {"x": [1.5] * MIN_VALUES}, "note": {"x": 1}}).encode()
+@pytest.mark.parametrize("other", [
+    {"note": {"x": 1}},  # the key again after the array
+    {"rows": [{"x": [2.5] * 3}]},  # after it, deeper, on an array of numbers too
+    {"note": "x"},  # its name again as a string after the array
+])
+def test_a_key_seen_twice_is_left_to_the_caller(other):
+    raw = json.dumps({"inputs": {"x": [1.5] * MIN_VALUES}, **other}).encode()
+    assert isinstance(loads(raw)["inputs"]["x"], list)
+    raw = json.dumps({**other, "inputs": {"x": [1.5] * MIN_VALUES}}).encode()  # the same before it
     assert isinstance(loads(raw)["inputs"]["x"], list)
     raw = json.dumps({"inputs": {"x": [1.5] * MIN_VALUES}}).encode()
     assert isinstance(loads(raw)["inputs"]["x"], np.ndarray)
