@@ -1,6 +1,7 @@
 """Regenerate appliance/protos/tfserving/tensorflow_serving.desc: TF Serving's gRPC messages and
-services, and ``PredictionLog`` (the records of ``assets.extra/tf_serving_warmup_requests``), as
-one serialized FileDescriptorSet.
+services, and ``PredictionLog`` (the records of ``assets.extra/tf_serving_warmup_requests``) and ``SavedModel``
+(what a device without TensorFlow checks a ``saved_model.pb`` against), as one serialized
+FileDescriptorSet.
 
     .venv/bin/pip install --no-deps tensorflow-serving-api   # next to tensorflow
     .venv/bin/python scripts/gen_tfs_protos.py
@@ -23,7 +24,12 @@ from pathlib import Path
 from google.protobuf import descriptor_pb2
 
 OUT = Path(__file__).resolve().parent.parent / "appliance" / "protos" / "tfserving" / "tensorflow_serving.desc"
-ROOTS = ("prediction_service_pb2", "model_service_pb2", "prediction_log_pb2")
+ROOTS = ("tensorflow_serving.apis.prediction_service_pb2", "tensorflow_serving.apis.model_service_pb2",
+         "tensorflow_serving.apis.prediction_log_pb2",
+         # SavedModel itself (saved_model.proto: a version and its MetaGraphDefs): a device without
+         # TensorFlow still parses a version's saved_model.pb, so a corrupt one fails the version
+         # there too (appliance/core/artifacts.py)
+         "tensorflow.core.protobuf.saved_model_pb2")
 
 
 def main() -> int:
@@ -42,7 +48,7 @@ def main() -> int:
         files[name] = proto  # dependencies first: the pool needs them in order
 
     for module in ROOTS:
-        add(importlib.import_module(f"tensorflow_serving.apis.{module}").DESCRIPTOR)
+        add(importlib.import_module(module).DESCRIPTOR)
     out = descriptor_pb2.FileDescriptorSet(file=list(files.values()))
     OUT.write_bytes(out.SerializeToString(deterministic=True))
     print(f"wrote {OUT} ({len(files)} files, {OUT.stat().st_size} bytes)")

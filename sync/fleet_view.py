@@ -10,13 +10,16 @@ A device's **status**, first match wins:
                 as the report states it; age by the bucket's clock): the device is gone or
                 cannot reach the bucket, and what it said last is not shown as its health
     unhealthy   it reports itself not healthy (a model without a serving version)
-    degraded    healthy, but it reports a problem, a refused or failed version, or failing polls
+    degraded    healthy, but it reports a problem, a refused or failed version, a version it serves
+                only in part (``degraded``: what it lacks there, e.g. the signatures only
+                TensorFlow serves on a LiteRT-only device), or failing polls
     ok
 
 A model on a device is, against the version it aims at (the channel's, in a rollout):
 ``on-target``, ``moving`` (fetching or loading), ``waiting`` (its wave has not opened),
 ``refused`` (the version failed verification: the device's original reason) or ``failed``
-(it failed to load or was quarantined: the reason).
+(it failed to load or was quarantined: the reason). ``degraded`` says what the version it
+serves lacks on that device ('' when nothing).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def _status(row: dict[str, Any], entry: Entry, stale: bool) -> str:
         return "stale"
     if not row["healthy"]:
         return "unhealthy"
-    troubled = any(m["state"] in ("refused", "failed") for m in row["models"].values())
+    troubled = any(m["state"] in ("refused", "failed") or m["degraded"] for m in row["models"].values())
     return "degraded" if troubled or row["problems"] or row["last_error"] or row["anomalies"] else "ok"
 
 
@@ -81,7 +84,9 @@ def model_state(model: dict[str, Any], target: int | None = None) -> dict[str, A
     """One model on one device against ``target`` (default: the version the device aims at)."""
     target = model.get("target_version") if target is None else target
     serving = model.get("serving_version")
-    out = {"serving": serving, "target": target, "state": "on-target", "reason": ""}
+    out = {"serving": serving, "target": target, "state": "on-target", "reason": "",
+           "degraded": next((str(v["degraded"]) for v in model.get("versions") or [] if isinstance(v, dict)
+                             and v.get("version") == serving and v.get("degraded")), "")}
     refused = model.get("refused") or {}
     failed = next((v for v in model.get("versions") or [] if isinstance(v, dict) and v.get("version") == target
                    and v.get("state") in FAILED_STATES and v.get("reason")), None)

@@ -9,9 +9,12 @@ raises ``LoadError`` with a canonical error code and the reason:
    limits (appliance/core/loader_trial.py): every artifact loads, a backend is chosen by
    measurement, the choice is warmed up. Its verdict is cached per device and version
    directory, so a restart goes straight to step 5;
-3. **whole**: an artifact that did not load fails the version, with that artifact's error
-   code (DATA_LOSS for a truncated ``saved_model.pb``), unless ``allow_partial_versions`` is
-   set: then it serves *degraded*, saying what is missing;
+3. **whole**: an artifact that did not load, or, where no backend here runs it, failed its
+   check (appliance/core/artifacts.py), fails the version with that artifact's error code
+   (DATA_LOSS for a truncated ``saved_model.pb``, on a TensorFlow device and a LiteRT-only one
+   alike), unless ``allow_partial_versions`` is set: then it serves *degraded*, saying what is
+   missing. A whole version whose chosen backend lacks signatures another artifact declares
+   (a SavedModel's classify on a LiteRT-only device) serves *degraded* too, saying which and why;
 4. **compatible**: a version newer than the ``reference`` (the serving version, or the last
    good one after a restart) serves at least its signatures, inputs and dtypes
    (appliance/core/loader_api.py), unless the publisher declared the change (``api_change``
@@ -54,6 +57,9 @@ if TYPE_CHECKING:
 MANIFEST = "MANIFEST.json"  # sync/manifest.py's name; read here for the publisher's ``api_change``
 FEED_SHARE = 4  # a synthetic timing or warm-up call feeds at most this share of the memory limit
 LOAD_FAULT_ENV = "EDGE_APPLIANCE_LOAD_FAULT"  # tests only (``_fault_point``)
+# Part of a cached verdict's key: 2 since the trial checks the artifacts it cannot run and says
+# what the version lacks here, so a verdict cached before that is not reused (it never checked).
+VERDICT_SCHEMA = 2
 
 
 class LoadError(Exception):
@@ -192,7 +198,7 @@ class Loader:
         under several model names is tried once."""
         policy = self._policy()
         return (f"{self.env.fingerprint}:{os.path.realpath(self.path)}:{mtime(self.path)}:"
-                f"{policy['backend']}:{policy['prefer_tflite_below_mb']}")
+                f"{policy['backend']}:{policy['prefer_tflite_below_mb']}:{VERDICT_SCHEMA}")
 
     def _policy(self) -> dict[str, Any]:
         rt = self.env.config.runtime
@@ -209,12 +215,15 @@ class Loader:
 
     # -- steps 3 and 4: whole and compatible ----------------------------------------------------
     def _wholeness(self, verdict: Mapping[str, Any]) -> str:
-        """'' for a whole version; what is missing for a partial one that may serve; else raises."""
+        """'' for a whole version that serves all it declares; what it lacks for one that serves
+        in part (a broken artifact under allow_partial_versions, or signatures only a backend
+        this device lacks serves); else raises."""
         artifacts = verdict.get("artifacts") or {}
         broken = {n: a for n, a in artifacts.items() if not a.get("ok")}
         if not broken:
-            return ""
-        text = "; ".join(f"{n} did not load ({a.get('error')})" for n, a in broken.items())
+            return lacking(verdict)
+        text = "; ".join(f"{n} {'failed its check' if a.get('checked') else 'did not load'} ({a.get('error')})"
+                         for n, a in broken.items())
         whole = [n for n, a in artifacts.items() if a.get("ok")]
         if not (self.cfg.allow_partial_versions or self.env.config.runtime.allow_partial_versions):
             raise LoadError(f"the version is not whole: {text}, while {', '.join(whole)} did; a version serves "
@@ -280,6 +289,20 @@ class Loader:
                             failure_code(exc)) from exc
         return Loaded(servable, None, decision, verdict["api"], load_ms=load_ms,
                       warmup_ms=(time.perf_counter() - warm) * 1000, warnings=dict(verdict["warmup"]["warnings"]))
+
+
+def lacking(verdict: Mapping[str, Any]) -> str:
+    """What a whole version cannot serve on this device, in words ('' when nothing): the
+    signatures an artifact declares that the chosen backend lacks, and why the backends that
+    would serve them do not run here (the trial's ``lacks``: appliance/core/loader_child.py)."""
+    said = []
+    for artifact, entry in sorted((verdict.get("lacks") or {}).items()):
+        needs = entry.get("needs") or {}
+        why = ("; ".join(f"{b}: {r}" for b, r in sorted(needs.items())) if needs else
+               f"{verdict.get('backend')} was chosen over the backend serving it")
+        said.append(f"lacks signature{'s' if len(entry['signatures']) > 1 else ''} {', '.join(entry['signatures'])} "
+                    f"that {artifact} declares, which no backend here serves ({why})")
+    return "; ".join(said) + (f"; served on {verdict.get('backend')}" if said else "")
 
 
 def _fault_point(model: str, version: int) -> None:

@@ -10,11 +10,14 @@ What the trial does, in order:
 
 1. every backend that can run here and serve an artifact of the version loads it: a version
    is *whole* when each artifact it ships loads with at least one backend (a truncated
-   ``saved_model.pb`` beside a good ``model.tflite`` is not);
+   ``saved_model.pb`` beside a good ``model.tflite`` is not); an artifact no backend here
+   runs (a SavedModel on a LiteRT-only device) is checked without running it
+   (appliance/core/artifacts.py), so a corrupt one fails the version on every device;
 2. ``runtimes.select`` chooses among the loaded ones (pinned, only, policy, or measured on
    synthetic calls no bigger than the memory limit allows);
 3. the chosen servable is warmed up (the version's warm-up file, or one synthetic call per
-   signature).
+   signature); the signatures other artifacts declare and it lacks (``lacks``: what only
+   TensorFlow serves, on a LiteRT-only device) make the version *degraded* (loader.py).
 
 The verdict is JSON (appliance/core/loader_trial.py reads it): ``ok``, ``code`` and ``reason``
 when not, the decision record, the chosen servable's API, each artifact's outcome, the
@@ -41,6 +44,7 @@ import runtimes
 from runtimes import Backend, RuntimeFailure, Servable
 from runtimes.select import Considered, consider
 
+from appliance.core.artifacts import check as check_artifact
 from appliance.core.errors import ApplianceError
 from appliance.core.loader_api import api_of
 from appliance.core.warmup import warm_up
@@ -57,10 +61,12 @@ def examine(backends: Mapping[str, Backend], request: Mapping[str, Any]) -> tupl
     considered = consider(backends, device, path)
     loaded, failures = _load_all(backends, considered, path, request["options"])
     artifacts = _artifacts(considered, loaded, failures)
+    artifacts.update(_unrun(backends, considered, path, artifacts))
     started = time.perf_counter()
     decision, chosen = runtimes.select(backends, device, path, lambda name: _preloaded(name, loaded, failures),
                                        request["policy"], _cache(request), "trial")
     for name, servable in loaded.items():
+        _declare(artifacts, considered, name, servable)
         if servable is not chosen:
             servable.close()
     verdict: dict[str, Any] = {"decision": decision.to_dict(), "artifacts": artifacts,
@@ -68,6 +74,7 @@ def examine(backends: Mapping[str, Backend], request: Mapping[str, Any]) -> tupl
     if chosen is None:
         code = next((exc.code for exc in failures.values()), "NOT_FOUND" if not loaded else "INVALID_ARGUMENT")
         return {**verdict, "ok": False, "code": code, "reason": decision.reason}, None
+    verdict["lacks"] = _lacks(chosen, artifacts)
     return _warmed(verdict, chosen, path, request.get("max_feed_bytes"))
 
 
@@ -132,6 +139,48 @@ def _artifacts(considered: list[Considered], loaded: Mapping[str, Servable],
             entry.update(ok=True, error="", code="")
         elif not entry["ok"] and c.backend in failures:
             entry.update(error=str(failures[c.backend]), code=failures[c.backend].code)
+    return out
+
+
+def _unrun(backends: Mapping[str, Backend], considered: list[Considered], path: str,
+           artifacts: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The artifacts of the version that no backend here runs (a SavedModel on a LiteRT-only
+    device), checked without running them: ``checked`` says how, ``needs`` which backends would
+    run it and why they cannot here."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in considered:
+        found = None if c.available else backends[c.backend].can_serve(path)
+        if found is None:
+            continue
+        name = _artifact_name(found)
+        if name in artifacts:
+            continue
+        if name not in out:
+            result = check_artifact(path, name)
+            out[name] = {"ok": result.ok, "backends": [], "error": result.error, "code": result.code,
+                         "checked": result.how or "failed", "signatures": result.signatures, "needs": {}}
+        out[name]["needs"][c.backend] = c.reason
+    return out
+
+
+def _declare(artifacts: dict[str, dict[str, Any]], considered: list[Considered], backend: str,
+             servable: Servable) -> None:
+    """Record the signatures ``backend``'s loaded servable found in its artifact."""
+    for c in considered:
+        if c.backend == backend and c.artifact is not None:
+            entry = artifacts.get(_artifact_name(c.artifact))
+            if entry is not None:
+                entry["signatures"] = sorted(set(entry.get("signatures", [])) | set(servable.signatures))
+
+
+def _lacks(chosen: Servable, artifacts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{artifact: {"signatures": the ones it declares that ``chosen`` lacks, "needs": {backend:
+    why it cannot run here}}}, for the artifacts that declare more than ``chosen`` serves."""
+    out = {}
+    for name, entry in artifacts.items():
+        missing = sorted(set(entry.get("signatures") or []) - set(chosen.signatures))
+        if missing and entry.get("ok"):
+            out[name] = {"signatures": missing, "needs": dict(entry.get("needs") or {})}
     return out
 
 

@@ -253,7 +253,8 @@ def model_view(model: dict[str, Any], target: int | None, refused: dict[str, Any
     quarantined = {str(k): v for k, v in (model.get("quarantined") or {}).items()}
     versions = [{"version": v.get("version"), "state": v.get("state"),
                  "reason": v.get("error") or quarantined.get(str(v.get("version"))) or "",
-                 "backend": v.get("backend"), **({"error_code": v["error_code"]} if v.get("error_code") else {})}
+                 "backend": v.get("backend"), **({"error_code": v["error_code"]} if v.get("error_code") else {}),
+                 **({"degraded": v["degraded"]} if v.get("degraded") else {})}  # what it lacks here
                 for v in model.get("versions", [])]
     known = {v["version"] for v in versions}
     versions += [{"version": int(v), "state": "QUARANTINED", "reason": why, "backend": None}

@@ -65,6 +65,7 @@ class _Messages:
             "TensorInfo": "tensorflow.TensorInfo",
             "Example": "tensorflow.Example",
             "PredictionLog": "tensorflow.serving.PredictionLog",
+            "SavedModel": "tensorflow.SavedModel",
         }
         self._classes: dict[str, Any] = {}
 
