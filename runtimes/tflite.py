@@ -27,7 +27,10 @@ does not fit the declared shape runs alone, never merged into a batch
 (appliance/core/handle.py).
 
 tf.Example parsing: a model whose every op is ParseExample is served by
-runtimes/tflite_examples.py ``ExampleParser``, that kernel's rules in Python. What the file
+runtimes/tflite_examples.py ``ExampleParser``, that kernel's rules in Python; a model whose
+signatures parse first and compute after (TF Serving's classify and regress, converted with
+``allow_custom_ops``) is cut where it parses (runtimes/tflite_split.py): the parsing here, the
+rest on LiteRT, so such a servable ``reads_examples`` as a TensorFlow one does. What the file
 declares (SignatureDefs in its metadata, the sizes of its tensors) is read without an
 interpreter by runtimes/tflite_file.py.
 """
@@ -58,11 +61,14 @@ from .base import (
     TensorSpec,
 )
 from .tflite_examples import ExampleParser
+from .tflite_split import Split, SplitProgram, has_parse_ops
+from .tflite_split import split as split_parsing
 from .tflite_file import PREDICT, SignatureDefs, check_declared_sizes, dims_text, lite_signature_defs, refused
 
 log = logging.getLogger("runtimes.tflite")
 
 NAME = "tflite"
+CLASSIFY, REGRESS = "tensorflow/serving/classify", "tensorflow/serving/regress"
 ARTIFACT = "model.tflite"
 
 # Library names looked for when the config names none; the first that loads wins.
@@ -243,7 +249,7 @@ class TFLiteServable:
     backend = NAME
     platform = "tflite"
     strict_shapes = False  # the interpreter is resized to the request and judges it, as TF Serving's session
-    reads_examples = False  # no ParseExample op in LiteRT
+    reads_examples = False  # no ParseExample op in LiteRT: True where a split model parses them here
 
     def __init__(self, path: str, options: dict[str, Any]):
         self.path = path
@@ -259,6 +265,8 @@ class TFLiteServable:
         self._wide: dict[str, _Program] | None = None  # the lone batches' interpreter, once one has run
         self._wide_lock = threading.Lock()
         self._parser: ExampleParser | None = None
+        self._split = self._parsing_split(path)  # classify/regress signatures that parse tf.Examples first
+        self.reads_examples = self._split is not None
         try:
             first = self._first_interpreter()
         except (RuntimeError, ValueError) as exc:  # allocating a signature-less model, say
@@ -279,6 +287,15 @@ class TFLiteServable:
                                   "other ops)", "NOT_FOUND") from exc
             self._created = 0
             return self._new_interpreter()
+
+    @staticmethod
+    def _parsing_split(path: str) -> Split | None:
+        """The model cut where its signatures parse tf.Examples (runtimes/tflite_split.py), or
+        None; a file the schema cannot read is left for LiteRT to judge."""
+        try:
+            return split_parsing(path) if has_parse_ops(path) else None
+        except (struct.error, IndexError, ValueError, TypeError, AttributeError):
+            return None
 
     def _choose_delegates(self) -> list[Any]:
         choice = self.options.get("delegate", "auto")
@@ -307,7 +324,7 @@ class TFLiteServable:
             threads = self.options.get("num_threads")
         try:
             interp = self.module.Interpreter(
-                model_path=self.path, num_threads=threads, experimental_delegates=self._delegates or None
+                **self._model(), num_threads=threads, experimental_delegates=self._delegates or None
             )
         except (ValueError, RuntimeError) as exc:
             if not self._delegates:
@@ -315,9 +332,13 @@ class TFLiteServable:
             # A delegate that accepts the library but not the graph: serve on CPU, say why.
             self.delegate_reason += f"; delegate rejected the model ({exc}); XNNPACK on CPU"
             self._delegates = []
-            interp = self.module.Interpreter(model_path=self.path, num_threads=threads)
+            interp = self.module.Interpreter(**self._model(), num_threads=threads)
         self._created += pooled
         return self._programs(interp)
+
+    def _model(self) -> dict[str, Any]:
+        """The interpreter's model: the file, or the split model's bytes (held by LiteRT)."""
+        return {"model_content": self._split.content} if self._split is not None else {"model_path": self.path}
 
     def _programs(self, interp: Any) -> dict[str, Any]:
         sig_list = interp.get_signature_list()
@@ -339,10 +360,26 @@ class TFLiteServable:
                                          {n: d["index"] for n, d in outs.items()})
                 info[key] = SignatureInfo(key, {n: _spec(n, d, resizable) for n, d in ins.items()},
                                           {n: _spec(n, d, resizable) for n, d in outs.items()})
+                if self._split is not None and key in self._split.parsers:
+                    programs[key], info[key] = self._parsing(key, programs[key], info[key])
         else:
             self._from_details(interp.get_input_details(), interp.get_output_details(),
                                lambda ins, outs: _Program(wrapper, 0, ins, outs), programs, info)
         return _with_info(programs, info)
+
+    def _parsing(self, key: str, rest: _Program, info: SignatureInfo) -> tuple[SplitProgram, SignatureInfo]:
+        """Signature ``key`` of a split model as TF Serving declares it: serialized tf.Examples in
+        (a string vector), parsed here, the rest of the graph on LiteRT."""
+        assert self._split is not None
+        parser, serialized = self._split.parsers[key], self._split.serialized[key]
+        parsed = {d.key for d in parser.dense}
+        inputs = {n: spec for n, spec in info.inputs.items() if n not in parsed}
+        inputs[serialized] = TensorSpec(serialized, np.dtype(object), (-1,), serialized)
+        # A signature runner keeps no method name: TF Serving's output names tell (signature_constants:
+        # classify answers "classes"/"scores", regress "outputs"), as its classifier and regressor read them.
+        method = CLASSIFY if {"classes", "scores"} & set(info.outputs) else REGRESS if "outputs" in info.outputs \
+            else info.method_name
+        return SplitProgram(parser, rest, serialized), SignatureInfo(key, inputs, info.outputs, method)
 
     def _parser_programs(self) -> dict[str, Any]:
         """Signatures of a model served by ``ExampleParser``, found as LiteRT's would be."""

@@ -77,7 +77,7 @@ class ExampleParser:
         ParseExample (LiteRT then judges it), or when this LiteRT has no schema to read it."""
         try:
             from ai_edge_litert import schema_py_generated as schema
-            from flatbuffers import flexbuffers
+            import flatbuffers  # noqa: F401 - dense_features reads flexbuffers with it
         except ImportError:
             return None
         with open(path, "rb") as f:
@@ -88,48 +88,10 @@ class ExampleParser:
         graph = model.Subgraphs(0)
         ops = [graph.Operators(i) for i in range(graph.OperatorsLength())]
         codes = [model.OperatorCodes(op.OpcodeIndex()) for op in ops]
-        if not ops or any(max(c.BuiltinCode(), c.DeprecatedBuiltinCode()) != _CUSTOM or c.CustomCode() not in _PARSE_OPS
-                          for c in codes):
+        if not ops or not all(map(is_parse_op, codes)):
             return None
-
-        def constant(index: int) -> bytes:
-            return buffer_bytes(model, data, graph.Tensors(index).Buffer())
-
+        serialized, dense = dense_features(model, data, graph, ops, path)
         inputs = [int(i) for i in graph.InputsAsNumpy()]
-        dense: list[ExampleParser._Dense] = []
-        serialized = -1
-        for op, code in zip(ops, codes):
-            where = f"{code.CustomCode().decode()} in {path}"
-            options = flexbuffers.GetRoot(op.CustomOptionsAsNumpy().tobytes()) if op.CustomOptionsLength() else None
-            if options is None or not options.IsMap:  # the NodeDef form: its shapes need TensorFlow's protos
-                raise LoadFailure(f"{where}: custom options that are not a flexbuffer map are not read here")
-            settings = {k: options.AsMap[k].AsInt for k in ("num_sparse", "Nsparse", "Ndense") if k in options.AsMap}
-            if settings.get("num_sparse", settings.get("Nsparse", 0)):
-                raise LoadFailure(f"{where}: sparse features are not parsed here (only dense ones)")
-            args, outs = [int(i) for i in op.InputsAsNumpy()], [int(i) for i in op.OutputsAsNumpy()]
-            if serialized not in (-1, args[0]) or args[0] not in inputs:
-                raise LoadFailure(f"{where}: parses a tensor that is not the model's input")
-            serialized = args[0]
-            if code.CustomCode() == b"ParseExampleV2":  # serialized, names, sparse, dense, ragged keys, defaults
-                keys, defaults = _tflite_strings(constant(args[3])), args[5:]
-            else:  # serialized, names, dense_keys x Ndense, dense_defaults x Ndense
-                count = settings.get("Ndense", 0)
-                keys = [k for i in args[2:2 + count] for k in _tflite_strings(constant(i))]
-                defaults = args[2 + count:2 + 2 * count]
-            for key, default, out in zip(keys, defaults, outs):
-                tensor = graph.Tensors(out)
-                if tensor.Type() not in _FEATURE_TYPES:
-                    raise LoadFailure(f"{where}: feature {key!r} is of TensorType {tensor.Type()} (float, int64 and "
-                                      "string are parsed)")
-                dims = tuple(int(d) for d in tensor.ShapeAsNumpy()) if tensor.ShapeLength() else ()
-                raw = constant(default)
-                values = (_tflite_strings(raw) if tensor.Type() == 5 else
-                          np.frombuffer(raw, dtype=_FEATURE_TYPES[tensor.Type()][0]).tolist())
-                item = cls._Dense(key.decode(), out, tensor.Type(), dims, values)
-                if values and len(values) != item.stride:
-                    raise LoadFailure(f"{where}: the default of feature {item.key!r} has {len(values)} values, its "
-                                      f"output {item.stride} per example")
-                dense.append(item)
 
         def detail(index: int) -> dict[str, Any]:
             tensor = graph.Tensors(index)
@@ -178,6 +140,60 @@ class ExampleParser:
 
     def program(self, inputs: dict[str, int], outputs: dict[str, int]) -> "ParseProgram":
         return ParseProgram(self, inputs, outputs)
+
+
+def is_parse_op(code: Any) -> bool:
+    """An operator code of TFLite's ParseExample / ParseExampleV2 custom ops."""
+    return bool(max(code.BuiltinCode(), code.DeprecatedBuiltinCode()) == _CUSTOM and code.CustomCode() in _PARSE_OPS)
+
+
+def dense_features(model: Any, data: bytes, graph: Any, ops: list[Any],
+                   path: str) -> tuple[int, list["ExampleParser._Dense"]]:
+    """(the serialized input's tensor index, the dense features) that the ParseExample ``ops``
+    of ``graph`` read, all from one input of the graph; ``LoadFailure`` for what is not parsed here."""
+    from flatbuffers import flexbuffers
+
+    codes = [model.OperatorCodes(op.OpcodeIndex()) for op in ops]
+
+    def constant(index: int) -> bytes:
+        return buffer_bytes(model, data, graph.Tensors(index).Buffer())
+
+    inputs = [int(i) for i in graph.InputsAsNumpy()]
+    dense: list[ExampleParser._Dense] = []
+    serialized = -1
+    for op, code in zip(ops, codes):
+        where = f"{code.CustomCode().decode()} in {path}"
+        options = flexbuffers.GetRoot(op.CustomOptionsAsNumpy().tobytes()) if op.CustomOptionsLength() else None
+        if options is None or not options.IsMap:  # the NodeDef form: its shapes need TensorFlow's protos
+            raise LoadFailure(f"{where}: custom options that are not a flexbuffer map are not read here")
+        settings = {k: options.AsMap[k].AsInt for k in ("num_sparse", "Nsparse", "Ndense") if k in options.AsMap}
+        if settings.get("num_sparse", settings.get("Nsparse", 0)):
+            raise LoadFailure(f"{where}: sparse features are not parsed here (only dense ones)")
+        args, outs = [int(i) for i in op.InputsAsNumpy()], [int(i) for i in op.OutputsAsNumpy()]
+        if serialized not in (-1, args[0]) or args[0] not in inputs:
+            raise LoadFailure(f"{where}: parses a tensor that is not the model's input")
+        serialized = args[0]
+        if code.CustomCode() == b"ParseExampleV2":  # serialized, names, sparse, dense, ragged keys, defaults
+            keys, defaults = _tflite_strings(constant(args[3])), args[5:]
+        else:  # serialized, names, dense_keys x Ndense, dense_defaults x Ndense
+            count = settings.get("Ndense", 0)
+            keys = [k for i in args[2:2 + count] for k in _tflite_strings(constant(i))]
+            defaults = args[2 + count:2 + 2 * count]
+        for key, default, out in zip(keys, defaults, outs):
+            tensor = graph.Tensors(out)
+            if tensor.Type() not in _FEATURE_TYPES:
+                raise LoadFailure(f"{where}: feature {key!r} is of TensorType {tensor.Type()} (float, int64 and "
+                                  "string are parsed)")
+            dims = tuple(int(d) for d in tensor.ShapeAsNumpy()) if tensor.ShapeLength() else ()
+            raw = constant(default)
+            values = (_tflite_strings(raw) if tensor.Type() == 5 else
+                      np.frombuffer(raw, dtype=_FEATURE_TYPES[tensor.Type()][0]).tolist())
+            item = ExampleParser._Dense(key.decode(), out, tensor.Type(), dims, values)
+            if values and len(values) != item.stride:
+                raise LoadFailure(f"{where}: the default of feature {item.key!r} has {len(values)} values, its "
+                                  f"output {item.stride} per example")
+            dense.append(item)
+    return serialized, dense
 
 
 class ParseProgram:

@@ -113,6 +113,33 @@ def test_the_fleet_view_blames_the_litert_only_device_that_serves_less(start_ser
     assert report["models"]["hpt"]["serving_version"] == 1
 
 
+def test_the_sample_serves_all_five_signatures_on_a_litert_only_device(start_server: Any, tmp_path: Path) -> None:
+    """The embedded default's model.tflite carries every signature of its SavedModel; its
+    classify and regress parse tf.Examples (runtimes/tflite_split.py), so nothing is degraded
+    and the answers are TF Serving's for half_plus_two (y = 0.5 x + 2; y2 = 0.5 x + 3)."""
+    base = tmp_path / "models"
+    add_version(lambda dst: shutil.copytree(SAMPLE, dst), base / "hpt", 1)
+    config = tmp_path / "appliance.toml"
+    config.write_text(CONFIG)
+    srv = start_server("--models", str(base), "--config", str(config), env=LITERT_ONLY)
+    one = version_record(srv, "hpt", 1)
+    assert one["backend"] == "tflite" and not one.get("degraded"), one
+    assert srv.status()["problems"] == [] and model_status(srv, "hpt")["degraded"] == {}
+    meta = srv.get("/v1/models/hpt/metadata").json()["metadata"]["signature_def"]["signature_def"]
+    assert sorted(meta) == sorted(["serving_default", *TF_ONLY_SIGNATURES]), meta
+    assert meta["classify_x_to_y"]["method_name"] == "tensorflow/serving/classify"
+    examples = [{"x": 2.0}, {"x": 10.0}]
+    got = srv.post("/v1/models/hpt:classify", {"signature_name": "classify_x_to_y", "examples": examples})
+    assert got.status_code == 200 and got.json() == {"results": [[["", 3.0]], [["", 7.0]]]}, got.text
+    got = srv.post("/v1/models/hpt:regress", {"signature_name": "regress_x_to_y2", "examples": examples})
+    assert got.status_code == 200 and got.json() == {"results": [4.0, 8.0]}, got.text
+    got = srv.post("/v1/models/hpt:regress", {"signature_name": "regress_x_to_y", "examples": [{"y": 1.0}]})
+    assert got.status_code == 400 and got.json() == {"error": "Failed to invoke TfLite interpreter"}, got.text  # TF
+    # Serving's TFLite words for an Example without the required feature (the detail goes to the log)
+    assert srv.post("/v1/models/hpt:predict", {"instances": [1.0, 2.0]}).json() == {"predictions": [2.5, 3.0]}
+    assert "tensorflow" not in srv.status()["service"]["imported"]
+
+
 # -- the checks on their own -----------------------------------------------------------------------
 def test_the_sample_savedmodel_checks_whole_and_declares_its_signatures() -> None:
     result = check(str(SAMPLE), "saved_model.pb")

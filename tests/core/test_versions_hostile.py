@@ -67,7 +67,7 @@ def test_hostile_versions_in_a_folder_leave_the_last_good_one_serving(start_serv
     port = free_port()
     srv = start_server("--models", str(base), "--config", config(tmp_path), port=port)
     serves(srv, "hpt", 1)
-    assert model_status(srv, "hpt")["versions"][0]["backend"] == "tf-cpu"  # all five signatures
+    assert model_status(srv, "hpt")["versions"][0]["backend"] in ("tf-cpu", "tflite")  # both serve all five: measured
     assert classify(srv).status_code == 200
 
     add_version(half_broken, base / "hpt", 2)

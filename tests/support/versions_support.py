@@ -1,8 +1,8 @@
 """Hostile and partial model versions for the version-safety tests, built from real models.
 
 - ``good(dst)``: TF Serving's half_plus_two as the README ships it (``saved_model.pb`` and
-  ``model.tflite``, with warm-up requests): served on tf-cpu, the only backend with all its
-  signatures (classify and regress too).
+  ``model.tflite``, with warm-up requests): both artifacts carry all five signatures (classify
+  and regress too), so the faster backend serves it.
 - ``half_broken(dst)``: the same with a truncated ``saved_model.pb`` and an intact ``model.tflite``.
 - ``broken(dst)``: both artifacts garbage.
 - ``huge_shape(src, dst)``: a ~1 KB ``.tflite`` whose input declares [1, 2^31-1] floats (8 GiB).
