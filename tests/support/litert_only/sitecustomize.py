@@ -2,7 +2,8 @@
 
 Put this folder first on ``PYTHONPATH`` of a process the test starts (``LITERT_ONLY_ENV`` in
 tests/support/versions_support.py): Python imports ``sitecustomize`` at start-up, and this one
-wraps the path finder so that ``tensorflow`` (and anything under it) is not found, exactly as
+wraps the path finder so that ``tensorflow`` (and anything under it, and the test extra's
+torch and litert-torch) is not found, exactly as
 where it is not installed: ``importlib.util.find_spec("tensorflow")`` is None and an import
 raises ModuleNotFoundError. The service's children (a version's trial) inherit the variable,
 so they see the same device. Everything else (LiteRT included) imports as usual. Building a
@@ -15,7 +16,9 @@ import sys
 from importlib.machinery import PathFinder
 from typing import Any
 
-HIDDEN = ("tensorflow", "tensorflow_serving", "tf_keras", "keras")
+# What scripts/run.sh's venv lacks and the test venv has: TensorFlow and what comes with it, and
+# the test extra's torch and litert-torch (scripts/tiny_chat_model.py's converter)
+HIDDEN = ("tensorflow", "tensorflow_serving", "tf_keras", "keras", "torch", "litert_torch")
 
 
 class _WithoutTensorFlow(PathFinder):
