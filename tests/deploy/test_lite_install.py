@@ -2,7 +2,8 @@
 
 The venv is real (built with pip from the package registry, cached per pyproject hash);
 the service in it serves a TFLite model, never imports TensorFlow, and says which extra a
-SavedModel or :classify would need.
+SavedModel or :classify would need; the README's first command (scripts/run.sh, VENV= this
+venv) says each step, serves the sample whole on LiteRT and stops on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -97,3 +98,49 @@ def test_lite_install_with_an_s3_bucket_names_the_missing_extra(lite_python: Pat
     assert cli.returncode == 1 and cli.stderr.strip().splitlines() == [
         "appliance fleet: error: s3:// buckets need the s3 extra, which this install lacks: "
         "pip install 'edge-appliance[s3]' (boto3)"], cli.stderr
+
+
+def test_run_sh_installs_litert_only_says_each_step_and_serves_the_sample_whole(lite_python: Path,
+                                                                                 tmp_path: Path) -> None:
+    """The README's first command on a LiteRT-only venv (VENV=, as the README says): a line for
+    each step before it starts, the try: line answered as printed, all five signatures of the
+    sample on LiteRT without TensorFlow, and Ctrl-C (SIGINT) stops it cleanly."""
+    import re
+    import signal
+
+    import requests
+
+    from tests.support.servers import free_port, poll_until
+
+    port = free_port()
+    log = tmp_path / "run.log"
+    env = {**os.environ, "VENV": str(lite_python.parent.parent)}
+    args = ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0", "--no-discovery",
+            "--state", str(tmp_path / "state")]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(ROOT / "scripts" / "run.sh"), *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    try:
+        try_line = re.compile(r"^try:\s+curl -d '(.*)' (\S+)\n", re.M)  # the whole line, written
+        text = poll_until(lambda: try_line.search(log.read_text()) and log.read_text(), 900, "run.sh's try: line",
+                          context=lambda: log.read_text()[-3000:],
+                          alive=lambda: proc.poll() is not None and f"run.sh exited {proc.returncode}")
+        steps = re.findall(r"^run\.sh \[[\d:]+\] (.*)$", text, re.M)
+        assert steps[-1].startswith("starting the service (Ctrl-C stops it)"), steps
+        if len(steps) > 1:  # pip had something to do: it said so first, then named each package
+            assert steps[0].startswith("installing edge-appliance[tflite]"), steps
+        body, url = try_line.search(text).groups()  # type: ignore[union-attr]
+        assert requests.post(url, data=body, timeout=10).json() == {"predictions": [2.5, 3.0, 4.5]}
+        base = f"http://127.0.0.1:{port}"
+        got = requests.post(f"{base}/v1/models/half_plus_two:classify",
+                            json={"signature_name": "classify_x_to_y", "examples": [{"x": 2.0}]}, timeout=10)
+        assert got.status_code == 200 and got.json() == {"results": [[["", 3.0]]]}, got.text
+        status = requests.get(f"{base}/api/status", timeout=10).json()
+        assert status["models"]["half_plus_two"]["versions"][0]["backend"] == "tflite"
+        assert status["problems"] == [] and "tensorflow" not in status["service"]["imported"]
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C: run.sh exec'd the service, which drains and exits
+        assert proc.wait(120) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
