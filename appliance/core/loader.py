@@ -298,10 +298,10 @@ def lacking(verdict: Mapping[str, Any]) -> str:
     said = []
     for artifact, entry in sorted((verdict.get("lacks") or {}).items()):
         needs = entry.get("needs") or {}
-        why = ("; ".join(f"{b}: {r}" for b, r in sorted(needs.items())) if needs else
-               f"{verdict.get('backend')} was chosen over the backend serving it")
+        where = (f"which no backend here serves ({'; '.join(f'{b}: {r}' for b, r in sorted(needs.items()))})"
+                 if needs else f"whose backend was not chosen ({(verdict.get('decision') or {}).get('reason')})")
         said.append(f"lacks signature{'s' if len(entry['signatures']) > 1 else ''} {', '.join(entry['signatures'])} "
-                    f"that {artifact} declares, which no backend here serves ({why})")
+                    f"that {artifact} declares, {where}")
     return "; ".join(said) + (f"; served on {verdict.get('backend')}" if said else "")
 
 

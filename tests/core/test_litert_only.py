@@ -184,3 +184,18 @@ def test_a_tflite_that_is_no_flatbuffer_fails_its_check(tmp_path: Path) -> None:
     data = (SAMPLE / "model.tflite").read_bytes()
     (tmp_path / "model.tflite").write_bytes(data[:4] + b"TFL3")  # the identifier, the root past the end
     assert "past its 8 bytes" in check(str(tmp_path), "model.tflite").error
+
+
+def test_what_a_version_lacks_names_why_in_either_case() -> None:
+    """No backend here runs the artifact (a LiteRT-only device), or one does but the policy chose
+    another (prefer_tflite_below_mb): the words say which; nothing lacking says nothing."""
+    from appliance.core.loader import lacking
+
+    missing = {"backend": "tflite", "lacks": {"saved_model.pb": {"signatures": ["classify_x_to_y"],
+                                                                 "needs": {"tf-cpu": "TensorFlow is not installed"}}}}
+    assert lacking(missing) == ("lacks signature classify_x_to_y that saved_model.pb declares, which no backend here "
+                                "serves (tf-cpu: TensorFlow is not installed); served on tflite")
+    policy = {"backend": "tflite", "decision": {"reason": "memory below 512 MB: LiteRT preferred"},
+              "lacks": {"saved_model.pb": {"signatures": ["a", "b"], "needs": {}}}}
+    assert "whose backend was not chosen (memory below 512 MB: LiteRT preferred)" in lacking(policy)
+    assert lacking({"backend": "tflite", "lacks": {}}) == ""
