@@ -24,9 +24,10 @@ from typing import Any
 from sync.publisher import publish, set_channel
 from sync.open_source import open_source
 from sync.store import Store
+from tests.support.fleet_support import lite_models
 from tests.support.servers import ROOT, free_port
 from tests.support.sync_support import predict, serving_version, sync_models, version_of
-from tests.support.versions_support import (SAMPLE, add_version, broken, classify, copy_of, failed, good, half_broken,
+from tests.support.versions_support import (add_version, broken, classify, copy_of, failed, good, half_broken,
                                     huge_shape, model_status, tfs_status, version_record)
 
 LIMITS = "[runtime]\nload_memory_mb = 256\n[discovery]\nenabled = false\n"
@@ -200,8 +201,10 @@ def test_hostile_versions_through_a_bucket(start_server: Any, tmp_path: Path) ->
     serves(srv, "hpt", 1)
 
     def tflite_only(dst: Path) -> Path:
+        """y = 0.5 x + 2 on LiteRT with its predict signature only (the sample's model.tflite
+        carries all five now): classify and regress are gone."""
         dst.mkdir(parents=True)
-        shutil.copy(SAMPLE / "model.tflite", dst / "model.tflite")
+        shutil.copy(lite_models() / "1" / "model.tflite", dst / "model.tflite")
         return dst
 
     release(4, tflite_only)
