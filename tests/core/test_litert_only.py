@@ -64,7 +64,7 @@ def test_a_litert_only_device_refuses_a_broken_savedmodel_and_says_what_it_lacks
     status = srv.status()
     assert "tensorflow" not in status["service"]["imported"]
     one = version_record(srv, "hpt", 1)
-    assert one["state"] == "AVAILABLE" and one["backend"] == "tflite", one
+    assert one is not None and one["state"] == "AVAILABLE" and one["backend"] == "tflite", one
     lacks = model_status(srv, "hpt")["degraded"]["1"]
     assert lacks == one["degraded"]
     assert f"lacks signatures {', '.join(TF_ONLY_SIGNATURES)} that saved_model.pb declares" in lacks, lacks
@@ -123,7 +123,7 @@ def test_the_sample_serves_all_five_signatures_on_a_litert_only_device(start_ser
     config.write_text(CONFIG)
     srv = start_server("--models", str(base), "--config", str(config), env=LITERT_ONLY)
     one = version_record(srv, "hpt", 1)
-    assert one["backend"] == "tflite" and not one.get("degraded"), one
+    assert one is not None and one["backend"] == "tflite" and not one.get("degraded"), one
     assert srv.status()["problems"] == [] and model_status(srv, "hpt")["degraded"] == {}
     meta = srv.get("/v1/models/hpt/metadata").json()["metadata"]["signature_def"]["signature_def"]
     assert sorted(meta) == sorted(["serving_default", *TF_ONLY_SIGNATURES]), meta
