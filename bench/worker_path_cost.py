@@ -43,9 +43,8 @@ class T:
 class Channel:  # the serving process: every RUN answered at once, on the loop
     def __init__(self, link, loop): self.link, self.loop = link, loop
     def send(self, message):
-        kind, ident, payload = message
-        if kind == m.RUN:
-            self.loop.call_soon(self.link.on_message, None, (m.DONE, ident, [1, OUT]))
+        if isinstance(message, m.Run):
+            self.loop.call_soon(self.link.on_message, None, m.Ran(message.id, 1, OUT))
     def send_threadsafe(self, message): self.loop.call_soon_threadsafe(self.send, message)
 def core_on(loop):
     link = Link(lambda message: None)
