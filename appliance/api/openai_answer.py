@@ -138,7 +138,7 @@ class Answer:
         if not self.chat:
             return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
         calls = self.tools.calls(text) if self.tools else None
-        message = {"role": "assistant", "content": None if calls else text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": None if calls else text, "refusal": None}
         if calls:
             message["tool_calls"] = calls
         finish = "tool_calls" if calls else choice.finish_reason

@@ -473,7 +473,9 @@ def _joined(tasks: list[_Task]) -> dict[str, np.ndarray]:
             raise task.error
     if len(tasks) == 1:
         return tasks[0].result  # type: ignore[return-value]
-    return {k: np.concatenate([t.result[k] for t in tasks]) for k in tasks[0].result}  # type: ignore[index]
+    results = [t.result for t in tasks]
+    assert all(r is not None for r in results)  # each task ran (an error was raised above)
+    return {k: np.concatenate([r[k] for r in results if r is not None]) for k in results[0] or {}}
 
 
 def _pad_trailing(parts: list[np.ndarray]) -> list[np.ndarray]:

@@ -195,7 +195,7 @@ class Generation:
         self.loops: dict[int, DecodeLoop] = {}  # id(VersionSlot) -> its loop
         self.text = TextStreams(self)
         self._versions: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(slot) -> (slot, what was read of it)
-        self.metrics = GenerationMetrics(core.metrics.registry)
+        self.metrics: GenerationMetrics = GenerationMetrics(core.metrics.registry)
         self.counts = {"streams_started": 0, "streams_cancelled": 0, "tokens_generated": 0}
         self.admitted = 0  # streams queued or running, all versions
         self.limits = StreamLimits(lambda: self.config, self._generative_models)
