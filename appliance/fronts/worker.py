@@ -22,7 +22,7 @@ silent for ``[server] worker_timeout_s`` (appliance/fronts/supervisor.py).
 
 What it imports is its request path and nothing else: no Flask or werkzeug (everything else is
 forwarded), no backend library (it never runs a model), gRPC's modules only when it serves the
-gRPC port (tests/test_worker_imports.py).
+gRPC port (tests/fronts/test_worker_supervision.py).
 """
 
 from __future__ import annotations
