@@ -9,6 +9,13 @@ each RUN at once on the same loop: no sockets, no model. What one API costs a wo
 other, where socket system calls and the load generator do not blur it (bench/RESULTS.md,
 issue 37). ``TREE``: another checkout's appliance/ to compare.
 """
+
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
 import asyncio, os, struct, sys, time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 root = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else HERE

@@ -22,6 +22,7 @@ SHORT = ("core", "fronts", "api", "transport", "service", "parts", "commands", "
 _NOT_AFTER = r"(?<![\w/.\-<>$~{*])"  # a path's own start, not the middle of another path or a template
 FULL = re.compile(_NOT_AFTER + r"((?:" + "|".join(TOPS) + r")/[\w.\-/]*[\w/])(?![\w*{<])")
 SHORT_FORM = re.compile(_NOT_AFTER + r"((?:" + "|".join(SHORT) + r")/[\w.\-/]*\.(?:py|md|json|toml|sh|js))\b")
+ROOT_VAR = re.compile(r"\$\{?ROOT\}?/")
 # Files of the service's state directory (``<state>/sync/...``, sync/store.py), not of the repository.
 STATE_FILES = {"sync/parked/", "sync/trust.json", "sync/pins.json", "sync/served.json"}
 NOT_READ = {"RESULTS.md", Path(__file__).name}  # the dated record; this file's own examples of missing paths
@@ -47,7 +48,7 @@ def _names_a_file(path: str) -> bool:
 def missing_paths() -> list[str]:
     out = []
     for source in sources():
-        text = source.read_text(errors="replace")
+        text = ROOT_VAR.sub(" ", source.read_text(errors="replace"))  # a script's "$ROOT/tests/x.py" names tests/x.py
         for pattern, base in ((FULL, ROOT), (SHORT_FORM, ROOT / "appliance")):
             for match in pattern.finditer(text):
                 path = match.group(1).rstrip(".")
