@@ -47,13 +47,13 @@ def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
     for mount in mounts_of(core):
         table.mount(mount)
     app.extensions["routes"] = table
-    app.wsgi_app = AuthLayer(GzipBodies(table, core), core, table)  # type: ignore[method-assign]
+    app.wsgi_app = AuthLayer(GzipBodies(table, core), core, table)  # type: ignore[method-assign]  # Flask's wsgi_app is a method; replacing it is Flask's documented way to wrap the app
     return app
 
 
 def routes_of(app: Flask) -> RouteTable:
     """The app's route table (for parts registering blueprints, and for tests)."""
-    return app.extensions["routes"]  # type: ignore[no-any-return]
+    return app.extensions["routes"]  # type: ignore[no-any-return]  # Flask's extensions dict holds Any
 
 
 def _json(obj: Any, status: int = 200) -> Response:

@@ -30,7 +30,7 @@ HOT = frozenset({f"/{PREDICTION_SERVICE}/Predict", f"/{PREDICTION_SERVICE}/Class
                  f"/{PREDICTION_SERVICE}/Regress", f"/{PREDICTION_SERVICE}/MultiInference", INFER})
 
 
-class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]
+class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped: its base class is Any
     def __init__(self, core: RemoteCore):
         self.link = core.link
         self.local = [*TFServingGRPC(core).handlers(), V2GRPC(V2Service(core)).handler()]

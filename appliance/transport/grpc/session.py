@@ -91,7 +91,7 @@ class Session:
         if self.ptr is not None:
             self.lib.nghttp2_session_del(self.ptr)
             self.ptr = None
-        self._handle = self.events = self.sink = None  # type: ignore[assignment]
+        self._handle = self.events = self.sink = None  # type: ignore[assignment]  # closed: the fields are None only after close, never read then
 
     # -- bytes in and out --------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -203,7 +203,7 @@ def _nv(ffi: Any, headers: Sequence[Header]) -> tuple[Any, int, Any]:
         item.value, item.valuelen = ffi.cast("uint8_t *", v), len(value)
     built = (nva, len(headers), keep)
     if constant and len(_CONSTANT_NV) < 64:
-        _CONSTANT_NV[headers] = built  # type: ignore[index]
+        _CONSTANT_NV[headers] = built  # type: ignore[index]  # the key is a tuple whenever the block is constant (checked above)
     return built
 
 
@@ -229,7 +229,7 @@ def _provider() -> Any:
     if _PROVIDER is None:
         ffi, _ = ng.load()
         _PROVIDER = ffi.new("nghttp2_data_provider *")
-        _PROVIDER.read_callback = _callbacks.read  # type: ignore[attr-defined]
+        _PROVIDER.read_callback = _callbacks.read  # type: ignore[attr-defined]  # a function attribute holding the C callback alive
     return _PROVIDER
 
 
@@ -320,6 +320,6 @@ def _callbacks() -> Any:
     lib.nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs, on_data)
     lib.nghttp2_session_callbacks_set_on_stream_close_callback(cbs, on_close)
     _callbacks.read = read  # type: ignore[attr-defined]  # the data provider's, kept alive with the rest
-    _callbacks.keep = (on_begin_headers, on_header, on_frame, on_data, on_close)  # type: ignore[attr-defined]
+    _callbacks.keep = (on_begin_headers, on_header, on_frame, on_data, on_close)  # type: ignore[attr-defined]  # a function attribute holding the C callbacks alive
     _CALLBACKS = cbs
     return cbs
