@@ -149,7 +149,7 @@ class OpenAIAPI:
     def _tf_serving(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         from appliance.api.tfserving.rest import V1API  # TF Serving's own answer, as before
 
-        return V1API(self.core, self.core.states)(environ, start_response)  # type: ignore[no-any-return]  # Flask's WSGI call is typed Any
+        return V1API(self.core, self.core.states)(environ, start_response)
 
     def _generative_models(self) -> list[dict[str, Any]]:
         """Every id that can generate *text* now (module docstring), as OpenAI's model objects."""

@@ -137,13 +137,13 @@ class DecodeLoop:
             if not rows:
                 continue
             streams = [lane.rows[r] for r in rows]
-            logits = self.driver.decode(lane.slots, rows, [s.next_input for s in streams],  # type: ignore[union-attr]  # a lane's rows are streams while active
-                                        [s.physical for s in streams],  # type: ignore[union-attr]  # as above
-                                        [s.offset for s in streams] if self.driver.aligned else None)  # type: ignore[union-attr]  # as above
+            logits = self.driver.decode(lane.slots, rows, [s.next_input for s in streams],
+                                        [s.physical for s in streams],
+                                        [s.offset for s in streams] if self.driver.aligned else None)
             for call in lane.slots.calls:
                 self._step_rows.observe(call)
             for i in reversed(range(len(rows))):  # backwards: finishing may move a later row into this one
-                self._advance(lane, rows[i], streams[i], logits[i])  # type: ignore[arg-type]  # logits of the decode call: an ndarray
+                self._advance(lane, rows[i], streams[i], logits[i])
         self.lanes = [lane for lane in self.lanes if lane.active()]  # an idle lane frees its cache
 
     def _advance(self, lane: Lane, row: int, stream: Stream, logits: np.ndarray) -> None:

@@ -51,7 +51,7 @@ log = logging.getLogger("appliance.channel")
 HEADER = struct.Struct(">II")  # the body's length, its MessagePack part's length
 MAX_FRAME = (1 << 32) - 1
 ALIGN = 8  # every array's offset in a frame: the strictest alignment of a numpy scalar we send
-SCRATCH = 256 * 1024  # the read buffer: frames smaller than what is left of it arrive whole there
+SCRATCH = 64 * 1024  # the read buffer (resident in every process): smaller frames arrive whole there; a bigger one is read into its own
 Part = bytes | bytearray | memoryview
 M = TypeVar("M")
 
