@@ -186,6 +186,14 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray | None:
     return buf
 
 
+class BadFrame(Exception):
+    """A frame that does not decode, with the messages of the same read decoded before it."""
+
+    def __init__(self, error: Exception, before: list[Any]):
+        super().__init__(str(error))
+        self.before = before
+
+
 class Reader(Generic[M]):
     """Frames out of a stream's reads, each byte copied at most once (module docstring):
     ``buffer()`` is where the next read goes, ``filled(n)`` the messages it completed."""
@@ -216,6 +224,13 @@ class Reader(Generic[M]):
             return [self.codec.decode(body, self.main)]
         self.end += n
         out: list[M] = []
+        try:
+            self._frames(out)
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise BadFrame(exc, out) from exc
+        return out
+
+    def _frames(self, out: list[M]) -> None:
         with memoryview(self.scratch) as view:
             while self.end - self.start >= HEADER.size:
                 size, main = HEADER.unpack_from(view, self.start)
@@ -228,7 +243,6 @@ class Reader(Generic[M]):
                     break
                 self.start = begin + size
                 out.append(self.codec.decode(bytes(view[begin:self.start]), main))
-        return out
 
 
 class ChannelProtocol(asyncio.BufferedProtocol, Generic[M]):
@@ -254,7 +268,9 @@ class ChannelProtocol(asyncio.BufferedProtocol, Generic[M]):
     def buffer_updated(self, nbytes: int) -> None:
         try:
             messages = self.reader.filled(nbytes)
-        except (msgspec.DecodeError, ValueError) as exc:
+        except (BadFrame, msgspec.DecodeError, ValueError) as exc:
+            for message in exc.before if isinstance(exc, BadFrame) else []:
+                self.on_message(self, message)
             log.error("channel %d: a message that does not decode (%s); closing the channel", self.index, exc)
             self.shut()
             return

@@ -175,3 +175,33 @@ def test_arrays_cross_a_socket_between_two_loops() -> None:
         assert isinstance(g, m.Ran)
         assert np.array_equal(g.outputs["y"], arr)
         assert isinstance(_root(g.outputs["y"]), (bytes, bytearray))
+
+
+def test_a_frame_that_does_not_decode_ends_the_channel_loudly(caplog: pytest.LogCaptureFixture) -> None:
+    """Both ends run the same code, so a message that does not decode is a bug: logged by name
+    and the channel closed (the worker then exits on EOF and the supervisor replaces it),
+    never a half-read message handed on."""
+    ours, theirs = socket.socketpair()
+    heard: list[object] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        lost: asyncio.Future[None] = loop.create_future()
+
+        def on_lost(_proto: object) -> None:
+            if not lost.done():
+                lost.set_result(None)
+
+        receiver: ChannelProtocol[m.ToServing]
+        _, receiver = await loop.connect_accepted_socket(
+            lambda: ChannelProtocol(Codec(m.ToServing), lambda p, msg: heard.append(msg), on_lost), theirs)
+        ours.sendall(_raw(RESOLVE) + _raw({**RESOLVE, "id": 4, "priority": 1}) + _raw(RESOLVE))
+        await asyncio.wait_for(lost, 30)  # the channel closed itself
+        assert receiver.transport is None
+
+    try:
+        asyncio.run(main())
+    finally:
+        ours.close()
+    assert heard == [m.Resolve(3, "mlp", None, None)]  # the good frame before it, nothing after
+    assert any("does not decode" in r.message and "priority" in r.message for r in caplog.records)
