@@ -1,4 +1,4 @@
-"""Every benchmark still starts: ``bench/X.py --help`` exits 0 with its usage, without running
+"""Every benchmark still starts: ``python bench/<name>.py --help`` exits 0 with its usage, without running
 the benchmark (each stops before its heavy imports). A bench that no longer imports (a name it
 takes from the package moved) fails here instead of in the hands of the next person who
 measures something. Figures themselves are never asserted: they live in bench/RESULTS.md."""
