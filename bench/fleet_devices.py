@@ -22,6 +22,13 @@ an error or a value no version gives (a partial version served would be one).
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
+
 import json
 import os
 import signal

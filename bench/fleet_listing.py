@@ -7,6 +7,13 @@ read) and the whole CLI, ``appliance fleet --json``, cold and warm. Run by bench
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
+
 import json
 import os
 import subprocess

@@ -8,6 +8,13 @@ one (a Llama-2-sized vocabulary of made-up byte strings); then the time of one s
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
+
 import importlib.metadata
 import os
 import sys

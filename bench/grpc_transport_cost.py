@@ -11,6 +11,13 @@ checkout's appliance/ (a ``git archive`` of an earlier commit), to compare befor
 The REST port's transport (httptools, appliance/transport/http/) is measured the same way
 beside it, an echo on its loop (its fast route): the per-call cost gRPC is compared with.
 """
+
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
 import os, sys, time, asyncio, struct
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 root = sys.argv[1] if len(sys.argv) > 1 else HERE

@@ -9,6 +9,13 @@ the lean configuration the gRPC port used before it moved to libnghttp2 (header 
 and normalisation off), or with h2's inbound header validation back on (``--validate``). It is
 the measurement behind appliance/transport/grpc/nghttp2.py.
 """
+
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
 import sys, time
 import h2.connection, h2.config, h2.events
 config = h2.config.H2Configuration(client_side=False, header_encoding=None,

@@ -11,6 +11,13 @@ the memory the engine adds in-process (RSS before and after the load).
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
+
 import multiprocessing as mp
 import os
 import statistics

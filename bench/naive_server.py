@@ -7,6 +7,13 @@ What a team writes in an afternoon; the figure every server should beat.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
+
 import json
 import os
 import sys

@@ -19,6 +19,7 @@ and the control trips, 1 otherwise. As Triton's memory-growth QA does.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import os
@@ -102,7 +103,8 @@ def run_cycles(cycles: int, leak_every: int) -> dict[str, Any]:
 
     from appliance.core import device as device_mod
     from appliance.core.config import Config
-    from appliance.core.manager import Manager, run_signature
+    from appliance.core.manager import Manager
+    from appliance.core.sources import DirectorySource
     from appliance.core.state import StateDB
     from runtimes.tflite import TFLiteBackend
 
@@ -119,6 +121,8 @@ def run_cycles(cycles: int, leak_every: int) -> dict[str, Any]:
     backend = BenchBackend(TFLiteBackend(), leak_every)
     manager = Manager(config, db, device, {"tflite": backend})
     manager.start()
+    source = DirectorySource("bench", manager, [], str(work / "models"))  # pushes what the folder holds
+    source.scan()
     stop, answered, failed = threading.Event(), [0], [0]
 
     def serving() -> int | None:
@@ -130,14 +134,15 @@ def run_cycles(cycles: int, leak_every: int) -> dict[str, Any]:
 
     def client() -> None:
         x = {"x": np.full((1, MLP["in_dim"]), 0.1, np.float32)}
+        loop = asyncio.new_event_loop()  # a handle's run is awaited, as every API awaits it
         while not stop.wait(0.005):
             try:
-                with manager.handle("mlp") as slot:
-                    sig = next(iter(slot.servable.signatures))
-                    run_signature(slot, sig, x)
+                with manager.handle("mlp") as held:
+                    loop.run_until_complete(held.run(next(iter(held.signatures)), x))
                 answered[0] += 1
             except Exception:  # noqa: BLE001 - counted; a swap must not fail requests
                 failed[0] += 1
+        loop.close()
 
     wait_for(lambda: settled(1), 60)
     worker = threading.Thread(target=client, name="light-load", daemon=True)
@@ -149,7 +154,7 @@ def run_cycles(cycles: int, leak_every: int) -> dict[str, Any]:
         for version in range(2, cycles + 2):
             (base / str(version)).mkdir()
             os.link(template, base / str(version) / "model.tflite")
-            manager.poll_now()
+            source.scan()
             wait_for(lambda: settled(version), 60)
             shutil.rmtree(base / str(version - 1))
             done = version - 1

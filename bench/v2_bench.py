@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
-from bench.run_bench import SHAPES, _tree_cpu, bench_models, raw_limit, stop, wait_ready  # noqa: E402
+from bench.run_bench import SHAPES, tree_cpu, bench_models, raw_limit, stop, wait_ready  # noqa: E402
 
 PEER_BENCH = ROOT.parent / "shared" / "peer-bench"
 MLSERVER_PORT = 9201  # fixed by peer-bench's MLServer settings
@@ -142,9 +142,9 @@ async def load(port: int, request: bytes, concurrency: int, duration: float, war
 
 
 def point(label: str, port: int, pid: int, request: bytes, args: argparse.Namespace, expect: bytes | None) -> dict:
-    cpu0, t0 = _tree_cpu(pid), time.perf_counter()
+    cpu0, t0 = tree_cpu(pid), time.perf_counter()
     result = asyncio.run(load(port, request, args.conc, args.duration, args.warmup, expect))
-    result["server_cpu_pct"] = round(100 * (_tree_cpu(pid) - cpu0) / (time.perf_counter() - t0), 1)
+    result["server_cpu_pct"] = round(100 * (tree_cpu(pid) - cpu0) / (time.perf_counter() - t0), 1)
     result.update(server=label, body_bytes=len(request.partition(b"\r\n\r\n")[2]))
     print(json.dumps(result), flush=True)
     return result

@@ -9,6 +9,13 @@ each RUN at once on the same loop: no sockets, no model. What one API costs a wo
 other, where socket system calls and the load generator do not blur it (bench/RESULTS.md,
 issue 37). ``TREE``: another checkout's appliance/ to compare.
 """
+
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the heavy imports
+    print(__doc__)
+    raise SystemExit(0)
+
 import asyncio, os, struct, sys, time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 root = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else HERE
@@ -43,9 +50,8 @@ class T:
 class Channel:  # the serving process: every RUN answered at once, on the loop
     def __init__(self, link, loop): self.link, self.loop = link, loop
     def send(self, message):
-        kind, ident, payload = message
-        if kind == m.RUN:
-            self.loop.call_soon(self.link.on_message, None, (m.DONE, ident, [1, OUT]))
+        if isinstance(message, m.Run):
+            self.loop.call_soon(self.link.on_message, None, m.Ran(message.id, 1, OUT))
     def send_threadsafe(self, message): self.loop.call_soon_threadsafe(self.send, message)
 def core_on(loop):
     link = Link(lambda message: None)

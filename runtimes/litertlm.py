@@ -9,7 +9,7 @@ session holds one conversation's cache).
 
 **One call per engine at a time.** LiteRT-LM 0.18.1's ``Engine`` is not thread-safe: a
 ``tokenize`` while another thread's session decodes aborts the whole process ("double free
-or corruption (fasttop)", reproduced in tests/test_litertlm.py), and sessions of one engine
+or corruption (fasttop)", reproduced in tests/runtimes/test_litertlm.py), and sessions of one engine
 run side by side abort the same way under load. So a loaded version holds a pool of
 ``engines`` engines (option, default 1) and every engine call (a whole session from prefill
 to close, a tokenize, a detokenize) takes one engine for itself. Measured on the 2-core
@@ -99,7 +99,7 @@ class EnginePool:
     @contextmanager
     def lend(self) -> Iterator[Any]:
         with self._lock:
-            waiter = None if self._free and not self._waiting else [threading.Event(), None]
+            waiter: list[Any] | None = None if self._free and not self._waiting else [threading.Event(), None]
             if waiter is None:
                 engine = self._free.pop()
             else:

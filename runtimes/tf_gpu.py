@@ -72,7 +72,7 @@ class TFGPUBackend(TFCPUBackend):
     def load(self, version_dir: str, options: Mapping[str, Any]) -> SessionServable:
         target, note = self.converted(self.export_dir(version_dir), options)
         servable = SessionServable(target, options, NAME, use_gpu=True)
-        servable.conversion = note  # type: ignore[attr-defined]
+        servable.conversion = note  # type: ignore[attr-defined]  # a note for status, set only on this backend's servables
         return servable
 
     def converted(self, export_dir: str, options: Mapping[str, Any]) -> tuple[str, str]:

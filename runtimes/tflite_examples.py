@@ -50,7 +50,7 @@ def example_class() -> Any:
 _CUSTOM = 32  # BuiltinOperator_CUSTOM
 _PARSE_OPS = (b"ParseExample", b"ParseExampleV2")
 # TensorType -> (numpy dtype, TensorFlow's DataTypeString, the tf.Example list that fills it)
-_FEATURE_TYPES = {0: (np.dtype(np.float32), "float", "float_list"), 4: (np.dtype(np.int64), "int64", "int64_list"),
+_FEATURE_TYPES: dict[int, tuple[np.dtype[Any], str, str]] = {0: (np.dtype(np.float32), "float", "float_list"), 4: (np.dtype(np.int64), "int64", "int64_list"),
                   5: (np.dtype(object), "string", "bytes_list")}
 _LIST_TYPES = {"float_list": "float", "int64_list": "int64", "bytes_list": "string"}
 
@@ -67,7 +67,7 @@ class ExampleParser:
             self.rows = dims[0] if dims else 1  # rows per example in the output (kernel: original_size)
 
     def __init__(self, serialized: int, dense: list["ExampleParser._Dense"],
-                 details: tuple[list[dict[str, Any]], ...]):
+                 details: tuple[list[dict[str, Any]], list[dict[str, Any]]]):
         self.serialized, self.dense, self.details = serialized, dense, details
         self.example = example_class()
 

@@ -141,8 +141,9 @@ smoke_models() {  # sets $models: the smoke suite's models, built on the host wi
     "$ROOT/scripts/setup-venv.sh" tf,tflite
     hostvenv=$ROOT/.venv/bin/python
   fi
-  models_key=$( { cat "$ROOT/tests/modelgen.py"; sed -n '/^def prepare/,/^# ---/p' "$ROOT/scripts/arm64_smoke.py"; } \
-    | sha256sum | cut -c1-12)
+  # the key: what builds the models (a file missing here is a moved file: stop, do not hash nothing)
+  models_key=$( { cat "$ROOT/tests/support/modelgen.py" && sed -n '/^def prepare/,/^# ---/p' "$ROOT/scripts/arm64_smoke.py"; } \
+    | sha256sum | cut -c1-12) || { log "cannot read the model builders to key the cache"; exit 1; }
   models=$CACHE/models-$models_key
   if [ ! -f "$models/.complete" ]; then
     log "building the smoke models with $hostvenv"

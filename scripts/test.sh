@@ -57,6 +57,10 @@ export EDGE_TEST_ARTIFACTS="${EDGE_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 # a file's module fixtures, one server or one SeaweedFS, are built once). Most of the time is
 # spent waiting on child processes, so two workers halve the wall time even on 2 cores; more
 # than 4 buys little and costs memory. EDGE_TEST_WORKERS overrides (0: no workers, in-process).
+# The type checker first ([tool.mypy] in pyproject.toml: the whole package, strict where the
+# processes meet): a type that broke fails the run before any test starts. Its cache lives outside
+# the tree, so a second run checks only what changed.
+.venv/bin/python -m mypy --cache-dir "${EDGE_MYPY_CACHE:-$HOME/.cache/edge-appliance/mypy}"
 workers="${EDGE_TEST_WORKERS:-$(n=$(nproc); [ "$n" -lt 2 ] && n=2; [ "$n" -gt 4 ] && n=4; echo "$n")}"
 xdist=()
 [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadfile)

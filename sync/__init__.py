@@ -1,1 +1,1 @@
-"""Fleet sync from a central bucket (see DESIGN.md): sources, verification, atomic commit."""
+"""Fleet sync from a central bucket (see docs/architecture.md): sources, verification, atomic commit."""

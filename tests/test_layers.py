@@ -1,4 +1,4 @@
-"""The layers of ../DESIGN.md hold in the code: no upward import, no import cycle, no
+"""The layers of docs/architecture.md hold in the code: no upward import, no import cycle, no
 module reaching for another module's ``_private`` name.
 
 Read from the source with ``ast`` (nothing is imported), so the test sees every import,

@@ -31,7 +31,7 @@ from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllo
 def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
     """The WSGI app: every REST API, health, status, metrics and the status page."""
     app = Flask("edge-appliance")
-    app.url_rule_class = Route  # every rule carries its scope: the url_map is the route table's
+    app.url_rule_class = Route  # type: ignore[assignment]  # Flask types it type[Rule]; Route is one, with scope= beside Rule's options. Every rule carries its scope: the url_map is the route table's
     app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
     core = appliance or Appliance(config)
     app.extensions["appliance"] = core
@@ -40,20 +40,20 @@ def create_app(config: Config, appliance: Appliance | None = None) -> Flask:
     try:
         from ui import bp as ui_bp  # the status page, when the ui package is installed
     except ImportError:
-        ui_bp = None
+        ui_bp = None  # type: ignore[assignment]  # no ui package: no page
     if ui_bp is not None:
         app.register_blueprint(ui_bp)
     table = RouteTable(app.url_map, app.wsgi_app)
     for mount in mounts_of(core):
         table.mount(mount)
     app.extensions["routes"] = table
-    app.wsgi_app = AuthLayer(GzipBodies(table, core), core, table)  # type: ignore[method-assign]
+    app.wsgi_app = AuthLayer(GzipBodies(table, core), core, table)  # type: ignore[method-assign]  # Flask's wsgi_app is a method; replacing it is Flask's documented way to wrap the app
     return app
 
 
 def routes_of(app: Flask) -> RouteTable:
     """The app's route table (for parts registering blueprints, and for tests)."""
-    return app.extensions["routes"]  # type: ignore[no-any-return]
+    return app.extensions["routes"]  # type: ignore[no-any-return]  # Flask's extensions dict holds Any
 
 
 def _json(obj: Any, status: int = 200) -> Response:

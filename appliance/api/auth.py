@@ -306,7 +306,7 @@ def grpc_interceptor(core: TokenHolder) -> Any:
     codes = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED,
              503: grpc.StatusCode.UNAVAILABLE}
 
-    class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped: its base class is Any
         async def intercept_service(self, continuation: Any, details: Any) -> Any:
             scope = grpc_scope(details.method)
             header = next((v for k, v in (details.invocation_metadata or ()) if k == "authorization"), None)

@@ -37,7 +37,7 @@ import numpy as np
 try:
     import simdjson
 except ImportError:  # the decoders' orjson path does everything, a little slower
-    simdjson = None
+    simdjson = None  # type: ignore[assignment]  # the module or None: each use checks
 
 MIN_VALUES = 1024  # smaller arrays are cheaper as lists than the skeleton check
 MIN_BODY = 2 * MIN_VALUES  # bytes: a body shorter than this holds no array worth it ("1," a value at least)

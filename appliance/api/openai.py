@@ -149,7 +149,7 @@ class OpenAIAPI:
     def _tf_serving(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         from appliance.api.tfserving.rest import V1API  # TF Serving's own answer, as before
 
-        return V1API(self.core, self.core.states)(environ, start_response)  # type: ignore[no-any-return]
+        return V1API(self.core, self.core.states)(environ, start_response)
 
     def _generative_models(self) -> list[dict[str, Any]]:
         """Every id that can generate *text* now (module docstring), as OpenAI's model objects."""
@@ -269,7 +269,7 @@ class OpenAIAPI:
             raise FieldError(f"field '{where}': the prompt is empty", where)
         if context is not None and len(prompt) >= context:
             raise _too_long(context, len(prompt), where)
-        return prompt  # type: ignore[no-any-return]
+        return prompt  # type: ignore[no-any-return]  # the tokenizer (the version's own) is typed Any; a list of ids
 
     @staticmethod
     def _collect(answer: Answer) -> tuple[int, list[tuple[str, str]], bytes]:

@@ -105,7 +105,7 @@ class Answer:
 
     def _get(self) -> tuple[int, str, Any]:
         if self.streaming:  # the SSE writer notices a client that went away
-            return self.events.get()  # type: ignore[no-any-return]
+            return self.events.get()  # type: ignore[no-any-return]  # a SimpleQueue of the stream's events, typed where it is made
         while True:  # a whole answer: look whether its client is still there every POLL_S
             now = time.monotonic()
             if now >= self._look_at:
@@ -113,7 +113,7 @@ class Answer:
                 if self.gone():
                     self.cancel()  # the streams end at their next step; their "done" events follow
             try:
-                return self.events.get(timeout=POLL_S)  # type: ignore[no-any-return]
+                return self.events.get(timeout=POLL_S)  # type: ignore[no-any-return]  # as above
             except queue.Empty:
                 pass
 
@@ -138,7 +138,7 @@ class Answer:
         if not self.chat:
             return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
         calls = self.tools.calls(text) if self.tools else None
-        message = {"role": "assistant", "content": None if calls else text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": None if calls else text, "refusal": None}
         if calls:
             message["tool_calls"] = calls
         finish = "tool_calls" if calls else choice.finish_reason

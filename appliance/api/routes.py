@@ -104,13 +104,13 @@ class RouteTable:
             return rule_scope(method, path)
         if method == "OPTIONS" or not hasattr(rule, "scope"):  # Flask's automatic OPTIONS; its plain static Rule
             return rule_scope(method, path)
-        return rule.scope  # type: ignore[no-any-return]
+        return rule.scope  # type: ignore[no-any-return]  # werkzeug's Rule has no scope: ours (Route) does, hasattr checked above
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         """Dispatch: the handler the outer layer resolved (``ROUTE_KEY``), else resolve now."""
         found = environ.get(ROUTE_KEY)
         handler = found[0] if found is not None else self.resolve(environ)[0]
-        return handler(environ, start_response)  # type: ignore[no-any-return]
+        return handler(environ, start_response)  # type: ignore[no-any-return]  # the route's handler is a WSGI app of Any
 
     def entries(self) -> list[Entry]:
         out = [Entry("mount", f"{m.prefix}*{m.suffix}", tuple(sorted(m.methods or ("*",))), m.scope, m.name)

@@ -220,7 +220,7 @@ class Batcher:
         self._enqueue(tasks)
         try:
             for task in tasks:
-                await task.future  # type: ignore[misc]
+                await task.future  # type: ignore[misc]  # set just above: a Future, never None here
         except asyncio.CancelledError:
             with self._cond:
                 for task in tasks:
@@ -472,8 +472,10 @@ def _joined(tasks: list[_Task]) -> dict[str, np.ndarray]:
         if task.error is not None:
             raise task.error
     if len(tasks) == 1:
-        return tasks[0].result  # type: ignore[return-value]
-    return {k: np.concatenate([t.result[k] for t in tasks]) for k in tasks[0].result}  # type: ignore[index]
+        return tasks[0].result  # type: ignore[return-value]  # one task ran without error: its result is set
+    results = [t.result for t in tasks]
+    assert all(r is not None for r in results)  # each task ran (an error was raised above)
+    return {k: np.concatenate([r[k] for r in results if r is not None]) for k in results[0] or {}}
 
 
 def _pad_trailing(parts: list[np.ndarray]) -> list[np.ndarray]:

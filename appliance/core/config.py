@@ -158,8 +158,9 @@ class GRPCConfig:
     port: int = 8500  # TF Serving's; 0: no gRPC
     socket_path: str = ""  # as --grpc_socket_path: also listen on this Unix domain socket
     max_message_bytes: int = 64 * 1024 * 1024  # TF Serving users hit gRPC's 4 MB default
-    # "lean": appliance/transport/grpc/h2_server.py, unary calls over python-hyper's h2 (a third of
-    # grpcio's CPU per call); "grpcio": grpcio's own grpc.aio server, kept as the fallback
+    # "lean": appliance/transport/grpc/h2_server.py, unary calls over libnghttp2 (through cffi, a
+    # fraction of grpcio's CPU per call; bench/RESULTS.md); "grpcio": grpcio's grpc.aio server, the
+    # fallback (and what "lean" becomes where libnghttp2 is missing)
     transport: str = "lean"
     # A port that cannot be bound: false (TF Serving's behaviour) fails start-up with the
     # address and the reason; true retries with backoff (0.5 s doubling to 30 s) while the

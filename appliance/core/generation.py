@@ -137,13 +137,13 @@ class DecodeLoop:
             if not rows:
                 continue
             streams = [lane.rows[r] for r in rows]
-            logits = self.driver.decode(lane.slots, rows, [s.next_input for s in streams],  # type: ignore[union-attr]
-                                        [s.physical for s in streams],  # type: ignore[union-attr]
-                                        [s.offset for s in streams] if self.driver.aligned else None)  # type: ignore[union-attr]
+            logits = self.driver.decode(lane.slots, rows, [s.next_input for s in streams],
+                                        [s.physical for s in streams],
+                                        [s.offset for s in streams] if self.driver.aligned else None)
             for call in lane.slots.calls:
                 self._step_rows.observe(call)
             for i in reversed(range(len(rows))):  # backwards: finishing may move a later row into this one
-                self._advance(lane, rows[i], streams[i], logits[i])  # type: ignore[arg-type]
+                self._advance(lane, rows[i], streams[i], logits[i])
         self.lanes = [lane for lane in self.lanes if lane.active()]  # an idle lane frees its cache
 
     def _advance(self, lane: Lane, row: int, stream: Stream, logits: np.ndarray) -> None:
@@ -195,7 +195,7 @@ class Generation:
         self.loops: dict[int, DecodeLoop] = {}  # id(VersionSlot) -> its loop
         self.text = TextStreams(self)
         self._versions: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(slot) -> (slot, what was read of it)
-        self.metrics = GenerationMetrics(core.metrics.registry)
+        self.metrics: GenerationMetrics = GenerationMetrics(core.metrics.registry)
         self.counts = {"streams_started": 0, "streams_cancelled": 0, "tokens_generated": 0}
         self.admitted = 0  # streams queued or running, all versions
         self.limits = StreamLimits(lambda: self.config, self._generative_models)
@@ -215,7 +215,7 @@ class Generation:
 
     @property
     def config(self) -> GenerationConfig:
-        return self.core.config.generation  # type: ignore[no-any-return]
+        return self.core.config.generation  # type: ignore[no-any-return]  # self.core is typed Any here (the core object, not its Protocol)
 
     def _read(self, slot: Any, key: str, build: Any) -> Any:
         """``build(slot)``, read once per loaded version (unloaded versions are forgotten)."""
@@ -264,7 +264,7 @@ class Generation:
 
     def chat_template(self, handle: Any) -> ChatTemplate:
         """The chat template of the handle's version (appliance/core/text.py)."""
-        return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))  # type: ignore[no-any-return]
+        return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))  # type: ignore[no-any-return]  # the cache holds each kind's own value
 
     def token_table(self, handle: Any) -> TokenTable:
         """The version's vocabulary as the grammar engine reads it (built once per version)."""
@@ -272,7 +272,7 @@ class Generation:
         if not isinstance(vocab, Vocabulary):
             raise InvalidArgument("constrained decoding needs a token-level model with its vocabulary "
                                   "(assets/vocab.json); a LiteRT-LM bundle decodes by itself")
-        return self._read(handle.slot, "token_table", lambda slot: TokenTable.of(vocab))  # type: ignore[no-any-return]
+        return self._read(handle.slot, "token_table", lambda slot: TokenTable.of(vocab))  # type: ignore[no-any-return]  # the cache holds each kind's own value
 
     def start(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None) -> Stream:
         """Queue a stream on the handle's version; the loop owns (and releases) the handle.
@@ -301,7 +301,7 @@ class Generation:
             if i and params.seed is not None:  # each choice samples its own, reproducibly
                 stream.rng = np.random.default_rng((params.seed, i))
             if tagged:
-                stream.events, stream.choice_events = Tagged(merged, i), merged  # type: ignore[assignment]
+                stream.events, stream.choice_events = Tagged(merged, i), merged  # type: ignore[assignment]  # Tagged is the queue's interface over a shared queue
             stream.leader = streams[0] if i and not text_level else None
             stream.constraint = Constraint(grammar, table) if grammar is not None and table is not None else None
         self.limits.refresh()

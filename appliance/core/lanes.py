@@ -56,7 +56,7 @@ def place(lanes: list[Lane], driver: generative.Driver, stream: Any, lane_size: 
     if getattr(driver, "shared_position", False):
         same = [lane for lane in lanes if lane.free() is not None and lane.position() == want]
         if same:
-            return same[0], same[0].free(), 0  # type: ignore[return-value]
+            return same[0], same[0].free(), 0  # type: ignore[return-value]  # free() is not None: filtered above
     for lane in lanes:
         row = lane.free()
         if row is not None:
@@ -77,7 +77,7 @@ def _place_aligned(lanes: list[Lane], driver: generative.Driver, stream: Any,
         if offset + need <= context and (best is None or offset < best[0]):
             best = (offset, lane)
     if best is not None:
-        return best[1], best[1].free(), best[0]  # type: ignore[return-value]
+        return best[1], best[1].free(), best[0]  # type: ignore[return-value]  # free() is not None: filtered above
     empty = next((lane for lane in lanes if not lane.active()), None)
     return (empty or _new_lane(lanes, driver, lane_size)), 0, 0
 

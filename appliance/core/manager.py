@@ -435,13 +435,14 @@ class Manager:
                     raise Unavailable(f"model {name} has no available version yet "
                                       f"({self._why_not_ready(entry)})")
                 pinned = entry.versions.get(entry.serving) if entry.serving is not None else None
-                slot = pinned if pinned is not None and pinned in ready else max(ready, key=lambda s: s.version)
+                slot: VersionSlot | None = pinned if pinned is not None and pinned in ready else max(ready, key=lambda s: s.version)
             else:
                 slot = entry.versions.get(version)
                 if slot is None or slot.state != State.AVAILABLE:
                     if slot is not None and slot.state in (State.START, State.LOADING):
                         raise Unavailable(f"{name} version {version} is still loading")
                     raise NotFound(f"Servable not found for request: {_request_text(name, version, label)}")
+            assert slot is not None  # (both branches made sure: mypy does not join them)
             slot.inflight.append(None)
             self._picks[(name, version, label)] = slot
         return Handle(self, slot)

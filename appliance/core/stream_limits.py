@@ -86,7 +86,8 @@ class SharedHandle:
 
     def __init__(self, handle: Any, holders: int):
         self.handle, self.slot = handle, handle.slot
-        self._left, self._failure = holders, None
+        self._left = holders
+        self._failure: ApplianceError | None = None
         self._lock = threading.Lock()
 
     def report(self, failure: ApplianceError | None, seconds: float) -> None:

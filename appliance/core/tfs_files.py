@@ -121,7 +121,7 @@ def _token_after_name(text: str, line: int, column: int) -> tuple[int, int]:
     count a tab to the next multiple of 8, as io::Tokenizer does."""
     lines = text.split("\n")
     offset = sum(len(lines[i]) + 1 for i in range(line - 1)) + column - 1
-    offset = _GAP.match(text, _NAME.match(text, offset).end()).end()  # type: ignore[union-attr]
+    offset = _GAP.match(text, _NAME.match(text, offset).end()).end()  # type: ignore[union-attr]  # both patterns match the empty string: never None
     start = text.rfind("\n", 0, offset) + 1
     col = 0
     for char in text[start:offset]:

@@ -253,4 +253,4 @@ def replay(servable: Servable, requests: list[Request]) -> None:
                 raise RuntimeFailure(f"warm-up request names signature {signature!r}, which the model lacks",
                                      "INVALID_ARGUMENT")
             inputs = {next(iter(sig.inputs)): inputs}  # type: ignore[dict-item]  # examples feed the only input
-        servable.run(signature, inputs)  # type: ignore[arg-type]
+        servable.run(signature, inputs)  # type: ignore[arg-type]  # examples feed the only input as one array (above)

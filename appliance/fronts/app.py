@@ -54,27 +54,25 @@ class Forwarder:
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         body = environ["wsgi.input"].read()
-        ident, replies = self.link.open(m.WSGI, [m.plain_environ(environ), body])
+        ident = self.link.next_id()
+        replies = self.link.open(m.Forward(ident, m.plain_environ(environ), body))
         reply = _first_reply(replies, client_gone(environ))
-        if reply is None:  # the client went away: the serving process is told to stop (CANCEL)
+        if reply is None:  # the client went away: the serving process is told to stop (Cancel)
             self.link.close_stream(ident)
             start_response("499 Client Closed Request", [])  # nginx's code; no one reads it
             return []
-        kind, payload = reply
-        if kind == m.ANSWER:
-            status, headers, data = payload
-            start_response(status, [tuple(h) for h in headers])
-            return [data]
-        if kind == m.START:
-            status, headers = payload
-            start_response(status, [tuple(h) for h in headers])
+        if isinstance(reply, m.Answer):
+            start_response(reply.status, reply.headers)
+            return [reply.body]
+        if isinstance(reply, m.Start):
+            start_response(reply.status, reply.headers)
             return _Stream(self.link, ident, replies)
-        status_code, error_headers, error_body = render_error(m.error_from_plain(payload), "the front worker")
+        status_code, error_headers, error_body = render_error(m.unexpected(reply), "the front worker")
         start_response(status_line(status_code), error_headers)
         return [error_body]
 
 
-def _first_reply(replies: "queue.SimpleQueue[tuple[str, Any]]", gone: Callable[[], bool]) -> tuple[str, Any] | None:
+def _first_reply(replies: "queue.SimpleQueue[m.Reply]", gone: Callable[[], bool]) -> m.Reply | None:
     """The serving process's first reply; None once the client is gone first (an answer that
     writes nothing until it is whole, a non-streamed completion, would run on for no one)."""
     while True:
@@ -88,19 +86,19 @@ def _first_reply(replies: "queue.SimpleQueue[tuple[str, Any]]", gone: Callable[[
 class _Stream:
     """A streamed answer's chunks as they arrive; closing it early cancels the stream there."""
 
-    def __init__(self, link: Link, ident: int, replies: queue.SimpleQueue[tuple[str, Any]]):
+    def __init__(self, link: Link, ident: int, replies: queue.SimpleQueue[m.Reply]):
         self.link, self.ident, self.replies = link, ident, replies
         self.ended = False
 
     def __iter__(self) -> Iterator[bytes]:
         while True:
-            kind, payload = self.replies.get()
-            if kind == m.CHUNK:
-                yield payload
+            reply = self.replies.get()
+            if isinstance(reply, m.Chunk):
+                yield reply.data
                 continue
             self.ended = True
-            if kind == m.FAIL:  # the serving process went away mid-stream: cut the answer
-                raise ConnectionAbortedError(m.error_from_plain(payload).message)
+            if not isinstance(reply, m.End):  # the serving process went away mid-stream: cut the answer
+                raise ConnectionAbortedError(m.unexpected(reply).message)
             return
 
     def close(self) -> None:
@@ -114,11 +112,10 @@ async def forward_whole(link: Link, environ: dict[str, Any]) -> Answer:
     the worker's loop: no thread of the worker waits for it. For answers that are one message
     (not a stream): a v2 infer naming shared memory is."""
     body = environ["wsgi.input"].read()
-    kind, payload = await link.call(m.WSGI, [m.plain_environ(environ), body])
-    if kind == m.ANSWER:
-        status, headers, data = payload
-        return status, [tuple(h) for h in headers], data
-    status_code, error_headers, error_body = render_error(m.error_from_plain(payload), "the front worker")
+    reply = await link.call(m.Forward(link.next_id(), m.plain_environ(environ), body))
+    if isinstance(reply, m.Answer):
+        return reply.status, reply.headers, reply.body
+    status_code, error_headers, error_body = render_error(m.unexpected(reply), "the front worker")
     return status_line(status_code), error_headers, error_body
 
 

@@ -30,7 +30,7 @@ HOT = frozenset({f"/{PREDICTION_SERVICE}/Predict", f"/{PREDICTION_SERVICE}/Class
                  f"/{PREDICTION_SERVICE}/Regress", f"/{PREDICTION_SERVICE}/MultiInference", INFER})
 
 
-class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]
+class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped: its base class is Any
     def __init__(self, core: RemoteCore):
         self.link = core.link
         self.local = [*TFServingGRPC(core).handlers(), V2GRPC(V2Service(core)).handler()]
@@ -80,13 +80,12 @@ def _forwarding(method: str, link: Link) -> Any:
 async def _forward(method: str, request: bytes, context: Any, link: Link) -> bytes:
     """The serving process's answer to a call (appliance/fronts/serving.py ``_grpc``): its
     response's bytes, or its status and trailing metadata given to this call."""
-    kind, payload = await link.call(m.GRPC, [method, request, [list(kv) for kv in context.invocation_metadata()],
-                                             context.time_remaining()])
-    if kind == m.DONE:
-        return payload[0]  # type: ignore[no-any-return]
-    if kind == m.STATUS:
-        code, details, trailing = payload
-        context.set_trailing_metadata([tuple(kv) for kv in trailing])
-        context.abort(grpc.StatusCode[code], details)
-    context.abort(grpc.StatusCode.UNAVAILABLE, m.error_from_plain(payload).message)
+    reply = await link.call(m.GrpcCall(link.next_id(), method, request, m.metadata(context.invocation_metadata()),
+                                       context.time_remaining()))
+    if isinstance(reply, m.GrpcDone):
+        return reply.response
+    if isinstance(reply, m.GrpcStatus):
+        context.set_trailing_metadata(m.pairs(reply.trailing))
+        context.abort(grpc.StatusCode[reply.code], reply.details)
+    context.abort(grpc.StatusCode.UNAVAILABLE, m.unexpected(reply).message)
     raise AssertionError("context.abort returns only by raising")

@@ -4,8 +4,9 @@ Requests with one reply (``call``, awaited on any loop), requests whose replies 
 (``open``, from a thread: replies arrive on a queue), messages with no reply (``send``, any
 thread), and pushes (the serving view, a new config, drain), handed to ``on_push``. The channel itself (appliance/transport/channel.py's ``ChannelProtocol``) is
 made by the worker on its loop and given to ``attach``; its callbacks are ``on_message``
-and ``on_lost``. When the serving process goes away, every waiter fails with Unavailable
-and ``on_push`` hears ``("eof", 0, None)``.
+and ``on_lost``. Messages are the structs of appliance/fronts/messages.py: a request
+carries its ``id``, its replies the same. When the serving process goes away, every waiter
+fails with Unavailable and ``on_push`` hears ``Eof()``.
 
 A reply awaited on the loop costs no thread hand-off: the channel's protocol resolves the
 request's future in the loop that awaits it.
@@ -21,28 +22,34 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
+
+import msgspec
 
 from appliance.fronts import messages as m
 from appliance.core.errors import Unavailable
 
 log = logging.getLogger("appliance.front")
 
-Message = tuple[str, int, Any]
-Reply = tuple[str, Any]
+Reply = m.Reply
+Request = m.Request
 GONE = "the serving process is gone (restarting); retry"
 
 
 class Channel(Protocol):
     """What ``Link`` needs of its channel: appliance/transport/channel.py ``ChannelProtocol``."""
 
-    def send(self, message: Message) -> None: ...
+    def send(self, message: msgspec.Struct) -> None: ...
 
-    def send_threadsafe(self, message: Message) -> None: ...
+    def send_threadsafe(self, message: msgspec.Struct) -> None: ...
+
+
+def _gone(ident: int) -> m.Failed:
+    return m.failed(ident, Unavailable(GONE))
 
 
 class Link:
-    def __init__(self, on_push: Callable[[Message], None]):
+    def __init__(self, on_push: Callable[[m.Push], None]):
         self.on_push = on_push
         self.loop: asyncio.AbstractEventLoop | None = None
         self.channel: Channel | None = None
@@ -57,77 +64,79 @@ class Link:
         self._attached.set()
 
     # -- the serving process's side of the conversation (loop) ------------------------------
-    def on_message(self, _channel: Any, message: Message) -> None:
-        kind, ident, payload = message
+    def on_message(self, _channel: object, message: m.ToWorker) -> None:
         try:
-            if ident == 0:
+            if not isinstance(message, m.REPLIES):
                 self.on_push(message)
                 return
+            ident = message.id
             waiter = self._waiting.get(ident)
             if isinstance(waiter, asyncio.Future):
                 del self._waiting[ident]
                 if not waiter.done():
-                    waiter.set_result((kind, payload))
+                    waiter.set_result(message)
             elif waiter is not None:
-                if kind in (m.END, m.FAIL, m.ANSWER):
+                if isinstance(message, m.LAST_REPLIES):
                     del self._waiting[ident]
-                waiter.put((kind, payload))
+                waiter.put(message)
         except Exception:  # one bad message must not end the conversation
-            log.exception("front worker: a %r message failed", kind)
+            log.exception("front worker: a %s message failed", type(message).__name__)
 
-    def on_lost(self, _channel: Any) -> None:
+    def on_lost(self, _channel: object) -> None:
         self.gone = True
         waiting, self._waiting = self._waiting, {}
-        failure = (m.FAIL, m.error_to_plain(Unavailable(GONE)))
-        for waiter in waiting.values():
+        for ident, waiter in waiting.items():
             if isinstance(waiter, asyncio.Future):
                 if not waiter.done():
-                    waiter.set_result(failure)
+                    waiter.set_result(_gone(ident))
             else:
-                waiter.put(failure)
-        self.on_push(("eof", 0, None))
+                waiter.put(_gone(ident))
+        self.on_push(m.Eof())
 
     # -- requests ----------------------------------------------------------------------------
-    async def call(self, kind: str, payload: Any) -> Reply:
-        """Send a request and await its one reply: (kind, payload). On the link's loop without
-        a hand-off; on another loop through the link's."""
+    def next_id(self) -> int:
+        """(any thread) The id of a new request."""
+        return next(self._ids)
+
+    async def call(self, request: Request) -> Reply:
+        """Send a request (made with ``next_id()``) and await its one reply. On the link's loop
+        without a hand-off; on another loop through the link's."""
         if self.loop is not None and asyncio.get_running_loop() is not self.loop:
             try:
-                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._call(kind, payload), self.loop))
+                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._call(request), self.loop))
             except RuntimeError:  # the link's loop is closed: the worker is stopping
-                return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
-        return await self._call(kind, payload)
+                return _gone(request.id)
+        return await self._call(request)
 
-    async def _call(self, kind: str, payload: Any) -> Reply:
+    async def _call(self, request: Request) -> Reply:
         if self.gone or self.channel is None:
-            return (m.FAIL, m.error_to_plain(Unavailable(GONE)))
+            return _gone(request.id)
         assert self.loop is not None
-        ident = next(self._ids)
         future: asyncio.Future[Reply] = self.loop.create_future()
-        self._waiting[ident] = future
-        self.channel.send((kind, ident, payload))
+        self._waiting[request.id] = future
+        self.channel.send(request)
         return await future
 
-    def open(self, kind: str, payload: Any) -> tuple[int, queue.SimpleQueue[Reply]]:
-        """(any thread but the loop's) Send a request whose replies stream: (its id, the queue
-        they arrive on)."""
+    def open(self, request: Request) -> queue.SimpleQueue[Reply]:
+        """(any thread but the loop's) Send a request whose replies stream: the queue they
+        arrive on."""
         replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
-        ident = next(self._ids)
+        ident = request.id
         if self.gone or not self._attached.wait(30) or self.loop is None:
-            replies.put((m.FAIL, m.error_to_plain(Unavailable(GONE))))
-            return ident, replies
+            replies.put(_gone(ident))
+            return replies
 
         def register() -> None:
             if self.gone or self.channel is None:
-                replies.put((m.FAIL, m.error_to_plain(Unavailable(GONE))))
+                replies.put(_gone(ident))
                 return
             self._waiting[ident] = replies
-            self.channel.send((kind, ident, payload))
+            self.channel.send(request)
         try:
             self.loop.call_soon_threadsafe(register)
         except RuntimeError:
-            replies.put((m.FAIL, m.error_to_plain(Unavailable(GONE))))
-        return ident, replies
+            replies.put(_gone(ident))
+        return replies
 
     def close_stream(self, ident: int) -> None:
         """(any thread) Stop listening for a stream's replies and tell the serving process."""
@@ -136,7 +145,7 @@ class Link:
                 self.loop.call_soon_threadsafe(self._waiting.pop, ident, None)
             except RuntimeError:
                 return
-        self.send(m.CANCEL, ident)
+        self.send(m.Cancel(ident))
 
     def soon(self, fn: Callable[[], None]) -> None:
         """(any thread) ``fn()`` on the link's loop, after what runs there now (once the channel
@@ -152,15 +161,15 @@ class Link:
             except RuntimeError:  # the loop closed: the worker is stopping
                 pass
 
-    def send(self, kind: str, payload: Any) -> None:
-        """(any thread) A message with no reply (observations, stats)."""
+    def send(self, message: m.Observe | m.Stats | m.Cancel) -> None:
+        """(any thread) A message with no reply (observations, stats, a stream's end)."""
         channel = self.channel
         if self.gone or channel is None:
             return
         if self._on_loop():
-            channel.send((kind, 0, payload))
+            channel.send(message)
         else:
-            channel.send_threadsafe((kind, 0, payload))
+            channel.send_threadsafe(message)
 
     def _on_loop(self) -> bool:
         try:

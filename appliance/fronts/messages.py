@@ -1,33 +1,35 @@
-"""Message kinds between front workers and the serving process, and their payloads as plain
-data (what appliance/transport/channel.py sends: strings, numbers, bytes, lists, dicts,
-numpy arrays; never pickles).
+"""The messages between front workers and the serving process, each a declared struct
+(what appliance/transport/channel.py sends: msgspec ``Struct``s, decoded for the union each
+side receives, so a field renamed, added or dropped on one side fails loudly on the other;
+numeric arrays travel out of band; never pickles).
 
-Each message is ``(kind, id, payload)``. ``id`` pairs a reply with its request (0 for
-pushes). Worker -> serving:
+A request carries its ``id``; every reply carries the request's. Worker -> serving
+(``ToServing``):
 
-- ``RUN``: a ``RunRequest``; replied ``DONE`` (version, outputs) or ``FAIL``.
-- ``RESOLVE``: (model, version, label) the serving view cannot answer; replied ``DONE``
-  with the ``VersionView`` the manager picks, or ``FAIL`` with the manager's error.
-- ``WSGI``: (environ, body) of a request the worker forwards; replied ``ANSWER`` (status,
-  headers, body) for a whole answer, or ``START`` (status, headers), ``CHUNK`` bytes...,
-  ``END`` for a stream. ``CANCEL``: the client went away; the stream is closed.
-- ``GRPC``: [method, request bytes, metadata, seconds left] of a gRPC call the worker
-  forwards; replied ``DONE`` [response bytes] or ``STATUS`` [code name, details, trailing
-  metadata].
-- ``OBSERVE``: request metrics (a list of [model, api, status, seconds, entrypoint]), one
-  message per loop tick, sent before the answers of that tick leave.
-- ``STATS``: the worker's HTTP figures and memory, every second.
+- ``Run``: one ``handle.run``; replied ``Ran`` (version, outputs) or ``Failed``.
+- ``Resolve``: (model, version, label) the serving view cannot answer; replied ``Resolved``
+  with the ``VersionView`` the manager picks, or ``Failed`` with the manager's error.
+- ``Forward``: (environ, body) of an HTTP request the worker forwards; replied ``Answer``
+  for a whole answer, or ``Start``, ``Chunk``..., ``End`` for a stream. ``Cancel``: the
+  client went away; the stream is closed.
+- ``GrpcCall``: a gRPC call the worker forwards; replied ``GrpcDone`` (the response's
+  bytes) or ``GrpcStatus`` (code name, details, trailing metadata).
+- ``Observe``: request metrics, one message per loop tick, sent before the answers of that
+  tick leave.
+- ``Stats``: the worker's HTTP figures and memory, every second.
 
-Serving -> worker: ``VIEW`` (a ``ServingView``), ``CONFIG`` (a ``Config``, at start and
-after a reload), ``DRAIN`` (timeout seconds: stop accepting, finish, exit).
+Serving -> worker (``ToWorker``): the replies above, and the pushes ``ViewPush`` (a
+``ServingView``), ``ConfigPush`` (a ``Config``, at start and after a reload) and ``Drain``
+(timeout seconds: stop accepting, finish, exit). ``Eof`` is what a worker's link hears when
+the serving process is gone; it never crosses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Union
 
+import msgspec
 import numpy as np
 
 from runtimes import SignatureInfo, TensorSpec
@@ -37,111 +39,292 @@ from appliance.core import errors
 from appliance.core.config import Config
 from appliance.fronts.view import ModelView, ServingView, VersionView
 
-RUN, RESOLVE, DONE, FAIL = "run", "resolve", "done", "fail"
-WSGI, ANSWER, START, CHUNK, END, CANCEL = "wsgi", "answer", "start", "chunk", "end", "cancel"
-OBSERVE, STATS, VIEW, CONFIG, DRAIN = "observe", "stats", "view", "config", "drain"
-GRPC, STATUS = "grpc", "status"
 
 
-@dataclass(frozen=True)
-class RunRequest:
+class Message(msgspec.Struct, tag_field="k", forbid_unknown_fields=True):
+    """Every message: tagged with its kind (the class's ``tag``)."""
+
+
+class Tensor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    dtype: str  # numpy's dtype.str, "O" for strings
+    shape: list[int] | None
+    tensor_name: str
+
+
+class Signature(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Tensor]
+    method_name: str
+
+
+class Version(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    version: int
+    path: str
+    platform: str
+    reads_examples: bool
+    signatures: dict[str, Signature]
+
+
+class Model(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    labels: dict[str, int]
+    versions: list[Version]
+    serving: int | None
+    route_headers: list[str]
+
+
+class Metadata(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """gRPC metadata: text entries, and binary ones (a "-bin" key's value is bytes; msgspec
+    takes no union of str and bytes). Each key's entries keep their order."""
+
+    text: list[tuple[str, str]]
+    binary: list[tuple[str, bytes]]
+
+
+def metadata(pairs: Iterable[tuple[str, str | bytes]]) -> Metadata:
+    text: list[tuple[str, str]] = []
+    binary: list[tuple[str, bytes]] = []
+    for key, value in pairs:
+        if isinstance(value, bytes):
+            binary.append((key, value))
+        else:
+            text.append((key, value))
+    return Metadata(text, binary)
+
+
+def pairs(data: Metadata) -> list[tuple[str, str | bytes]]:
+    return [*data.text, *data.binary]
+
+
+class Observation(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One request's metrics, as ``RequestMetrics.observe_request`` takes them."""
+
+    model: str
+    api: str
+    status: int | str
+    seconds: float
+    entrypoint: str
+
+
+# -- worker -> serving -------------------------------------------------------------------------------
+class Run(Message, tag="run"):
     """One ``handle.run``: the request as the client named the version, the signature, the
     inputs, and the version they were decoded for."""
 
+    id: int
     model: str
     version: int | None
     label: str | None
-    route_headers: Mapping[str, str | None]
+    route_headers: dict[str, str | None]
     signature: str
-    inputs: Mapping[str, np.ndarray]
+    inputs: dict[str, np.ndarray]
     decoded_version: int
 
-    def plain(self) -> list[Any]:
-        return [self.model, self.version, self.label, dict(self.route_headers), self.signature, dict(self.inputs),
-                self.decoded_version]
 
-    @classmethod
-    def from_plain(cls, data: list[Any]) -> "RunRequest":
-        return cls(*data)
+class Resolve(Message, tag="resolve"):
+    id: int
+    model: str
+    version: int | None
+    label: str | None
+
+
+class Forward(Message, tag="forward"):
+    id: int
+    environ: dict[str, str]  # the text values of a WSGI environ (``plain_environ``)
+    body: bytes
+
+
+class GrpcCall(Message, tag="grpc"):
+    id: int
+    method: str
+    request: bytes
+    metadata: Metadata
+    seconds_left: float | None
+
+
+class Cancel(Message, tag="cancel"):
+    stream: int  # the ``Forward``'s id
+
+
+class Observe(Message, tag="observe"):
+    observations: list[Observation]
+
+
+Figure = int | float | bool | str | None  # a server's counter or setting (``initial_stats``)
+
+
+class Stats(Message, tag="stats"):
+    pid: int
+    rss_bytes: int
+    http: dict[str, Figure]  # the HTTP server's counters and settings, by name
+    served: int
+    imported: list[str]  # which of the heavy modules it holds
+    grpc: dict[str, int] | None = None  # the gRPC port's counters
+
+
+# -- serving -> worker ------------------------------------------------------------------------------
+class Ran(Message, tag="ran"):
+    id: int
+    version: int
+    outputs: dict[str, np.ndarray]
+
+
+class Resolved(Message, tag="resolved"):
+    id: int
+    version: Version
+
+
+class Failed(Message, tag="failed"):
+    """An error: its class in appliance/core/errors.py, message and retry_after."""
+
+    id: int
+    error: str
+    message: str
+    retry_after: float | None
+
+
+class Answer(Message, tag="answer"):
+    id: int
+    status: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+class Start(Message, tag="start"):
+    id: int
+    status: str
+    headers: list[tuple[str, str]]
+
+
+class Chunk(Message, tag="chunk"):
+    id: int
+    data: bytes
+
+
+class End(Message, tag="end"):
+    id: int
+
+
+class GrpcDone(Message, tag="grpc-done"):
+    id: int
+    response: bytes
+
+
+class GrpcStatus(Message, tag="grpc-status"):
+    id: int
+    code: str  # a grpc.StatusCode's name
+    details: str
+    trailing: Metadata
+
+
+class ViewPush(Message, tag="view"):
+    generation: int
+    models: dict[str, Model]
+
+
+class ConfigPush(Message, tag="config"):
+    config: dict[str, Any]  # dataclasses.asdict of a Config: checked by config.from_dict, key by key
+
+
+class Drain(Message, tag="drain"):
+    timeout: float
+
+
+class Eof(Message, tag="eof"):
+    """(never sent) The serving process is gone."""
+
+
+ToServing = Union[Run, Resolve, Forward, GrpcCall, Cancel, Observe, Stats]
+Request = Union[Run, Resolve, Forward, GrpcCall]  # what asks for replies (it carries their id)
+Reply = Union[Ran, Resolved, Failed, Answer, Start, Chunk, End, GrpcDone, GrpcStatus]
+Push = Union[ViewPush, ConfigPush, Drain, Eof]
+ToWorker = Union[Ran, Resolved, Failed, Answer, Start, Chunk, End, GrpcDone, GrpcStatus, ViewPush, ConfigPush, Drain]
+REPLIES = (Ran, Resolved, Failed, Answer, Start, Chunk, End, GrpcDone, GrpcStatus)
+LAST_REPLIES = (End, Failed, Answer)  # what ends a stream's replies
 
 
 # -- errors ------------------------------------------------------------------------------------
-def error_to_plain(exc: BaseException) -> list[Any]:
-    """An error as [class name, message, retry_after]; a foreign one becomes a 500's text."""
+def failed(ident: int, exc: BaseException) -> Failed:
+    """An error as a reply; a foreign one becomes a 500's text."""
     if isinstance(exc, errors.ApplianceError):
-        return [type(exc).__name__, exc.message, exc.retry_after]
-    return ["ApplianceError", f"{type(exc).__name__}: {exc}", None]
+        return Failed(ident, type(exc).__name__, exc.message, exc.retry_after)
+    return Failed(ident, "ApplianceError", f"{type(exc).__name__}: {exc}", None)
 
 
-def error_from_plain(data: list[Any]) -> errors.ApplianceError:
-    name, message, retry_after = data
-    cls = getattr(errors, name, None)
+def error_of(reply: Failed) -> errors.ApplianceError:
+    cls = getattr(errors, reply.error, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.ApplianceError)):
         cls = errors.ApplianceError
     exc = cls.__new__(cls)
-    errors.ApplianceError.__init__(exc, message)
-    exc.retry_after = retry_after
+    errors.ApplianceError.__init__(exc, reply.message)
+    exc.retry_after = reply.retry_after
     if isinstance(exc, errors.ConfigError):
         exc.key = ""
     return exc
 
 
+def unexpected(reply: Reply) -> errors.ApplianceError:
+    """The error a reply stands for: its own if ``Failed``, else a reply of the wrong kind."""
+    if isinstance(reply, Failed):
+        return error_of(reply)
+    return errors.ApplianceError(f"the serving process replied {type(reply).__name__} out of turn")
+
+
 # -- the serving view ----------------------------------------------------------------------------
-def _spec_plain(spec: TensorSpec) -> list[Any]:
-    return [spec.name, spec.dtype.str if spec.dtype.kind != "O" else "O",
-            None if spec.shape is None else list(spec.shape), spec.tensor_name]
+def _tensor(spec: TensorSpec) -> Tensor:
+    return Tensor(spec.name, spec.dtype.str if spec.dtype.kind != "O" else "O",
+                  None if spec.shape is None else list(spec.shape), spec.tensor_name)
 
 
-def _spec(data: list[Any]) -> TensorSpec:
-    name, dtype, shape, tensor_name = data
-    return TensorSpec(name, np.dtype(object if dtype == "O" else dtype), None if shape is None else tuple(shape),
-                      tensor_name)
+def _spec(data: Tensor) -> TensorSpec:
+    dtype = np.dtype(object if data.dtype == "O" else data.dtype)
+    return TensorSpec(data.name, dtype, None if data.shape is None else tuple(data.shape), data.tensor_name)
 
 
-def _signature_plain(sig: SignatureInfo) -> list[Any]:
-    return [sig.name, {k: _spec_plain(v) for k, v in sig.inputs.items()},
-            {k: _spec_plain(v) for k, v in sig.outputs.items()}, sig.method_name]
+def _signature(sig: SignatureInfo) -> Signature:
+    return Signature(sig.name, {k: _tensor(v) for k, v in sig.inputs.items()},
+                     {k: _tensor(v) for k, v in sig.outputs.items()}, sig.method_name)
 
 
-def _signature(data: list[Any]) -> SignatureInfo:
-    name, inputs, outputs, method = data
-    return SignatureInfo(name, {k: _spec(v) for k, v in inputs.items()}, {k: _spec(v) for k, v in outputs.items()},
-                         method)
+def _signature_info(data: Signature) -> SignatureInfo:
+    return SignatureInfo(data.name, {k: _spec(v) for k, v in data.inputs.items()},
+                         {k: _spec(v) for k, v in data.outputs.items()}, data.method_name)
 
 
-def version_plain(view: VersionView) -> list[Any]:
-    return [view.version, view.path, view.platform, view.reads_examples,
-            {k: _signature_plain(v) for k, v in view.signatures.items()}]
+def version_plain(view: VersionView) -> Version:
+    return Version(view.version, view.path, view.platform, view.reads_examples,
+                   {k: _signature(v) for k, v in view.signatures.items()})
 
 
-def version_from_plain(data: list[Any]) -> VersionView:
-    version, path, platform, reads_examples, signatures = data
-    return VersionView(version, path, platform, reads_examples, {k: _signature(v) for k, v in signatures.items()})
+def version_from_plain(data: Version) -> VersionView:
+    return VersionView(data.version, data.path, data.platform, data.reads_examples,
+                       {k: _signature_info(v) for k, v in data.signatures.items()})
 
 
-def view_plain(view: ServingView) -> list[Any]:
-    return [view.generation, {name: [dict(m.labels), [version_plain(v) for v in m.versions.values()], m.serving,
-                                     list(m.route_headers)] for name, m in view.models.items()}]
+def view_plain(view: ServingView) -> ViewPush:
+    return ViewPush(view.generation, {
+        name: Model(dict(m.labels), [version_plain(v) for v in m.versions.values()], m.serving, list(m.route_headers))
+        for name, m in view.models.items()})
 
 
-def view_from_plain(data: list[Any]) -> ServingView:
-    generation, models = data
+def view_from_plain(data: ViewPush) -> ServingView:
     out = {}
-    for name, (labels, versions, serving, headers) in models.items():
-        views = [version_from_plain(v) for v in versions]
-        out[name] = ModelView(labels, {v.version: v for v in views}, serving, tuple(headers))
-    return ServingView(generation, out)
+    for name, model in data.models.items():
+        views = [version_from_plain(v) for v in model.versions]
+        out[name] = ModelView(model.labels, {v.version: v for v in views}, model.serving, tuple(model.route_headers))
+    return ServingView(data.generation, out)
 
 
 # -- the config ------------------------------------------------------------------------------------
-def config_plain(config: Config) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+def config_plain(config: Config) -> ConfigPush:
+    return ConfigPush(dataclasses.asdict(config))
 
 
-def config_from_plain(data: dict[str, Any]) -> Config:
-    return config_mod.from_dict(data)
+def config_from_plain(data: ConfigPush) -> Config:
+    return config_mod.from_dict(data.config)
 
 
-def plain_environ(environ: Mapping[str, Any]) -> dict[str, Any]:
+def plain_environ(environ: Mapping[str, object]) -> dict[str, str]:
     """What of a WSGI environ crosses: its text values (the URL scheme among them; no streams)."""
     return {k: v for k, v in environ.items() if isinstance(v, str)}

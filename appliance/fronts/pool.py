@@ -110,7 +110,7 @@ class Fronts:
         """The workers' gRPC figures (connections, bytes held, what was refused), summed."""
         total: dict[str, int] = {}
         for stats in list(self.front.stats.values()):
-            for key, value in stats.get("grpc", {}).items():
+            for key, value in (stats.grpc or {}).items():
                 total[key] = total.get(key, 0) + value
         return total
 
@@ -123,16 +123,17 @@ class Fronts:
         out = []
         now = time.monotonic()
         for child in self.supervisor.children:
-            stats = self.front.stats.get(child.index, {})
+            stats = self.front.stats.get(child.index)
             pid = self.pids.get(child.index)
             running = child.proc is not None and child.proc.poll() is None
             out.append({"index": child.index, "pid": pid, "up": child.index in serving,
                         "age_s": round(now - child.started, 1) if running else None,
                         "started_at": child.started_at, "heard_s_ago": round(now - child.heard, 1),
                         **(process_memory(pid) if pid and running else {}),
-                        "served": stats.get("served", 0), "connections": stats.get("http", {}).get("connections", 0),
+                        "served": stats.served if stats else 0,
+                        "connections": stats.http.get("connections", 0) if stats else 0,
                         "restarts": child.restarts, "forked": self._forked(child), "pause_s": child.pause,
-                        "imported": stats.get("imported"),
+                        "imported": stats.imported if stats else None,
                         "exits": [{"pid": e.pid, "reason": e.reason, "code": e.code, "at": e.at,
                                    "ran_s": round(e.ran_s, 1), "words": e.words()} for e in child.exits],
                         "ago_s_of_last_exit": round(wall - child.exits[-1].at, 1) if child.exits else None})
@@ -182,7 +183,7 @@ class Fronts:
 
     def drain(self, timeout: float) -> bool:
         """The graceful stop (module docstring); True when every worker drained in time."""
-        self.front.broadcast(m.DRAIN, timeout)
+        self.front.broadcast(m.Drain(timeout))
         clean = self.supervisor.stop(timeout + EXIT_GRACE_S)
         self.close()
         return clean

@@ -8,8 +8,8 @@ answers of that tick) and ``handles``, a ``RemoteHandles``.
 ``RemoteHandles.handle`` answers from the serving view (appliance/fronts/view.py), pushed by
 the serving process at every change of what serves, without a round trip; when the view does
 not know what the request names (a model, version or label that appeared a moment ago, or
-none such), it asks (``RESOLVE``), and the serving process answers with the version's view or
-the manager's own error. ``RemoteHandle.run`` sends the decoded inputs (``RUN``); the serving
+none such), it asks (``Resolve``), and the serving process answers with the version's view or
+the manager's own error. ``RemoteHandle.run`` sends the decoded inputs (``Run``); the serving
 process resolves the request again as the client named it (rollouts route it there, as in one
 process) and runs it through the model's one batch queue. If the version that answers there
 cannot take inputs decoded for this one (a swap to a version with another signature since the
@@ -41,21 +41,21 @@ Key = tuple[str, "int | None", "str | None"]  # (model, version, label) as the r
 
 
 class FrontMetrics:
-    """``RequestMetrics`` counted by the serving process: one ``OBSERVE`` per loop tick."""
+    """``RequestMetrics`` counted by the serving process: one ``Observe`` per loop tick."""
 
     def __init__(self, link: Link):
         self.link = link
-        self._pending: list[list[Any]] = []
+        self._pending: list[m.Observation] = []
 
     def observe_request(self, model: str, api: str, status: int | str, seconds: float, entrypoint: str = "REST") -> None:
         if not self._pending:
             self.link.soon(self._flush)
-        self._pending.append([model, api, status, seconds, entrypoint])
+        self._pending.append(m.Observation(model, api, status, seconds, entrypoint))
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         if pending:
-            self.link.send(m.OBSERVE, pending)
+            self.link.send(m.Observe(pending))
 
 
 class RemoteHandle:
@@ -97,12 +97,13 @@ class RemoteHandle:
 
     async def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         model, version, label = self._key
-        request = m.RunRequest(model, version, label, self._headers, signature, dict(inputs), self._view.version)
-        kind, payload = await self._link.call(m.RUN, request.plain())
-        if kind != m.DONE:
-            raise m.error_from_plain(payload)
-        self._answered = payload[0]
-        return payload[1]  # type: ignore[no-any-return]
+        request = m.Run(self._link.next_id(), model, version, label, dict(self._headers), signature, dict(inputs),
+                        self._view.version)
+        reply = await self._link.call(request)
+        if not isinstance(reply, m.Ran):
+            raise m.unexpected(reply)
+        self._answered = reply.version
+        return reply.outputs
 
     def release(self) -> None:
         """Nothing is held here: the serving process holds the version while it runs."""
@@ -132,10 +133,10 @@ class RemoteHandles:
 
     async def _resolve(self, name: str, version: int | None, label: str | None) -> VersionView:
         """What the view does not know, from the serving process: the version, or its error."""
-        kind, payload = await self.link.call(m.RESOLVE, [name, version, label])
-        if kind != m.DONE:
-            raise m.error_from_plain(payload)
-        return m.version_from_plain(payload)
+        reply = await self.link.call(m.Resolve(self.link.next_id(), name, version, label))
+        if not isinstance(reply, m.Resolved):
+            raise m.unexpected(reply)
+        return m.version_from_plain(reply.version)
 
 
 def _pick(model: ModelView, version: int | None, label: str | None) -> VersionView | None:

@@ -3,26 +3,28 @@
 ``FrontService`` talks to every front worker over its channel, on one event loop of its
 own (``start``):
 
-- ``RUN``: ``manager.handle`` resolves the request as the client named it (rollouts route
+Messages are the structs of appliance/fronts/messages.py.
+
+- ``Run``: ``manager.handle`` resolves the request as the client named it (rollouts route
   it here, exactly as in one process), then ``await handle.run``: the model's one batch
   queue takes requests from every worker. A run that is the only call in flight from all the
-  workers (RUN, GRPC, a WSGI answered on the loop: ``_runs``) is told so (core/batcher.py
+  workers (Run, GrpcCall, a Forward answered on the loop: ``_runs``) is told so (core/batcher.py
   ``LONE_CALL``), so a quick model's lone call runs on this loop instead of paying two thread
   hand-offs, and a slow one's gets every core, as in one process. Inputs the answering version's signature cannot
   take (decoded against a view older than a swap to another signature) run on the version
   they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
-- ``RESOLVE``: what the worker's serving view cannot answer, with the manager's errors.
-- ``WSGI``: a forwarded request that this process's front path answers on its loop (a KServe
+- ``Resolve``: what the worker's serving view cannot answer, with the manager's errors.
+- ``Forward``: a forwarded request that this process's front path answers on its loop (a KServe
   v2 infer naming shared-memory regions, which only this process reads: appliance/fronts/app.py
   ``serving_front``) runs there, as the same request would in one process; any other runs
   through the service's own app on a thread of ``threads`` (``server.threads``), answered
   whole, or streamed chunk by chunk. The
-  worker's ``CANCEL`` (its client went away) ends a stream, and turns the request's
+  worker's ``Cancel`` (its client went away) ends a stream, and turns the request's
   ``appliance.client_gone`` true for an answer that is whole only at its end.
-- ``GRPC``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
+- ``GrpcCall``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
   and KServe v2's, on this process's core) with a context of the lean server's kind.
-- ``OBSERVE``: the workers' request metrics join the core's (one registry, one page).
-- ``STATS``: each worker's HTTP figures and memory, merged by ``http_stats``; sent from the
+- ``Observe``: the workers' request metrics join the core's (one registry, one page).
+- ``Stats``: each worker's HTTP figures and memory, merged by ``http_stats``; sent from the
   worker's loop every second, they are its heartbeat too (``on_heard``).
 
 It pushes the serving view (appliance/fronts/view.py) to every worker when the manager
@@ -55,15 +57,17 @@ from appliance.core.batcher import LONE_CALL
 from appliance.core.errors import ApplianceError, Unavailable
 from appliance.core.handle import shape_error
 from appliance.fronts.view import ServingView, version_view
-from appliance.transport.channel import ChannelProtocol, Message
+from appliance.transport.channel import ChannelProtocol, Codec
 from appliance.transport.grpc.calls import Abort, CallDetails, Context
 from appliance.transport.loop_thread import LoopThread, new_event_loop
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
+    from appliance.core.config import Config
     from appliance.core.handle import Handle
 
 log = logging.getLogger("appliance.front")
+Channel = ChannelProtocol[m.ToServing]
 
 CHANGED = ("the model's versions changed while this request was decoded (version {was} is gone and version {now} "
            "takes other inputs); retry")
@@ -84,8 +88,8 @@ class FrontService:
         self.front = serving_front(core, app)  # what this process answers on its loop (``_fast``)
         self.on_heard = on_heard
         self.turned = time.monotonic()  # when this side's loop last turned (``_turn``)
-        self.links: dict[int, ChannelProtocol] = {}  # worker index -> its channel
-        self.stats: dict[int, dict[str, Any]] = {}  # worker index -> its last STATS
+        self.links: dict[int, Channel] = {}  # worker index -> its channel
+        self.stats: dict[int, m.Stats] = {}  # worker index -> its last figures
         self.view = ServingView(0, {})
         self._streams: dict[tuple[int, int], threading.Event] = {}  # (worker, id) -> cancelled
         self._loop: LoopThread | None = None
@@ -129,60 +133,62 @@ class FrontService:
     async def _connect(self, index: int, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         _, proto = await loop.connect_accepted_socket(
-            lambda: ChannelProtocol(self._on_message, self._on_lost, index), sock)
+            lambda: ChannelProtocol(Codec(m.ToServing), self._on_message, self._on_lost, index), sock)
         self.links[index] = proto
-        proto.send((m.CONFIG, 0, m.config_plain(self.core.config)))
-        proto.send((m.VIEW, 0, m.view_plain(self.view)))
+        proto.send(m.config_plain(self.core.config))
+        proto.send(m.view_plain(self.view))
 
-    def broadcast(self, kind: str, payload: Any) -> None:
-        """Send a push (plain data) to every worker."""
+    def broadcast(self, message: m.Push) -> None:
+        """Send a push to every worker."""
         for proto in list(self.links.values()):
-            proto.send_threadsafe((kind, 0, payload))
+            proto.send_threadsafe(message)
 
-    def push_config(self, config: Any) -> None:
-        self.broadcast(m.CONFIG, m.config_plain(config))
+    def push_config(self, config: Config) -> None:
+        self.broadcast(m.config_plain(config))
 
     def _close_links(self) -> None:
         for proto in list(self.links.values()):
             proto.shut()
 
     # -- messages (loop thread) --------------------------------------------------------------
-    def _on_message(self, proto: ChannelProtocol, message: Message) -> None:
-        kind, ident, payload = message
-        if kind == m.RUN:
+    def _on_message(self, proto: Channel, message: m.ToServing) -> None:
+        if isinstance(message, m.Run):
             self._runs += 1  # counted on arrival: of a burst read at once, none is alone
-            asyncio.get_running_loop().create_task(self._run(proto, ident, m.RunRequest.from_plain(payload)))
-        elif kind == m.RESOLVE:
-            proto.send(self._resolve(ident, *payload))
-        elif kind == m.WSGI:
-            environ = self._environ(*payload)
-            fast = self.front.route(environ)
-            if fast is not None:  # no thread hand-off, no Flask: the loop's own answer
-                self._runs += 1
-                asyncio.get_running_loop().create_task(self._fast(proto, ident, fast, environ))
-                return
-            cancelled = self._streams[(proto.index, ident)] = threading.Event()
-            assert self._pool is not None
-            self._pool.submit(self._wsgi, proto, ident, environ, cancelled)
-        elif kind == m.GRPC:
+            asyncio.get_running_loop().create_task(self._run(proto, message))
+        elif isinstance(message, m.Resolve):
+            proto.send(self._resolve(message))
+        elif isinstance(message, m.Forward):
+            self._forward(proto, message)
+        elif isinstance(message, m.GrpcCall):
             self._runs += 1
-            asyncio.get_running_loop().create_task(self._grpc(proto, ident, *payload))
-        elif kind == m.CANCEL:
-            flag = self._streams.get((proto.index, payload))
+            asyncio.get_running_loop().create_task(self._grpc(proto, message))
+        elif isinstance(message, m.Cancel):
+            flag = self._streams.get((proto.index, message.stream))
             if flag is not None:
                 flag.set()
-        elif kind == m.OBSERVE:
+        elif isinstance(message, m.Observe):
             observe = self.core.metrics.observe_request
-            for observation in payload:
-                observe(*observation)
-        elif kind == m.STATS:
+            for o in message.observations:
+                observe(o.model, o.api, o.status, o.seconds, o.entrypoint)
+        elif isinstance(message, m.Stats):
             first = proto.index not in self.stats
-            self.stats[proto.index] = payload
+            self.stats[proto.index] = message
             self.on_heard(proto.index)
             if first:
                 self.on_listening(proto.index)
 
-    def _on_lost(self, proto: ChannelProtocol) -> None:
+    def _forward(self, proto: Channel, message: m.Forward) -> None:
+        ident, environ = message.id, self._environ(message.environ, message.body)
+        fast = self.front.route(environ)
+        if fast is not None:  # no thread hand-off, no Flask: the loop's own answer
+            self._runs += 1
+            asyncio.get_running_loop().create_task(self._fast(proto, ident, fast, environ))
+            return
+        cancelled = self._streams[(proto.index, ident)] = threading.Event()
+        assert self._pool is not None
+        self._pool.submit(self._wsgi, proto, ident, environ, cancelled)
+
+    def _on_lost(self, proto: Channel) -> None:
         index = proto.index
         if self.links.get(index) is proto:
             del self.links[index]
@@ -191,21 +197,21 @@ class FrontService:
             if worker == index:
                 flag.set()
 
-    async def _run(self, proto: ChannelProtocol, ident: int, request: m.RunRequest) -> None:
+    async def _run(self, proto: Channel, request: m.Run) -> None:
         LONE_CALL.set(self._alone)  # this task's own context
         try:
             with self._answering(request) as held:
                 outputs = await held.run(request.signature, request.inputs)
-                proto.send((m.DONE, ident, [held.version, outputs]))
+                proto.send(m.Ran(request.id, held.version, outputs))
         except Exception as exc:  # the core's own errors, to the client as they are
-            proto.send((m.FAIL, ident, m.error_to_plain(exc)))
+            proto.send(m.failed(request.id, exc))
         finally:
             self._runs -= 1
 
     def _alone(self) -> bool:
         return self._runs == 1
 
-    def _answering(self, request: m.RunRequest) -> "Handle":
+    def _answering(self, request: m.Run) -> "Handle":
         """The handle that runs ``request``: as the client named the version, or, when that one
         cannot take inputs decoded for another (a swap since the worker's view), the version
         they were decoded for, while it is loaded."""
@@ -223,12 +229,12 @@ class FrontService:
         except ApplianceError:
             raise Unavailable(CHANGED.format(was=was, now=now)) from None
 
-    async def _grpc(self, proto: ChannelProtocol, ident: int, method: str, request: bytes,
-                    metadata: list[list[Any]], seconds_left: float | None) -> None:
+    async def _grpc(self, proto: Channel, call: m.GrpcCall) -> None:
         """A gRPC call a worker forwarded, answered by this process's handler for it."""
         LONE_CALL.set(self._alone)
-        pairs = tuple((k, v) for k, v in metadata)
-        deadline = None if seconds_left is None else time.monotonic() + seconds_left
+        ident, method, request = call.id, call.method, call.request
+        pairs = tuple(m.pairs(call.metadata))
+        deadline = None if call.seconds_left is None else time.monotonic() + call.seconds_left
         context = Context(pairs, deadline, "front worker")
         handler = self._grpc_handler(method, pairs)
         try:
@@ -242,13 +248,14 @@ class FrontService:
                 response = await asyncio.get_running_loop().run_in_executor(self._pool, fn, message, context)
             if context.code not in (None, grpc.StatusCode.OK):
                 raise Abort(context.code, context.details)
-            proto.send((m.DONE, ident, [handler.response_serializer(response) if handler.response_serializer
-                                        else response]))
+            proto.send(m.GrpcDone(ident, handler.response_serializer(response) if handler.response_serializer
+                                  else response))
         except Abort as exc:
-            proto.send((m.STATUS, ident, [exc.code.name, exc.details, [list(kv) for kv in context.trailing]]))
+            proto.send(m.GrpcStatus(ident, exc.code.name, exc.details or "", m.metadata(context.trailing)))
         except Exception:  # a handler's own bug: logged here, INTERNAL there
             log.exception("forwarded gRPC %s failed", method)
-            proto.send((m.STATUS, ident, [grpc.StatusCode.INTERNAL.name, "internal error: see the service log", []]))
+            proto.send(m.GrpcStatus(ident, grpc.StatusCode.INTERNAL.name, "internal error: see the service log",
+                                    m.metadata(())))
         finally:
             self._runs -= 1
 
@@ -268,15 +275,15 @@ class FrontService:
                 return handler
         return None
 
-    def _resolve(self, ident: int, name: str, version: int | None, label: str | None) -> Message:
+    def _resolve(self, ask: m.Resolve) -> m.Resolved | m.Failed:
         manager = self.core.manager
         try:
             if manager is None:
                 raise Unavailable("the service is stopping")
-            with manager.handle(name, version, label, judged=False) as held:
-                return (m.DONE, ident, m.version_plain(_view_of(held)))
+            with manager.handle(ask.model, ask.version, ask.label, judged=False) as held:
+                return m.Resolved(ask.id, m.version_plain(_view_of(held)))
         except BaseException as exc:
-            return (m.FAIL, ident, m.error_to_plain(exc))
+            return m.failed(ask.id, exc)
 
     # -- forwarded requests (pool threads) -----------------------------------------------------
     @staticmethod
@@ -284,20 +291,20 @@ class FrontService:
         return {**env, "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
                 "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False}
 
-    async def _fast(self, proto: ChannelProtocol, ident: int, answer: Callable[[dict[str, Any]], Any],
+    async def _fast(self, proto: Channel, ident: int, answer: Callable[[dict[str, Any]], Any],
                     environ: dict[str, Any]) -> None:
         """(loop) A forwarded request the front path answers here, whole."""
         LONE_CALL.set(self._alone)
         try:
             status, headers, body = await answer(environ)
-            proto.send((m.ANSWER, ident, [status, headers, body]))
+            proto.send(m.Answer(ident, status, headers, body))
         except Exception as exc:  # the families answer their own errors; this is a bug of ours
             log.exception("forwarded %s %s failed", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
-            proto.send((m.FAIL, ident, m.error_to_plain(exc)))
+            proto.send(m.failed(ident, exc))
         finally:
             self._runs -= 1
 
-    def _wsgi(self, proto: ChannelProtocol, ident: int, environ: dict[str, Any], cancelled: threading.Event) -> None:
+    def _wsgi(self, proto: Channel, ident: int, environ: dict[str, Any], cancelled: threading.Event) -> None:
         environ[GONE_KEY] = cancelled.is_set  # the worker's CANCEL: its client went away
         started: list[Any] = []
 
@@ -309,12 +316,12 @@ class FrontService:
         try:
             result = self.app(environ, start_response)
             if isinstance(result, (list, tuple)):
-                proto.send_threadsafe((m.ANSWER, ident, [started[0], started[1], b"".join(result)]))
+                proto.send_threadsafe(m.Answer(ident, started[0], started[1], b"".join(result)))
                 return
             self._stream(proto, ident, result, started, cancelled)
         except Exception as exc:  # the app's own failure: logged here, a 500 there
             log.exception("forwarded %s %s failed", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
-            proto.send_threadsafe((m.FAIL, ident, m.error_to_plain(exc)))
+            proto.send_threadsafe(m.failed(ident, exc))
         finally:
             self._streams.pop((proto.index, ident), None)
             closer = getattr(result, "close", None)
@@ -322,20 +329,20 @@ class FrontService:
                 closer()
 
     @staticmethod
-    def _stream(proto: ChannelProtocol, ident: int, result: Any, started: list[Any],
+    def _stream(proto: Channel, ident: int, result: Any, started: list[Any],
                 cancelled: threading.Event) -> None:
         sent = False
         for chunk in result:
             if cancelled.is_set():
                 return
             if not sent:  # start_response may come with the first chunk (PEP 3333)
-                proto.send_threadsafe((m.START, ident, [started[0], started[1]]))
+                proto.send_threadsafe(m.Start(ident, started[0], started[1]))
                 sent = True
             if chunk:
-                proto.send_threadsafe((m.CHUNK, ident, bytes(chunk)))
+                proto.send_threadsafe(m.Chunk(ident, bytes(chunk)))
         if not sent:
-            proto.send_threadsafe((m.START, ident, [started[0], started[1]]))
-        proto.send_threadsafe((m.END, ident, None))
+            proto.send_threadsafe(m.Start(ident, started[0], started[1]))
+        proto.send_threadsafe(m.End(ident))
 
     # -- the serving view ---------------------------------------------------------------------
     def _view_changed(self) -> None:
@@ -362,14 +369,14 @@ class FrontService:
         self.view = view
         plain = m.view_plain(view)
         for proto in list(self.links.values()):
-            proto.send((m.VIEW, 0, plain))
+            proto.send(plain)
 
     # -- status ---------------------------------------------------------------------------------
     def http_stats(self, base: dict[str, Any]) -> dict[str, Any]:
         """The workers' HTTP figures together, over ``base`` (the figures of none): counts
         summed, settings shown once (a limit shared out among workers: the port's total)."""
         merged = dict(base)
-        reported = [stats.get("http", {}) for stats in list(self.stats.values())]
+        reported = [stats.http for stats in list(self.stats.values())]
         for key, value in base.items():
             if key in SETTINGS or not reported:
                 continue
@@ -382,7 +389,7 @@ def _view_of(held: "Handle") -> serving_view.VersionView:
     return version_view(held.version, held.path, held.platform, held.reads_examples, held.signatures)
 
 
-def _takes(held: "Handle", request: m.RunRequest) -> bool:
+def _takes(held: "Handle", request: m.Run) -> bool:
     """Whether ``held``'s signature takes ``request``'s inputs as decoded: the same inputs, each
     of the declared dtype and a shape it fits."""
     sig = held.signatures.get(request.signature)

@@ -5,24 +5,24 @@
 Started only by appliance/fronts/pool.py, which holds the port (and the gRPC port, 0
 for none) and passes its end of a private channel: forked by the zygote (``run_forked``,
 appliance/fronts/zygote.py), or as a fresh interpreter with the command above where there is
-none. The worker listens on the ports with SO_REUSEPORT beside the others. gRPC runs on the lean server's own loop thread
-(appliance/fronts/grpc_front.py's services). The
-first message on the channel is the service's config, read before anything starts; the
+none. The worker listens on the ports with SO_REUSEPORT beside the others. gRPC runs on the
+HTTP server's event loop, as the lean server's guest (appliance/fronts/grpc_front.py's
+services), so a call's run is awaited on the loop the channel lives on. The first message on the channel is the service's config, read before anything starts; the
 worker then serves appliance/fronts/app.py's ``FrontApp`` on appliance/transport/http/
 server.py's server (hot requests on its event loop, the rest on its threads), with its
 share of the port's limits, the channel on the same loop, until the serving process says
-``DRAIN`` (finish what is held, then exit 0) or goes away (EOF, or this process handed to
+``Drain`` (finish what is held, then exit 0) or goes away (EOF, or this process handed to
 init: close everything, exit 1). Ctrl-C in a terminal and systemd's stop reach the whole
 process group: a worker ignores SIGINT and SIGTERM and waits for the serving process's word,
 so the drain happens in its order (the workers, then the models).
 
-Every ``HEARTBEAT_S`` the worker's loop sends its figures (``STATS``): they are its heartbeat,
+Every ``HEARTBEAT_S`` the worker's loop sends its figures (``Stats``): they are its heartbeat,
 so they stop when the loop stops turning, and the supervisor replaces a worker that has been
 silent for ``[server] worker_timeout_s`` (appliance/fronts/supervisor.py).
 
 What it imports is its request path and nothing else: no Flask or werkzeug (everything else is
 forwarded), no backend library (it never runs a model), gRPC's modules only when it serves the
-gRPC port (tests/test_worker_imports.py).
+gRPC port (tests/fronts/test_worker_supervision.py).
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ from appliance.fronts.remote import RemoteCore
 from appliance.fronts.link import Link
 from appliance.core import logs, memory
 from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
-from appliance.transport.channel import ChannelProtocol, Message, read_one
+from appliance.transport.channel import ChannelProtocol, Codec, read_one
 from appliance.transport.http.server import HTTPServer, listen
 
 log = logging.getLogger("appliance.workers")
 
 # Libraries worth naming when a worker holds them (``/api/status`` ``workers[].imported``): what
 # its request path needs, and what it must never hold (tests/fronts/test_worker_supervision.py).
-NAMED_MODULES = ("numpy", "uvloop", "httptools", "orjson", "simdjson", "rapidjson", "msgpack", "grpc", "h2",
+NAMED_MODULES = ("numpy", "uvloop", "httptools", "orjson", "simdjson", "rapidjson", "msgspec", "grpc", "h2",
                  "google.protobuf", "flask", "werkzeug", "jinja2", "tensorflow", "ai_edge_litert", "tflite_runtime",
                  "litert_lm", "sqlite_utils", "prometheus_client", "zeroconf", "boto3", "cryptography", "psutil")
 HEARTBEAT_S = 1.0  # HTTP figures and memory to the serving process, from the loop: the heartbeat
@@ -63,16 +63,17 @@ class Worker:
         self.grpc: Any = None
         self.workers = 1
         self.link = Link(self.on_push)
+        self.codec: Codec[m.ToWorker] = Codec(m.ToWorker)
         self.core: RemoteCore | None = None
         self.server: HTTPServer | None = None
         self.done = threading.Event()
         self.exit_code = 0
 
     def run(self) -> int:
-        first = read_one(self.sock)
-        if first is None or first[0] != m.CONFIG:
+        first = read_one(self.sock, self.codec)
+        if not isinstance(first, m.ConfigPush):
             return 1
-        config = m.config_from_plain(first[2])
+        config = m.config_from_plain(first)
         logs.setup(config.log_level)
         core = self.core = RemoteCore(config, self.link)
         app = FrontApp(core, hot_mounts(core), Forwarder(self.link), partial(forward_whole, self.link))
@@ -126,7 +127,7 @@ class Worker:
         async def connect() -> None:
             self.sock.setblocking(False)
             _, proto = await loop.connect_accepted_socket(
-                lambda: ChannelProtocol(self.link.on_message, self.link.on_lost, self.index), self.sock)
+                lambda: ChannelProtocol(self.codec, self.link.on_message, self.link.on_lost, self.index), self.sock)
             self.link.attach(loop, proto)
             self.beat(loop)  # listening: the serving process counts this worker in
         loop.create_task(connect())
@@ -137,17 +138,16 @@ class Worker:
             self.send_stats()
             loop.call_later(HEARTBEAT_S, self.beat, loop)
 
-    def on_push(self, message: Message) -> None:
+    def on_push(self, message: m.Push) -> None:
         """(the loop) What the serving process says unasked."""
-        kind, _, payload = message
         assert self.core is not None
-        if kind == m.CONFIG:
-            self.core.config = m.config_from_plain(payload)
-        elif kind == m.VIEW:
-            self.core.handles.view = m.view_from_plain(payload)
-        elif kind == m.DRAIN:
-            threading.Thread(target=self.drain, args=(payload,), name="drain", daemon=True).start()
-        elif kind == "eof":  # the serving process is gone: nothing here can be answered any more
+        if isinstance(message, m.ConfigPush):
+            self.core.config = m.config_from_plain(message)
+        elif isinstance(message, m.ViewPush):
+            self.core.handles.view = m.view_from_plain(message)
+        elif isinstance(message, m.Drain):
+            threading.Thread(target=self.drain, args=(message.timeout,), name="drain", daemon=True).start()
+        elif isinstance(message, m.Eof):  # the serving process is gone: nothing here can be answered any more
             self.gone()
 
     def drain(self, timeout: float) -> None:
@@ -184,12 +184,12 @@ class Worker:
     def send_stats(self) -> None:
         server, grpc = self.server, self.grpc
         if server is not None:
-            stats = {"pid": os.getpid(), "rss_bytes": _rss(), "http": dict(server.stats), "served": server.tracker.served,
-                     "imported": [name for name in NAMED_MODULES if name in sys.modules]}
+            figures = None
             if grpc is not None:
-                stats["grpc"] = {"connections": len(grpc.connections), "held_bytes": grpc.held,
-                                 "max_connections": grpc.limits.max_connections, **grpc.stats.copy()}
-            self.link.send(m.STATS, stats)
+                figures = {"connections": len(grpc.connections), "held_bytes": grpc.held,
+                           "max_connections": grpc.limits.max_connections, **grpc.stats.copy()}
+            self.link.send(m.Stats(os.getpid(), _rss(), dict(server.stats), server.tracker.served,
+                                   [name for name in NAMED_MODULES if name in sys.modules], figures))
 
 
 def _rss() -> int:

@@ -107,7 +107,7 @@ def public_bucket_url(url: str) -> str:
     """The bucket URL without any user:password part (status pages and reports)."""
     parsed = urlparse(url)
     if parsed.username or parsed.password:
-        parsed = parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else ""))
+        parsed = parsed._replace(netloc=(parsed.hostname or "") + (f":{parsed.port}" if parsed.port else ""))
     return urlunparse(parsed)
 
 

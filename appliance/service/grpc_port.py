@@ -14,10 +14,13 @@ TF Serving users hit first). The token check of appliance/api/auth.py runs as an
 The server stops, after in-flight calls finish (bounded by ``server.drain_timeout_s``), on
 the service's "stopping" hook. Same process, same manager, same batchers as REST.
 
-Which server: ``[grpc] transport``. "lean" (the default) is appliance/transport/grpc/h2_server.py, unary
-gRPC over python-hyper's h2, on one event loop, with the ``[grpc]`` bounds on hostile clients; "grpcio" is grpcio's ``grpc.aio`` server
-(appliance/transport/grpc/aio_server.py), kept as the fallback. Both take the same generic handlers and
-interceptor, so the services do not know which one runs them. Why not grpcio by default:
+Which server: ``[grpc] transport``. "lean" (the default) is appliance/transport/grpc/h2_server.py,
+unary gRPC over libnghttp2 (appliance/transport/grpc/nghttp2.py, through cffi), on one event loop,
+with the ``[grpc]`` bounds on hostile clients; with front workers ([server] workers > 1) the TCP port
+is theirs (appliance/fronts/grpc_front.py: each worker serves it on its own loop) and only the Unix
+socket stays here. "grpcio" is grpcio's ``grpc.aio`` server (appliance/transport/grpc/aio_server.py),
+the fallback, and what "lean" becomes where libnghttp2 cannot be loaded (``transport_of``). Both
+take the same generic handlers and interceptor, so the services do not know which one runs them. Why not grpcio by default:
 its per-call machinery cost more server CPU than the whole REST path on a small device
 (bench/RESULTS.md). Why an event loop and not ``grpc.server``'s threads: each hand-off
 between threads is a GIL switch; on the loop a call's Python work (decode, queue, encode)

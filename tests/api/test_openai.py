@@ -228,7 +228,7 @@ def test_a_hot_swap_mid_stream_finishes_on_the_old_version(start_server: Any, ge
     """Streams of genmodel's slow model keep version 1 across the swap: each finishes on the
     version it started on, unbroken, and version 1 drains until its streams end. A stream's
     length against the new version's trial depends on the machine, so streams are chained
-    until the swap is seen (tests/test_generate.py ``StreamChain``), each starting the next a
+    until the swap is seen (tests/api/test_generate.py ``StreamChain``), each starting the next a
     quarter of the way in."""
     base = model_copy(gen_models, tmp_path, "gen_slow")
     srv = start_server("--models", str(base), "--poll-interval", "0.2")

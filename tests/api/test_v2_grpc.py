@@ -231,7 +231,7 @@ def shm_tracker() -> None:
 def test_shared_memory_in_one_process(client: Any) -> None:
     """Without front workers the gRPC port's own v2 service reads and writes the regions: the
     input read from one, the output written into another, the same numbers as raw contents
-    (tests/test_v2_shared_memory.py runs the same through the workers of ``appliance serve``)."""
+    (tests/api/test_v2_shared_memory.py runs the same through the workers of ``appliance serve``)."""
     import uuid
 
     import tritonclient.utils.shared_memory as shm

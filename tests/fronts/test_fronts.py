@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import psutil
@@ -245,7 +245,7 @@ def test_the_view_is_pushed_and_a_stale_one_never_gives_a_wrong_answer(models_di
     from appliance.fronts.remote import RemoteCore
     from appliance.fronts.serving import FrontService
     from appliance.fronts.view import ModelView, ServingView, version_view
-    from appliance.transport.channel import ChannelProtocol
+    from appliance.transport.channel import ChannelProtocol, Codec
     from runtimes import SignatureInfo
 
     base = models(models_dir, tmp_path, MLP)
@@ -264,14 +264,15 @@ def test_the_view_is_pushed_and_a_stale_one_never_gives_a_wrong_answer(models_di
     remote: list[RemoteCore] = []
 
     def pushed(message: Any) -> None:
-        if message[0] == m.VIEW and remote:
-            remote[0].handles.view = m.view_from_plain(message[2])
+        if isinstance(message, m.ViewPush) and remote:
+            remote[0].handles.view = m.view_from_plain(message)
 
     link = Link(pushed)
     remote.append(RemoteCore(config, link))
 
     async def connect() -> None:
-        _, proto = await loop.connect_accepted_socket(lambda: ChannelProtocol(link.on_message, link.on_lost), ours)
+        _, proto = await loop.connect_accepted_socket(
+            lambda: ChannelProtocol(Codec(m.ToWorker), link.on_message, link.on_lost), ours)
         link.attach(loop, proto)
 
     try:
@@ -318,14 +319,15 @@ def test_the_view_is_pushed_and_a_stale_one_never_gives_a_wrong_answer(models_di
 @contextlib.contextmanager
 def serving_side(models_dir: Path, tmp_path: Path, app: Any) -> Iterator[tuple[Any, Any]]:
     """A ``FrontService`` over the MLP with ``app`` as its WSGI app, and ``call(kind, payload)``:
-    a message sent as a worker sends it, its reply awaited."""
+    a request (made with ``link.next_id()``) sent as a worker sends it, its reply awaited."""
     import asyncio
 
     from appliance.core.appliance import Appliance
     from appliance.core.config import Config, ModelConfig
+    from appliance.fronts import messages as m
     from appliance.fronts.link import Link
     from appliance.fronts.serving import FrontService
-    from appliance.transport.channel import ChannelProtocol
+    from appliance.transport.channel import ChannelProtocol, Codec
 
     config = Config()
     config.state_dir = str(tmp_path / "state")
@@ -341,11 +343,12 @@ def serving_side(models_dir: Path, tmp_path: Path, app: Any) -> Iterator[tuple[A
     link = Link(lambda message: None)
 
     async def connect() -> None:
-        _, proto = await loop.connect_accepted_socket(lambda: ChannelProtocol(link.on_message, link.on_lost), ours)
+        _, proto = await loop.connect_accepted_socket(
+            lambda: ChannelProtocol(Codec(m.ToWorker), link.on_message, link.on_lost), ours)
         link.attach(loop, proto)
 
-    def call(kind: str, payload: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(link.call(kind, payload), loop).result(30)
+    def call(make: Callable[[int], Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(link.call(make(link.next_id())), loop).result(30)
 
     try:
         asyncio.run_coroutine_threadsafe(connect(), loop).result(10)
@@ -376,18 +379,18 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
     def forwarded(method: str, path: str, body: bytes = b"") -> Any:
         environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "REQUEST_URI": path, "CONTENT_LENGTH": str(len(body)),
                    "CONTENT_TYPE": "application/json", "wsgi.url_scheme": "http"}
-        return call(m.WSGI, [environ, body])
+        return call(lambda ident: m.Forward(ident, environ, body))
 
     with serving_side(models_dir, tmp_path, app) as (front, call):
         body = json.dumps({"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": ROW}]}).encode()
-        kind, (status, _, data) = forwarded("POST", f"/v2/models/{MLP}/infer", body)
-        assert (kind, status) == (m.ANSWER, "200 OK"), data
-        assert np.asarray(json.loads(data)["outputs"][0]["data"]).size == 10
-        kind, (status, _, data) = forwarded("POST", "/v2/models/nope/infer", body)
-        assert status.startswith("404") and b"nope" in data, data  # the family's own error, on the loop too
+        reply = forwarded("POST", f"/v2/models/{MLP}/infer", body)
+        assert isinstance(reply, m.Answer) and reply.status == "200 OK", reply
+        assert np.asarray(json.loads(reply.body)["outputs"][0]["data"]).size == 10
+        reply = forwarded("POST", "/v2/models/nope/infer", body)
+        assert reply.status.startswith("404") and b"nope" in reply.body, reply  # the family's own error, on the loop too
         assert called == []
-        kind, (status, _, data) = forwarded("GET", f"/v1/models/{MLP}")
-        assert (status, data, called) == ("200 OK", b"the app", [f"/v1/models/{MLP}"])
+        reply = forwarded("GET", f"/v1/models/{MLP}")
+        assert (reply.status, reply.body, called) == ("200 OK", b"the app", [f"/v1/models/{MLP}"])
         assert front._runs == 0  # those answered on the loop counted in flight while they ran, and out
 
 
@@ -411,15 +414,13 @@ def test_a_lone_run_from_the_workers_is_told_it_is_alone(models_dir: Path, tmp_p
     row = np.asarray([ROW], dtype=np.float32)
     with serving_side(models_dir, tmp_path, lambda environ, start_response: []) as (front, call):
         def run(version: int | None) -> Any:
-            return call(m.RUN, m.RunRequest(MLP, version, None, {}, "serving_default", {"x": row}, 1).plain())
+            return call(lambda ident: m.Run(ident, MLP, version, None, {}, "serving_default", {"x": row}, 1))
 
         for _ in range(3):
-            kind, payload = run(None)
-            assert kind == m.DONE and np.asarray(payload[1]["probs"]).shape == (1, 10), payload
-        kind, _ = run(9)  # no such version: failed, and no longer in flight
-        assert kind == m.FAIL
-        kind, _ = run(None)
-        assert kind == m.DONE
+            reply = run(None)
+            assert isinstance(reply, m.Ran) and reply.outputs["probs"].shape == (1, 10), reply
+        assert isinstance(run(9), m.Failed)  # no such version: failed, and no longer in flight
+        assert isinstance(run(None), m.Ran)
         assert told == [True] * 4 and front._runs == 0
 
 

@@ -142,7 +142,7 @@ def test_a_worker_holds_its_request_path_only(start_server: Any, models_dir: Pat
     server = start_server("--models", str(models(models_dir, tmp_path, MLP)), "--backend", "tflite", "--workers", "2")
     server.wait_for(lambda: all(w["imported"] for w in server.status()["workers"]), 30, "the workers' figures")
     for held in (w["imported"] for w in server.status()["workers"]):
-        assert {"numpy", "uvloop", "httptools", "orjson", "msgpack"} <= set(held), held
+        assert {"numpy", "uvloop", "httptools", "orjson", "msgspec"} <= set(held), held
         assert not {"flask", "werkzeug", "jinja2", "tensorflow", "ai_edge_litert", "tflite_runtime", "grpc", "h2",
                     "sqlite_utils", "zeroconf", "boto3"} & set(held), held
     assert "ai_edge_litert" in server.status()["service"]["imported"]  # the serving process runs the model

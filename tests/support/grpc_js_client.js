@@ -1,7 +1,7 @@
 // grpc-js (@grpc/grpc-js, the pure-JavaScript gRPC of Node.js: its own HTTP/2 through Node's
-// nghttp2 binding) against the lean gRPC server's echo methods in tests/test_h2_grpc.py.
+// nghttp2 binding) against the lean gRPC server's echo methods in tests/transport/test_h2_grpc.py.
 // Bytes in, bytes out (no .proto): prints one JSON object of what each call gave.
-//   node tests/grpc_js_client.js PORT      (NODE_PATH holds @grpc/grpc-js)
+//   node tests/support/grpc_js_client.js PORT      (NODE_PATH holds @grpc/grpc-js)
 'use strict';
 const crypto = require('crypto');
 const grpc = require('@grpc/grpc-js');

@@ -233,7 +233,7 @@ def raw_view(arr: np.ndarray) -> memoryview:
         return memoryview(to_raw(arr))
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
+    return np.ascontiguousarray(arr).data.cast("B")
 
 
 # --- the binary tensor extension over HTTP ------------------------------------------------------

@@ -154,7 +154,7 @@ def _field(request: Mapping[str, Any], key: str, kind: type, default: Any = _MIS
     value = request.get(key, default)
     if value is _MISSING:
         raise InvalidArgument(f"Shared memory register request has no '{key}' field")
-    if type(value) is not kind or (kind is int and value < 0):
+    if type(value) is not kind or (isinstance(value, int) and value < 0):
         raise InvalidArgument(f"Shared memory register request: '{key}' must be a "
                               f"{'non-negative integer' if kind is int else 'string'}, got {value!r}")
     return value
@@ -187,8 +187,8 @@ def read_input(regions: SharedMemory | None, piece: Slice, datatype: str, shape:
     one copy into the array (BYTES elements parsed from it as binary data is)."""
     codec.check_binary_size(piece.byte_size, datatype, shape, piece.where)
     raw = np.empty(piece.byte_size, np.uint8)
-    registry(regions).read_into(piece, memoryview(raw))
-    return codec.from_raw(memoryview(raw), datatype, shape, piece.where)
+    registry(regions).read_into(piece, raw.data)
+    return codec.from_raw(raw.data, datatype, shape, piece.where)
 
 
 def write_output(regions: SharedMemory | None, piece: Slice, array: np.ndarray, name: str) -> None:

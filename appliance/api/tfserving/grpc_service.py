@@ -42,7 +42,7 @@ from appliance.protos.tfserving import pb
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
 
-TFS_CODES = {QueueFull: "RESOURCE_EXHAUSTED"}  # as the TF Serving clients expect for a full queue
+TFS_CODES: dict[type, str] = {QueueFull: "RESOURCE_EXHAUSTED"}  # as the TF Serving clients expect for a full queue
 
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
 MODEL_SERVICE = "tensorflow.serving.ModelService"

@@ -374,7 +374,7 @@ def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
     if not len(instances):
         raise InvalidArgument("JSON Value: No values in 'instances' array")
     check_rows(len(instances), "instances", limits)
-    if len(instances) and isinstance(instances[0], dict) and not _is_b64(instances[0]):
+    if isinstance(instances, list) and len(instances) and isinstance(instances[0], dict) and not _is_b64(instances[0]):
         return _rows_named(signature, instances), True
     return _single(signature, instances, "instances"), True
 

@@ -218,7 +218,8 @@ def _json_type(value: Any) -> str:
         return "Null"
     if isinstance(value, bool):
         return "True" if value else "False"
-    return {dict: "Object", list: "Array", str: "String"}.get(type(value), "Number")
+    names: dict[type, str] = {dict: "Object", list: "Array", str: "String"}
+    return names.get(type(value), "Number")
 
 
 # --- JsonValueToDebugString: rapidjson's PrettyWriter, kFormatSingleLineArray, 256 bytes ------
@@ -289,7 +290,7 @@ class _PrettyWriter:
         self.prefix()
         self.levels.append([is_list, 0])
         self.put("[" if is_list else "{")
-        for item in value if is_list else value.items():
+        for item in value if isinstance(value, list) else value.items():
             if is_list:
                 if not self.accept(item):
                     return False

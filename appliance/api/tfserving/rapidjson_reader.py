@@ -80,8 +80,9 @@ def _root_end(data: bytes, end: int) -> int:
 
 def _as_tf_serving_words(words: str, offset: int, data: bytes, start: int) -> str:
     """What TF Serving's parse says where python-rapidjson's says ``words``."""
-    if words == "Invalid value." and offset == _WHITESPACE.match(data, start).end() \
-            and data[offset:offset + 1] in (b"]", b"}", b",", b":"):  # type: ignore[union-attr]
+    white = _WHITESPACE.match(data, start)  # whitespace or none: it always matches
+    if words == "Invalid value." and white is not None and offset == white.end() \
+            and data[offset:offset + 1] in (b"]", b"}", b",", b":"):
         return "The document is empty."  # the iterative parser's start state, for a token no value starts with
     return _TF_SERVING_WORDS.get(words, words)
 

@@ -29,12 +29,14 @@ class AioServer(LoopThread):
 
     def add_insecure_port(self, address: str) -> int:
         async def add() -> int:
-            return self.server.add_insecure_port(address)
+            port: int = self.server.add_insecure_port(address)  # (grpc is untyped)
+            return port
         return self.run(add())
 
     def add_secure_port(self, address: str, credentials: Any) -> int:
         async def add() -> int:
-            return self.server.add_secure_port(address, credentials)
+            port: int = self.server.add_secure_port(address, credentials)
+            return port
         return self.run(add())
 
     def start(self) -> None:

@@ -87,7 +87,8 @@ class Request:
     __slots__ = ("method", "metadata", "deadline", "encoding", "problem", "http_status")
 
     def __init__(self, headers: Sequence[Header]):
-        self.method, self.deadline, self.encoding, self.problem = "", None, b"identity", ""
+        self.method, self.encoding, self.problem = "", b"identity", ""
+        self.deadline: float | None = None
         self.http_status = 0
         metadata: list[tuple[str, Any]] = []
         verb = content_type = b""

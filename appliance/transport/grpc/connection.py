@@ -113,7 +113,7 @@ class Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # a stream's transport: asyncio types the argument as its base
         peer = transport.get_extra_info("peername")
         self.peer = f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else f"unix:{peer or ''}"
         self.server.connection_made(self)

@@ -18,7 +18,7 @@ Thread-safety: one thread (the event loop's); callbacks run inside ``feed`` and 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, cast
 
 from _cffi_backend import from_handle as _from_handle, unpack as _unpack  # FFI's own methods wrap these
 
@@ -91,7 +91,7 @@ class Session:
         if self.ptr is not None:
             self.lib.nghttp2_session_del(self.ptr)
             self.ptr = None
-        self._handle = self.events = self.sink = None  # type: ignore[assignment]
+        self._handle = self.events = self.sink = None  # type: ignore[assignment]  # closed: the fields are None only after close, never read then
 
     # -- bytes in and out --------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -161,8 +161,9 @@ class Session:
     def stream_window(self, stream_id: int) -> int:
         """What the peer lets us send on the stream now (its and the connection's window)."""
         lib = self.lib
-        return min(lib.nghttp2_session_get_stream_remote_window_size(self.ptr, stream_id),
-                   lib.nghttp2_session_get_remote_window_size(self.ptr))
+        window: int = min(lib.nghttp2_session_get_stream_remote_window_size(self.ptr, stream_id),
+                          lib.nghttp2_session_get_remote_window_size(self.ptr))
+        return window
 
     def goaway(self, code: int, message: bytes = b"", graceful: bool = False) -> None:
         """GOAWAY naming the last stream we processed. ``graceful``: streams in flight finish
@@ -192,7 +193,7 @@ def _nv(ffi: Any, headers: Sequence[Header]) -> tuple[Any, int, Any]:
     OK trailers): built once and kept."""
     constant = type(headers) is tuple
     if constant and headers in _CONSTANT_NV:
-        return _CONSTANT_NV[headers]  # type: ignore[index]
+        return _CONSTANT_NV[headers]
     nva = ffi.new("nghttp2_nv[]", len(headers))
     keep = [nva]
     for item, (name, value) in zip(nva, headers):
@@ -202,7 +203,7 @@ def _nv(ffi: Any, headers: Sequence[Header]) -> tuple[Any, int, Any]:
         item.value, item.valuelen = ffi.cast("uint8_t *", v), len(value)
     built = (nva, len(headers), keep)
     if constant and len(_CONSTANT_NV) < 64:
-        _CONSTANT_NV[headers] = built  # type: ignore[index]
+        _CONSTANT_NV[headers] = built  # type: ignore[index]  # the key is a tuple whenever the block is constant (checked above)
     return built
 
 
@@ -228,7 +229,7 @@ def _provider() -> Any:
     if _PROVIDER is None:
         ffi, _ = ng.load()
         _PROVIDER = ffi.new("nghttp2_data_provider *")
-        _PROVIDER.read_callback = _callbacks.read  # type: ignore[attr-defined]
+        _PROVIDER.read_callback = _callbacks.read  # type: ignore[attr-defined]  # a function attribute holding the C callback alive
     return _PROVIDER
 
 
@@ -239,20 +240,22 @@ def _callbacks() -> Any:
         return _CALLBACKS
     ffi, lib = ng.load()
     failed = ng.ERR_CALLBACK_FAILURE
+    # cffi is untyped: its decorator, typed here, takes a callback and gives C's pointer to it
+    callback = cast(Callable[..., Callable[[Callable[..., int]], object]], ffi.callback)
 
     from_handle, unpack = _from_handle, _unpack  # callbacks run per header: no wrapper call in between
 
     def on_error(exception: Any, value: Any, traceback: Any) -> None:  # a bug of ours: one connection pays
         log.error("gRPC connection callback failed", exc_info=(exception, value, traceback))
 
-    @ffi.callback("int(nghttp2_session *, const nghttp2_frame_hd *, void *)", error=failed, onerror=on_error)
+    @callback("int(nghttp2_session *, const nghttp2_frame_hd *, void *)", error=failed, onerror=on_error)
     def on_begin_headers(session: Any, hd: Any, user_data: Any) -> int:
         s = from_handle(user_data)
         s.sink = s.events.on_stream(hd.stream_id) if hd.type == ng.HEADERS else None
         s.sink_bytes = 0
         return 0
 
-    @ffi.callback("int(nghttp2_session *, const nghttp2_frame_hd *, const char *, size_t, const char *, "
+    @callback("int(nghttp2_session *, const nghttp2_frame_hd *, const char *, size_t, const char *, "
                   "size_t, uint8_t, void *)", error=failed, onerror=on_error)
     def on_header(session: Any, hd: Any, name: Any, namelen: int, value: Any, valuelen: int, flags: int,
                   user_data: Any) -> int:
@@ -263,7 +266,7 @@ def _callbacks() -> Any:
             sink.append((unpack(name, namelen), unpack(value, valuelen)))
         return 0
 
-    @ffi.callback("int(nghttp2_session *, const nghttp2_frame_hd *, void *)", error=failed, onerror=on_error)
+    @callback("int(nghttp2_session *, const nghttp2_frame_hd *, void *)", error=failed, onerror=on_error)
     def on_frame(session: Any, hd: Any, user_data: Any) -> int:
         s = from_handle(user_data)
         kind, conn = hd.type, s.events
@@ -287,21 +290,22 @@ def _callbacks() -> Any:
             conn.on_goaway()
         return failed if conn.failed else 0
 
-    @ffi.callback("int(nghttp2_session *, uint8_t, int32_t, const uint8_t *, size_t, void *)", error=failed,
+    @callback("int(nghttp2_session *, uint8_t, int32_t, const uint8_t *, size_t, void *)", error=failed,
                   onerror=on_error)
     def on_data(session: Any, flags: int, stream_id: int, data: Any, length: int, user_data: Any) -> int:
         from_handle(user_data).events.on_data(stream_id, data, length)
         return 0
 
-    @ffi.callback("int(nghttp2_session *, int32_t, uint32_t, void *)", error=failed, onerror=on_error)
+    @callback("int(nghttp2_session *, int32_t, uint32_t, void *)", error=failed, onerror=on_error)
     def on_close(session: Any, stream_id: int, code: int, user_data: Any) -> int:
         from_handle(user_data).events.on_stream_closed(stream_id)
         return 0
 
-    @ffi.callback("ssize_t(nghttp2_session *, int32_t, uint8_t *, size_t, uint32_t *, nghttp2_data_source *, void *)",
+    @callback("ssize_t(nghttp2_session *, int32_t, uint8_t *, size_t, uint32_t *, nghttp2_data_source *, void *)",
                   error=failed, onerror=on_error)
     def read(session: Any, stream_id: int, buf: Any, length: int, data_flags: Any, source: Any,
              user_data: Any) -> int:
+        n: int
         n, last = from_handle(user_data).events.read_answer(stream_id, buf, length)
         if last:  # the trailers follow this DATA (read_answer submitted them)
             data_flags[0] |= ng.DATA_FLAG_EOF | ng.DATA_FLAG_NO_END_STREAM
@@ -316,6 +320,6 @@ def _callbacks() -> Any:
     lib.nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs, on_data)
     lib.nghttp2_session_callbacks_set_on_stream_close_callback(cbs, on_close)
     _callbacks.read = read  # type: ignore[attr-defined]  # the data provider's, kept alive with the rest
-    _callbacks.keep = (on_begin_headers, on_header, on_frame, on_data, on_close)  # type: ignore[attr-defined]
+    _callbacks.keep = (on_begin_headers, on_header, on_frame, on_data, on_close)  # type: ignore[attr-defined]  # a function attribute holding the C callbacks alive
     _CALLBACKS = cbs
     return cbs

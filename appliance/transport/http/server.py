@@ -465,7 +465,7 @@ class HTTPServer:
             handler = self.fast.route(environ)
             if handler is not None:
                 self.tracker.enter()
-                task = self.loop.create_task(handler(environ))
+                task = asyncio.ensure_future(handler(environ), loop=self.loop)  # (an Awaitable: create_task takes coroutines)
                 task.add_done_callback(partial(self._fast_done, conn, request))
                 return
         self.pool.submit(partial(self._serve, conn, request))
