@@ -165,7 +165,7 @@ class SyncLoop:
     def start(self) -> None:
         # the store is this part's version source: it pushes what sync commits to the manager.
         # First, so what is on disk serves even when the store cannot be written (read-only state).
-        self.versions = self.core.add_source("bucket", self.store.models_dir)
+        self.versions = self.core.add_source("bucket", self.store.models_dir, withheld=self.store.withdrawn)
         self.store.open()
         faults.configure(self.store.state_dir)
         for model, record in rollout_policies(self.store.state_dir).items():  # what the last run was told
@@ -279,7 +279,8 @@ class SyncLoop:
         manager = self.core.manager
         if manager is None:
             return {}
-        return {name: LocalModel(m.get("serving_version"), frozenset(int(v) for v in m.get("quarantined", {})))
+        return {name: LocalModel(m.get("serving_version"), frozenset(int(v) for v in m.get("quarantined", {})),
+                                 frozenset(int(v["version"]) for v in m.get("versions", []) if v.get("state") != "END"))
                 for name, m in manager.snapshot().items()}
 
     def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
