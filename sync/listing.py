@@ -71,6 +71,10 @@ class ReportCache:
     def __init__(self, path: str = "", bucket: str = ""):
         self.path, self.bucket = path, bucket
         self._by_name: dict[str, tuple[str, dict[str, Any] | None, str, bool | None]] = {}
+        # per device, its last report signed by its registered key: [stored_at, report]
+        # (sync/report_trust.py: the high-water mark a replay is judged against, and what the
+        # view shows for the device while its current report is not trusted)
+        self.trusted: dict[str, list[Any]] = {}
         if path:
             self._load()
 
@@ -93,8 +97,9 @@ class ReportCache:
                 doc = json.load(f)
             if doc.get("bucket") == self.bucket:
                 self._by_name = {k: (v[0], v[1], v[2], v[3]) for k, v in doc.get("reports", {}).items()}
+                self.trusted = {str(k): [float(v[0]), dict(v[1])] for k, v in (doc.get("trusted") or {}).items()}
         except (OSError, ValueError, TypeError, IndexError, AttributeError):
-            self._by_name = {}
+            self._by_name, self.trusted = {}, {}
 
     def save(self) -> None:
         if not self.path:
@@ -102,7 +107,8 @@ class ReportCache:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".fleet-cache-", dir=os.path.dirname(self.path) or ".")
         with os.fdopen(fd, "w") as f:
-            json.dump({"bucket": self.bucket, "reports": {k: list(v) for k, v in self._by_name.items()}}, f)
+            json.dump({"bucket": self.bucket, "reports": {k: list(v) for k, v in self._by_name.items()},
+                       "trusted": self.trusted}, f)
         os.replace(tmp, self.path)
 
 

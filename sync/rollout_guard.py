@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .fleet_view import device_row, rollout_progress
+from .fleet_view import device_rows, rollout_progress
 from .fleet import read_pointer
 from .listing import ReportCache, list_reports
 from .publisher import halt_channel
@@ -45,9 +45,9 @@ def watch_round(source: Any, model: str, channel: str, cache: ReportCache, sign_
     """One look at the rollout; halts the channel when its threshold is reached."""
     listing = list_reports(source, cache)
     registry = load_registry(source)
-    rows = [device_row(entry, registry) for entry in listing.entries]
+    rows, shown = device_rows(listing.entries, registry, cache)
     pointer = read_pointer(source, model, channel)
-    progress = rollout_progress(listing.entries, rows, model, channel, pointer)
+    progress = rollout_progress(listing.entries, rows, model, channel, pointer, shown=shown)
     reason = halt_reason(progress)
     if reason:
         halt_channel(source, model, channel, sign_key, reason=reason, by=by)

@@ -59,5 +59,6 @@ def progress_lines(p: dict[str, Any], now: float | None = None) -> list[str]:
 def counts_line(counts: dict[str, int]) -> str:
     trust = ", ".join(f"{n} {k[6:]}" for k, n in counts.items() if k.startswith("trust_"))
     return (f"{counts['devices']} devices: {counts['ok']} ok, {counts['degraded']} degraded, "
-            f"{counts['unhealthy']} unhealthy, {counts['stale']} stale, {counts['unreadable']} unreadable"
+            f"{counts['unhealthy']} unhealthy, {counts['stale']} stale, {counts['unreadable']} unreadable, "
+            f"{counts['untrusted']} untrusted"
             f"{'; reports ' + trust if trust else ''}")
