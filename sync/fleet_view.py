@@ -178,6 +178,8 @@ def rollout_progress(entries: list[Entry], rows: list[dict[str, Any]], model: st
     return {"model": model, "channel": channel, "target_version": target,
             "candidate_version": (pointer or {}).get("candidate"), "pointer_created": (pointer or {}).get("created"),
             "halted": bool((pointer or {}).get("halt")), "halted_reason": ((pointer or {}).get("halted") or {}).get("reason"),
+            "on_failure": (pointer or {}).get("on_failure") or "halt", "previous_version": (pointer or {}).get("previous_version"),
+            "rolled_back": (pointer or {}).get("rolled_back"),
             "devices": len(members), "on_target": len(on_target),
             "on_target_percent": round(100.0 * len(on_target) / len(members), 1) if members else 0.0,
             "on_other_versions": dict(sorted(others.items())),
