@@ -35,7 +35,7 @@ def judge(entry: Entry, registry: dict[str, str], cache: ReportCache) -> tuple[s
         if last is not None and older(report, last[1]):
             mark = REPLAYED
         else:
-            cache.trusted[entry.device_id] = [entry.modified, report]
+            cache.trusted[entry.device_id] = [entry.modified, report, entry.etag]
             return mark, entry
     if last is None:
         return mark, None

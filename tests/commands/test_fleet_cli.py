@@ -171,3 +171,30 @@ def test_listing_from_s3_matches_the_reports_and_caches(seaweed: Any, tmp_path: 
     out = appliance("fleet", "--bucket", url, "--json", "--no-cache")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["counts"]["devices"] == 301
+
+
+def test_a_replay_is_caught_by_the_next_cli_run_and_the_cache_file_holds_each_report_once(folder: Path,
+                                                                                        tmp_path: Path) -> None:
+    source = open_source(f"file://{folder}")
+    key = Ed25519PrivateKey.generate()
+    register_keys(source, {d: public_text(key) for d in IDS[:2]})
+    now = time.time()
+    old = {**fleet_report(IDS[0], 1, 2, "failed", written_at=now - 725), "sequence": 7}
+    from sync.report import sign_report
+
+    write_reports(source, [sign_report({**fleet_report(IDS[0], 2, written_at=now), "sequence": 8}, key)])
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def rows() -> dict[str, dict[str, Any]]:
+        out = appliance("fleet", "--bucket", f"file://{folder}", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        return {r["device_id"]: r for r in json.loads(out.stdout)["devices"]}
+
+    assert rows()[IDS[0]]["trust"] == "signed"
+    cache_file = next((tmp_path / "cache").rglob("*.json"))
+    saved = json.loads(cache_file.read_text())
+    assert saved["trusted"][IDS[0]][1] is None  # a reference to the cached report, not a second copy
+    write_reports(source, [sign_report(old, key)])  # the device's own report from 725 s before, replayed
+    row = rows()[IDS[0]]
+    assert row["trust"] == "replayed" and row["status"] == "ok" and row["models"]["hpt"]["serving"] == 2
+    assert row["untrusted_report"]["sequence"] == 7
