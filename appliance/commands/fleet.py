@@ -242,7 +242,7 @@ def add_commands(sub: Any) -> None:
     f.add_argument("--channel", help="devices following this channel (with --model: that channel's rollout)")
     f.add_argument("--version", type=version_number, help="devices serving this version (of --model, or of any model)")
     f.add_argument("--stale", action="store_true", help="devices whose last report is older than three heartbeats")
-    f.add_argument("--unhealthy", action="store_true", help="devices unhealthy, degraded or unreadable")
+    f.add_argument("--unhealthy", action="store_true", help="devices unhealthy, degraded, unreadable or untrusted")
     f.add_argument("--register-keys", action="store_true",
                    help="trust the keys of signed reports whose device has none registered yet")
     f.add_argument("--workers", type=int, default=16, help="reports read at once (default 16)")
