@@ -5,6 +5,8 @@ bench/RESULTS.md (machine, date, command, load average before and after).
     # PYTHON is a LiteRT-only install with the s3 extra:
     #   python3 -m venv /tmp/lite-s3 && /tmp/lite-s3/bin/pip install -e '.[tflite,s3]'
     .venv/bin/python -m bench.fleet_bench --mode devices --python /tmp/lite-s3/bin/python [--devices 50] [--interval 5]
+    # channel moves both ways under traffic: failed predictions and fetches per move
+    .venv/bin/python -m bench.fleet_bench --mode swaps [--devices 10] [--interval 5]
     # 10,000 reports listed (bench/fleet_listing.py)
     .venv/bin/python -m bench.fleet_bench --mode listing [--reports 10000]
     # many simulated followers in one process (the real sync.follower code, one S3 client each)
@@ -74,7 +76,7 @@ def poll_forever(devices: list[Device], interval: float, stop: threading.Event) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("devices", "listing", "followers"), default="devices")
+    ap.add_argument("--mode", choices=("devices", "listing", "followers", "swaps"), default="devices")
     ap.add_argument("--devices", type=int, default=None, help="devices: 50 real services; followers: 200")
     ap.add_argument("--interval", type=float, default=None, help="poll interval (devices: 5 s; followers: 2 s)")
     ap.add_argument("--report-interval", type=float, default=60.0, help="devices: the reports' heartbeat")
@@ -96,6 +98,8 @@ def main() -> None:
 
             lines = fleet_listing.run("s3://fleet/listing", args.reports, weed.proc.pid)
             append(f"Listing {args.reports} device reports from SeaweedFS", args, load_before, lines)
+        elif args.mode == "swaps":
+            swaps(tmp, weed, args, load_before)
         else:
             devices(tmp, weed, args, load_before)
     finally:
@@ -112,6 +116,17 @@ def devices(tmp: Path, weed: Any, args: argparse.Namespace, load_before: tuple[f
     append(f"Fleet convergence: {count} real devices on one SeaweedFS bucket (issue 36)", args, load_before,
            fleet_devices.markdown(results, count, interval) + (
                [f"", f"Failed answers (first 5): {results['failure_examples']}"] if results["failed_answers"] else []))
+
+
+def swaps(tmp: Path, weed: Any, args: argparse.Namespace, load_before: tuple[float, float, float]) -> None:
+    from bench import fleet_devices
+
+    count, interval = args.devices or 10, args.interval or 5.0
+    results = fleet_devices.swaps(tmp, args.python, weed, count, interval, args.report_interval,
+                                  lambda line: print(time.strftime("%H:%M:%S"), line, flush=True))
+    append(f"Channel moves in both directions under traffic: {count} real devices (issue 48)", args, load_before,
+           fleet_devices.swaps_markdown(results, count, interval) + (
+               ["", f"Failed answers (first 5): {results['failure_examples']}"] if results["failed_answers"] else []))
 
 
 def append(title: str, args: argparse.Namespace, load_before: tuple[float, float, float], lines: list[str]) -> None:

@@ -416,6 +416,55 @@ def run(tmp: Path, python: str, weed: Any, count: int, interval: float, report_i
     return results
 
 
+SWAPS = [("rollout to 2", 2, True), ("rollback to 1", 1, False), ("rollout to 3", 3, True),
+         ("forward move to the lower number 2", 2, False), ("rollout to 4", 4, True),
+         ("rollback to 2 (on disk)", 2, False), ("rollback to 1, three steps back", 1, False)]
+
+
+def swaps(tmp: Path, python: str, weed: Any, count: int, interval: float, report_interval: float,
+          log: Callable[[str], None]) -> dict[str, Any]:
+    """Channel moves in both directions under the probes' traffic: per move, the failed
+    predictions, the convergence, and the versions the devices fetched (committed) for it."""
+    fleet = Fleet(tmp, python, weed, count, interval, report_interval)
+    results: dict[str, Any] = {"moves": []}
+    try:
+        for v in range(1, 5):
+            build_version(tmp, v)
+        fleet.publish(1)
+        results["start_s"] = round(fleet.start_all(), 1)
+        fleet.observe()
+        fleet.wait(lambda: all(1 in d.seen for d in fleet.devices), 120, "every device answering version 1")
+        for name, version, new in SWAPS:
+            fleet.phase = name
+            before, commits = len(fleet.failures), _commits(fleet)
+            since = fleet.publish(version) if new else fleet.move(version)
+            converged = fleet.converge(version, since, by_view=False)
+            results["moves"].append({"move": name, "failed": len(fleet.failures) - before,
+                                     "fetched": _commits(fleet) - commits, **converged})
+            log(f"{name}: {results['moves'][-1]}")
+    finally:
+        results["answers"], results["failed_answers"] = fleet.answers, len(fleet.failures)
+        results["failure_examples"] = fleet.failures[:5]
+        fleet.close()
+    return results
+
+
+def _commits(fleet: "Fleet") -> int:
+    """Versions committed (downloaded) by every device so far, from their status events."""
+    return sum(sum(1 for e in d.status().get("events", []) if e["kind"] == "sync_committed") for d in fleet.devices)
+
+
+def swaps_markdown(results: dict[str, Any], count: int, interval: float) -> list[str]:
+    lines = [f"{count} real LiteRT devices, poll interval {interval:g} s, each probed continuously "
+             f"({results['answers']} predictions answered in all).", "",
+             "| move | failed predictions | versions fetched (all devices) | 95 % / 100 % of devices (intervals) |",
+             "|---|---|---|---|"]
+    for m in results["moves"]:
+        lines.append(f"| {m['move']} | {m['failed']} | {m['fetched']} | {m['by_devices']['p95']} / "
+                     f"{m['by_devices']['p100']} |")
+    return lines
+
+
 def markdown(results: dict[str, Any], count: int, interval: float) -> list[str]:
     def row(name: str, r: dict[str, Any]) -> str:
         d, v = r["by_devices"], r["by_view"]

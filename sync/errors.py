@@ -3,8 +3,12 @@
     SyncError
     ├── SourceError      the bucket could not be reached or answered an error: retry at the poll
     │   │                interval, serving is unaffected
-    │   ├── Throttled    the bucket said "slow down" (429, 503 SlowDown): back off exponentially,
-    │   │                up to sync.max_backoff_s (or its Retry-After)
+    │   ├── Throttled    the bucket said "slow down" (429, 503 SlowDown): back off exponentially
+    │   │                from the poll interval, capped at two intervals (a longer Retry-After is
+    │   │                honoured up to sync.max_backoff_s)
+    │   ├── Unavailable  the bucket is there but cannot answer (503 ServiceUnavailable, 500, 502,
+    │   │                504: a gateway whose backend is down): retry at the poll interval, as
+    │   │                for an unreachable bucket (a Retry-After up to two intervals is honoured)
     │   └── ReadOnlySource   a write to a source that cannot take one (https)
     └── Refused          a version, channel pointer or index failed verification (hash, size,
                          signature, path, expiry, compatibility, rollback, version bounds): never
@@ -28,6 +32,14 @@ class SourceError(SyncError):
 
 class Throttled(SourceError):
     """The bucket asked us to slow down; ``retry_after`` seconds when it said how long (else 0)."""
+
+    def __init__(self, message: str, retry_after: float = 0.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unavailable(SourceError):
+    """The bucket answered that it cannot serve now (not a request to slow down)."""
 
     def __init__(self, message: str, retry_after: float = 0.0):
         super().__init__(message)

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from .errors import Refused
-from .fleet_view import counts, device_row, rollout_progress
+from .fleet_view import counts, device_rows, rollout_progress
 from .listing import ReportCache, list_reports
 from .manifest import parse_json
 from .report import load_registry
@@ -26,12 +26,13 @@ SCHEMA = 1
 def snapshot(source: Any, cache: ReportCache | None = None, workers: int = 16, now: float | None = None,
              also: tuple[str, str] | None = None) -> dict[str, Any]:
     """The fleet now; ``also``: a (model, channel) rollout to show even if no device reports it yet."""
+    cache = cache or ReportCache()
     listing = list_reports(source, cache, workers)
     registry = _registry(source)
     now = time.time() if now is None else now
-    rows = [device_row(entry, registry, now) for entry in listing.entries]
+    rows, shown = device_rows(listing.entries, registry, cache, now)
     pairs = sorted({(m, r.get("channel") or "") for r in rows for m in r["models"]} | ({also} if also else set()))
-    rollouts = [rollout_progress(listing.entries, rows, model, channel, read_pointer(source, model, channel), now)
+    rollouts = [rollout_progress(listing.entries, rows, model, channel, read_pointer(source, model, channel), now, shown)
                 for model, channel in pairs if channel]
     return {"schema": SCHEMA, "generated_at": now, "bucket": getattr(source, "url", ""),
             "listing": {"reports": len(listing.entries), "fetched": listing.fetched, "cached": listing.cached,

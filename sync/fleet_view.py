@@ -5,6 +5,8 @@ JSON they print is this module's output (docs/fleet.md documents every field).
 
 A device's **status**, first match wins:
 
+    untrusted   no report of it signed by its registered key was ever seen (what its report
+                claims is shown, never counted: sync/report_trust.py)
     unreadable  its report could not be read or parsed (the error says why)
     stale       its last report is older than three of its heartbeats (``report_interval_s``,
                 as the report states it; age by the bucket's clock): the device is gone or
@@ -15,8 +17,12 @@ A device's **status**, first match wins:
                 TensorFlow serves on a LiteRT-only device), or failing polls
     ok
 
+A device whose current report is not trusted (``trust`` other than ``signed``: unregistered,
+key-changed, mis-signed, unsigned, replayed) is shown as its last trusted report has it, with
+the untrusted one described in ``untrusted_report``; only trusted reports count in a rollout.
+
 A model on a device is, against the version it aims at (the channel's, in a rollout):
-``on-target``, ``moving`` (fetching or loading), ``waiting`` (its wave has not opened),
+``on-target``, ``stale`` (on it, by a report too old to count), ``moving`` (fetching or loading), ``waiting`` (its wave has not opened),
 ``refused`` (the version failed verification: the device's original reason) or ``failed``
 (it failed to load or was quarantined: the reason). ``degraded`` says what the version it
 serves lacks on that device ('' when nothing).
@@ -29,14 +35,35 @@ from collections import Counter
 from typing import Any, Iterable
 
 from .errors import Refused
-from .listing import Entry
-from .report import UNSIGNED, trust_mark
+from .listing import Entry, ReportCache
+from .report import SIGNED, UNSIGNED, trust_mark
+from .report_trust import UNTRUSTED, forget_gone, judge
 from .waves import admission, parse_waves, wave_state
 
 STALE_HEARTBEATS = 3
 DEFAULT_REPORT_INTERVAL_S = 300.0
-STATUSES = ("unreadable", "stale", "unhealthy", "degraded", "ok")
+STATUSES = ("untrusted", "unreadable", "stale", "unhealthy", "degraded", "ok")
 FAILED_STATES = ("END", "QUARANTINED", "REFUSED", "FAILED")
+
+
+def device_rows(entries: list[Entry], registry: dict[str, str], cache: ReportCache,
+                now: float | None = None) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(one row per device, the report each row shows: the device's last trusted one)."""
+    rows, shown = [], {}
+    forget_gone(cache, {e.device_id for e in entries})
+    for entry in entries:
+        mark, trusted = judge(entry, registry, cache)
+        row = device_row(trusted or entry, registry, now)
+        row.update(trust=mark, counted=trusted is not None)  # counted as its last trusted report has it
+        if mark != SIGNED:
+            report = entry.report or {}
+            row["untrusted_report"] = {"trust": mark, "written_at": report.get("written_at"),
+                                       "sequence": report.get("sequence"), "stored_at": entry.modified or None}
+            if trusted is None and entry.report is not None:
+                row["status"] = UNTRUSTED
+        rows.append(row)
+        shown[entry.device_id] = (trusted or entry).report or {}
+    return rows, shown
 
 
 def device_row(entry: Entry, registry: dict[str, str], now: float | None = None) -> dict[str, Any]:
@@ -108,14 +135,14 @@ def matches(row: dict[str, Any], model: str = "", channel: str = "", version: in
             stale: bool = False, unhealthy: bool = False) -> bool:
     """The CLI's and the page's filters: all given ones must hold. ``version``: the device
     serves it (for ``model`` when given, else for any model). ``unhealthy``: not ``ok`` and
-    not ``stale`` (unhealthy, degraded or unreadable)."""
+    not ``stale`` (unhealthy, degraded, unreadable or untrusted)."""
     if model and model not in row["models"]:
         return False
     if channel and row.get("channel") != channel:
         return False
     if stale and row["status"] != "stale":
         return False
-    if unhealthy and row["status"] not in ("unhealthy", "degraded", "unreadable"):
+    if unhealthy and row["status"] not in ("unhealthy", "degraded", "unreadable", "untrusted"):
         return False
     if version is not None:
         served = [row["models"][model]["serving"]] if model else [m["serving"] for m in row["models"].values()]
@@ -132,15 +159,20 @@ def counts(rows: Iterable[dict[str, Any]]) -> dict[str, int]:
 
 
 def rollout_progress(entries: list[Entry], rows: list[dict[str, Any]], model: str, channel: str,
-                     pointer: dict[str, Any] | None, now: float | None = None) -> dict[str, Any]:
+                     pointer: dict[str, Any] | None, now: float | None = None,
+                     shown: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Where ``model``'s rollout on ``channel`` stands: the target, devices on it (count, %),
     on other versions, failing (with each device's original reason), waiting for their wave,
-    the wave plan and the failure threshold as measured now, halts, promotions and aborts."""
+    the wave plan and the failure threshold as measured now, halts, promotions and aborts.
+    Only rows ``counted`` count (as their last trusted report has them); every device whose
+    current report is not trusted is listed in ``untrusted``.
+    ``shown``: the report to judge each device by (``device_rows``'s second value)."""
     now = time.time() if now is None else now
     target = (pointer or {}).get("version")
-    reports = {e.device_id: e.report or {} for e in entries}
-    members = [r for r in rows if model in r["models"] and r.get("channel") in (channel, None, "")]
-    states = {r["device_id"]: model_state((reports[r["device_id"]].get("models") or {}).get(model) or {}, target)
+    reports = shown if shown is not None else {e.device_id: e.report or {} for e in entries}
+    claim = [r for r in rows if model in r["models"] and r.get("channel") in (channel, None, "")]
+    members = [r for r in claim if r.get("counted", True)]
+    states = {r["device_id"]: _judged_state(r, (reports[r["device_id"]].get("models") or {}).get(model) or {}, target)
               for r in members}
     on_target = sorted(d for d, s in states.items() if s["state"] == "on-target")
     failing = [{"device_id": d, "state": s["state"], "version": target, "reason": s["reason"]}
@@ -151,6 +183,8 @@ def rollout_progress(entries: list[Entry], rows: list[dict[str, Any]], model: st
     return {"model": model, "channel": channel, "target_version": target,
             "candidate_version": (pointer or {}).get("candidate"), "pointer_created": (pointer or {}).get("created"),
             "halted": bool((pointer or {}).get("halt")), "halted_reason": ((pointer or {}).get("halted") or {}).get("reason"),
+            "on_failure": (pointer or {}).get("on_failure") or "halt", "previous_version": (pointer or {}).get("previous_version"),
+            "rolled_back": (pointer or {}).get("rolled_back"),
             "devices": len(members), "on_target": len(on_target),
             "on_target_percent": round(100.0 * len(on_target) / len(members), 1) if members else 0.0,
             "on_other_versions": dict(sorted(others.items())),
@@ -160,7 +194,17 @@ def rollout_progress(entries: list[Entry], rows: list[dict[str, Any]], model: st
             "devices_per_version": dict(sorted(serving.items())),
             "failing": failing, "waves": waves, "threshold": _threshold(pointer, waves),
             "unreadable_reports": sorted(e.device_id for e in entries if e.report is None),
+            "untrusted": [{"device_id": r["device_id"], "trust": r["trust"], "counted_as_last_trusted": r.get("counted")}
+                          for r in claim if r.get("trust", SIGNED) != SIGNED],
             **_decisions(reports, members, model)}
+
+
+def _judged_state(row: dict[str, Any], model: dict[str, Any], target: Any) -> dict[str, Any]:
+    """``model_state``, but a device on the target by a stale report is ``stale``, not on target."""
+    state = model_state(model, target)
+    if row["status"] == "stale" and state["state"] == "on-target":
+        state = {**state, "state": "stale", "reason": f"last report {row['age_s']:g} s old"}
+    return state
 
 
 def _version_key(version: Any) -> str:

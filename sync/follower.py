@@ -3,8 +3,10 @@
 ``Follower.sync_once()`` runs one poll. Per model: read the channel pointer (or the
 version index when no channel is configured) with a conditional request; check it
 (signature, expiry, replay, rollback); if the target version is not in the store, fetch
-and verify it into staging and commit it with one rename; move newer versions aside when
-the target is older (a channel move back or a pin); record the trust; apply retention.
+and verify it into staging and commit it with one rename; set newer versions aside when
+the target is older (a channel move back or a pin: withdrawn from the manager at once, moved
+out of ``models/`` only once the manager has unloaded them, so a servable that still answers
+never loses its files); record the trust; apply retention.
 An idle poll with nothing new is one conditional request per followed model and no writes:
 the list of models (``_models.json``, or a folder listing) is read again only every
 ``models_refresh_s`` and on a forced poll (``appliance sync``).
@@ -59,6 +61,9 @@ class LocalModel:
 
     serving: int | None = None
     quarantined: frozenset[int] = frozenset()
+    # Versions the manager holds (loading, serving, draining): their directories must stay where
+    # their servables read them. None: not known (no manager), a version is parked at once.
+    loaded: frozenset[int] | None = None
 
 
 @dataclass
@@ -188,7 +193,7 @@ class Follower:
     def _follow(self, model: str, local: LocalModel, result: PollResult) -> None:
         pin = self.store.pins().get(model)
         if pin is not None:
-            self._apply_pin(model, pin, result)
+            self._apply_pin(model, pin, local, result)
             return
         self._pin_noted.pop(model, None)
         target, pointer = self._target(model)
@@ -200,6 +205,8 @@ class Follower:
         self.targets = {**self.targets, model: target}
         candidate = self._candidate(model, target, pointer)
         self._rollout_policy(model, pointer, candidate)
+        if self._restore(model, target, candidate):
+            result.changed.append(f"{model}:{target}")
         if target not in self.store.versions(model):
             if target in self.store.parked(model):
                 self.store.unpark(model, target)
@@ -211,7 +218,7 @@ class Follower:
         if candidate is not None and candidate not in self.store.versions(model):
             self._install(model, candidate, pointer)  # judged on the device when its rollout mode is on
             result.changed.append(f"{model}:{candidate} (candidate)")
-        if self._park_newer(model, target, keep=candidate):
+        if self._park_newer(model, target, local.loaded, keep=candidate):
             result.changed.append(f"{model}:{target} (newer versions set aside)")
         self._record_trust(model, target, pointer)
         self._retain(model, target, local, candidate)
@@ -275,10 +282,16 @@ class Follower:
                                  f"{highest}; going back needs a channel move or `appliance rollback`"), target)
 
     def _record_trust(self, model: str, target: int, pointer: dict[str, Any] | None) -> None:
+        """The highest version trusted, the newest pointer seen, and the target with the one
+        before it (retention keeps that one: the channel can send the device back to it)."""
         trust = self.store.trust(model)
+        last = trust.get("target")
         record = {"version": max(int(trust.get("version", -1)), target),
                   "pointer_created": max(float(trust.get("pointer_created", 0)),
-                                         float((pointer or {}).get("created") or 0))}
+                                         float((pointer or {}).get("created") or 0)),
+                  "target": target, "previous_target": trust.get("previous_target") if last in (None, target) else last}
+        if record["previous_target"] is None:
+            del record["previous_target"]
         if record != trust:
             self.store.set_trust(model, record)
 
@@ -315,15 +328,31 @@ class Follower:
                    downloaded_files=stats.downloaded_files, reused_files=stats.reused_files)
         faults.point("after_commit")
 
-    def _park_newer(self, model: str, target: int, keep: int | None = None) -> bool:
+    def _restore(self, model: str, *versions: int | None) -> bool:
+        """Serve again the withdrawn ``versions`` (a move forward before they were parked)."""
+        back = sorted(v for v in versions if v is not None and v in self.store.withdrawn(model))
+        for version in back:
+            self.store.restore(model, version)
+            self.event("sync_restored", f"{model} version {version} is served again", model=model, version=version)
+        return bool(back)
+
+    def _park_newer(self, model: str, target: int, loaded: frozenset[int] | None, keep: int | None = None) -> bool:
+        """Set aside the versions above ``target``: first withdrawn (no longer pushed to the
+        manager, their directories left where the servables read them), then parked at a
+        later poll once the manager has unloaded them. True when the pushed set changed."""
+        withdrawn = self.store.withdrawn(model)
         newer = sorted(v for v in self.store.versions(model) if v > target and v != keep)
         for version in newer:
-            self.store.park(model, version)
-            self.event("sync_parked", f"{model} version {version} set aside: the target is version {target}",
-                       model=model, version=version)
-        return bool(newer)
+            if version not in withdrawn:
+                self.event("sync_parked", f"{model} version {version} set aside: the target is version {target}",
+                           model=model, version=version)
+            if loaded is None or (version in withdrawn and version not in loaded):
+                self.store.park(model, version)
+            else:
+                self.store.withdraw(model, version)  # parked once the manager has let it go
+        return any(v not in withdrawn for v in newer)
 
-    def _apply_pin(self, model: str, pin: int, result: PollResult) -> None:
+    def _apply_pin(self, model: str, pin: int, local: LocalModel, result: PollResult) -> None:
         if pin not in self.store.versions(model):
             if pin not in self.store.parked(model):
                 if self._pin_noted.get(model) != -pin - 1:
@@ -333,15 +362,17 @@ class Follower:
                 return
             self.store.unpark(model, pin)
             result.changed.append(f"{model}:{pin} (pinned)")
-        if self._park_newer(model, pin):
+        if self._restore(model, pin) | self._park_newer(model, pin, local.loaded):
             result.changed.append(f"{model}:{pin} (pinned)")
         if self._pin_noted.get(model) != pin:
             self._pin_noted[model] = pin
             self.event("sync_pinned", f"{model} pinned to version {pin} (appliance rollback)", model=model, version=pin)
 
     def _retain(self, model: str, target: int, local: LocalModel, candidate: int | None = None) -> None:
-        protect = {target} | ({local.serving} if local.serving is not None else set())
+        protect = {target} | ({local.serving} if local.serving is not None else set()) | set(local.loaded or ())
         protect |= {candidate} if candidate is not None else set()
+        previous = self.store.trust(model).get("previous_target")
+        protect |= {previous} if isinstance(previous, int) else set()
         deleted = self.store.retain(model, self.options.retain, protect, local.quarantined, target, local.serving)
         if deleted:
             self.event("sync_retention", f"{model}: deleted old versions {deleted} (keeping {self.options.retain})",

@@ -71,6 +71,10 @@ class ReportCache:
     def __init__(self, path: str = "", bucket: str = ""):
         self.path, self.bucket = path, bucket
         self._by_name: dict[str, tuple[str, dict[str, Any] | None, str, bool | None]] = {}
+        # per device, its last report signed by its registered key: [stored_at, report, etag]
+        # (sync/report_trust.py: the high-water mark a replay is judged against, and what the
+        # view shows for the device while its current report is not trusted)
+        self.trusted: dict[str, list[Any]] = {}
         if path:
             self._load()
 
@@ -87,14 +91,31 @@ class ReportCache:
         wanted = set(names)
         self._by_name = {k: v for k, v in self._by_name.items() if k in wanted}
 
+    def _reference(self, device_id: str, trusted: list[Any]) -> list[Any]:
+        """A trusted report as saved: a reference to the cached report when it is the same
+        object version (almost always), so the file does not hold every report twice."""
+        hit = self._by_name.get(f"{device_id}.json")
+        same = hit is not None and hit[0] == trusted[2]
+        return [trusted[0], None if same else trusted[1], trusted[2]]
+
+    def _resolve(self, device_id: str, saved: list[Any]) -> dict[str, Any]:
+        if saved[1] is not None:
+            return dict(saved[1])
+        hit = self._by_name[f"{device_id}.json"]  # KeyError: a damaged file, dropped by _load
+        if hit[0] != saved[2] or hit[1] is None:
+            raise ValueError("a trusted report's reference does not match the cache")
+        return hit[1]
+
     def _load(self) -> None:
         try:
             with open(self.path) as f:
                 doc = json.load(f)
             if doc.get("bucket") == self.bucket:
                 self._by_name = {k: (v[0], v[1], v[2], v[3]) for k, v in doc.get("reports", {}).items()}
-        except (OSError, ValueError, TypeError, IndexError, AttributeError):
-            self._by_name = {}
+                self.trusted = {str(k): [float(v[0]), self._resolve(k, v), str(v[2])]
+                                for k, v in (doc.get("trusted") or {}).items()}
+        except (OSError, ValueError, TypeError, IndexError, AttributeError, KeyError):
+            self._by_name, self.trusted = {}, {}
 
     def save(self) -> None:
         if not self.path:
@@ -102,7 +123,8 @@ class ReportCache:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".fleet-cache-", dir=os.path.dirname(self.path) or ".")
         with os.fdopen(fd, "w") as f:
-            json.dump({"bucket": self.bucket, "reports": {k: list(v) for k, v in self._by_name.items()}}, f)
+            json.dump({"bucket": self.bucket, "reports": {k: list(v) for k, v in self._by_name.items()},
+                       "trusted": {d: self._reference(d, v) for d, v in self.trusted.items()}}, f)
         os.replace(tmp, self.path)
 
 

@@ -28,6 +28,7 @@ from .source import MISSING, join
 from .waves import check_failure_threshold, check_rollout_policy, parse_waves
 
 DAY_S = 86400.0
+ON_FAILURE = ("halt", "rollback")  # what the rollout controller does at the failure threshold (Greengrass's failureHandlingPolicy)
 
 
 def _check_name(model: str) -> None:
@@ -114,12 +115,15 @@ def _update_indexes(source: Any, model: str, version: int) -> None:
 def set_channel(source: Any, model: str, channel: str, version: int, sign_key: Any = None,
                 expires_days: float = 365, waves: list[dict[str, Any]] | None = None,
                 candidate: int | None = None, rollout: dict[str, Any] | None = None,
-                failure_threshold: dict[str, Any] | None = None) -> dict[str, Any]:
+                failure_threshold: dict[str, Any] | None = None, on_failure: str | None = None) -> dict[str, Any]:
     """Point ``channel`` at a committed version (signed when a key is given), optionally in
     staged ``waves`` and with a ``candidate`` for devices to judge (sync/waves.py) under the
     ``rollout`` policy (the keys of a model's [models.rollout]; devices validate them).
     ``failure_threshold`` (``{"percent": P, "min_devices": N}``) is the share of devices in
-    the open waves failing the version at which ``appliance rollout watch`` halts the channel."""
+    the open waves failing the version at which ``appliance rollout watch`` or the controller
+    acts; ``on_failure`` (``rollback`` | ``halt``, Greengrass's failure handling) says what the
+    controller does then. The pointer records the version it replaces (``previous_version``):
+    the last good one a rollback returns to."""
     _check_name(model)
     if not MODEL_NAME.match(channel):
         raise Refused(f"channel name {channel!r}: use letters, digits, '.', '_' and '-'")
@@ -127,6 +131,9 @@ def set_channel(source: Any, model: str, channel: str, version: int, sign_key: A
     if source.head(f"{model}/{version}/{MANIFEST}").status == MISSING:
         raise Refused(f"{model} version {version} is not published (no {MANIFEST})")
     doc = channel_doc(model, channel, version, time.time() + expires_days * DAY_S if expires_days else 0)
+    doc.update(_previous(source, model, channel, version))
+    if on_failure is not None:
+        doc["on_failure"] = check_on_failure(on_failure, f"{model} channel {channel}")
     if waves:
         parse_waves({"waves": waves}, f"{model} channel {channel}")  # refuse a bad plan before devices see it
         doc["waves"] = waves
@@ -141,6 +148,41 @@ def set_channel(source: Any, model: str, channel: str, version: int, sign_key: A
         doc["candidate"] = int(candidate)
     if rollout is not None:
         doc["rollout"] = check_rollout_policy(rollout, f"{model} channel {channel}")
+    return _put_channel(source, model, channel, doc, sign_key)
+
+
+def _previous(source: Any, model: str, channel: str, version: int) -> dict[str, Any]:
+    """``{"previous_version": N}``: the version the channel pointed at before, when it changes
+    now (else the one it already recorded); {} for a new channel."""
+    fetched = source.read(f"{model}/channels/{channel}.json")
+    if fetched.status == MISSING:
+        return {}
+    try:
+        old = json.loads(fetched.data)
+    except ValueError:
+        return {}
+    before = old.get("version") if old.get("version") != version else old.get("previous_version")
+    return {"previous_version": before} if type(before) is int else {}
+
+
+def check_on_failure(value: Any, where: str) -> str:
+    if value not in ON_FAILURE:
+        raise Refused(f"{where}: on_failure must be one of {', '.join(ON_FAILURE)}, got {value!r}")
+    return str(value)
+
+
+def roll_back_channel(source: Any, model: str, channel: str, to_version: int, sign_key: Any = None,
+                      reason: str = "", by: str = "") -> dict[str, Any]:
+    """Point the channel back at ``to_version`` at once (no waves, no threshold: it is the version
+    that served before), recording ``rolled_back`` {from, to, reason, at, by}. A new pointer
+    (a newer ``created``): every device moves, those that took the failed version included."""
+    fetched = source.read(f"{model}/channels/{channel}.json")
+    if fetched.status == MISSING:
+        raise Refused(f"{model} has no channel {channel!r} in the bucket")
+    old = json.loads(fetched.data)
+    doc = channel_doc(model, channel, to_version, float(old.get("expires") or 0))
+    doc["rolled_back"] = {"from": old.get("version"), "to": to_version, "reason": reason, "at": time.time(),
+                          "by": by or _whoami()}
     return _put_channel(source, model, channel, doc, sign_key)
 
 

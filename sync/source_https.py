@@ -19,7 +19,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import quote
 
-from .errors import ReadOnlySource, Refused, SourceError, Throttled
+from .errors import ReadOnlySource, Refused, SourceError, Throttled, Unavailable
 from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, Listed, Pacer, copy_limited, read_limited
 
 TRANSFER_ERRORS = (OSError, http.client.HTTPException, urllib.error.URLError)  # socket.timeout is an OSError
@@ -47,9 +47,12 @@ class HTTPSource:
             exc.close()
             if exc.code in (NOT_MODIFIED, MISSING, 416):
                 return exc.code
-            if exc.code in (429, 503):
+            if exc.code == 429:  # "slow down"; a 5xx is a server that cannot answer (sync/errors.py)
                 raise Throttled(f"{method} {key}: HTTP {exc.code} {exc.reason}",
                                 _seconds(exc.headers.get("Retry-After", ""))) from exc
+            if exc.code in (500, 502, 503, 504):
+                raise Unavailable(f"{method} {key}: HTTP {exc.code} {exc.reason}",
+                                  _seconds(exc.headers.get("Retry-After", ""))) from exc
             raise SourceError(f"{method} {key}: HTTP {exc.code} {exc.reason}") from exc
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise SourceError(f"{method} {key}: {_why(exc, self.limits)}") from exc

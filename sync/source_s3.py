@@ -15,14 +15,17 @@ import threading
 from typing import Any, Callable
 
 from . import faults
-from .errors import Refused, SourceError, Throttled
+from .errors import Refused, SourceError, Throttled, Unavailable
 from .source import MISSING, NOT_MODIFIED, OK, Fetched, Limits, Listed, Pacer, copy_limited, join, read_limited
 
 MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
-# What S3 and its look-alikes answer when they want fewer requests (AWS: SlowDown 503;
-# others 429 or 503 ServiceUnavailable): the sync loop backs off from these, not from errors.
-THROTTLE_CODES = {"SlowDown", "503", "429", "ServiceUnavailable", "TooManyRequests", "RequestLimitExceeded",
-                  "Throttling", "ThrottlingException"}
+# Split as AWS's SDKs split them (botocore's retry "throttling" and "transient" errors): what
+# S3 and its look-alikes answer when they want fewer requests (AWS: SlowDown 503; others 429)
+# is backed off from; a bucket that cannot answer (503 ServiceUnavailable, or a bare 503 from a
+# gateway whose backend is down; 500, 502, 504) is retried at the poll interval.
+THROTTLE_CODES = {"SlowDown", "429", "TooManyRequests", "RequestLimitExceeded", "Throttling", "ThrottlingException",
+                  "ThrottledException", "RequestThrottled", "RequestThrottledException"}
+UNAVAILABLE_CODES = {"503", "ServiceUnavailable", "500", "InternalError", "502", "BadGateway", "504", "GatewayTimeout"}
 S3_EXTRA_HINT = ("s3:// buckets need the s3 extra, which this install lacks: "
                  "pip install 'edge-appliance[s3]' (boto3)")
 
@@ -88,6 +91,8 @@ class S3Source:
             message = f"{what}: {code} {error.get('Message', '')}".strip()
             if code in THROTTLE_CODES:
                 raise Throttled(message, _retry_after(exc.response)) from exc
+            if code in UNAVAILABLE_CODES:
+                raise Unavailable(message, _retry_after(exc.response)) from exc
             raise SourceError(message) from exc
         except BotoCoreError as exc:
             raise SourceError(f"{what}: {exc}") from exc

@@ -8,13 +8,19 @@ Layout under the state directory::
                                emptied at start-up
     sync/parked/<name>/<v>/    verified versions moved out of the way by a channel move back
                                or a pin (kept for a move forward again; retention trims them)
+    sync/withdrawn.json        per model: versions still in models/ that the manager must no
+                               longer serve (a move back or a pin) but may still hold open: they
+                               stay where their servable reads its files (LiteRT opens interpreters
+                               from the path as load grows) until the manager has unloaded them,
+                               and only then are parked
     sync/trust.json            per model: the highest version ever trusted and the newest
                                channel pointer seen (outside the model store, 0700 folder).
                                Never lower than the newest committed version still on disk, so
                                losing or corrupting the file does not reopen old versions
     sync/pins.json             per model: the version ``appliance rollback`` pinned
-    sync/served.json           per model: the versions that served on this device (retention
-                               keeps the newest of them, ``appliance rollback`` goes back to them)
+    sync/served.json           per model: the versions that served on this device, the most
+                               recently served last (retention keeps the most recent of them,
+                               ``appliance rollback`` goes back to them)
 
 Every change of ``models/`` is one ``rename()`` on the same filesystem after the files and
 the directories are fsynced, so a power cut leaves the old set of versions or the new one.
@@ -232,6 +238,37 @@ class Store:
             return max(below or served)
         return on_disk[-2] if len(on_disk) >= 2 else None
 
+    def withdrawn(self, model: str) -> set[int]:
+        """Versions of ``model`` in ``models/`` that are set aside but may still be loaded (not
+        pushed to the manager; parked once it has unloaded them)."""
+        values = read_json(self._withdrawn_path()).get(model, [])
+        return {int(v) for v in values if isinstance(v, int)} if isinstance(values, list) else set()
+
+    def served_versions(self, model: str) -> dict[int, str]:
+        """What the manager may serve: the versions in ``models/`` less the withdrawn ones."""
+        hidden = self.withdrawn(model)
+        return {v: p for v, p in self.versions(model).items() if v not in hidden}
+
+    def withdraw(self, model: str, version: int) -> None:
+        self._set_withdrawn(model, self.withdrawn(model) | {int(version)})
+
+    def restore(self, model: str, version: int) -> None:
+        """Serve a withdrawn version again (a move forward before it was parked)."""
+        self._set_withdrawn(model, self.withdrawn(model) - {int(version)})
+
+    def _set_withdrawn(self, model: str, versions: set[int]) -> None:
+        doc = read_json(self._withdrawn_path())
+        if set(doc.get(model) or []) == versions:
+            return
+        if versions:
+            doc[model] = sorted(versions)
+        else:
+            doc.pop(model, None)
+        write_json_atomic(self._withdrawn_path(), doc)
+
+    def _withdrawn_path(self) -> str:
+        return os.path.join(self.sync_dir, "withdrawn.json")
+
     def parked(self, model: str) -> dict[int, str]:
         return self._versions(os.path.join(self.parked_dir, model))
 
@@ -264,8 +301,10 @@ class Store:
         return target
 
     def park(self, model: str, version: int) -> None:
-        """Move a version out of the served store (a channel move back or a pin)."""
+        """Move a version out of the served store (a channel move back or a pin), once nothing
+        holds it open (see ``withdraw``)."""
         self._move(os.path.join(self.models_dir, model), os.path.join(self.parked_dir, model), version)
+        self.restore(model, version)
 
     def unpark(self, model: str, version: int) -> None:
         self._move(os.path.join(self.parked_dir, model), os.path.join(self.models_dir, model), version)
@@ -291,39 +330,49 @@ class Store:
                serving: int | None = None) -> list[int]:
         """Delete what cannot be rolled back to, keeping what can; returns the versions deleted.
 
-        ``serving`` (the version the manager serves now) joins the durable record of versions
-        that served here (``served``). Then, over the served store and the parked versions:
+        ``serving`` (the version the manager serves now) goes to the end of the durable record of
+        versions that served here, most recent last (``served_order``). Then, over the served
+        store and the parked versions:
 
         - nothing is deleted while ``target`` has neither served nor failed: retention never
           runs before the new version has loaded;
-        - kept: ``protect`` (target, serving, candidate), the newest version that ever served
-          (never deleted to make room), and up to ``keep`` versions by rank: those that served,
-          newest first, then those never loaded;
+        - kept: ``protect`` (target, serving, candidate, whatever the manager still holds, the
+          channel's previous target), and up to ``keep`` versions by rank: those that served,
+          the most recently served first whatever their numbers (after 12 -> 13 -> 12 -> 14 it
+          is 14 and 12, the version a move back returns to), then those never loaded;
         - so failed (``bad``, quarantined) and never-served versions go first."""
         if serving is not None:
             self.note_served(model, serving)
-        served, bad = self.served(model), set(bad)
-        if target is not None and target not in served and target not in bad:
+        order, bad = self.served_order(model), set(bad)
+        if target is not None and target not in order and target not in bad:
             return []
         where = {**self.parked(model), **self.versions(model)}
-        keep_set = _kept(sorted(where), keep, set(protect), served, bad)
+        keep_set = _kept(sorted(where), keep, set(protect), order, bad)
         deleted = sorted(v for v in where if v not in keep_set)
         for version in deleted:
             self.remove(where[version])
+            self.restore(model, version)  # no withdrawn record outlives its directory
         return deleted
 
     def note_served(self, model: str, version: int) -> None:
-        """Record that ``version`` of ``model`` served on this device (``sync/served.json``)."""
-        if version in self.served(model):
+        """Record that ``version`` of ``model`` serves on this device now (``sync/served.json``:
+        most recently served last). No write while it is already the last."""
+        order = self.served_order(model)
+        if order and order[-1] == version:
             return
         doc = read_json(self._served_path())
-        doc[model] = sorted({*doc.get(model, []), int(version)})[-KEEP_SERVED:]
+        doc[model] = ([v for v in order if v != version] + [int(version)])[-KEEP_SERVED:]
         write_json_atomic(self._served_path(), doc)
+
+    def served_order(self, model: str) -> list[int]:
+        """The versions of ``model`` that served on this device, the most recently served last
+        (a record written before the order was kept is sorted by number: read as that order)."""
+        values = read_json(self._served_path()).get(model, [])
+        return [int(v) for v in values if isinstance(v, int)] if isinstance(values, list) else []
 
     def served(self, model: str) -> set[int]:
         """The versions of ``model`` that served on this device, as far as it recorded."""
-        values = read_json(self._served_path()).get(model, [])
-        return {int(v) for v in values if isinstance(v, int)} if isinstance(values, list) else set()
+        return set(self.served_order(model))
 
     def _served_path(self) -> str:
         return os.path.join(self.sync_dir, "served.json")
@@ -380,11 +429,13 @@ class Store:
         return {k: int(v) for k, v in read_json(pins_path(self.state_dir)).items() if isinstance(v, int)}
 
 
-def _kept(versions: list[int], keep: int, protect: set[int], served: set[int], bad: set[int]) -> set[int]:
-    """What retention keeps of ``versions`` (``Store.retain``'s ranking)."""
-    ranked = [v for v in reversed(versions) if v in served] + \
-             [v for v in reversed(versions) if v not in served and v not in bad]
-    last_good = [v for v in ranked if v in served][:1]
+def _kept(versions: list[int], keep: int, protect: set[int], order: list[int], bad: set[int]) -> set[int]:
+    """What retention keeps of ``versions`` (``Store.retain``'s ranking: ``order`` is the served
+    record, most recently served last)."""
+    present = set(versions)
+    ranked = [v for v in reversed(order) if v in present] + \
+             [v for v in reversed(versions) if v not in order and v not in bad]
+    last_good = [v for v in ranked if v in order][:1]
     return {v for v in versions if v in protect} | set(last_good) | set(ranked[:max(keep, 0)])
 
 

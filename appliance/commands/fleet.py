@@ -70,7 +70,7 @@ def cmd_channel_set(args: argparse.Namespace) -> int:
     if args.failure_threshold is not None:
         threshold = {"percent": args.failure_threshold, "min_devices": args.min_devices}
     doc = set_channel(bucket(args), args.model, args.channel, args.version, signing_key(args.sign_key),
-                      args.expires_days, waves=args.waves, failure_threshold=threshold)
+                      args.expires_days, waves=args.waves, failure_threshold=threshold, on_failure=args.on_failure)
     plan = ""
     if args.waves:
         plan = " in waves " + ", ".join(f"{w['percent']:g}%" + (f" (hold {w['hold_minutes']:g} min)"
@@ -217,8 +217,11 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--waves", type=waves_arg, help="staged rollout: cumulative PERCENT[:HOLD_MINUTES] per wave, "
                                                    "e.g. 5:30,25:60,100 (docs/rollouts.md)")
     c.add_argument("--failure-threshold", type=float, metavar="PERCENT",
-                   help="halt the rollout when this share of the devices in the open waves refuse or fail the "
-                        "version (judged by `appliance rollout watch`)")
+                   help="act when this share of the devices in the open waves refuse or fail the version "
+                        "(judged by `appliance rollout controller` or `watch`)")
+    c.add_argument("--on-failure", choices=("rollback", "halt"),
+                   help="what `appliance rollout controller` does at the threshold: point the channel back at the "
+                        "version it replaces (every device returns to it) or halt it (default halt)")
     c.add_argument("--min-devices", type=int, default=1,
                    help="with --failure-threshold: devices that must have reported on the version first (default 1)")
     c.add_argument("--sign-key", help="Ed25519 private key; needed when devices have sync.public_key")
@@ -239,7 +242,7 @@ def add_commands(sub: Any) -> None:
     f.add_argument("--channel", help="devices following this channel (with --model: that channel's rollout)")
     f.add_argument("--version", type=version_number, help="devices serving this version (of --model, or of any model)")
     f.add_argument("--stale", action="store_true", help="devices whose last report is older than three heartbeats")
-    f.add_argument("--unhealthy", action="store_true", help="devices unhealthy, degraded or unreadable")
+    f.add_argument("--unhealthy", action="store_true", help="devices unhealthy, degraded, unreadable or untrusted")
     f.add_argument("--register-keys", action="store_true",
                    help="trust the keys of signed reports whose device has none registered yet")
     f.add_argument("--workers", type=int, default=16, help="reports read at once (default 16)")

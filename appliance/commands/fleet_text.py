@@ -34,6 +34,10 @@ def progress_lines(p: dict[str, Any], now: float | None = None) -> list[str]:
              f"{'  HALTED: ' + str(p['halted_reason'] or '') if p['halted'] else ''}",
              f"  on version {p['target_version']}: {p['on_target']} of {p['devices']} devices ({p['on_target_percent']:g}%)"
              f"; moving {p['moving']}, waiting for their wave {p['waiting']}, stale {p['stale']}"]
+    back = p.get("rolled_back")
+    if isinstance(back, dict):
+        lines.insert(1, f"  ROLLED BACK from version {back.get('from')} to {back.get('to')} by {back.get('by')}: "
+                        f"{back.get('reason')}")
     others = {v: n for v, n in p["on_other_versions"].items()}
     if others:
         lines.append("  still serving: " + ", ".join(f"version {v}: {n}" for v, n in sorted(others.items())))
@@ -59,5 +63,6 @@ def progress_lines(p: dict[str, Any], now: float | None = None) -> list[str]:
 def counts_line(counts: dict[str, int]) -> str:
     trust = ", ".join(f"{n} {k[6:]}" for k, n in counts.items() if k.startswith("trust_"))
     return (f"{counts['devices']} devices: {counts['ok']} ok, {counts['degraded']} degraded, "
-            f"{counts['unhealthy']} unhealthy, {counts['stale']} stale, {counts['unreadable']} unreadable"
+            f"{counts['unhealthy']} unhealthy, {counts['stale']} stale, {counts['unreadable']} unreadable, "
+            f"{counts['untrusted']} untrusted"
             f"{'; reports ' + trust if trust else ''}")

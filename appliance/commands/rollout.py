@@ -1,9 +1,10 @@
-"""``appliance rollout promote|abort|halt|resume|watch|fleet``.
+"""``appliance rollout promote|abort|halt|resume|watch|controller|fleet``.
 
 promote / abort talk to the running service's admin endpoints (the service and its admin
 token are found as appliance/commands/service_client.py says). halt / resume write the channel
 pointer in the bucket. watch follows a rollout from the device reports and halts it at the
-channel's failure threshold (sync/rollout_guard.py). fleet is ``appliance fleet --model M --channel C``.
+channel's failure threshold (sync/rollout_guard.py); controller enforces it by itself, rolling
+back or halting as the pointer's ``on_failure`` says. fleet is ``appliance fleet --model M --channel C``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,35 @@ def cmd_watch(args: argparse.Namespace) -> int:
         time.sleep(args.interval)
 
 
+def cmd_controller(args: argparse.Namespace) -> int:
+    """Enforce one channel's rollout with nobody watching: every ``--interval`` seconds judge it
+    as ``watch`` does and, at the failure threshold, do what the pointer's ``on_failure`` says
+    (roll back to the last good version, or halt). Runs until stopped (a systemd unit, a
+    Kubernetes Deployment); ``--once`` for a timer or a CronJob. Safe to run twice: a rolled-back
+    or halted channel has nothing left to act on. A round whose bucket read fails is retried at
+    the next interval (the controller never exits for an outage)."""
+    from appliance.commands.fleet_text import progress_lines
+    from sync.errors import SyncError
+    from sync.listing import cache_for
+    from sync.rollout_guard import control_round
+
+    bucket, cache, last = source(args), cache_for(args.bucket, not args.no_cache), ""
+    key = signing_key(args.sign_key)
+    while True:
+        try:
+            round_ = control_round(bucket, args.model, args.channel, cache, key)
+            cache.save()
+            text = "\n".join(progress_lines(round_.progress))
+        except SyncError as exc:
+            text = f"could not judge the rollout this round (retrying in {args.interval:g} s): {exc}"
+        if text != last:
+            print(time.strftime("%Y-%m-%d %H:%M:%S %z ") + text, flush=True)
+            last = text
+        if args.once:
+            return 0
+        time.sleep(args.interval)
+
+
 def add_commands(sub: Any) -> None:
     rollout = sub.add_parser("rollout", help="judge, promote, abort or halt model rollouts")
     commands = rollout.add_subparsers(dest="rollout_command", required=True)
@@ -100,3 +130,15 @@ def add_commands(sub: Any) -> None:
     w.add_argument("--no-cache", action="store_true")
     w.add_argument("--s3-endpoint-url")
     w.set_defaults(func=guarded(cmd_watch), command="rollout watch")
+    c = commands.add_parser("controller", help="enforce a channel's failure threshold by itself: roll back or halt "
+                                               "(one per channel; systemd/ and deploy/ ship it)")
+    c.add_argument("--bucket", required=True, help=BUCKET_HELP)
+    c.add_argument("--model", required=True)
+    c.add_argument("--channel", default="stable")
+    c.add_argument("--sign-key", help="Ed25519 private key to sign its pointer writes; needed when devices have "
+                                      "sync.public_key")
+    c.add_argument("--interval", type=float, default=30.0, help="seconds between rounds (default 30)")
+    c.add_argument("--once", action="store_true", help="one round and exit (a timer or a Kubernetes CronJob)")
+    c.add_argument("--no-cache", action="store_true")
+    c.add_argument("--s3-endpoint-url")
+    c.set_defaults(func=guarded(cmd_controller), command="rollout controller")

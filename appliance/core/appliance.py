@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import runtimes
 
@@ -117,13 +117,15 @@ class Appliance:
         return DirectorySource("config", self.manager, [m for m in config.models if m.base_path],
                                models_dir, config.model_name, settings=configured.get)
 
-    def add_source(self, name: str, models_dir: str) -> DirectorySource:
+    def add_source(self, name: str, models_dir: str,
+                   withheld: Callable[[str], Collection[int]] = lambda model: ()) -> DirectorySource:
         """Another folder of model versions (the bucket follower's store): its models get the
-        configuration's ``[[models]]`` settings by name; the caller rescans it (``scan()``)."""
+        configuration's ``[[models]]`` settings by name; the caller rescans it (``scan()``).
+        ``withheld(model)``: versions in the folder not to push (the store's withdrawn ones)."""
         assert self.manager is not None
         configured = {m.name: m for m in self.config.models}
         source = DirectorySource(name, self.manager, [], models_dir, self.config.model_name,
-                                 settings=lambda model: _based(configured.get(model), models_dir))
+                                 settings=lambda model: _based(configured.get(model), models_dir), withheld=withheld)
         self._sources.append(source)
         source.scan()
         return source

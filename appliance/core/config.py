@@ -121,7 +121,7 @@ class SyncConfig:
     models: list[str] = field(default_factory=list)  # models to follow; empty: every model in the bucket
     poll_interval_s: float = 30.0
     jitter: float = 0.2  # +-20 % on each interval so a fleet does not poll in lockstep
-    max_backoff_s: float = 600.0  # the longest wait after the bucket says "slow down" (429, 503 SlowDown)
+    max_backoff_s: float = 600.0  # the longest Retry-After honoured from a bucket saying "slow down" (429, 503 SlowDown)
     models_refresh_s: float = 300.0  # with models empty: how often the bucket's list of models is read again
     public_key: str = ""  # Ed25519 public key file; when set, unsigned or mis-signed versions are refused
     retain: int = 2  # good versions kept on disk per model

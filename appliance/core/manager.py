@@ -185,8 +185,10 @@ class Manager:
         with self._lock:
             self._changed()  # the serving pin may move
             aspired = rollout_aspired(entry, aspired)
-            # an unloaded version whose directory is gone has nothing left to show
-            for version in [v for v, s in entry.versions.items() if s.state == State.END and v not in on_disk]:
+            # an unloaded version whose directory is gone has nothing left to show, but a failed
+            # one keeps its reason (retention deletes failed versions first)
+            for version in [v for v, s in entry.versions.items()
+                            if s.state == State.END and v not in on_disk and v not in entry.quarantined]:
                 del entry.versions[version]
             states = {v: s.state for v, s in entry.versions.items()}
         to_load, to_unload = plan(states, aspired)
@@ -242,11 +244,12 @@ class Manager:
         self.poll_now()
 
     def _update_quarantine(self, entry: ModelEntry, on_disk: Mapping[int, str]) -> None:
-        """A quarantined version is retried only if its directory was replaced; one the ledger
+        """A quarantined version is retried only if its directory was replaced (one deleted keeps
+        its reason until a new directory of that number appears); one the ledger
         quarantined in an earlier run (its load ended the process) stays quarantined."""
         for version, q in list(entry.quarantined.items()):
-            path = on_disk.get(version)
-            if path is None or mtime(path) != q.mtime:
+            path = on_disk.get(version)  # gone (deleted, set aside): the reason stays until it is back
+            if path is not None and mtime(path) != q.mtime:
                 entry.quarantined.pop(version, None)
         for version, path in on_disk.items():
             if version not in entry.quarantined and version not in entry.versions:

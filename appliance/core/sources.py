@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Collection, Mapping, Protocol
 
 from appliance.core.config import ModelConfig
 
@@ -94,8 +94,10 @@ class DirectorySource:
 
     def __init__(self, name: str, target: VersionTarget, configured: list[ModelConfig] | None = None,
                  models_dir: str = "", single_name: str = "default",
-                 settings: Callable[[str], ModelConfig | None] = lambda name: None):
+                 settings: Callable[[str], ModelConfig | None] = lambda name: None,
+                 withheld: Callable[[str], Collection[int]] = lambda name: ()):
         self.name, self.target = name, target
+        self.withheld = withheld  # versions of a model on disk that must not be pushed (still open elsewhere)
         self.configured = list(configured or [])
         self.models_dir, self.single_name = models_dir, single_name
         self.settings = settings  # a discovered model's [[models]] settings, when the config has them
@@ -115,7 +117,11 @@ class DirectorySource:
 
     def scan(self) -> None:
         with self._lock:
-            self.target.set_aspired(self.name, {m.name: (m, versions_on_disk(m.base_path)) for m in self.models()})
+            self.target.set_aspired(self.name, {m.name: (m, self._versions(m)) for m in self.models()})
+
+    def _versions(self, model: ModelConfig) -> dict[int, str]:
+        hidden = self.withheld(model.name)
+        return {v: p for v, p in versions_on_disk(model.base_path).items() if v not in hidden}
 
     def start(self, every_s: float) -> "DirectorySource":
         self.scan()

@@ -26,6 +26,7 @@ Thread-safety: ``notify`` (the state database's listener) may be called from any
 
 from __future__ import annotations
 
+import os
 import json
 import logging
 import random
@@ -35,6 +36,7 @@ from typing import Any, Callable
 
 from sync.manifest import dumps
 from sync.report import SCHEMA, device_key, sign_report
+from sync.store import read_json, write_json_atomic
 
 from appliance.version import __version__
 
@@ -49,6 +51,7 @@ QUIET_EVENTS = frozenset({"load_start", "unload_start", "sync_fetch", "sync_comm
                           "service_stop", "warmup_warning"})
 MAX_PROBLEMS = 50
 SETTLE_S = 2.0  # a change waits for the versions in motion to settle: this long, or a poll interval if longer
+SEQUENCE_BLOCK = 1000  # report sequence numbers reserved per write of sync/report-sequence.json
 TRANSIENT_STATES = ("NEW", "LOADING", "UNLOADING")
 
 
@@ -69,7 +72,7 @@ class Reporter:
         self._heartbeat = self._jittered(self.cfg.report_interval_s)
         self._started = clock()
         self._health: tuple[Any, ...] | None = None
-        self._sequence = 0
+        self._sequence = self._reserved = 0  # the sequence, and how far sync/report-sequence.json reserved it
         self._key: Any = None
         self._thread: threading.Thread | None = None
         self.last_error = ""
@@ -207,7 +210,7 @@ class Reporter:
         """The report (unsigned): see docs/fleet.md for every field. One snapshot of the
         manager makes the models and ``healthy`` alike (a load finishing while the report is
         built cannot give "healthy" beside "serving nothing")."""
-        self._sequence += 1
+        self._sequence = self._next_sequence()
         manager = self.core.manager
         snapshot = manager.snapshot() if manager is not None else {}
         served = bool(snapshot) and all(m.get("serving_version") is not None for m in snapshot.values())
@@ -227,6 +230,19 @@ class Reporter:
             "backend_decisions": {name: next((v.get("decision") for v in m["versions"] if v.get("decision")), None)
                                   for name, m in snapshot.items()},
         }
+
+    def _next_sequence(self) -> int:
+        """The report's ``sequence``: increasing across restarts too, so the view can tell a
+        replayed report (sync/report_trust.py). Reserved a block at a time on disk (one write
+        per 1000 reports; numbers lost to a restart are skipped, never reused)."""
+        path = os.path.join(self.loop.store.sync_dir, "report-sequence.json")
+        if self._reserved == 0:
+            stored = read_json(path).get("reserved")
+            self._sequence = self._reserved = stored if isinstance(stored, int) and stored > 0 else 0
+        if self._sequence + 1 > self._reserved:
+            self._reserved = self._sequence + SEQUENCE_BLOCK
+            write_json_atomic(path, {"reserved": self._reserved})
+        return self._sequence + 1
 
     def _models(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         follower = self.loop.follower

@@ -8,12 +8,16 @@ all it does. Otherwise it points the manager at ``<state>/models``, empties
 device report's writer (appliance/parts/device_report.py: ``_devices/<device-id>.json``
 after each change, coalesced, plus a heartbeat). It stops on the "stopping" hook.
 
-Retries: a bucket that cannot be reached, or that fails a request, is tried again at the
-poll interval: an unreachable bucket costs it nothing, and a device is back within an
-interval of the bucket's return (measured in bench/RESULTS.md; an exponential backoff to
-600 s kept devices minutes behind a 30 s outage). A bucket that asks for less (429, 503
-SlowDown: ``Throttled``) gets exponential backoff from the poll interval up to
-``sync.max_backoff_s``, or its Retry-After when longer.
+Retries, split as AWS's SDKs split them (sync/errors.py): a bucket that cannot be reached,
+that fails a request, or that answers it cannot serve now (503 ServiceUnavailable, a bare
+503 from a gateway whose backend is down, 500/502/504: ``Unavailable``) is tried again at
+the poll interval (+- jitter): an unreachable bucket costs it nothing, and a device is back
+within an interval of the bucket's return (measured in bench/RESULTS.md; an exponential
+backoff to 600 s kept devices minutes behind a 30 s outage, and a 2-minute 503 cost 8.4
+intervals). A Retry-After is honoured up to two intervals. A bucket that asks for less
+(429, 503 SlowDown: ``Throttled``) gets exponential backoff from the poll interval, capped
+at two intervals so a device is back within two intervals of the throttling's end; only a
+Retry-After the bucket sends makes it wait longer (up to ``sync.max_backoff_s``).
 
 Nothing here can stop serving: every failure is caught, recorded as an event and shown
 in ``/api/status`` under ``sync``.
@@ -42,7 +46,7 @@ from flask import Blueprint, Response, jsonify, request
 
 
 from sync import faults
-from sync.errors import SourceError, Throttled
+from sync.errors import SourceError, Throttled, Unavailable
 from sync.follower import Follower, LocalModel, Options
 from sync.manifest import load_public_key
 from sync.source import Limits
@@ -56,6 +60,7 @@ from appliance.parts.host import Host
 
 log = logging.getLogger("appliance.sync")
 RELOAD_WAIT_S = 120.0
+BACKOFF_CAP_INTERVALS = 2  # no failure keeps a device more than two poll intervals from a recovered bucket
 
 
 def attach(service: Host) -> "SyncLoop | None":
@@ -146,6 +151,7 @@ class SyncLoop:
         self._started = self._finished = 0
         self._failures = 0
         self._throttled: Throttled | None = None
+        self._unavailable: Unavailable | None = None
         self.polls_done = 0
         self.polling = False  # a poll is running (read by the report writer, any thread)
         self._thread: threading.Thread | None = None
@@ -165,7 +171,7 @@ class SyncLoop:
     def start(self) -> None:
         # the store is this part's version source: it pushes what sync commits to the manager.
         # First, so what is on disk serves even when the store cannot be written (read-only state).
-        self.versions = self.core.add_source("bucket", self.store.models_dir)
+        self.versions = self.core.add_source("bucket", self.store.models_dir, withheld=self.store.withdrawn)
         self.store.open()
         faults.configure(self.store.state_dir)
         for model, record in rollout_policies(self.store.state_dir).items():  # what the last run was told
@@ -253,33 +259,50 @@ class SyncLoop:
         message = str(exc) if isinstance(exc, SourceError) else f"{type(exc).__name__}: {exc}"
         self._failures += 1
         self._throttled = exc if isinstance(exc, Throttled) else None
+        self._unavailable = exc if isinstance(exc, Unavailable) else None
         if message != self.status["last_error"]:
-            what = "backing off" if self._throttled else "retrying at the poll interval"
-            self.event("sync_error", f"bucket poll failed (attempt {self._failures}, {what}): {message}")
+            self.event("sync_error", f"bucket poll failed (attempt {self._failures}, {self._what_next()}): {message}")
         self.status.update(last_error=message, failures=self._failures)
 
     def _succeeded(self, refused: list[str]) -> None:
         if self._failures:
             self.event("sync_recovered", f"bucket reachable again after {self._failures} failed polls")
-        self._failures, self._throttled = 0, None
+        self._failures, self._throttled, self._unavailable = 0, None, None
         self.status.update(last_error="; ".join(refused), failures=0, last_success=time.time())
 
     def _next_delay(self) -> float:
-        """The poll interval (+- jitter); after "slow down" answers, doubling up to
-        ``max_backoff_s`` (or the bucket's Retry-After). See the module docstring."""
-        base = max(0.05, self.cfg.poll_interval_s)
-        if self._throttled is not None:
-            backoff = min(self.cfg.max_backoff_s, base * 2 ** min(self._failures, 30))
-            base = max(base, backoff, min(self._throttled.retry_after, self.cfg.max_backoff_s))
+        """The next poll's delay (+- jitter); see the module docstring."""
         jitter = max(0.0, min(self.cfg.jitter, 0.9))
-        return base * random.uniform(1 - jitter, 1 + jitter)
+        return self._base_delay() * random.uniform(1 - jitter, 1 + jitter)
+
+    def _base_delay(self) -> float:
+        """The poll interval; after "slow down", doubling to two intervals (a Retry-After up to
+        ``max_backoff_s``); after "unavailable", a Retry-After up to two intervals."""
+        base = max(0.05, self.cfg.poll_interval_s)
+        cap = BACKOFF_CAP_INTERVALS * base
+        if self._throttled is not None:
+            backoff = min(cap, base * 2 ** min(self._failures, 30))
+            return max(base, backoff, min(self._throttled.retry_after, self.cfg.max_backoff_s))
+        if self._unavailable is not None:
+            return max(base, min(self._unavailable.retry_after, cap))
+        return base
+
+    def _what_next(self) -> str:
+        """What the loop does after a failed poll, in the words of the problem text."""
+        delay = self._base_delay()
+        if self._throttled is not None:
+            return f"the bucket asks for fewer requests: backing off, next poll in about {delay:.3g} s"
+        if self._unavailable is not None:
+            return f"the bucket is unavailable: retrying at the poll interval, next poll in about {delay:.3g} s"
+        return f"retrying at the poll interval, next poll in about {delay:.3g} s"
 
     # -- what the manager says -----------------------------------------------------------
     def _local(self) -> dict[str, LocalModel]:
         manager = self.core.manager
         if manager is None:
             return {}
-        return {name: LocalModel(m.get("serving_version"), frozenset(int(v) for v in m.get("quarantined", {})))
+        return {name: LocalModel(m.get("serving_version"), frozenset(int(v) for v in m.get("quarantined", {})),
+                                 frozenset(int(v["version"]) for v in m.get("versions", []) if v.get("state") != "END"))
                 for name, m in manager.snapshot().items()}
 
     def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from sync.listing import ReportCache, list_reports
 from sync.publisher import publish
-from sync.report import public_text
+from sync.report import public_text, register_keys
 from sync.open_source import open_source
 from sync.waves import share
 from tests.support.servers import ROOT
@@ -67,25 +67,27 @@ def test_filters_staleness_and_trust_marks(folder: Path, tmp_path: Path) -> None
         assert out.returncode == 0, out.stderr
         return {r["device_id"]: r for r in json.loads(out.stdout)["devices"]}
 
-    every = rows()
-    assert {d: r["status"] for d, r in every.items()} == {
-        IDS[0]: "stale", IDS[1]: "degraded", IDS[2]: "degraded", IDS[3]: "unhealthy", IDS[4]: "ok",
-        IDS[5]: "unhealthy", "junk": "unreadable"}
-    assert every[IDS[1]]["models"]["hpt"]["state"] == "refused" and "sha256" in every[IDS[1]]["models"]["hpt"]["reason"]
-    assert every[IDS[2]]["models"]["hpt"]["state"] == "failed" and "Could not open" in every[IDS[2]]["models"]["hpt"]["reason"]
+    every = rows()  # no key registered yet: what the reports claim is shown, as untrusted
+    assert {d: r["status"] for d, r in every.items()} == {**{d: "untrusted" for d in IDS[:6]}, "junk": "unreadable"}
     assert {d: r["trust"] for d, r in every.items() if d != "junk"} == {
         IDS[0]: "unregistered", IDS[1]: "unregistered", IDS[2]: "unsigned", IDS[3]: "unregistered",
         IDS[4]: "unregistered", IDS[5]: "mis-signed"}
+    out = appliance("fleet", "--bucket", f"file://{folder}", "--register-keys", env=env)
+    assert out.returncode == 0 and "registered the keys of 4 devices" in out.stderr, out.stderr
+    every = rows()
+    assert {d: r["status"] for d, r in every.items()} == {
+        IDS[0]: "stale", IDS[1]: "degraded", IDS[2]: "untrusted", IDS[3]: "unhealthy", IDS[4]: "ok",
+        IDS[5]: "untrusted", "junk": "unreadable"}
+    assert every[IDS[1]]["models"]["hpt"]["state"] == "refused" and "sha256" in every[IDS[1]]["models"]["hpt"]["reason"]
+    assert every[IDS[2]]["models"]["hpt"]["state"] == "failed" and "Could not open" in every[IDS[2]]["models"]["hpt"]["reason"]
+    marks = {d: r["trust"] for d, r in every.items()}
+    assert marks[IDS[1]] == "signed" and marks[IDS[5]] == "mis-signed" and marks[IDS[2]] == "unsigned"
     assert set(rows("--stale")) == {IDS[0]}
     assert set(rows("--unhealthy")) == {IDS[1], IDS[2], IDS[3], IDS[5], "junk"}
     assert set(rows("--channel", "beta")) == {IDS[4]}
     assert set(rows("--model", "hpt", "--version", "1")) == {IDS[1], IDS[2]}
-    out = appliance("fleet", "--bucket", f"file://{folder}", "--register-keys", env=env)
-    assert out.returncode == 0 and "registered the keys of 4 devices" in out.stderr, out.stderr
-    marks = {d: r["trust"] for d, r in rows().items()}
-    assert marks[IDS[1]] == "signed" and marks[IDS[5]] == "mis-signed" and marks[IDS[2]] == "unsigned"
     text = appliance("fleet", "--bucket", f"file://{folder}", env=env).stdout
-    assert "STALE" in text and "7 devices: 1 ok, 2 degraded, 2 unhealthy, 1 stale, 1 unreadable" in text, text
+    assert "STALE" in text and "7 devices: 1 ok, 1 degraded, 1 unhealthy, 1 stale, 1 unreadable, 2 untrusted" in text, text
     assert "0 read, 7 unchanged" in text  # the repeated view read nothing
 
 
@@ -116,8 +118,10 @@ def test_rollout_progress_waves_from_the_cli_and_a_halt_at_the_threshold(folder:
     assert pointer["waves"] == [{"percent": 25, "hold_minutes": 60}, {"percent": 100}]
     assert pointer["failure_threshold"] == {"percent": threshold_percent, "min_devices": 2}
     source = open_source(f"file://{folder}")
-    reports = [fleet_report(d, 2) for d in first[1:]] + [fleet_report(d, 1, 2, "waiting") for d in later]
-    write_reports(source, reports + [fleet_report(first[0], 1, 2, "refused")])
+    key = Ed25519PrivateKey.generate()  # only reports signed by a registered key count
+    register_keys(source, {d: public_text(key) for d in IDS})
+    reports = [fleet_report(d, 2, key=key) for d in first[1:]] + [fleet_report(d, 1, 2, "waiting", key=key) for d in later]
+    write_reports(source, reports + [fleet_report(first[0], 1, 2, "refused", key=key)])
     watch = appliance("rollout", "watch", "--bucket", f"file://{folder}", "--model", "hpt", "--once", "--no-cache")
     assert watch.returncode == 0 and "HALTED" not in watch.stdout, watch.stdout + watch.stderr  # one failure: under
     progress = json.loads(appliance("fleet", "--bucket", f"file://{folder}", "--model", "hpt", "--channel", "stable",
@@ -133,7 +137,7 @@ def test_rollout_progress_waves_from_the_cli_and_a_halt_at_the_threshold(folder:
     assert threshold["failing_in_open_waves"] == 1 and threshold["devices_in_open_waves"] == len(first)
     assert not threshold["breached"] and not progress["halted"]
     # a second device of the open wave fails to load it: over the threshold, the watch halts the channel
-    write_reports(source, [fleet_report(first[1], 1, 2, "failed")])
+    write_reports(source, [fleet_report(first[1], 1, 2, "failed", key=key)])
     watch = appliance("rollout", "watch", "--bucket", f"file://{folder}", "--model", "hpt", "--once", "--no-cache")
     assert watch.returncode == 3 and "HALTED" in watch.stdout, watch.stdout + watch.stderr
     halted = json.loads((folder / "hpt/channels/stable.json").read_text())
@@ -167,3 +171,30 @@ def test_listing_from_s3_matches_the_reports_and_caches(seaweed: Any, tmp_path: 
     out = appliance("fleet", "--bucket", url, "--json", "--no-cache")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["counts"]["devices"] == 301
+
+
+def test_a_replay_is_caught_by_the_next_cli_run_and_the_cache_file_holds_each_report_once(folder: Path,
+                                                                                        tmp_path: Path) -> None:
+    source = open_source(f"file://{folder}")
+    key = Ed25519PrivateKey.generate()
+    register_keys(source, {d: public_text(key) for d in IDS[:2]})
+    now = time.time()
+    old = {**fleet_report(IDS[0], 1, 2, "failed", written_at=now - 725), "sequence": 7}
+    from sync.report import sign_report
+
+    write_reports(source, [sign_report({**fleet_report(IDS[0], 2, written_at=now), "sequence": 8}, key)])
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def rows() -> dict[str, dict[str, Any]]:
+        out = appliance("fleet", "--bucket", f"file://{folder}", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        return {r["device_id"]: r for r in json.loads(out.stdout)["devices"]}
+
+    assert rows()[IDS[0]]["trust"] == "signed"
+    cache_file = next((tmp_path / "cache").rglob("*.json"))
+    saved = json.loads(cache_file.read_text())
+    assert saved["trusted"][IDS[0]][1] is None  # a reference to the cached report, not a second copy
+    write_reports(source, [sign_report(old, key)])  # the device's own report from 725 s before, replayed
+    row = rows()[IDS[0]]
+    assert row["trust"] == "replayed" and row["status"] == "ok" and row["models"]["hpt"]["serving"] == 2
+    assert row["untrusted_report"]["sequence"] == 7

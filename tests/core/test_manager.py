@@ -145,6 +145,11 @@ def test_hot_swap_under_load_and_a_broken_version(start_server: Any, models_dir:
         assert srv.get("/readyz").status_code == 200
         snapshot = srv.status()["models"]["keras_mlp"]
         assert snapshot["serving_version"] == 2 and "3" in snapshot["quarantined"]
+        shutil.rmtree(base / "keras_mlp" / "3")  # what sync's retention does to a failed version first
+        add_version(v1, base / "keras_mlp", 4, tmp_path)  # a scan that sees 4 saw 3 gone
+        srv.wait_for(lambda: ("4", "AVAILABLE") in versions(srv, "keras_mlp"), what="version 4 after 3 went")
+        assert "3" in srv.status()["models"]["keras_mlp"]["quarantined"]  # its reason stays, not NOT_FOUND
+        assert (version_status(srv, "keras_mlp", 3) or {}).get("status", {}).get("error_message")
     finally:
         load.finish()
     assert load.failures == [], load.failures[:5]

@@ -72,6 +72,28 @@ def test_the_daemonset_is_what_the_image_expects() -> None:
     assert pod["terminationGracePeriodSeconds"] > 20 + 5  # the drain, after the preStop pause
 
 
+def test_the_rollout_controller_manifest_and_unit_run_the_controller(tmp_path: Path) -> None:
+    from appliance.cli import build_parser
+
+    manifest = ROOT / "deploy" / "kubernetes" / "rollout-controller.yaml"
+    done = run(BIN / "kubernetes-validate", "--strict", manifest)
+    assert done.returncode == 0 and done.stdout.count(" passed for resource ") == 2, done.stdout + done.stderr
+    deployment = next(d for d in yaml.safe_load_all(manifest.read_text()) if d["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    args = build_parser().parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.command == "rollout controller" and args.model == "det" and args.channel == "stable"
+    unit = ROOT / "systemd" / "edge-appliance-rollout@.service"
+    assert "appliance rollout controller --bucket ${BUCKET} --model ${MODEL} --channel ${CHANNEL}" in unit.read_text()
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    instance = tmp_path / "edge-appliance-rollout@det-stable.service"
+    instance.write_text(unit.read_text())
+    verify = run("systemd-analyze", "verify", "--man=no", instance)
+    problems = [line for line in (verify.stdout + verify.stderr).splitlines()
+                if instance.name in line and "/opt/edge-appliance" not in line]  # not installed here
+    assert not problems, verify.stdout + verify.stderr
+
+
 # --- KServe --------------------------------------------------------------------------------------
 def _schema(tmp_path: Path, name: str) -> Path:
     out = tmp_path / f"{name}.json"

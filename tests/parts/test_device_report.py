@@ -81,12 +81,13 @@ def test_the_report_follows_start_swap_refusal_and_failed_load(start_server: Any
     failed = device.wait_for(lambda: (r := report_of(source, device_id)) and any(
         v["version"] == 4 and v["reason"] for v in r["models"]["hpt"]["versions"]) and r, 90, "a report with the failed load")
     assert served(failed, 2) and failed["models"]["hpt"]["refused"] is None
-    # what the operator sees
+    # what the operator sees, once the device's key is registered (an unregistered report is untrusted)
+    register_keys(source, {device_id: failed["device_key"]})
     out = subprocess.run([sys.executable, "-m", "appliance.cli", "fleet", "--bucket", url, "--json", "--no-cache"],
                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=120)
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout)["devices"][0]
-    assert row["device_id"] == device_id and row["status"] == "degraded" and row["trust"] == UNREGISTERED
+    assert row["device_id"] == device_id and row["status"] == "degraded" and row["trust"] == SIGNED
     assert row["models"]["hpt"]["serving"] == 2 and row["models"]["hpt"]["state"] == "failed"
 
 

@@ -54,11 +54,19 @@ def version_of(y: float) -> int:
     raise AssertionError(f"answer {y} matches no published version")
 
 
-class Load:
-    """Steady concurrent predict load; counts failures and which versions answered."""
+def answer_of(body: Any) -> float:
+    """y of a :predict answer, of a SavedModel's rows ([y]) or a LiteRT model's ([[y]] or {"y": [y]})."""
+    row = body["predictions"][0]
+    row = row["y"] if isinstance(row, dict) else row
+    return float(row[0] if isinstance(row, list) else row)
 
-    def __init__(self, url: str, threads: int = 4):
-        self.url, self.threads = url, threads
+
+class Load:
+    """Steady concurrent predict load; counts failures and which versions answered. ``instance``
+    is the one row each request sends ([[2.0]] for the LiteRT models of fleet_support)."""
+
+    def __init__(self, url: str, threads: int = 4, instance: Any = 2.0):
+        self.url, self.threads, self.instance = url, threads, instance
         self.ok = 0
         self.failures: list[str] = []
         self.versions: set[int] = set()
@@ -80,10 +88,10 @@ class Load:
         session = requests.Session()
         while not self._stop.is_set():
             try:
-                r = session.post(f"{self.url}/v1/models/hpt:predict", json={"instances": [2.0]}, timeout=30)
+                r = session.post(f"{self.url}/v1/models/hpt:predict", json={"instances": [self.instance]}, timeout=30)
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                version = version_of(float(r.json()["predictions"][0]))
+                version = version_of(answer_of(r.json()))
                 with self._lock:
                     self.ok += 1
                     self.versions.add(version)
@@ -327,7 +335,7 @@ class Device:
                                  lambda: {m: LocalModel(self.serving(m)) for m in models})
 
     def serving(self, model: str = "m") -> int | None:
-        versions = self.store.versions(model)
+        versions = self.store.served_versions(model)  # what the store pushes: the manager serves the newest
         return max(versions) if versions else None
 
     def kinds(self) -> list[str]:

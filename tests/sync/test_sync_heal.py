@@ -192,12 +192,46 @@ def test_an_idle_poll_of_every_model_is_one_conditional_request(tmp_path: Path) 
     assert device.follower.sync_once(force=True).requests == 2  # appliance sync: the list of models too
 
 
-def test_the_loop_backs_off_only_when_the_bucket_says_slow_down(tmp_path: Path) -> None:
-    """A real HTTP bucket answering 503 + Retry-After (what S3's SlowDown is): the loop waits
-    as long as it asks, up to sync.max_backoff_s. The same bucket unreachable: the loop tries
-    again at the poll interval, so a device is back within an interval of the bucket's return."""
-    import http.server
-    import threading
+class Answering:
+    """A real HTTP server on loopback answering every request with ``status`` (and ``headers``,
+    ``body``): an HTTPS mirror or an S3 endpoint that fails on purpose."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.status, self.headers, self.body = 503, {}, b""
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(outer.status)
+                for k, v in {**outer.headers, "Content-Length": str(len(outer.body))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(outer.body)
+
+            do_HEAD = do_GET
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, name="answering")
+        self.thread.start()
+
+    def answer(self, status: int, headers: dict[str, str] | None = None, body: bytes = b"") -> None:
+        self.status, self.headers, self.body = status, headers or {}, body
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.server.shutdown()
+            self.server.server_close()
+            self.thread.join(10)
+
+
+def sync_loop(tmp_path: Path, bucket: str, **env: str) -> Any:
     import types
 
     from appliance.core.config import Config
@@ -205,47 +239,67 @@ def test_the_loop_backs_off_only_when_the_bucket_says_slow_down(tmp_path: Path) 
     from appliance.core.state import StateDB
     from appliance.parts.sync_loop import SyncLoop
 
-    class SlowDown(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(503)
-            self.send_header("Retry-After", "7")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowDown)
-    thread = threading.Thread(target=server.serve_forever, name="slow-down")
-    thread.start()
-
-    def stop() -> None:
-        if thread.is_alive():
-            server.shutdown()
-            server.server_close()
-            thread.join(10)
-
     config = Config()
     config.state_dir = str(tmp_path / "state")
-    config.sync.bucket = f"http://127.0.0.1:{server.server_address[1]}"
+    config.sync.bucket = bucket
     config.sync.models, config.sync.poll_interval_s, config.sync.max_backoff_s, config.sync.jitter = ["m"], 0.5, 5.0, 0.0
     db = StateDB(":memory:").open()
     core = types.SimpleNamespace(device={}, db=db, manager=None, device_id="test", add_status=lambda *a: None,
-                                 metrics=Metrics(), add_source=lambda *a: types.SimpleNamespace(scan=lambda: None))
-    loop = SyncLoop(types.SimpleNamespace(config=config, core=core))
+                                 metrics=Metrics(), add_source=lambda *a, **k: types.SimpleNamespace(scan=lambda: None))
+    return SyncLoop(types.SimpleNamespace(config=config, core=core))
+
+
+def test_an_unavailable_bucket_is_retried_at_the_interval_and_only_slow_down_backs_off(tmp_path: Path) -> None:
+    """503 (a gateway whose backend is down) is not throttling: retried at the poll interval,
+    a Retry-After honoured up to two intervals. 429 "slow down" backs off, doubling to two
+    intervals (a Retry-After up to max_backoff_s). Unreachable: the interval. The problem text
+    says which."""
+    bucket = Answering()
+    loop = sync_loop(tmp_path, bucket.url)
     try:
-        assert loop._poll() == pytest.approx(5.0)  # Retry-After 7, capped at max_backoff_s
-        assert "HTTP 503" in loop.status["last_error"]
-        stop()
-        for _ in range(4):  # unreachable now: the interval every time, however many failures
+        for _ in range(4):  # a long 503 outage: the interval every time, however many failures
             assert loop._poll() == pytest.approx(0.5)
-        assert loop.status["failures"] == 5
-        kinds = [e["message"] for e in db.recent(10) if e["kind"] == "sync_error"]
-        assert any("backing off" in m for m in kinds) and any("retrying at the poll interval" in m for m in kinds)
+        assert "HTTP 503" in loop.status["last_error"] and loop.status["failures"] == 4
+        bucket.answer(503, {"Retry-After": "7"})
+        assert loop._poll() == pytest.approx(1.0)  # capped at two intervals
+        bucket.answer(429)
+        assert loop._poll() == pytest.approx(1.0)  # slow down: doubling, capped at two intervals
+        bucket.answer(429, {"Retry-After": "7"})
+        assert loop._poll() == pytest.approx(5.0)  # as long as it asks, up to max_backoff_s
+        bucket.stop()
+        assert loop._poll() == pytest.approx(0.5)  # unreachable
+        messages = [e["message"] for e in loop.core.db.recent(20) if e["kind"] == "sync_error"]
+        assert any("the bucket is unavailable: retrying at the poll interval" in m for m in messages), messages
+        assert any("asks for fewer requests: backing off" in m for m in messages), messages
+        assert not any("backing off" in m for m in messages if "HTTP 503" in m)
     finally:
-        stop()
+        bucket.stop()
         loop.source.close()
-        db.close()
+        loop.core.db.close()
+
+
+@pytest.mark.parametrize("status,code,kind", [(503, "SlowDown", "Throttled"), (503, "ServiceUnavailable", "Unavailable"),
+                                              (503, "", "Unavailable"), (429, "", "Throttled"),
+                                              (500, "InternalError", "Unavailable")])
+def test_s3_answers_split_as_the_aws_sdks_split_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int,
+                                                     code: str, kind: str) -> None:
+    from sync import errors
+
+    bucket = Answering()
+    body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>no</Message></Error>".encode()
+            if code else b"")
+    bucket.answer(status, {"Content-Type": "application/xml"} if code else {}, body)
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    source = open_source("s3://fleet/p", s3_endpoint_url=bucket.url)
+    try:
+        with pytest.raises(errors.SourceError) as caught:
+            source.read("m/channels/stable.json")
+        assert type(caught.value).__name__ == kind, caught.value
+    finally:
+        source.close()
+        bucket.stop()
 
 
 def test_a_malformed_list_of_models_is_one_event_not_a_failing_poll(tmp_path: Path) -> None:

@@ -390,7 +390,7 @@ def test_the_sync_loop_backs_off_from_a_stalled_bucket(tmp_path: Path, bucket: P
 
     core = types.SimpleNamespace(device={}, db=db, manager=None, device_id="test", add_status=lambda *a: None,
                                  metrics=Metrics(),
-                                 add_source=lambda *a: types.SimpleNamespace(scan=lambda: None))
+                                 add_source=lambda *a, **k: types.SimpleNamespace(scan=lambda: None))
     loop = SyncLoop(types.SimpleNamespace(config=config, core=core))
     loop.source = loop.follower.source = HTTPSource(mirror.url, source_limits(config.sync))  # as sync_loop builds it
     loop.start()

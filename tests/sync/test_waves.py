@@ -138,10 +138,16 @@ def test_fleet_summary_and_halt_through_the_cli(tmp_path: Path) -> None:
     publish(source, "m", str(version_dir(tmp_path, "two")))
     set_channel(source, "m", "stable", 2, waves=WAVES)
     aborted = {"action": "abort", "candidate_version": 2, "reason": "p99 latency 90 ms is 12x the serving version's"}
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from sync.report import public_text, register_keys, sign_report
+
+    key = Ed25519PrivateKey.generate()  # only reports signed by a registered key count
+    register_keys(source, {d: public_text(key) for d in DEVICES[:6]})
     for i, device in enumerate(DEVICES[:6]):
-        report = {"device_id": device, "models": {"m": {"serving_version": 2 if i < 4 else 1}},
+        report = {"device_id": device, "models": {"m": {"serving_version": 2 if i < 4 else 1}}, "written_at": time.time(),
                   "rollouts": {"m": {"decisions": [aborted if i == 5 else {"action": "promote", "candidate_version": 2}]}}}
-        source.put(f"_devices/{device}.json", json.dumps(report).encode())
+        source.put(f"_devices/{device}.json", json.dumps(sign_report(report, key)).encode())
     out = appliance("fleet", "--bucket", f"file://{bucket}", "--model", "m", "--channel", "stable", "--json")
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)["rollouts"][0]

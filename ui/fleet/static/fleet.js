@@ -5,7 +5,7 @@
 "use strict";
 
 const REFRESH_MS = 10000;
-const STATUS_ORDER = { unreadable: 0, unhealthy: 1, degraded: 2, stale: 3, ok: 4 };
+const STATUS_ORDER = { unreadable: 0, unhealthy: 1, untrusted: 2, degraded: 3, stale: 4, ok: 5 };
 const state = { data: null, rows: [], sortKey: "device_id", sortDir: 1, page: 0, size: 50, detail: "" };
 
 function el(tag, props, ...children) {
@@ -130,7 +130,7 @@ function render() {
 }
 
 function renderCounts(counts) {
-  const names = ["ok", "degraded", "unhealthy", "stale", "unreadable"];
+  const names = ["ok", "degraded", "unhealthy", "stale", "unreadable", "untrusted"];
   const chips = [el("span", { class: "count", id: "count-devices" }, el("b", { text: counts.devices.toLocaleString("en") }), " devices")];
   for (const name of names) {
     chips.push(el("button", { type: "button", class: `count s-${name}`, id: `count-${name}`,
