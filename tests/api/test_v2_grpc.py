@@ -98,7 +98,9 @@ def test_health_and_metadata(client: Any) -> None:
     assert client.is_model_ready("keras_mlp_tflite") and client.is_model_ready("keras_mlp", "1")
     assert not client.is_model_ready("keras_mlp", "4") and not client.is_model_ready("no_such_model")
     meta = client.get_server_metadata(as_json=True)
-    assert meta["name"] == "edge-appliance" and meta["extensions"] == ["binary_tensor_data", "system_shared_memory"]
+    assert meta["name"] == "edge-appliance" and meta["extensions"] == [
+        "binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics", "parameters",
+        "system_shared_memory"]
     model = client.get_model_metadata("keras_mlp", as_json=True)
     assert model["versions"] == ["1"] and model["platform"] == "tensorflow_savedmodel"
     assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "64"]}]  # int64 in JSON: strings
