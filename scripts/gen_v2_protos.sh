@@ -28,8 +28,8 @@ fi
 "$PY" - "$DIR/model_config_pb2.py" "$DIR/grpc_predict_v2_pb2.py" "$DIR/grpc_predict_v2_pb2.pyi" <<'PY'
 import re, sys
 config, service, stub = sys.argv[1:]
-for path, pool in ((config, "_POOL = _descriptor_pool.DescriptorPool()\n"),
-                   (service, "from appliance.protos.kserve.model_config_pb2 import _POOL\n")):
+for path, pool in ((config, "POOL = _POOL = _descriptor_pool.DescriptorPool()  # grpc_predict_v2_pb2 shares it\n"),
+                   (service, "from appliance.protos.kserve.model_config_pb2 import POOL as _POOL\n")):
     src = open(path).read()
     src, checks = re.subn(r"_runtime_version\.ValidateProtobufRuntimeVersion\([^)]*\)\n", "", src)
     src = src.replace("from google.protobuf import runtime_version as _runtime_version\n", "")

@@ -29,9 +29,11 @@ from tests.support.servers import free_port
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("tritonclient.http")
 
-# Above the longest test: the module's server start (TensorFlow trials of six models on a
-# loaded machine, up to 300 s + 300 s for every model ready) plus two examples of up to 300 s.
-pytestmark = pytest.mark.timeout(1500)
+# Above the longest test: the module's server start (each version's trial starts TensorFlow in a
+# child process: about a minute each for six models on a loaded machine; waits of up to 900 s
+# each) plus two examples of up to 300 s.
+pytestmark = pytest.mark.timeout(2700)
+SERVED = ("simple", "simple_int8", "simple_string", "simple_identity", "image_cls", "densenet_onnx")
 
 EXAMPLES = Path(__file__).parent / "triton" / "examples"
 EXAMPLE_TIMEOUT_S = 300  # one example's run; a loaded CI machine starts Python and grpcio slowly
@@ -58,15 +60,22 @@ SKIPS = {
     "simple_grpc_custom_repeat.py": "repeat_int32 is a decoupled model (many responses per request): not served here",
     "ensemble_image_client.py": "ensembles (Triton's model pipelines) are not served here",
     "memory_growth_test.py": "custom_identity_int32 is a custom C++ backend; the test is a long leak soak",
-    "image_client.py": "needs the classification extension (item 6 of issue 44)",
-    "grpc_image_client.py": "needs the classification extension (item 6 of issue 44)",
+    "image_client.py -i http": "over HTTP it imports attrdict, which does not import on Python >= 3.10 "
+                               "(collections.Mapping); run here over gRPC, with and without --streaming",
 }
+# Image classification over gRPC (the classification extension, class_count 3, and a stream):
+# the model and image are named by the examples' own flags.
+IMAGE = ("-m", "image_cls", "-c", "3", "-s", "NONE")
+IMAGE_RUNS = {"image_client.py grpc": ("image_client.py", "-i", "grpc"),
+              "image_client.py grpc streaming": ("image_client.py", "-i", "grpc", "--streaming"),
+              "grpc_image_client.py": ("grpc_image_client.py",)}
 
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Triton's example models, plus two more: simple_grpc_model_control.py wants eight models
-    in the repository index (simple_http_model_control.py seven: one is removed before it)."""
+    in the repository index (simple_http_model_control.py seven: one is removed before it).
+    The two are never loaded (``startup_models``): they count in the index all the same."""
     from tests.support.triton_models import triton_models
 
     built = triton_models()
@@ -82,18 +91,17 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(module_server: Any, repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     config = tmp_path_factory.mktemp("triton-config") / "appliance.toml"
     grpc_port = free_port()
-    config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\n[discovery]\nenabled = false\n"
-                      '[kserve]\nserver_id = "triton"\nmodel_control = "explicit"\nmodel_control_scope = "inference"\n')
+    # grpcio's transport: the one that serves ModelStreamInfer (the default, lean, serves unary calls)
+    config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\ntransport = \"grpcio\"\n"
+                      "[discovery]\nenabled = false\n"
+                      '[kserve]\nserver_id = "triton"\nmodel_control = "explicit"\nmodel_control_scope = "inference"\n'
+                      f"startup_models = {list(SERVED)!r}\n".replace("'", '"'))
     srv = module_server("--config", str(config), "--models", str(repository), "--grpc-port", str(grpc_port),
-                        timeout=300)
+                        timeout=900)
     srv.grpc_port = grpc_port
-    srv.wait_for(lambda: all(srv.get(f"/v2/models/{m}/ready").status_code == 200 for m in _names(repository)),
-                 300, "every example model ready")
+    srv.wait_for(lambda: all(srv.get(f"/v2/models/{m}/ready").status_code == 200 for m in SERVED),
+                 900, "every example model ready")
     return srv
-
-
-def _names(repository: Path) -> list[str]:
-    return sorted(p.name for p in repository.iterdir() if p.is_dir())
 
 
 def run_example(name: str, *args: str) -> str:
@@ -106,7 +114,7 @@ def run_example(name: str, *args: str) -> str:
 
 
 def test_every_example_is_run_or_skipped_with_a_reason() -> None:
-    listed = set(HTTP) | set(GRPC) | set(CONTROL) | set(SKIPS)
+    listed = set(HTTP) | set(GRPC) | set(CONTROL) | {k.split()[0] for k in SKIPS} | {v[0] for v in IMAGE_RUNS.values()}
     present = {p.name for p in EXAMPLES.glob("*.py")}
     assert present == listed, f"not listed: {sorted(present - listed)}; listed, absent: {sorted(listed - present)}"
     skips_md = (Path(__file__).parent / "SKIPS.md").read_text()
@@ -121,6 +129,19 @@ def test_http_example(server: Any, name: str) -> None:
 @pytest.mark.parametrize("name", GRPC)
 def test_grpc_example(server: Any, name: str) -> None:
     run_example(name, "-u", f"127.0.0.1:{server.grpc_port}")
+
+
+@pytest.mark.parametrize("run", sorted(IMAGE_RUNS))
+def test_image_classification_example(server: Any, run: str, tmp_path: Path) -> None:
+    """The top 3 classes with the model's labels (labels.txt), in Triton's "score (index) = label"."""
+    from PIL import Image
+    import numpy as np
+
+    image = tmp_path / "image.png"
+    Image.fromarray((np.indices((40, 40)).sum(0) * 3 % 255).astype("uint8")[..., None].repeat(3, 2)).save(image)
+    name, *args = IMAGE_RUNS[run]
+    out = run_example(name, *IMAGE, *args, "-u", f"127.0.0.1:{server.grpc_port}", str(image))
+    assert "PASS" in out and out.count(" = label_") == 3, out
 
 
 @pytest.mark.parametrize("name", sorted(SKIPS))
@@ -138,3 +159,20 @@ def test_model_control_examples(server: Any, repository: Path) -> None:
                     "the repository index without simple_extra_b")
     out = run_example("simple_http_model_control.py", "-u", f"127.0.0.1:{server.port}")
     assert "PASS: model control" in out, out
+
+
+def test_classification_over_rest_matches_the_raw_output(server: Any) -> None:
+    """REST ``{"parameters": {"classification": 2}}``: each row's two best classes as
+    "score:index:label", best first, the scores those of the raw output."""
+    import numpy as np
+
+    x = np.stack([np.full((32, 32, 3), v, np.float32) for v in (0.2, -0.7)]).reshape(2, 32, 32, 3)
+    request = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [2, 32, 32, 3], "data": x.ravel().tolist()}]}
+    raw = server.post("/v2/models/image_cls/infer", request).json()["outputs"][0]
+    scores = np.array(raw["data"], np.float32).reshape(2, 10)
+    classified = server.post("/v2/models/image_cls/infer", {
+        **request, "outputs": [{"name": "OUTPUT", "parameters": {"classification": 2}}]}).json()["outputs"][0]
+    assert (classified["datatype"], classified["shape"]) == ("BYTES", [2, 2])
+    for row, got in zip(scores, np.array(classified["data"]).reshape(2, 2)):
+        best = np.argsort(-row, kind="stable")[:2]
+        assert list(got) == [f"{row[i]:f}:{i}:label_{i}" for i in best]

@@ -21,13 +21,13 @@ Only the serving process answers these (a front worker forwards them). Thread-sa
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from runtimes import SignatureInfo, TensorSpec
 
 from appliance.api.kserve import codec
+from appliance.api.kserve.classification import label_file
 from appliance.api.kserve.service import default_signature, triton_words
 from appliance.core.config import ModelConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable, Unimplemented
@@ -40,16 +40,7 @@ if TYPE_CHECKING:
 
 # Triton's words: tritonclient's and Triton's model-control examples check "failed to load"
 LOAD_FAILED = "failed to load '{name}'"
-LABEL_FILES = ("labels.txt", os.path.join("assets", "labels.txt"))  # in the version directory, first found
 LOAD_POLL_S = 0.05
-
-
-def label_file(version_dir: str) -> str | None:
-    """The version's label file (one label per line, as Triton reads ``label_filename``)."""
-    for name in LABEL_FILES:
-        if os.path.isfile(os.path.join(version_dir, name)):
-            return name
-    return None
 
 
 class V2Extensions:
@@ -271,4 +262,4 @@ def _type_word(datatype: str) -> str:
     return "STRING" if datatype == "BYTES" else datatype
 
 
-__all__ = ["LABEL_FILES", "V2Extensions", "label_file", "model_config"]
+__all__ = ["V2Extensions", "model_config"]

@@ -19,16 +19,18 @@ time: only grpcio and protobuf.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from appliance.api.kserve import codec
+from appliance.api.kserve import classification, codec
 from appliance.api.kserve import shared_memory as shm
-from appliance.core.errors import InvalidArgument, NotFound
+from appliance.core.errors import ApplianceError, InvalidArgument, NotFound
 from appliance.api.grpc_errors import guarded, observed
 from appliance.core.shared_memory import SharedMemory
 from appliance.protos.kserve import model_config_pb2, pb
@@ -41,6 +43,9 @@ if TYPE_CHECKING:
 
 
 SERVICE_NAME = "inference.GRPCInferenceService"
+STREAM = "ModelStreamInfer"  # bidirectional: served by the grpcio transport ([grpc] transport = "grpcio")
+_END = object()  # the end of a stream's requests
+log = logging.getLogger("appliance.grpc")
 
 # datatype -> the typed contents field that carries it (FP16 has none: raw only)
 _CONTENTS_FIELD = {
@@ -97,11 +102,13 @@ class V2GRPC:
             "CudaSharedMemoryUnregister": (pb.CudaSharedMemoryUnregisterRequest,
                                            pb.CudaSharedMemoryUnregisterResponse, self.cuda_unregister),
         }
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: grpc.unary_unary_rpc_method_handler(
-                guarded(fn, name),
-                request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
-            for name, (req, resp, fn) in methods.items()})
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+            guarded(fn, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+            for name, (req, resp, fn) in methods.items()}
+        handlers[STREAM] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
+            response_serializer=pb.ModelStreamInferResponse.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     # -- health and metadata --------------------------------------------------------------
     async def server_live(self, request: Any) -> Any:
@@ -184,6 +191,45 @@ class V2GRPC:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- inference ------------------------------------------------------------------------
+    async def model_stream_infer(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        """Triton's ModelStreamInfer: every request of the stream is an ordinary ModelInfer,
+        run as it arrives (several at once, so they batch), and answered as it completes; a
+        failed one is answered with ``error_message`` and the stream goes on. Ends once the
+        client has half-closed and every request is answered."""
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(request: Any) -> None:
+            try:
+                response = pb.ModelStreamInferResponse(infer_response=await self.model_infer(request))
+            except ApplianceError as exc:
+                response = pb.ModelStreamInferResponse(error_message=exc.message)
+            except Exception as exc:  # a bug here must not end the other requests' stream
+                log.exception("unhandled error in ModelStreamInfer")
+                response = pb.ModelStreamInferResponse(error_message=f"internal error: {type(exc).__name__}")
+            await answers.put(response)
+
+        async def read() -> None:
+            async for request in requests:
+                task = asyncio.get_running_loop().create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await answers.put(_END)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            ended = False
+            while not ended or tasks or not answers.empty():
+                answer = await answers.get()
+                if answer is _END:
+                    ended = True
+                else:
+                    yield answer
+            await reader  # its error, if reading failed
+        finally:
+            for task in (reader, *tasks):
+                task.cancel()
+
     async def model_infer(self, request: Any) -> Any:
         with observed(self.core.metrics, request.model_name, "v2_infer"):
             regions = self.service.regions
@@ -258,7 +304,9 @@ def _inputs(request: Any, limits: Any, regions: SharedMemory | None = None) -> l
 def _requested(output: Any, regions: SharedMemory | None) -> Requested:
     """One requested output; written into shared memory when its parameters name a region."""
     params = _parameters(output.parameters) if output.parameters else {}
-    return Requested(output.name, region=shm.named_slice(regions, params, f"output '{output.name}'"))
+    where = f"output '{output.name}'"
+    return Requested(output.name, region=shm.named_slice(regions, params, where),
+                     classification=classification.count(params.get("classification", 0), where))
 
 
 def _declared_shape(item: Any) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ import orjson
 
 from appliance.api import tensor_limits
 from appliance.api import json_arrays
-from appliance.api.kserve import codec
+from appliance.api.kserve import classification, codec
 from appliance.api.kserve import shared_memory as shm
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.shared_memory import SharedMemory
@@ -339,15 +339,14 @@ def _requested(item: Any, index: int, regions: SharedMemory | None = None) -> Re
         raise InvalidArgument(f"outputs[{index}] must be an object with a string 'name'")
     where = f"output '{item['name']}'"
     params = _parameters(item.get("parameters"), where)
-    if params.get("classification"):
-        raise InvalidArgument(f"{where}: the classification extension is not supported")
+    classes = classification.count(params.get("classification", 0), where)
     binary = params.get("binary_data")
     if binary is not None and not isinstance(binary, bool):
         raise InvalidArgument(f"{where}: parameter 'binary_data' must be true or false")
     region = shm.named_slice(regions, params, where)
     if region is not None and binary:
         raise InvalidArgument(f"{where}: Output can't set both '{shm.REGION}' and 'binary_data'")
-    return Requested(item["name"], binary, region)
+    return Requested(item["name"], binary, region, classes)
 
 
 def render_infer_response(result: InferResult, request_id: str | None) -> Response:

@@ -20,7 +20,7 @@ import numpy as np
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 
 from appliance.version import __version__
-from appliance.api.kserve import codec, shared_memory
+from appliance.api.kserve import classification, codec, shared_memory
 from appliance.core.errors import InvalidArgument, NotFound, Unavailable
 from appliance.core.handle import shape_error
 from appliance.core.policy import State
@@ -53,6 +53,7 @@ class Requested:
     name: str
     binary: bool | None = None
     region: Slice | None = None
+    classification: int = 0  # Triton's classification extension: the top N classes, as BYTES
 
 
 @dataclass
@@ -143,10 +144,12 @@ class V2Service:
             feeds = _feeds(signature, inputs, name)
             wanted = _wanted(signature, requested, name)
             outputs = await held.run(signature.name, feeds)
-            served = held.version
+            served, path = held.version, held.path
         result = []
         for want in wanted:
             arr = outputs[want.name]
+            if want.classification:
+                arr = classification.top(arr, want.classification, classification.labels(path), want.name)
             if want.region is not None:
                 shared_memory.write_output(self.regions, want.region, arr, want.name)
             result.append((Tensor(want.name, arr, codec.datatype_of(arr.dtype)),

@@ -11,7 +11,7 @@ from google.protobuf.internal import builder as _builder
 # @@protoc_insertion_point(imports)
 
 # Edited by scripts/gen_v2_protos.sh: a private pool (see there for why).
-from appliance.protos.kserve.model_config_pb2 import _POOL
+from appliance.protos.kserve.model_config_pb2 import POOL as _POOL
 
 _sym_db = _symbol_database.Default()
 

@@ -11,7 +11,7 @@ from google.protobuf.internal import builder as _builder
 # @@protoc_insertion_point(imports)
 
 # Edited by scripts/gen_v2_protos.sh: a private pool (see there for why).
-_POOL = _descriptor_pool.DescriptorPool()
+POOL = _POOL = _descriptor_pool.DescriptorPool()  # grpc_predict_v2_pb2 shares it
 
 _sym_db = _symbol_database.Default()
 
