@@ -16,6 +16,7 @@ health/metadata examples check).
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -176,3 +177,65 @@ def test_classification_over_rest_matches_the_raw_output(server: Any) -> None:
     for row, got in zip(scores, np.array(classified["data"]).reshape(2, 2)):
         best = np.argsort(-row, kind="stable")[:2]
         assert list(got) == [f"{row[i]:f}:{i}:label_{i}" for i in best]
+
+
+# --- Triton's request rules (its qa/L0_http/http_test.py cases, on these models) ----------------
+def _infer_url(server: Any, model: str) -> str:
+    return f"{server.url}/v2/models/{model}/infer"
+
+
+def test_raw_binary_request_is_the_models_one_input(server: Any) -> None:
+    """``Inference-Header-Content-Length: 0``: the whole body is the one input; the shape
+    follows from its size; outputs come back binary after a JSON header."""
+    import numpy as np
+    import requests
+
+    x = np.random.default_rng(3).standard_normal((2, 32, 32, 3)).astype(np.float32)
+    raw = requests.post(_infer_url(server, "image_cls"), data=x.tobytes(),
+                        headers={"Inference-Header-Content-Length": "0"}, timeout=60)
+    assert raw.status_code == 200, raw.text
+    size = int(raw.headers["Inference-Header-Content-Length"])
+    header = json.loads(raw.content[:size])
+    assert header["outputs"][0]["shape"] == [2, 10]
+    by_json = server.post("/v2/models/image_cls/infer", {"inputs": [
+        {"name": "INPUT", "datatype": "FP32", "shape": [2, 32, 32, 3], "data": x.ravel().tolist()}]}).json()
+    np.testing.assert_allclose(np.frombuffer(raw.content[size:], np.float32),
+                               np.array(by_json["outputs"][0]["data"], np.float32), rtol=1e-5, atol=1e-6)
+    bad = requests.post(_infer_url(server, "simple_identity"), data=b"427",
+                        headers={"Inference-Header-Content-Length": "0"}, timeout=60)
+    assert bad.status_code == 400 and "For BYTE datatype raw input 'INPUT0', the model must have input shape [1]" \
+        in bad.json()["error"]
+    two = requests.post(_infer_url(server, "simple"), data=b"\0" * 64, headers={"Inference-Header-Content-Length": "0"},
+                        timeout=60)
+    assert two.status_code == 400 and "must only have 1 input" in two.json()["error"]
+
+
+@pytest.mark.parametrize("depth, ok", [(50, True), (120, False)])
+def test_json_nesting_limit_is_tritons(server: Any, depth: int, ok: bool) -> None:
+    data = json.loads("[" * depth + '"hello"' + "]" * depth)
+    got = server.post("/v2/models/simple_identity/infer",
+                      {"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1, 1], "data": data}]})
+    if ok:
+        assert got.status_code == 200 and got.json()["outputs"][0]["data"] == ["hello"], got.text
+    else:
+        assert got.status_code == 400
+        assert "JSON nesting depth exceeds maximum allowed limit (100)" in got.json()["error"]
+
+
+def test_sequence_parameters_are_refused_naming_them(server: Any) -> None:
+    import tritonclient.grpc as grpcclient
+    import numpy as np
+
+    zeros = {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [0] * 16}
+    got = server.post("/v2/models/simple/infer", {"parameters": {"sequence_id": 7, "sequence_start": True},
+                                                  "inputs": [zeros, {**zeros, "name": "INPUT1"}]})
+    assert got.status_code == 400 and "sets sequence_id, sequence_start" in got.json()["error"]
+    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for item in inputs:
+        item.set_data_from_numpy(np.zeros((1, 16), np.int32))
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        with pytest.raises(Exception, match="sets sequence_id, sequence_start, sequence_end"):
+            client.infer("simple", inputs, sequence_id=7, sequence_start=True, sequence_end=True)
+    finally:
+        client.close()

@@ -139,6 +139,10 @@ class V2API(AsyncFamily):
         status: int | str = 200  # then the error's canonical code, as TF Serving's metrics label it
         try:
             body = _read_body(environ, self.core.config.server.max_body_bytes)
+            if _raw_binary(environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"), environ.get("HTTP_CONTENT_ENCODING")):
+                tensor = await self.service.raw_input(model, version, body)
+                result = await self.service.infer(model, version, [tensor], None, {}, True, route_key(environ))
+                return render_infer_response(result, None)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
                                           environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits,
                                           self.service.regions)
@@ -150,6 +154,13 @@ class V2API(AsyncFamily):
             raise
         finally:
             self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
+
+
+def _raw_binary(header_length: str | None, encoding: str | None) -> bool:
+    """Triton's raw binary request: ``Inference-Header-Content-Length: 0``, the whole body the
+    model's one input (its outputs answered in binary)."""
+    return header_length is not None and header_length.strip() == "0" and not (
+        encoding and encoding.strip().lower() not in ("identity", ""))
 
 
 def _health(ok: bool, body: dict[str, Any]) -> Response:

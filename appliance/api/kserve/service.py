@@ -34,6 +34,7 @@ SERVER_NAME = "edge-appliance"
 EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics",
               "parameters")  # Triton's names of what this server answers (appliance/api/kserve/extensions.py)
 SHARED_MEMORY = "system_shared_memory"  # while [shared_memory] enabled
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")  # Triton's sequence batcher's
 
 
 @dataclass
@@ -128,11 +129,31 @@ class V2Service:
         return self.states
 
     # -- inference ------------------------------------------------------------------------
+    async def raw_input(self, name: str, version: int | None, body: bytes) -> Tensor:
+        """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the whole body
+        is the model's one input, its datatype the signature's, its shape what the body's size
+        makes of the signature's shape (one unknown dimension); a BYTES input must take one
+        element (shape [1], or [-1, 1] with a batch dimension): the body is that element."""
+        with triton_words(name, version):
+            held_handle = await self.core.handles.handle(name, version)
+        with held_handle as held:
+            signature = default_signature(held)
+        if len(signature.inputs) != 1:
+            raise InvalidArgument(f"Raw request must only have 1 input (found 1) to be deduced but got "
+                                  f"{len(signature.inputs)} inputs in '{name}' model configuration")
+        (input_name, spec), = signature.inputs.items()
+        datatype = codec.datatype_of(spec.dtype)
+        return Tensor(input_name, codec.raw_body_tensor(body, datatype, spec.shape, input_name), datatype)
+
     async def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
                     parameters: dict[str, Any], binary_default: bool = False,
                     route_key: RouteKey | None = None) -> InferResult:
         """Check the decoded inputs against the signature, run them through the batcher and
         pick the requested outputs (all of them, in signature order, when none is named)."""
+        sequence = [k for k in SEQUENCE_PARAMETERS if k in parameters]
+        if sequence:  # a stateful (sequence) model would need them; none here keeps state
+            raise InvalidArgument(f"inference request to model '{name}' sets {', '.join(sequence)}, but the model "
+                                  "is not a sequence model (it keeps no state between requests); send it without them")
         signature_name = parameters.get("signature_name")
         if signature_name is not None and not isinstance(signature_name, str):
             raise InvalidArgument("parameter 'signature_name' must be a string")
