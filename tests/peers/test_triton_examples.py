@@ -239,3 +239,41 @@ def test_sequence_parameters_are_refused_naming_them(server: Any) -> None:
             client.infer("simple", inputs, sequence_id=7, sequence_start=True, sequence_end=True)
     finally:
         client.close()
+
+
+# --- the Open Inference Protocol's own OpenAPI file (kserve/open-inference-protocol) --------------
+OIP = Path(__file__).parent / "oip" / "open_inference_rest.yaml"
+
+
+def _oip_validator(name: str) -> Any:
+    """A validator of one of the protocol's component schemas, ``$ref``s resolved in the file."""
+    import jsonschema
+    import yaml
+
+    spec = yaml.safe_load(OIP.read_text())
+    schema = {**spec["components"]["schemas"][name], "components": spec["components"]}
+    return jsonschema.Draft4Validator(schema)
+
+
+@pytest.mark.parametrize("schema, method, path, body", [
+    ("metadata_server_response", "GET", "/v2", None),
+    ("metadata_model_response", "GET", "/v2/models/simple", None),
+    ("metadata_model_response", "GET", "/v2/models/simple/versions/1", None),
+    ("metadata_model_error_response", "GET", "/v2/models/nope", None),
+    ("inference_response", "POST", "/v2/models/simple/infer",
+     {"id": "1", "inputs": [{"name": n, "datatype": "INT32", "shape": [1, 16], "data": list(range(16))}
+                            for n in ("INPUT0", "INPUT1")]}),
+    ("inference_response", "POST", "/v2/models/simple_identity/infer",
+     {"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1, 2], "data": ["a", "b"]}],
+      "outputs": [{"name": "OUTPUT0"}]}),
+    ("inference_error_response", "POST", "/v2/models/simple/infer", {"inputs": []}),
+    ("inference_error_response", "POST", "/v2/models/nope/infer",
+     {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [1]}]}),
+])
+def test_answers_validate_against_the_protocols_openapi_file(server: Any, schema: str, method: str, path: str,
+                                                             body: Any) -> None:
+    answer = server.get(path) if method == "GET" else server.post(path, body)
+    assert answer.headers["Content-Type"].startswith("application/json"), answer.headers
+    errors = sorted(e.message for e in _oip_validator(schema).iter_errors(answer.json()))
+    assert not errors, f"{schema} of {method} {path}: {errors}\n{answer.text[:500]}"
+    assert (answer.status_code < 400) == (not schema.endswith("error_response")), answer.text
