@@ -150,18 +150,6 @@ def test_skipped_example(name: str) -> None:
     pytest.skip(SKIPS[name])
 
 
-def test_model_control_examples(server: Any, repository: Path) -> None:
-    """gRPC's example wants eight models in the index, HTTP's seven: one model folder is
-    removed in between, as an operator would, and the repository rescan shows it."""
-    out = run_example("simple_grpc_model_control.py", "-u", f"127.0.0.1:{server.grpc_port}")
-    assert "PASS" in out, out
-    shutil.rmtree(repository / "simple_extra_b")
-    server.wait_for(lambda: len(server.post("/v2/repository/index", b"").json()) == 7, 60,
-                    "the repository index without simple_extra_b")
-    out = run_example("simple_http_model_control.py", "-u", f"127.0.0.1:{server.port}")
-    assert "PASS: model control" in out, out
-
-
 def test_classification_over_rest_matches_the_raw_output(server: Any) -> None:
     """REST ``{"parameters": {"classification": 2}}``: each row's two best classes as
     "score:index:label", best first, the scores those of the raw output."""
@@ -277,3 +265,19 @@ def test_answers_validate_against_the_protocols_openapi_file(server: Any, schema
     errors = sorted(e.message for e in _oip_validator(schema).iter_errors(answer.json()))
     assert not errors, f"{schema} of {method} {path}: {errors}\n{answer.text[:500]}"
     assert (answer.status_code < 400) == (not schema.endswith("error_response")), answer.text
+
+
+# Last: the model-control examples load and unload "simple" (loaded again at the end).
+def test_model_control_examples(server: Any, repository: Path) -> None:
+    """gRPC's example wants eight models in the index, HTTP's seven: one model folder is
+    removed in between, as an operator would, and the repository rescan shows it."""
+    out = run_example("simple_grpc_model_control.py", "-u", f"127.0.0.1:{server.grpc_port}")
+    assert "PASS" in out, out
+    shutil.rmtree(repository / "simple_extra_b")
+    server.wait_for(lambda: len(server.post("/v2/repository/index", b"").json()) == 7, 60,
+                    "the repository index without simple_extra_b")
+    try:
+        out = run_example("simple_http_model_control.py", "-u", f"127.0.0.1:{server.port}")
+        assert "PASS: model control" in out, out
+    finally:  # the examples end with "simple" unloaded: loaded again for whatever runs next
+        assert server.post("/v2/repository/models/simple/load", b"", timeout=900).status_code == 200

@@ -392,8 +392,9 @@ def _openapi_paths() -> dict[str, Any]:
     def health(key: str, named: bool = False) -> dict[str, Any]:
         props = {"name": {"type": "string"}, key: {"type": "boolean"}} if named else {key: {"type": "boolean"}}
         schema = {"type": "object", "properties": props, "required": list(props)}
+        failed = {"anyOf": [schema, error["content"][JSON]["schema"]]}  # false, or a bad request
         return {"200": {"description": "true", "content": {JSON: {"schema": schema}}},
-                "400": {"description": "false", "content": {JSON: {"schema": schema}}}}
+                "400": {"description": "false (or a bad request: an error)", "content": {JSON: {"schema": failed}}}}
     json_ok = {"description": "ok", "content": {JSON: {"schema": {"type": "object"}}}}
     paths: dict[str, Any] = {
         "/v2": {"get": {"summary": "KServe v2 server metadata (name, version, extensions)",
@@ -422,6 +423,21 @@ def _openapi_paths() -> dict[str, Any]:
             "responses": {"200": {"description": "outputs", "content": {
                 JSON: {"schema": {"type": "object"}}, OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
                 "400": error, "404": error, "413": error, "503": error}}}
+        paths[base + "/stats"] = {"get": {"summary": "Triton's statistics extension: the version's counts and durations",
+                                          "parameters": params, "responses": {"200": json_ok, "400": error, "404": error, "503": error}}}
+        paths[base + "/config"] = {"get": {"summary": "Triton's model configuration, derived from the signature and "
+                                                      "batching", "parameters": params,
+                                           "responses": {"200": json_ok, "400": error, "404": error, "503": error}}}
+    paths["/v2/models/stats"] = {"get": {"summary": "Triton's statistics extension: every loaded version",
+                                         "responses": {"200": json_ok}}}
+    paths["/v2/repository/index"] = {"post": {"summary": "Triton's model repository index",
+                                              "responses": {"200": {"description": "models", "content": {
+                                                  JSON: {"schema": {"type": "array"}}}}}}}
+    for verb in ("load", "unload"):
+        paths[f"/v2/repository/models/{{model}}/{verb}"] = {"post": {
+            "summary": f"Triton's explicit model control: {verb} (admin unless [kserve] model_control_scope)",
+            "parameters": [model], "responses": {"200": {"description": "done (empty body)"}, "400": error,
+                                                 "403": error}}}
     paths.update(shm.OPENAPI_PATHS)
     return paths
 
