@@ -59,9 +59,9 @@ ADMIN_OFF = ("admin endpoints are off: no admin token is configured. Turn them o
 # gRPC methods by scope; everything else is inference.
 GRPC_OPEN = ("/grpc.health.v1.Health/", "/inference.GRPCInferenceService/ServerLive",
              "/inference.GRPCInferenceService/ServerReady")
-GRPC_ADMIN = ("/tensorflow.serving.ModelService/HandleReloadConfigRequest",
-              "/inference.GRPCInferenceService/RepositoryModelLoad",
-              "/inference.GRPCInferenceService/RepositoryModelUnload")
+MODEL_CONTROL = ("/inference.GRPCInferenceService/RepositoryModelLoad",
+                 "/inference.GRPCInferenceService/RepositoryModelUnload")
+GRPC_ADMIN = ("/tensorflow.serving.ModelService/HandleReloadConfigRequest", *MODEL_CONTROL)
 
 
 @dataclass(frozen=True)
@@ -287,10 +287,13 @@ def _failure_counter(core: "Appliance") -> Any:
 
 
 # -- gRPC ----------------------------------------------------------------------------------
-def grpc_scope(method: str) -> str | None:
-    """The scope of a gRPC method name ("/package.Service/Method")."""
+def grpc_scope(method: str, control_scope: str = ADMIN) -> str | None:
+    """The scope of a gRPC method name ("/package.Service/Method"); ``control_scope``: that of
+    Triton's model load and unload (``[kserve] model_control_scope``)."""
     if method.startswith(GRPC_OPEN):
         return None
+    if method in MODEL_CONTROL:
+        return control_scope
     if method in GRPC_ADMIN:
         return ADMIN
     return INFERENCE
@@ -308,7 +311,7 @@ def grpc_interceptor(core: TokenHolder) -> Any:
 
     class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped: its base class is Any
         async def intercept_service(self, continuation: Any, details: Any) -> Any:
-            scope = grpc_scope(details.method)
+            scope = grpc_scope(details.method, core.config.kserve.model_control_scope)
             header = next((v for k, v in (details.invocation_metadata or ()) if k == "authorization"), None)
             if isinstance(header, bytes):
                 header = header.decode("latin-1")

@@ -33,6 +33,7 @@ from appliance.core.metrics import Metrics
 from appliance.core.problems import Inputs, ProblemLog, find_problems
 from appliance.core.rollout import Rollouts
 from appliance.core.shared_memory import SharedMemory
+from appliance.core.model_control import ModelControl
 from appliance.core.sources import DirectorySource, scan_interval
 from appliance.core.state import StateDB
 
@@ -68,6 +69,7 @@ class Appliance:
         self.device: dict[str, Any] = {}
         self.device_id = ""
         self.manager: Manager | None = None
+        self.control: ModelControl | None = None  # between the sources and the manager (core/model_control.py)
         self.handles = LocalHandles(lambda: self.manager)  # the API families' seams (core/seams.py)
         self.states = LocalStates(lambda: self.manager)
         self.rollouts: Rollouts | None = None
@@ -98,6 +100,8 @@ class Appliance:
             self.manager = Manager(self.config, self.db, self.device, self.backends, metrics=self.metrics,
                                    version_check=self.version_check)
             self.rollouts = self.manager.rollouts = Rollouts(self.manager, self.db, self.metrics.registry)
+            kserve = self.config.kserve  # the mode is the start-up config's (as Triton's flag)
+            self.control = ModelControl(self.manager, kserve.model_control, kserve.startup_models)
             self.add_status("rollouts", self.rollouts.status)
             self.metrics.bind(lambda: self.manager.snapshot() if self.manager else {}, self.config.state_dir)
             self.db.event("service_start", f"edge-appliance {__version__} starting on {self.device['hostname']}",
@@ -110,11 +114,11 @@ class Appliance:
         """The configuration's own models: ``[[models]]`` (TF Serving's ``models.config``) and
         the models found under ``models_dir``."""
         configured = {m.name: m for m in config.models}
-        assert self.manager is not None
+        assert self.manager is not None and self.control is not None
         models_dir = config.models_dir
         if config.sync.bucket and _same_dir(models_dir, os.path.join(config.state_dir, "models")):
             models_dir = ""  # the bucket's store <state>/models is the sync part's source (add_source)
-        return DirectorySource("config", self.manager, [m for m in config.models if m.base_path],
+        return DirectorySource("config", self.control, [m for m in config.models if m.base_path],
                                models_dir, config.model_name, settings=configured.get)
 
     def add_source(self, name: str, models_dir: str,
@@ -122,9 +126,9 @@ class Appliance:
         """Another folder of model versions (the bucket follower's store): its models get the
         configuration's ``[[models]]`` settings by name; the caller rescans it (``scan()``).
         ``withheld(model)``: versions in the folder not to push (the store's withdrawn ones)."""
-        assert self.manager is not None
+        assert self.manager is not None and self.control is not None
         configured = {m.name: m for m in self.config.models}
-        source = DirectorySource(name, self.manager, [], models_dir, self.config.model_name,
+        source = DirectorySource(name, self.control, [], models_dir, self.config.model_name,
                                  settings=lambda model: _based(configured.get(model), models_dir), withheld=withheld)
         self._sources.append(source)
         source.scan()

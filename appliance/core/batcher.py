@@ -159,7 +159,7 @@ class Batcher:
     """The queues and worker threads of one servable (see module docstring)."""
 
     def __init__(self, run: RunFn, params: Any, name: str = "", threads: int = 1,
-                 observe: Callable[[str, int, int, float, float], None] | None = None,
+                 observe: Callable[[str, int, int, float, float, int], None] | None = None,
                  run_wide: RunFn | None = None):
         self._run = run
         self._run_wide = run_wide or run
@@ -407,15 +407,15 @@ class Batcher:
             self._fail(batch, ApplianceError(f"backend error: {type(exc).__name__}: {exc}"))
         finished = time.perf_counter()
         queued = sum(started - t.enqueued for t in batch) / len(batch)
-        self._record(batch[0].signature, rows, padded, queued, finished - started)
+        self._record(batch[0].signature, rows, padded, queued, finished - started, len(batch))
         self.stats.last_progress = time.monotonic()  # a batch finished: the watchdog's sign of life
         self._finish(batch)  # counted before answered: a client that reads the figures next sees its batch
 
-    def _record(self, signature: str, rows: int, padded: int, queued: float, ran: float) -> None:
+    def _record(self, signature: str, rows: int, padded: int, queued: float, ran: float, requests: int) -> None:
         with self._cond:
-            self._count(signature, rows, padded, queued, ran)
+            self._count(signature, rows, padded, queued, ran, requests)
 
-    def _count(self, signature: str, rows: int, padded: int, queued: float, ran: float) -> None:
+    def _count(self, signature: str, rows: int, padded: int, queued: float, ran: float, requests: int) -> None:
         s = self.stats
         s.batches += 1
         s.rows += rows
@@ -424,7 +424,7 @@ class Batcher:
         s.queue_seconds += queued
         s.run_seconds += ran
         if self._observe is not None:
-            self._observe(signature, rows, padded, queued, ran)
+            self._observe(signature, rows, padded, queued, ran, requests)
 
     def _split(self, batch: list[_Task], outputs: dict[str, np.ndarray], padded: int) -> None:
         if len(batch) == 1 and padded == batch[0].rows:  # nothing to split: any output shape is fine

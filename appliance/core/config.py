@@ -348,6 +348,35 @@ class SharedMemoryConfig:
 
 
 @dataclass
+class KServeConfig:
+    """The KServe v2 / Triton API's model control (appliance/core/model_control.py).
+
+    ``model_control``: Triton's ``--model-control-mode``. "none" (the default): every model
+    the sources have is served, and the repository API's load and unload are refused;
+    "explicit": the repository API loads and unloads models, and only the models in
+    ``startup_models`` (Triton's ``--load-model``; "*": all) are loaded at start.
+    ``model_control_scope``: who may load and unload: "admin" (the default: the admin token,
+    as every other state-changing endpoint) or "inference" (the inference token, or anyone
+    when none is set: what lets Triton's unchanged model-control examples, which send no
+    token, run). Read at start, as the route table is built."""
+
+    # The name server metadata gives (Triton's --id, whose default is "triton"; Triton's
+    # health/metadata examples check it): ours by default.
+    server_id: str = "edge-appliance"
+    model_control: str = "none"
+    startup_models: list[str] = field(default_factory=lambda: ["*"])
+    model_control_scope: str = "admin"
+
+    def validate(self, key: str) -> None:
+        if self.model_control not in ("none", "explicit"):
+            raise ConfigError(f"{key}.model_control", f"{self.model_control!r} is not a mode (none or explicit)")
+        if self.model_control_scope not in ("admin", "inference"):
+            raise ConfigError(f"{key}.model_control_scope", f"{self.model_control_scope!r} is not admin or inference")
+        if not all(isinstance(m, str) and m for m in self.startup_models):
+            raise ConfigError(f"{key}.startup_models", "must be a list of model names (or \"*\")")
+
+
+@dataclass
 class GenerationConfig:
     """Token streaming from generative models (``:generate``, appliance/core/generation.py)."""
 
@@ -452,6 +481,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
+    kserve: KServeConfig = field(default_factory=KServeConfig)
     models: list[ModelConfig] = field(default_factory=list)
 
     def batching_for(self, model: ModelConfig) -> BatchingConfig:
@@ -551,7 +581,7 @@ def validate(config: Config) -> Config:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")
     if len(config.discovery.name.encode()) > 63:
         raise ConfigError("discovery.name", "must be at most 63 bytes (a DNS label)")
-    for section in ("server", "sync", "grpc", "tfs", "security", "limits", "generation", "shared_memory"):
+    for section in ("server", "sync", "grpc", "tfs", "security", "limits", "generation", "shared_memory", "kserve"):
         getattr(config, section).validate(section)
     names = set()
     for i, model in enumerate(config.models):

@@ -34,6 +34,8 @@ from appliance.core.batcher import Batcher
 from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
 
 if TYPE_CHECKING:
+    from appliance.core.inference_stats import InferenceStats
+    from appliance.core.metrics import Metrics
     from appliance.core.rollout import Route, Rollouts
 
 
@@ -51,6 +53,7 @@ class Holder(Protocol):
     """Who hands out handles and takes them back (appliance/core/manager.py ``Manager``)."""
 
     rollouts: "Rollouts"  # set before the first routed request
+    metrics: "Metrics | None"  # where each run is counted (Triton's statistics: inference_stats.py)
 
     def handle(self, name: str, version: int | None = None, label: str | None = None, route_key: Any = None,
                judged: bool = True) -> "Handle": ...
@@ -117,11 +120,13 @@ class Handle:
     async def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The outputs of ``signature`` on ``inputs`` (batched, routed, tallied)."""
         route = self._route
+        metrics = self._manager.metrics
+        stats = metrics.inference if metrics is not None else None
         if route is None:
-            return await _execute(self.slot, signature, inputs)
+            return await _execute(self.slot, signature, inputs, stats)
         started = time.perf_counter()
         try:
-            out = await _execute(self.slot, signature, inputs)
+            out = await _execute(self.slot, signature, inputs, stats)
         except ApplianceError as exc:
             if route.role != "candidate":
                 self._observe(route.role, exc, started)
@@ -195,17 +200,39 @@ def _batchable(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarra
     return not problems
 
 
-async def _execute(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+async def _execute(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray],
+                   stats: "InferenceStats | None" = None) -> dict[str, np.ndarray]:
     """Through the batcher when batching is on and the inputs fit, else straight to the
-    servable on the loop's executor (never on the loop)."""
-    if _batchable(slot, signature, inputs) and slot.batcher is not None:
-        return await slot.batcher.submit(signature, inputs)
-    return await asyncio.get_running_loop().run_in_executor(None, _run_alone, slot, signature, inputs)
+    servable on the loop's executor (never on the loop). Counted in ``stats`` as a request of
+    the slot's version, answered or failed (the batcher counts its batches itself)."""
+    started = time.perf_counter()
+    try:
+        if _batchable(slot, signature, inputs) and slot.batcher is not None:
+            out = await slot.batcher.submit(signature, inputs)
+        else:
+            out = await asyncio.get_running_loop().run_in_executor(None, _run_alone, slot, signature, inputs,
+                                                                   stats, started)
+    except Exception:
+        if stats is not None:
+            stats.request(slot.model, slot.version, False, time.perf_counter() - started)
+        raise
+    if stats is not None:
+        stats.request(slot.model, slot.version, True, time.perf_counter() - started)
+    return out
 
 
-def _run_alone(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _run_alone(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray],
+               stats: "InferenceStats | None" = None, queued_at: float = 0.0) -> dict[str, np.ndarray]:
+    """One execution of its own (counted so: it joined no batch)."""
     assert slot.servable is not None
+    started = time.perf_counter()
     try:
         return slot.servable.run(signature, inputs)
     except RuntimeFailure as exc:
         raise from_runtime(exc) from exc
+    finally:
+        if stats is not None:
+            first = next(iter(inputs.values()), None)
+            rows = int(first.shape[0]) if first is not None and first.ndim else 1
+            stats.execution(slot.model, slot.version, rows, 1, started - (queued_at or started),
+                            time.perf_counter() - started)

@@ -360,7 +360,7 @@ def make_batcher(env: LoadEnv, cfg: ModelConfig, version: int, servable: Servabl
     if not params.enable_batching:
         return None
     threads = params.num_batch_threads or env.device.get("cpu_count", 1)
-    observe = env.metrics.batch_observer(cfg.name, servable.backend) if env.metrics is not None else None
+    observe = env.metrics.batch_observer(cfg.name, servable.backend, version) if env.metrics is not None else None
     return Batcher(servable.run, params, f"{cfg.name}:{version}", threads, observe=observe,
                    run_wide=getattr(servable, "run_wide", None))  # optional (runtimes/base.py)
 

@@ -48,6 +48,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from appliance.core.inference_stats import InferenceStats
+
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1e6, 2.5e6, 1e7)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 SYNC_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -153,6 +155,7 @@ class Metrics:
         self.sync_duration = Histogram("edge_appliance_sync_duration_seconds", "Duration of one sync poll",
                                        ["result"], buckets=SYNC_BUCKETS_S, registry=r)
         self.window = RequestWindow()
+        self.inference = InferenceStats()  # Triton's statistics extension (appliance/core/inference_stats.py)
         self._bound = False
 
     def bind(self, snapshot: Snapshot, state_dir: str | None = None) -> None:
@@ -180,14 +183,18 @@ class Metrics:
             self.request_latency.labels(model, TFS_API_NAMES.get(api, api), entrypoint).observe(seconds * 1e6)
         self.window.add(model, seconds, code == "OK")
 
-    def batch_observer(self, model: str, backend: str) -> Callable[[str, int, int, float, float], None]:
-        """The ``observe`` callback of one model's ``Batcher`` (called once per executed batch)."""
+    def batch_observer(self, model: str, backend: str,
+                       version: int = 0) -> Callable[[str, int, int, float, float, int], None]:
+        """The ``observe`` callback of one version's ``Batcher`` (called once per executed batch):
+        the Prometheus series and the version's statistics (``inference``)."""
         runtime = self.runtime_latency.labels(model, "Predict", backend)  # TF Serving's API name
         sizes = self.batch_size.labels(model)
         queueing = self.queueing_latency.labels(model)
         padding = self.padded_rows.labels(model)
+        stats = self.inference
 
-        def observe(signature: str, rows: int, padded: int, queued: float, ran: float) -> None:
+        def observe(signature: str, rows: int, padded: int, queued: float, ran: float, requests: int = 1) -> None:
+            stats.execution(model, version, rows, requests, queued, ran)
             runtime.observe(ran * 1e6)
             sizes.observe(rows)
             queueing.observe(queued * 1e6)

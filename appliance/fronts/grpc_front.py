@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from appliance.api.kserve.grpc_service import SERVICE_NAME, V2GRPC
+from appliance.api.kserve.grpc_service import SERVICE_NAME, STREAM, V2GRPC
 from appliance.fronts import messages as m
 from appliance.api.kserve.service import V2Service
 from appliance.api.tfserving.grpc_service import PREDICTION_SERVICE, TFServingGRPC
@@ -26,6 +26,7 @@ from appliance.fronts.remote import RemoteCore
 from appliance.protos.kserve import pb
 
 INFER = f"/{SERVICE_NAME}/ModelInfer"
+STREAMING = f"/{SERVICE_NAME}/{STREAM}"
 HOT = frozenset({f"/{PREDICTION_SERVICE}/Predict", f"/{PREDICTION_SERVICE}/Classify",
                  f"/{PREDICTION_SERVICE}/Regress", f"/{PREDICTION_SERVICE}/MultiInference", INFER})
 
@@ -40,7 +41,8 @@ class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untype
         method = details.method
         handler = self._cache.get(method)
         if handler is None:
-            handler = self._cache[method] = (self._hot(details) if method in HOT else _forwarding(method, self.link))
+            local = method in HOT or method == STREAMING  # a stream is never forwarded as one message
+            handler = self._cache[method] = self._hot(details) if local else _forwarding(method, self.link)
         return handler
 
     def _hot(self, details: Any) -> Any:

@@ -262,12 +262,11 @@ class FrontService:
     def _grpc_handler(self, method: str, metadata: tuple[tuple[str, Any], ...]) -> Any:
         if self._grpc_handlers is None:  # built on first use: a service without gRPC never imports it
             from appliance.api.kserve.grpc_service import V2GRPC
-            from appliance.api.kserve.service import V2Service
             from appliance.api.tfserving.grpc_service import TFServingGRPC
 
             core = self.core
             self._grpc_handlers = [*TFServingGRPC(core, core.states, core.request_config).handlers(),
-                                   V2GRPC(V2Service.serving(core)).handler()]
+                                   V2GRPC.serving(core).handler()]
         details = CallDetails(method, metadata)
         for generic in self._grpc_handlers:
             handler = generic.service(details)

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 
 from appliance.api import auth
-from appliance.core.config import ConfigError, SecurityConfig
+from appliance.core.config import ConfigError, KServeConfig, SecurityConfig
 from appliance.core.config_file import load as load_config
 
 ADMIN = "admin-" + "a1" * 16
@@ -201,7 +201,7 @@ class FakeCore:
     """A core with the config and the status registry auth.py uses (its ``TokenHolder``)."""
 
     def __init__(self, **security: Any):
-        self.config = SimpleNamespace(security=SecurityConfig(**security))
+        self.config = SimpleNamespace(security=SecurityConfig(**security), kserve=KServeConfig())
         self.sections: dict[str, Any] = {}
 
     def add_status(self, name: str, provider: Any) -> None:

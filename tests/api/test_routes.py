@@ -30,6 +30,7 @@ INFER_TOKEN = "infer-" + "b2" * 16
 # so a reviewer sees its scope.
 TABLE = {
     ("mount", "/v2/health/*", ("*",)): OPEN,
+    ("mount", "/v2/repository/models/*", ("*",)): ADMIN,  # Triton's load/unload ([kserve] model_control_scope)
     ("mount", "/v1/*:generate", ("POST",)): INFERENCE,
     # the OpenAI-compatible API: the three /v1 paths TF Serving answers 400 (appliance/api/openai.py)
     ("mount", "/v1/chat/*", ("*",)): INFERENCE,
@@ -128,6 +129,8 @@ def environ(method: str, raw: str, path_info: str | None = None) -> dict[str, An
     ("GET", "/v2", "kserve", INFERENCE),
     ("GET", "/v2/health/ready", "kserve", OPEN),
     ("POST", "/v2/models/m/infer?x=1", "kserve", INFERENCE),
+    ("POST", "/v2/repository/index", "kserve", INFERENCE),
+    ("POST", "/v2/repository/models/m/load", "kserve", ADMIN),  # one V2API behind both mounts
     # TF Serving matches the undecoded path: still /v1, whatever the name decodes to
     ("POST", "/v1/models/..%2F..%2Fetc:predict", "tfserving", INFERENCE),
     ("GET", "/v1/models/..%2F..%2Fapi%2Fstatus", "openai-models", INFERENCE),  # TF Serving's answer, handed on

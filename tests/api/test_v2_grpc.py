@@ -98,7 +98,9 @@ def test_health_and_metadata(client: Any) -> None:
     assert client.is_model_ready("keras_mlp_tflite") and client.is_model_ready("keras_mlp", "1")
     assert not client.is_model_ready("keras_mlp", "4") and not client.is_model_ready("no_such_model")
     meta = client.get_server_metadata(as_json=True)
-    assert meta["name"] == "edge-appliance" and meta["extensions"] == ["binary_tensor_data", "system_shared_memory"]
+    assert meta["name"] == "edge-appliance" and meta["extensions"] == [
+        "binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics", "parameters",
+        "system_shared_memory"]
     model = client.get_model_metadata("keras_mlp", as_json=True)
     assert model["versions"] == ["1"] and model["platform"] == "tensorflow_savedmodel"
     assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "64"]}]  # int64 in JSON: strings
@@ -284,3 +286,91 @@ def _live(c: Any) -> bool:
     except InferenceServerException:
         time.sleep(0.2)
         return False
+
+
+# --- Triton's extensions: statistics, model configuration, streaming ----------------------------
+def test_statistics_count_this_models_requests(client: Any, core: Appliance) -> None:
+    """ModelStatistics: the figures move with the requests this test sends (real, not zeros)."""
+    def figures() -> Any:
+        return client.get_inference_statistics("keras_mlp_tflite", "1").model_stats[0]
+
+    before = figures()
+    x = rng_x(3, seed=7)
+    client.infer("keras_mlp_tflite", [x_input(x)])
+    with pytest.raises(InferenceServerException):  # a wrong shape: refused before the model runs
+        client.infer("keras_mlp_tflite", [x_input(rng_x(1)[:, :8], shape=[1, 8])])
+    after = figures()
+    assert (after.name, after.version) == ("keras_mlp_tflite", "1")
+    stats, old = after.inference_stats, before.inference_stats
+    assert stats.success.count == old.success.count + 1 and stats.success.ns > old.success.ns
+    assert after.inference_count >= before.inference_count + 3 and after.execution_count > before.execution_count
+    assert stats.compute_infer.count > old.compute_infer.count and after.last_inference > 0
+    assert any(b.batch_size >= 3 for b in after.batch_stats)
+    every = client.get_inference_statistics().model_stats
+    assert {(s.name, s.version) for s in every} >= {("keras_mlp", "1"), ("keras_mlp_tflite", "1")}
+    with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found"):
+        client.get_inference_statistics("nope")
+
+
+def test_model_config_is_derived_from_signature_and_batching(client: Any, core: Appliance) -> None:
+    config = client.get_model_config("keras_mlp", as_json=True)["config"]
+    batching = core.config.batching
+    assert config["name"] == "keras_mlp" and config["platform"] == "tensorflow_savedmodel"
+    assert config["max_batch_size"] == batching.max_batch_size
+    assert config["input"][0]["name"] == "x" and config["input"][0]["data_type"] == "TYPE_FP32"
+    assert config["input"][0]["dims"] == ["64"]  # int64 in protobuf's JSON: strings
+    assert config["output"][0]["dims"] == ["10"]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == str(batching.batch_timeout_micros)
+    assert config["version_policy"] == {"latest": {"num_versions": 1}}
+    strings = client.get_model_config("string_model", as_json=True)["config"]
+    assert {o["data_type"] for o in strings["output"]} == {"TYPE_STRING", "TYPE_INT64"}
+
+
+@pytest.fixture(scope="module")
+def aio_port(core: Appliance) -> Iterator[int]:
+    """The grpcio transport (appliance/transport/grpc/aio_server.py), which serves streams."""
+    from appliance.transport.grpc.aio_server import AioServer
+
+    server = AioServer(4)
+    v2_grpc.add_to_server(server, core)
+    bound = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield bound
+    server.stop(None)
+
+
+def _stream(port: int, models: list[str], half_close_first: bool = False) -> list[tuple[Any, Any]]:
+    """tritonclient's stream: one request per model name; every answer, as it arrives (after
+    the client's half-close, with ``half_close_first``)."""
+    import queue
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    c = tc_grpc.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for i, model in enumerate(models):
+            c.async_stream_infer(model, [x_input(rng_x(1, seed=i))], request_id=str(i))
+        if half_close_first:
+            c.stop_stream()
+        got = [answers.get(timeout=120) for _ in models]
+        c.stop_stream()
+    finally:
+        c.close()
+    return got
+
+
+def test_model_stream_infer_answers_each_request(aio_port: int, models: Path) -> None:
+    got = _stream(aio_port, ["keras_mlp_tflite", "nope", "keras_mlp_tflite"])
+    errors = [str(e) for _, e in got if e is not None]
+    assert len(errors) == 1 and "Request for unknown model: 'nope' is not found" in errors[0]
+    answered = {r.get_response().id: r.as_numpy("probs") for r, e in got if e is None}
+    assert set(answered) == {"0", "2"}
+    for rid, probs in answered.items():
+        want = reference_predict_tflite(models / "keras_mlp_tflite" / "1" / "model.tflite",
+                                        {"x": rng_x(1, seed=int(rid))})["probs"]
+        np.testing.assert_allclose(probs, want, rtol=RTOL, atol=ATOL)
+
+
+def test_model_stream_infer_on_the_lean_transport_names_the_one_that_serves_it(port: int) -> None:
+    got = _stream(port, ["keras_mlp_tflite"], half_close_first=True)  # it reads a whole request first
+    assert got[0][1] is not None and "grpcio" in str(got[0][1]), got

@@ -87,9 +87,13 @@ def test_health_and_server_metadata(client: Any, server: Any) -> None:
     assert not client.is_model_ready("no_such_model")
     meta = client.get_server_metadata()
     assert meta["name"] == "edge-appliance" and "binary_tensor_data" in meta["extensions"]
-    live = server.get("/v2/health/live")
-    assert live.status_code == 200 and live.content == b""
-    v2_error(server.get("/v2/models/no_such_model/ready"), 404, "no_such_model")
+    live = server.get("/v2/health/live")  # the protocol's bodies (inference_rest.md "Health")
+    assert live.status_code == 200 and live.json() == {"live": True}
+    assert server.get("/v2/health/ready").json() == {"ready": True}
+    assert server.get("/v2/models/keras_mlp/ready").json() == {"name": "keras_mlp", "ready": True}
+    v2_error(server.get("/v2/models/keras_mlp/versions/7/ready"), 404,
+             "Request for unknown model: 'keras_mlp' version 7 is not found")
+    v2_error(server.get("/v2/models/no_such_model/ready"), 404, "Request for unknown model: 'no_such_model' is not found")
     v2_error(server.get("/v2/nothing/here"), 404, "/v2/nothing/here")
     v2_error(server.post("/v2/health/live", b""), 405, "POST")
 

@@ -465,3 +465,28 @@ def test_grpc_through_the_workers_answers_as_one_process(start_server: Any, mode
     assert isinstance(one[0], bytes) and one[2][0] == grpc.StatusCode.NOT_FOUND
     servers[1].wait_for(lambda: 'entrypoint="GRPC"' in servers[1].get("/monitoring/prometheus/metrics").text, 30,
                         "the workers' gRPC calls in the service's metrics")
+
+
+def test_v2_statistics_count_what_the_workers_answered(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
+    """Triton's statistics are the serving process's: inference the workers decode and answer
+    (REST and gRPC ModelInfer) counts there, and ModelStatistics / /stats (forwarded) show it."""
+    tc_grpc = pytest.importorskip("tritonclient.grpc")
+    from tests.support.servers import free_port
+
+    grpc_port = free_port()
+    server = start_server("--models", str(models(models_dir, tmp_path, MLP)), "--backend", "tflite",
+                          "--workers", "2", "--grpc-port", str(grpc_port))
+    assert server.status()["grpc"]["served_by"] == "front workers"
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": ROW}]}
+    for _ in range(3):
+        assert server.post(f"/v2/models/{MLP}/infer", body).status_code == 200
+    client = tc_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        x = tc_grpc.InferInput("x", [1, 64], "FP32")
+        x.set_data_from_numpy(np.asarray([ROW], np.float32))
+        client.infer(MLP, [x])
+        stats = client.get_inference_statistics(MLP).model_stats[0]
+    finally:
+        client.close()
+    assert stats.inference_stats.success.count == 4 and stats.inference_count == 4
+    assert server.get(f"/v2/models/{MLP}/stats").json()["model_stats"][0]["inference_stats"]["success"]["count"] == 4

@@ -43,6 +43,7 @@ DATATYPES: dict[str, np.dtype] = {
 _BY_KIND = {(dt.kind, dt.itemsize): name for name, dt in DATATYPES.items()}
 _KNOWN_ELSEWHERE = {"BF16": "BF16 has no numpy type on this server; send FP32 or FP16"}
 MAX_DIMS = 32  # TensorFlow's own limit on a tensor's rank is far above any real model's
+MAX_NESTING = 100  # of a tensor's JSON "data": Triton's limit (its qa test_json_recursion_depth_limit)
 
 
 def datatype_of(dtype: np.dtype) -> str:
@@ -101,6 +102,7 @@ def from_json(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> n
     """``data`` (flat or nested, row-major) as an array of ``shape`` and ``datatype``."""
     dtype = dtype_of(datatype, where)
     count = math.prod(shape)
+    check_nesting(data, where)
     if not isinstance(data, (list, np.ndarray)):  # an array: appliance/api/json_arrays.py decoded it
         data = [data]  # a scalar for a one-element tensor, as some clients send it
     try:
@@ -110,6 +112,17 @@ def from_json(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> n
     if arr.size != count:
         raise InvalidArgument(f"{where}: shape {list(shape)} needs {count} elements, 'data' has {arr.size}")
     return arr.reshape(shape)
+
+
+def check_nesting(data: Any, where: str) -> None:
+    """Triton's nesting limit, on the first element's chain (a deeper list elsewhere is ragged,
+    which the conversion refuses): no per-element walk."""
+    depth, value = 0, data
+    while isinstance(value, list) and value:
+        depth += 1
+        if depth > MAX_NESTING:
+            raise InvalidArgument(f"{where}: JSON nesting depth exceeds maximum allowed limit ({MAX_NESTING})")
+        value = value[0]
 
 
 def _json_numbers(data: list, dtype: np.dtype, datatype: str, where: str) -> np.ndarray:
@@ -133,8 +146,8 @@ def _json_strings(data: list, where: str) -> np.ndarray:
 
 
 def _flatten_strings(value: list, where: str, depth: int) -> list[bytes]:
-    if depth > MAX_DIMS:
-        raise InvalidArgument(f"{where}: 'data' is nested deeper than {MAX_DIMS} levels")
+    if depth > MAX_NESTING:
+        raise InvalidArgument(f"{where}: JSON nesting depth exceeds maximum allowed limit ({MAX_NESTING})")
     out: list[bytes] = []
     widths: set[int | None] = set()  # nested list lengths (None: a string) must all agree
     for v in value:
@@ -236,6 +249,30 @@ def raw_view(arr: np.ndarray) -> memoryview:
     return np.ascontiguousarray(arr).data.cast("B")
 
 
+def raw_body_tensor(body: bytes, datatype: str, declared: Sequence[int | None] | None, name: str) -> np.ndarray:
+    """A raw binary request's one tensor (``V2Service.raw_input``: Triton's rules)."""
+    dims = [-1] if declared is None else [-1 if d is None else int(d) for d in declared]
+    if datatype == "BYTES":
+        fixed = [d for d in dims if d != -1]
+        if len(dims) - len(fixed) > 1 or any(d != 1 for d in fixed):
+            raise InvalidArgument(f"For BYTE datatype raw input '{name}', the model must have input shape [1]")
+        out = np.empty(1, dtype=object)
+        out[0] = bytes(body)
+        return out.reshape([1] * len(dims))
+    dtype = DATATYPES[datatype]
+    if len(body) % dtype.itemsize:
+        raise InvalidArgument(f"raw input '{name}': {len(body)} bytes are not a whole number of {datatype} "
+                              f"elements ({dtype.itemsize} bytes each)")
+    known = math.prod(d for d in dims if d != -1)
+    unknown = dims.count(-1)
+    elements = len(body) // dtype.itemsize
+    if unknown > 1 or (unknown == 0 and known != elements) or (unknown == 1 and (not known or elements % known)):
+        raise InvalidArgument(f"raw input '{name}': {elements} {datatype} elements do not fit the model's input "
+                              f"shape {dims}; a raw request's shape must follow from its size")
+    shape = [elements // known if d == -1 else d for d in dims]
+    return np.frombuffer(body, dtype=dtype).reshape(shape)
+
+
 # --- the binary tensor extension over HTTP ------------------------------------------------------
 def header_length(value: str | None, body_size: int) -> int | None:
     """``Inference-Header-Content-Length``: None when absent (the whole body is JSON)."""
@@ -245,7 +282,7 @@ def header_length(value: str | None, body_size: int) -> int | None:
         length = int(value.strip())
     except ValueError:
         raise InvalidArgument(f"Inference-Header-Content-Length is not an integer: {value[:40]!r}") from None
-    if not 0 < length <= body_size:
+    if not 0 < length <= body_size:  # 0 (a raw binary request) is taken before this (rest.py)
         raise InvalidArgument(f"Inference-Header-Content-Length {length} is outside the body "
                               f"(1 to {body_size} bytes)")
     return length

@@ -19,19 +19,23 @@ time: only grpcio and protobuf.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
-from appliance.api.kserve import codec
+from appliance.api.kserve import classification, codec
 from appliance.api.kserve import shared_memory as shm
-from appliance.core.errors import InvalidArgument, NotFound
+from appliance.core.errors import ApplianceError, InvalidArgument, NotFound
 from appliance.api.grpc_errors import guarded, observed
 from appliance.core.shared_memory import SharedMemory
-from appliance.protos.kserve import pb
+from appliance.protos.kserve import model_config_pb2, pb
 from appliance.api.kserve.rest import parse_version
+from appliance.api.kserve.extensions import V2Extensions
 from appliance.api.kserve.service import Requested, Tensor, V2Service
 
 if TYPE_CHECKING:
@@ -39,6 +43,9 @@ if TYPE_CHECKING:
 
 
 SERVICE_NAME = "inference.GRPCInferenceService"
+STREAM = "ModelStreamInfer"  # bidirectional: served by the grpcio transport ([grpc] transport = "grpcio")
+_END = object()  # the end of a stream's requests
+log = logging.getLogger("appliance.grpc")
 
 # datatype -> the typed contents field that carries it (FP16 has none: raw only)
 _CONTENTS_FIELD = {
@@ -51,14 +58,22 @@ _ALL_FIELDS = tuple(sorted(set(_CONTENTS_FIELD.values())))
 
 def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register ``inference.GRPCInferenceService`` on ``server`` (before ``server.start()``)."""
-    server.add_generic_rpc_handlers((V2GRPC(V2Service.serving(core)).handler(),))
+    server.add_generic_rpc_handlers((V2GRPC.serving(core).handler(),))
 
 
 class V2GRPC:
-    """The RPC methods: coroutines, each taking a request message and returning the response."""
+    """The RPC methods: coroutines, each taking a request message and returning the response.
+    ``extensions``: statistics, model configuration and repository (the serving process's;
+    a front worker forwards those calls, appliance/fronts/grpc_front.py)."""
 
-    def __init__(self, service: V2Service):
-        self.core, self.service = service.core, service
+    def __init__(self, service: V2Service, extensions: V2Extensions | None = None):
+        self.core, self.service, self.extensions = service.core, service, extensions
+
+    @classmethod
+    def serving(cls, core: "Appliance") -> "V2GRPC":
+        """The methods of the process that holds the versions (its own gRPC port, and the
+        calls front workers forward to it): every method, the extensions included."""
+        return cls(V2Service.serving(core), V2Extensions(core))
 
     def handler(self) -> grpc.GenericRpcHandler:
         methods: dict[str, tuple[Any, Any, Callable[[Any], Awaitable[Any]]]] = {
@@ -68,6 +83,12 @@ class V2GRPC:
             "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse, self.server_metadata),
             "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse, self.model_metadata),
             "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse, self.model_infer),
+            "ModelStatistics": (pb.ModelStatisticsRequest, pb.ModelStatisticsResponse, self.model_statistics),
+            "ModelConfig": (pb.ModelConfigRequest, pb.ModelConfigResponse, self.model_config),
+            "RepositoryIndex": (pb.RepositoryIndexRequest, pb.RepositoryIndexResponse, self.repository_index),
+            "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse, self.load),
+            "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse,
+                                      self.unload),
             "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, pb.SystemSharedMemoryStatusResponse,
                                          self.shm_status),
             "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest,
@@ -81,11 +102,13 @@ class V2GRPC:
             "CudaSharedMemoryUnregister": (pb.CudaSharedMemoryUnregisterRequest,
                                            pb.CudaSharedMemoryUnregisterResponse, self.cuda_unregister),
         }
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: grpc.unary_unary_rpc_method_handler(
-                guarded(fn, name),
-                request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
-            for name, (req, resp, fn) in methods.items()})
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+            guarded(fn, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+            for name, (req, resp, fn) in methods.items()}
+        handlers[STREAM] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
+            response_serializer=pb.ModelStreamInferResponse.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     # -- health and metadata --------------------------------------------------------------
     async def server_live(self, request: Any) -> Any:
@@ -110,6 +133,31 @@ class V2GRPC:
         return pb.ModelMetadataResponse(
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[tensor(**t) for t in meta["inputs"]], outputs=[tensor(**t) for t in meta["outputs"]])
+
+    # -- statistics, model configuration, repository (appliance/api/kserve/extensions.py) ----
+    async def model_statistics(self, request: Any) -> Any:
+        stats = self._extensions().statistics(request.name, _grpc_version(request.version))
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+    async def model_config(self, request: Any) -> Any:
+        config = await self._extensions().config(request.name, _grpc_version(request.version))
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
+
+    async def repository_index(self, request: Any) -> Any:
+        return json_format.ParseDict({"models": self._extensions().index(request.ready)}, pb.RepositoryIndexResponse())
+
+    async def load(self, request: Any) -> Any:
+        await self._extensions().load(request.model_name, _repository_parameters(request.parameters))
+        return pb.RepositoryModelLoadResponse()
+
+    async def unload(self, request: Any) -> Any:
+        await self._extensions().unload(request.model_name, _repository_parameters(request.parameters))
+        return pb.RepositoryModelUnloadResponse()
+
+    def _extensions(self) -> V2Extensions:
+        if self.extensions is None:  # a front worker forwards these calls; never reached there
+            raise NotFound("this method is answered by the serving process")
+        return self.extensions
 
     # -- shared memory (appliance/api/kserve/shared_memory.py) ------------------------------
     async def shm_status(self, request: Any) -> Any:
@@ -143,6 +191,45 @@ class V2GRPC:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- inference ------------------------------------------------------------------------
+    async def model_stream_infer(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        """Triton's ModelStreamInfer: every request of the stream is an ordinary ModelInfer,
+        run as it arrives (several at once, so they batch), and answered as it completes; a
+        failed one is answered with ``error_message`` and the stream goes on. Ends once the
+        client has half-closed and every request is answered."""
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(request: Any) -> None:
+            try:
+                response = pb.ModelStreamInferResponse(infer_response=await self.model_infer(request))
+            except ApplianceError as exc:
+                response = pb.ModelStreamInferResponse(error_message=exc.message)
+            except Exception as exc:  # a bug here must not end the other requests' stream
+                log.exception("unhandled error in ModelStreamInfer")
+                response = pb.ModelStreamInferResponse(error_message=f"internal error: {type(exc).__name__}")
+            await answers.put(response)
+
+        async def read() -> None:
+            async for request in requests:
+                task = asyncio.get_running_loop().create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await answers.put(_END)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            ended = False
+            while not ended or tasks or not answers.empty():
+                answer = await answers.get()
+                if answer is _END:
+                    ended = True
+                else:
+                    yield answer
+            await reader  # its error, if reading failed
+        finally:
+            for task in (reader, *tasks):
+                task.cancel()
+
     async def model_infer(self, request: Any) -> Any:
         with observed(self.core.metrics, request.model_name, "v2_infer"):
             regions = self.service.regions
@@ -164,6 +251,15 @@ def _grpc_version(text: str) -> int | None:
 
 
 def _parameters(params: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        choice = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, choice) if choice else None
+    return out
+
+
+def _repository_parameters(params: Any) -> dict[str, Any]:
+    """A load's parameters: ``config`` (a string) and files (bytes) as Triton sends them."""
     out: dict[str, Any] = {}
     for key, value in params.items():
         choice = value.WhichOneof("parameter_choice")
@@ -208,7 +304,9 @@ def _inputs(request: Any, limits: Any, regions: SharedMemory | None = None) -> l
 def _requested(output: Any, regions: SharedMemory | None) -> Requested:
     """One requested output; written into shared memory when its parameters name a region."""
     params = _parameters(output.parameters) if output.parameters else {}
-    return Requested(output.name, region=shm.named_slice(regions, params, f"output '{output.name}'"))
+    where = f"output '{output.name}'"
+    return Requested(output.name, region=shm.named_slice(regions, params, where),
+                     classification=classification.count(params.get("classification", 0), where))
 
 
 def _declared_shape(item: Any) -> tuple[int, ...]:

@@ -7,8 +7,9 @@ answers.
 
 Status codes follow Triton: 400 for a bad request, 404 for an unknown model or version,
 503 while a model is loading or its queue is full, 413 over ``server.max_body_bytes``;
-every error body is ``{"error": "..."}``. Health endpoints answer with an empty body:
-200 for true, 400 for false (KServe: "a 4xx status code indicates false").
+every error body is ``{"error": "..."}``. Health endpoints answer the protocol's bodies
+(``{"live": true}``, ``{"ready": true}``, ``{"name": "m", "ready": true}``): 200 for true,
+400 for false (KServe: "a 4xx status code indicates false").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import orjson
 
 from appliance.api import tensor_limits
 from appliance.api import json_arrays
-from appliance.api.kserve import codec
+from appliance.api.kserve import classification, codec
 from appliance.api.kserve import shared_memory as shm
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.shared_memory import SharedMemory
@@ -31,7 +32,8 @@ from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
 from appliance.api.errors import render_error, status_line
 from appliance.api.family import Answer, AsyncFamily
-from appliance.api.mounts import INFERENCE, OPEN, Mount, raw_path
+from appliance.api.kserve.extensions import V2Extensions
+from appliance.api.mounts import ADMIN, INFERENCE, OPEN, Mount, raw_path
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -46,6 +48,8 @@ _DUMP = orjson.OPT_SERIALIZE_NUMPY
 ENVELOPE_VALUES = 1024
 
 
+REPOSITORY = ("index", "load", "unload")
+
 # --- the REST face ------------------------------------------------------------------------------
 Response = tuple[int, bytes, list[tuple[str, str]]]
 _EMPTY: list[tuple[str, str]] = []
@@ -59,8 +63,10 @@ class V2API(AsyncFamily):
     are appliance/api/errors.py ``render_error``'s.
     """
 
-    def __init__(self, service: V2Service):
-        self.core, self.service = service.core, service
+    def __init__(self, service: V2Service, extensions: V2Extensions | None = None):
+        """``extensions``: statistics, model configuration and repository, which only the
+        serving process answers (a front worker's ``V2API`` has none: they are forwarded)."""
+        self.core, self.service, self.extensions = service.core, service, extensions
 
     async def answer(self, environ: dict[str, Any]) -> Answer:
         status, body, headers = await self._respond(environ)
@@ -80,6 +86,8 @@ class V2API(AsyncFamily):
             if route in (shm.SYSTEM, shm.CUDA):  # model: the region's name, version: its action
                 body = _read_body(environ, self.core.config.server.max_body_bytes) if method == "POST" else b""
                 return shm.answer(self.service.regions, route, model, str(version), method, body)
+            if route in REPOSITORY:
+                return await self._repository(environ, method, path, route, model)
             if method != "GET":
                 raise MethodNotAllowed(f"method {method} not allowed on {path}")
             return await self._get(route, model, version)
@@ -93,10 +101,36 @@ class V2API(AsyncFamily):
             return 200, orjson.dumps(service.server_metadata()), _EMPTY
         if route in ("live", "ready"):
             ok = service.live() if route == "live" else service.ready()
-            return (200 if ok else 400), b"", _EMPTY
+            return _health(ok, {route: ok})
         if route == "model_ready":
-            return (200 if service.model_ready(model, version) else 400), b"", _EMPTY
+            ok = service.model_ready(model, version)
+            return _health(ok, {"name": model, "ready": ok})
+        if route == "stats":
+            return 200, orjson.dumps(self._extensions().statistics(model, version)), _EMPTY
+        if route == "config":
+            return 200, orjson.dumps(await self._extensions().config(model, version)), _EMPTY
         return 200, orjson.dumps(await service.model_metadata(model, version)), _EMPTY
+
+    async def _repository(self, environ: dict[str, Any], method: str, path: str, route: str, model: str) -> Response:
+        """Triton's model repository extension: POST only, an optional JSON body."""
+        if method != "POST":
+            raise MethodNotAllowed(f"method {method} not allowed on {path}; use POST")
+        raw = _read_body(environ, self.core.config.server.max_body_bytes)
+        body = json_object(raw, "repository request") if raw.strip() else {}
+        extensions = self._extensions()
+        if route == "index":
+            ready = body.get("ready", False)
+            if not isinstance(ready, bool):
+                raise InvalidArgument("'ready' must be true or false")
+            return 200, orjson.dumps(extensions.index(ready)), _EMPTY
+        parameters = _parameters(body.get("parameters"), f"{route} of '{model}'")
+        await (extensions.load(model, parameters) if route == "load" else extensions.unload(model, parameters))
+        return 200, b"", _EMPTY
+
+    def _extensions(self) -> V2Extensions:
+        if self.extensions is None:  # a front worker forwards these; never reached there
+            raise NotFound("this endpoint is answered by the serving process")
+        return self.extensions
 
     async def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Response:
         if method != "POST":
@@ -105,6 +139,10 @@ class V2API(AsyncFamily):
         status: int | str = 200  # then the error's canonical code, as TF Serving's metrics label it
         try:
             body = _read_body(environ, self.core.config.server.max_body_bytes)
+            if _raw_binary(environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"), environ.get("HTTP_CONTENT_ENCODING")):
+                tensor = await self.service.raw_input(model, version, body)
+                result = await self.service.infer(model, version, [tensor], None, {}, True, route_key(environ))
+                return render_infer_response(result, None)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
                                           environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits,
                                           self.service.regions)
@@ -118,10 +156,30 @@ class V2API(AsyncFamily):
             self.core.metrics.observe_request(model, "v2_infer", status, time.perf_counter() - started)
 
 
+def _raw_binary(header_length: str | None, encoding: str | None) -> bool:
+    """Triton's raw binary request: ``Inference-Header-Content-Length: 0``, the whole body the
+    model's one input (its outputs answered in binary)."""
+    return header_length is not None and header_length.strip() == "0" and not (
+        encoding and encoding.strip().lower() not in ("identity", ""))
+
+
+def _health(ok: bool, body: dict[str, Any]) -> Response:
+    """The protocol's health body (``{"live": true}``, ``{"ready": ...}``, ``{"name": ..,
+    "ready": ..}``), 200 for true and 400 for false as Triton answers: a client may read
+    either the status or the body. A 400's headers are complete (``answer``), so set here."""
+    data = orjson.dumps(body)
+    if ok:
+        return 200, data, _EMPTY
+    return 400, data, [("Content-Type", JSON), ("Content-Length", str(len(data)))]
+
+
 def mounts(core: "Appliance") -> list[Mount]:
     """``/v2...`` (raw path), inference; its health probes open (they carry no secrets)."""
-    api = V2API(V2Service.serving(core))
+    api = V2API(V2Service.serving(core), V2Extensions(core))
     return [Mount("kserve", "/v2/", INFERENCE, api, summary="KServe v2 REST API"),
+            Mount("kserve-model-control", "/v2/repository/models/",
+                  INFERENCE if core.config.kserve.model_control_scope == INFERENCE else ADMIN, api,
+                  summary="Triton's model load and unload: [kserve] model_control_scope (admin by default)"),
             Mount("kserve-health", "/v2/health/", OPEN, api, summary="KServe v2 health probes")]
 
 
@@ -136,6 +194,13 @@ def _route(path: str) -> tuple[str, str, Any]:
         return region
     if parts[0] == "health" and len(parts) == 2 and parts[1] in ("live", "ready"):
         return parts[1], "", None
+    if parts == ["models", "stats"]:  # every model's statistics (Triton reads it so too)
+        return "stats", "", None
+    if parts[0] == "repository":
+        if parts[1:] == ["index"]:
+            return "index", "", None
+        if len(parts) == 4 and parts[1] == "models" and parts[2] and parts[3] in ("load", "unload"):
+            return parts[3], unquote(parts[2]), None
     if parts[0] == "models" and len(parts) >= 2 and parts[1]:
         model, rest = unquote(parts[1]), parts[2:]
         version = None
@@ -145,6 +210,8 @@ def _route(path: str) -> tuple[str, str, Any]:
             return "model", model, version
         if rest in (["ready"], ["infer"]):
             return ("model_ready" if rest == ["ready"] else "infer"), model, version
+        if rest in (["stats"], ["config"]):
+            return rest[0], model, version
     raise NotFound(f"no such endpoint in the v2 protocol: {path}")
 
 
@@ -283,15 +350,14 @@ def _requested(item: Any, index: int, regions: SharedMemory | None = None) -> Re
         raise InvalidArgument(f"outputs[{index}] must be an object with a string 'name'")
     where = f"output '{item['name']}'"
     params = _parameters(item.get("parameters"), where)
-    if params.get("classification"):
-        raise InvalidArgument(f"{where}: the classification extension is not supported")
+    classes = classification.count(params.get("classification", 0), where)
     binary = params.get("binary_data")
     if binary is not None and not isinstance(binary, bool):
         raise InvalidArgument(f"{where}: parameter 'binary_data' must be true or false")
     region = shm.named_slice(regions, params, where)
     if region is not None and binary:
         raise InvalidArgument(f"{where}: Output can't set both '{shm.REGION}' and 'binary_data'")
-    return Requested(item["name"], binary, region)
+    return Requested(item["name"], binary, region, classes)
 
 
 def render_infer_response(result: InferResult, request_id: str | None) -> Response:
@@ -323,21 +389,26 @@ def _openapi_paths() -> dict[str, Any]:
         "error": {"type": "string"}}, "required": ["error"]}}}}
     model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     version = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
-    health = {"200": {"description": "true (empty body)"}, "400": {"description": "false (empty body)"}}
+    def health(key: str, named: bool = False) -> dict[str, Any]:
+        props = {"name": {"type": "string"}, key: {"type": "boolean"}} if named else {key: {"type": "boolean"}}
+        schema = {"type": "object", "properties": props, "required": list(props)}
+        failed = {"anyOf": [schema, error["content"][JSON]["schema"]]}  # false, or a bad request
+        return {"200": {"description": "true", "content": {JSON: {"schema": schema}}},
+                "400": {"description": "false (or a bad request: an error)", "content": {JSON: {"schema": failed}}}}
     json_ok = {"description": "ok", "content": {JSON: {"schema": {"type": "object"}}}}
     paths: dict[str, Any] = {
         "/v2": {"get": {"summary": "KServe v2 server metadata (name, version, extensions)",
                         "responses": {"200": json_ok}}},
-        "/v2/health/live": {"get": {"summary": "KServe v2 server live", "responses": health}},
+        "/v2/health/live": {"get": {"summary": "KServe v2 server live", "responses": health("live")}},
         "/v2/health/ready": {"get": {"summary": "KServe v2 server ready: every model has a version available",
-                                     "responses": health}},
+                                     "responses": health("ready")}},
     }
     for suffix, params in (("", [model]), ("/versions/{version}", [model, version])):
         base = "/v2/models/{model}" + suffix
         paths[base] = {"get": {"summary": "KServe v2 model metadata (inputs/outputs with datatype and shape)",
                                "parameters": params, "responses": {"200": json_ok, "400": error, "404": error}}}
         paths[base + "/ready"] = {"get": {"summary": "KServe v2 model ready", "parameters": params,
-                                          "responses": {**health, "404": error}}}
+                                          "responses": {**health("ready", True), "404": error}}}
         paths[base + "/infer"] = {"post": {
             "summary": "KServe v2 inference; Triton's binary tensor extension with Inference-Header-Content-Length",
             "parameters": [*params, {"name": HEADER_LENGTH, "in": "header", "required": False,
@@ -352,6 +423,21 @@ def _openapi_paths() -> dict[str, Any]:
             "responses": {"200": {"description": "outputs", "content": {
                 JSON: {"schema": {"type": "object"}}, OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
                 "400": error, "404": error, "413": error, "503": error}}}
+        paths[base + "/stats"] = {"get": {"summary": "Triton's statistics extension: the version's counts and durations",
+                                          "parameters": params, "responses": {"200": json_ok, "400": error, "404": error, "503": error}}}
+        paths[base + "/config"] = {"get": {"summary": "Triton's model configuration, derived from the signature and "
+                                                      "batching", "parameters": params,
+                                           "responses": {"200": json_ok, "400": error, "404": error, "503": error}}}
+    paths["/v2/models/stats"] = {"get": {"summary": "Triton's statistics extension: every loaded version",
+                                         "responses": {"200": json_ok}}}
+    paths["/v2/repository/index"] = {"post": {"summary": "Triton's model repository index",
+                                              "responses": {"200": {"description": "models", "content": {
+                                                  JSON: {"schema": {"type": "array"}}}}}}}
+    for verb in ("load", "unload"):
+        paths[f"/v2/repository/models/{{model}}/{verb}"] = {"post": {
+            "summary": f"Triton's explicit model control: {verb} (admin unless [kserve] model_control_scope)",
+            "parameters": [model], "responses": {"200": {"description": "done (empty body)"}, "400": error,
+                                                 "403": error}}}
     paths.update(shm.OPENAPI_PATHS)
     return paths
 

@@ -11,16 +11,17 @@ name, as model metadata says); a request picks another with the request paramete
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 
 from appliance.version import __version__
-from appliance.api.kserve import codec, shared_memory
-from appliance.core.errors import InvalidArgument, Unavailable
+from appliance.api.kserve import classification, codec, shared_memory
+from appliance.core.errors import InvalidArgument, NotFound, Unavailable
 from appliance.core.handle import shape_error
 from appliance.core.policy import State
 from appliance.core.seams import ModelHandle, ModelStates, RouteKey, ServingCore
@@ -30,8 +31,10 @@ if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
 
 SERVER_NAME = "edge-appliance"
-EXTENSIONS = ("binary_tensor_data",)
+EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics",
+              "parameters")  # Triton's names of what this server answers (appliance/api/kserve/extensions.py)
 SHARED_MEMORY = "system_shared_memory"  # while [shared_memory] enabled
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")  # Triton's sequence batcher's
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Requested:
     name: str
     binary: bool | None = None
     region: Slice | None = None
+    classification: int = 0  # Triton's classification extension: the top N classes, as BYTES
 
 
 @dataclass
@@ -92,19 +96,23 @@ class V2Service:
         return self._ready is not None and self._ready()
 
     def model_ready(self, name: str, version: int | None) -> bool:
-        slots = self._states().version_states(name, version)  # NotFound for an unknown model/version
+        with triton_words(name, version):  # NotFound for an unknown model/version
+            slots = self._states().version_states(name, version)
         return any(s.state == State.AVAILABLE for s in slots)
 
     def server_metadata(self) -> dict[str, Any]:
         shm = [SHARED_MEMORY] if self.regions is not None and self.regions.enabled else []
-        return {"name": SERVER_NAME, "version": __version__, "extensions": [*EXTENSIONS, *shm]}
+        name = self.core.config.kserve.server_id or SERVER_NAME
+        return {"name": name, "version": __version__, "extensions": [*EXTENSIONS, *shm]}
 
     async def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
-        versions = [str(s.version) for s in sorted(self._states().version_states(name), key=lambda s: s.version)
-                    if s.state == State.AVAILABLE]
-        with await self.core.handles.handle(name, version) as held:
+        with triton_words(name, version):
+            states = self._states().version_states(name)
+            held_handle = await self.core.handles.handle(name, version)
+        versions = [str(s.version) for s in sorted(states, key=lambda s: s.version) if s.state == State.AVAILABLE]
+        with held_handle as held:
             signatures = dict(held.signatures)
-            signature = _default_signature(held)
+            signature = default_signature(held)
             platform = held.platform
         body: dict[str, Any] = {
             "name": name, "versions": versions, "platform": platform,
@@ -121,24 +129,48 @@ class V2Service:
         return self.states
 
     # -- inference ------------------------------------------------------------------------
+    async def raw_input(self, name: str, version: int | None, body: bytes) -> Tensor:
+        """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the whole body
+        is the model's one input, its datatype the signature's, its shape what the body's size
+        makes of the signature's shape (one unknown dimension); a BYTES input must take one
+        element (shape [1], or [-1, 1] with a batch dimension): the body is that element."""
+        with triton_words(name, version):
+            held_handle = await self.core.handles.handle(name, version)
+        with held_handle as held:
+            signature = default_signature(held)
+        if len(signature.inputs) != 1:
+            raise InvalidArgument(f"Raw request must only have 1 input (found 1) to be deduced but got "
+                                  f"{len(signature.inputs)} inputs in '{name}' model configuration")
+        (input_name, spec), = signature.inputs.items()
+        datatype = codec.datatype_of(spec.dtype)
+        return Tensor(input_name, codec.raw_body_tensor(body, datatype, spec.shape, input_name), datatype)
+
     async def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
                     parameters: dict[str, Any], binary_default: bool = False,
                     route_key: RouteKey | None = None) -> InferResult:
         """Check the decoded inputs against the signature, run them through the batcher and
         pick the requested outputs (all of them, in signature order, when none is named)."""
+        sequence = [k for k in SEQUENCE_PARAMETERS if k in parameters]
+        if sequence:  # a stateful (sequence) model would need them; none here keeps state
+            raise InvalidArgument(f"inference request to model '{name}' sets {', '.join(sequence)}, but the model "
+                                  "is not a sequence model (it keeps no state between requests); send it without them")
         signature_name = parameters.get("signature_name")
         if signature_name is not None and not isinstance(signature_name, str):
             raise InvalidArgument("parameter 'signature_name' must be a string")
-        with await self.core.handles.handle(name, version, None, route_key) as held:
+        with triton_words(name, version):
+            held_handle = await self.core.handles.handle(name, version, None, route_key)
+        with held_handle as held:
             signature = (_named_signature(held, name, signature_name) if signature_name
-                         else _default_signature(held))
+                         else default_signature(held))
             feeds = _feeds(signature, inputs, name)
             wanted = _wanted(signature, requested, name)
             outputs = await held.run(signature.name, feeds)
-            served = held.version
+            served, path = held.version, held.path
         result = []
         for want in wanted:
             arr = outputs[want.name]
+            if want.classification:
+                arr = classification.top(arr, want.classification, classification.labels(path), want.name)
             if want.region is not None:
                 shared_memory.write_output(self.regions, want.region, arr, want.name)
             result.append((Tensor(want.name, arr, codec.datatype_of(arr.dtype)),
@@ -147,7 +179,19 @@ class V2Service:
         return InferResult(name, served, result, shared)
 
 
-def _default_signature(held: ModelHandle) -> SignatureInfo:
+@contextmanager
+def triton_words(name: str, version: int | None) -> Iterator[None]:
+    """An unknown model or version in Triton's words, which Triton's clients and tests look
+    for (Triton core's model_repository_manager.cc), where the core speaks TF Serving's."""
+    try:
+        yield
+    except NotFound as exc:
+        at = "" if version is None else f" version {version}"
+        why = exc.message.partition("; ")[2]  # the core's reason, when it gave one (quarantined...)
+        raise NotFound(f"Request for unknown model: '{name}'{at} is not found" + (f"; {why}" if why else "")) from exc
+
+
+def default_signature(held: ModelHandle) -> SignatureInfo:
     """serving_default, else the first signature by name: what model metadata describes, so
     a client that builds its request from the metadata is always answered."""
     signatures = held.signatures

@@ -6,5 +6,6 @@ protobuf is needed: no grpcio-tools, no generated service stub.
 """
 
 from appliance.protos.kserve import grpc_predict_v2_pb2 as pb
+from appliance.protos.kserve import model_config_pb2  # Triton's ModelConfig (the ModelConfig RPC's answer)
 
-__all__ = ["pb"]
+__all__ = ["model_config_pb2", "pb"]

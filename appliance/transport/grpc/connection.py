@@ -357,7 +357,9 @@ class Connection(asyncio.Protocol):
         try:
             handler = await server.lookup(CallDetails(method, context.invocation_metadata()))
             if handler is None or handler.unary_unary is None:
-                self.finish(stream, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+                self.finish(stream, grpc.StatusCode.UNIMPLEMENTED, "Method not found!" if handler is None else
+                            f"{method} is a streaming method, which this gRPC transport (unary calls only) "
+                            "does not serve; the grpcio transport does ([grpc] transport = \"grpcio\")")
                 return
             try:
                 request = handler.request_deserializer(message) if handler.request_deserializer else message
