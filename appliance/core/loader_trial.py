@@ -14,7 +14,10 @@ hands it the request and watches it until it answers:
 
 Whatever happens, the answer is a verdict (``ok``; ``code`` and ``reason`` when not), never
 an exception, and the child is reaped before this returns. ``memory_budget`` gives the
-default limit: 80 % of the memory available when the trial starts.
+default limit: 80 % of the memory available when the trial starts, as the service's cgroup sees
+it when that is less than the host's (a container's or a unit's limit: appliance/core/cgroup.py).
+The child's ``oom_score_adj`` is raised to the most, so that should the kernel's OOM killer act
+anyway (a runaway allocation between two reads), the trial is what it ends, not the serving process.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import IO, Any, Mapping
 
 import psutil
 
+from appliance.core.cgroup import TRIAL_OOM_SCORE, available_bytes, raise_oom_score
+
 WATCH_S = 0.02
 MB = 1 << 20
 AUTO_SHARE = 0.8  # of the memory available when a trial starts, when no limit is configured
@@ -46,10 +51,11 @@ class Limits:
 
 
 def memory_budget(configured_mb: int) -> int:
-    """Bytes a trial may grow by: ``runtime.load_memory_mb``, or 80 % of what is available."""
+    """Bytes a trial may grow by: ``runtime.load_memory_mb``, or 80 % of what is available
+    (the host's figure, or the cgroup's when it has less left)."""
     if configured_mb > 0:
         return configured_mb * MB
-    return int(psutil.virtual_memory().available * AUTO_SHARE)
+    return int(available_bytes(psutil.virtual_memory().available) * AUTO_SHARE)
 
 
 TRIAL = [sys.executable, "-m", "appliance.core.loader_child"]
@@ -65,6 +71,7 @@ def run_in_child(request: Mapping[str, Any], limits: Limits, cancel: threading.E
                                     stdout=out, stderr=err, env=_child_env(), close_fds=True)
         except OSError as exc:  # no process to run it in: the version cannot be tried, so it does not serve
             return {"ok": False, "code": "INTERNAL", "reason": f"the trial process could not start: {exc}"}
+        raise_oom_score(proc.pid, TRIAL_OOM_SCORE)  # before it reads its request: it loads nothing yet
         try:
             assert proc.stdin is not None
             body = {**request, "parent": os.getpid(), "memory_bytes": limits.memory_bytes}
