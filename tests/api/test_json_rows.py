@@ -14,6 +14,7 @@ import json
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
@@ -93,6 +94,25 @@ def test_a_row_bomb_is_counted_only_past_its_limit() -> None:
     body = b'{"instances": [' + b",".join([b'"a"'] * BOMB_ROWS) + b"]}"
     key, counted = json_rows.rows_over(body, ROWS, 4096) or ("", 0)
     assert key == "instances" and 4096 < counted < BOMB_ROWS  # it stopped: the first chunk told
+
+
+@pytest.mark.parametrize("path", ["simdjson's tape", "the bytes (an escape)", "the bytes (long)"])
+def test_the_decoder_refuses_rows_before_parsing_on_every_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.api.tfserving import json_format
+    from appliance.core.config import LimitsConfig
+    from appliance.core.errors import InvalidArgument
+
+    doc = {"signature_name": "a\\b" if "escape" in path else "ab", "instances": [[0.125] * 64] * 5}
+    body = json.dumps(doc).encode()
+    assert len(body) > 2048  # past json_arrays.MIN_BODY: simdjson would take it
+    if "long" in path:
+        monkeypatch.setattr(json_format, "SCAN_FIRST", 1024)
+    def parse(_: bytes) -> None:
+        raise AssertionError("parsed before the refusal")
+
+    monkeypatch.setattr(json_format, "orjson", SimpleNamespace(loads=parse, JSONDecodeError=ValueError))
+    with pytest.raises(InvalidArgument, match=r"'instances' has more than 3 entries .*limits.max_instances"):
+        json_format.loads(body, LimitsConfig(max_instances=3))
 
 
 # --- the real service, with two front workers -----------------------------------------------------
