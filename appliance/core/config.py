@@ -338,8 +338,17 @@ class SharedMemoryConfig:
     enabled: bool = True
     max_regions: int = 64  # regions registered at once
     max_bytes: int = 2 << 30  # their byte_size together
+    # Who may use them: callers on this host only (a loopback peer or the Unix socket; a remote
+    # peer cannot share this host's memory anyway), unless true (a container reaching the host's
+    # /dev/shm through a bridge address, say).
+    allow_remote: bool = False
+    # Prefixes of the objects' keys (their /dev/shm names) a region may open; empty: any the
+    # service's user can open.
+    allowed_keys: list[str] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
+        if any(not isinstance(p, str) or not p.strip("/") for p in self.allowed_keys):
+            raise ConfigError(f"{key}.allowed_keys", "every prefix must be a non-empty string")
         if not 1 <= self.max_regions <= 65536:
             raise ConfigError(f"{key}.max_regions", "must be between 1 and 65536")
         if self.max_bytes < 1:

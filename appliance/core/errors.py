@@ -7,6 +7,8 @@
     │   │                                          ever hold (permanent, never "retry later")
     │   └── FailedPrecondition  400  FAILED_PRECONDITION  what TF Serving's gRPC calls so
     │                                              (an unknown signature key in Predict)
+    ├── PermissionDenied  403  PERMISSION_DENIED   a caller this feature is not for (shared
+    │                                              memory from another host)
     ├── NotFound          404  NOT_FOUND           unknown model, version, label, signature
     ├── MethodNotAllowed  405  UNIMPLEMENTED       a known path with the wrong HTTP method
     ├── PayloadTooLarge   413  RESOURCE_EXHAUSTED  body or tensor over a limit
@@ -71,6 +73,11 @@ class FailedPrecondition(InvalidArgument):
     answers the same mistakes 400)."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class PermissionDenied(ApplianceError):
+    http_status = 403
+    grpc_code = "PERMISSION_DENIED"
 
 
 class NotFound(ApplianceError):

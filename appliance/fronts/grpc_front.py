@@ -81,7 +81,7 @@ async def _forward(method: str, request: bytes, context: Any, link: Link) -> byt
     """The serving process's answer to a call (appliance/fronts/serving.py ``_grpc``): its
     response's bytes, or its status and trailing metadata given to this call."""
     kind, payload = await link.call(m.GRPC, [method, request, [list(kv) for kv in context.invocation_metadata()],
-                                             context.time_remaining()])
+                                             context.time_remaining(), context.peer()])
     if kind == m.DONE:
         return payload[0]  # type: ignore[no-any-return]
     if kind == m.STATUS:

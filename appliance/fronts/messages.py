@@ -11,8 +11,8 @@ pushes). Worker -> serving:
 - ``WSGI``: (environ, body) of a request the worker forwards; replied ``ANSWER`` (status,
   headers, body) for a whole answer, or ``START`` (status, headers), ``CHUNK`` bytes...,
   ``END`` for a stream. ``CANCEL``: the client went away; the stream is closed.
-- ``GRPC``: [method, request bytes, metadata, seconds left] of a gRPC call the worker
-  forwards; replied ``DONE`` [response bytes] or ``STATUS`` [code name, details, trailing
+- ``GRPC``: [method, request bytes, metadata, seconds left, the client's peer] of a gRPC call
+  the worker forwards; replied ``DONE`` [response bytes] or ``STATUS`` [code name, details, trailing
   metadata].
 - ``OBSERVE``: request metrics (a list of [model, api, status, seconds, entrypoint]), one
   message per loop tick, sent before the answers of that tick leave.

@@ -224,12 +224,13 @@ class FrontService:
             raise Unavailable(CHANGED.format(was=was, now=now)) from None
 
     async def _grpc(self, proto: ChannelProtocol, ident: int, method: str, request: bytes,
-                    metadata: list[list[Any]], seconds_left: float | None) -> None:
-        """A gRPC call a worker forwarded, answered by this process's handler for it."""
+                    metadata: list[list[Any]], seconds_left: float | None, peer: str = "front worker") -> None:
+        """A gRPC call a worker forwarded, answered by this process's handler for it, as from
+        the worker's client (``peer``: who may use shared memory is judged by it)."""
         LONE_CALL.set(self._alone)
         pairs = tuple((k, v) for k, v in metadata)
         deadline = None if seconds_left is None else time.monotonic() + seconds_left
-        context = Context(pairs, deadline, "front worker")
+        context = Context(pairs, deadline, peer)
         handler = self._grpc_handler(method, pairs)
         try:
             if handler is None:

@@ -49,6 +49,17 @@ _CONTENTS_FIELD = {
 _ALL_FIELDS = tuple(sorted(set(_CONTENTS_FIELD.values())))
 
 
+def _with_caller(call: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    """``call`` with the call's peer as shared memory's ``CALLER`` (only this host may use regions)."""
+    async def with_caller(request: Any, context: Any) -> Any:
+        caller = shm.CALLER.set(context.peer())
+        try:
+            return await call(request, context)
+        finally:
+            shm.CALLER.reset(caller)
+    return with_caller
+
+
 def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register ``inference.GRPCInferenceService`` on ``server`` (before ``server.start()``)."""
     server.add_generic_rpc_handlers((V2GRPC(V2Service.serving(core)).handler(),))
@@ -83,7 +94,7 @@ class V2GRPC:
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             name: grpc.unary_unary_rpc_method_handler(
-                guarded(fn, name),
+                _with_caller(guarded(fn, name)),
                 request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
             for name, (req, resp, fn) in methods.items()})
 
