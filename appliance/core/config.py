@@ -104,7 +104,12 @@ class RuntimeConfig:
     # A new version is first loaded, measured and warmed up in a child process (its trial,
     # appliance/core/loader_child.py): these bound it. 0 MB: 80 % of the memory available then.
     load_memory_mb: int = 0
-    load_timeout_s: float = 600.0
+    load_timeout_s: float = 600.0  # the most any trial may take
+    # A trial's own deadline grows with its version's size: load_timeout_base_s plus this many
+    # seconds per MB of its files (at most load_timeout_s), so that a small version whose load
+    # hangs holds the next one up for a minute, not ten. 0: every trial gets load_timeout_s.
+    load_timeout_s_per_mb: float = 2.0
+    load_timeout_base_s: float = 60.0
     # A version whose artifacts do not all load (a corrupt saved_model.pb beside a good
     # model.tflite) fails; true: it serves from what loaded, shown as degraded.
     allow_partial_versions: bool = False
@@ -554,6 +559,10 @@ def validate(config: Config) -> Config:
         raise ConfigError("runtime.load_memory_mb", "must be 0 (80 % of the memory available) or a number of MB")
     if config.runtime.load_timeout_s <= 0:
         raise ConfigError("runtime.load_timeout_s", "must be positive")
+    if config.runtime.load_timeout_s_per_mb < 0:
+        raise ConfigError("runtime.load_timeout_s_per_mb", "must not be negative (0: every trial gets load_timeout_s)")
+    if config.runtime.load_timeout_base_s <= 0:
+        raise ConfigError("runtime.load_timeout_base_s", "must be positive")
     config.batching.validate("batching")
     if config.discovery.recheck_interval_s <= 0:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")
