@@ -1,14 +1,16 @@
-"""Request bodies within ``server.max_body_bytes``, plain or gzip-compressed.
+"""Request bodies within ``server.max_body_bytes``, plain or compressed (gzip, deflate).
 
 TF Serving inflates a body sent with ``Content-Encoding: gzip`` (any value containing
-"gzip", up to 100 MB; net_http's ``auto_uncompress_input``); so does this, but the
+"gzip", up to 100 MB; net_http's ``auto_uncompress_input``); so does this, and
+``Content-Encoding: deflate`` too (tritonclient's ``request_compression_algorithm="deflate"``:
+zlib's format as HTTP defines it, raw deflate also taken, as browsers and servers do); the
 inflated size counts against ``server.max_body_bytes`` and is checked while inflating, in
 bounded steps: a small body that inflates to gigabytes (a zip bomb) costs one step past
 the limit, then 413. The HTTP server (appliance/transport/http/server.py) already refuses a raw or chunked body over
 the limit before buffering it, and never hands an incomplete body to the app.
 
 ``read_body(environ, limit)`` is what the API handlers call. ``GzipBodies`` is the same
-as a WSGI layer, for handlers that read ``wsgi.input`` themselves: it inflates a gzip
+as a WSGI layer, for handlers that read ``wsgi.input`` themselves: it inflates a compressed
 body, then hands it on as a plain one (no Content-Encoding, the inflated Content-Length).
 """
 
@@ -29,9 +31,10 @@ LIMIT_KEY = "server.max_body_bytes"
 
 
 def read_body(environ: dict[str, Any], limit: int) -> bytes:
-    """The request body, inflated when gzip; 413 over ``limit``, 400 for a broken encoding."""
+    """The request body, inflated when compressed; 413 over ``limit``, 400 for a broken encoding."""
     data = read_raw(environ, limit)
-    return inflate(data, limit) if content_encoding(environ) == "gzip" else data
+    encoding = content_encoding(environ)
+    return inflate(data, limit, encoding) if encoding else data
 
 
 def read_raw(environ: dict[str, Any], limit: int) -> bytes:
@@ -51,18 +54,21 @@ def read_raw(environ: dict[str, Any], limit: int) -> bytes:
 
 
 def content_encoding(environ: dict[str, Any]) -> str:
-    """"gzip", "" (none or identity), or 400 for an encoding this server cannot undo."""
+    """"gzip", "deflate", "" (none or identity), or 400 for an encoding this server cannot undo."""
     value = environ.get("HTTP_CONTENT_ENCODING", "").strip().lower()
     if not value or value == "identity":
         return ""
     if "gzip" in value:  # as TF Serving matches it
         return "gzip"
-    raise InvalidArgument(f"Content-Encoding {value!r} is not supported; send the body as gzip or uncompressed")
+    if value == "deflate":
+        return "deflate"
+    raise InvalidArgument(f"Content-Encoding {value[:64]!r} is not supported; send the body as gzip, deflate "
+                          "or uncompressed")
 
 
-def inflate(data: bytes, limit: int) -> bytes:
-    """``data`` gunzipped, at most ``limit`` bytes of it (413 past that, 400 if not gzip)."""
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip header and trailer required
+def inflate(data: bytes, limit: int, encoding: str = "gzip") -> bytes:
+    """``data`` inflated, at most ``limit`` bytes of it (413 past that, 400 if not ``encoding``)."""
+    inflater = zlib.decompressobj(_window_bits(data, encoding))
     out, total, pending = [], 0, data
     try:
         while pending or not inflater.eof:
@@ -70,19 +76,30 @@ def inflate(data: bytes, limit: int) -> bytes:
             pending = inflater.unconsumed_tail
             total += len(chunk)
             if total > limit:
-                raise PayloadTooLarge(f"gzip request body inflates to more than {limit} bytes ({LIMIT_KEY})")
+                raise PayloadTooLarge(f"{encoding} request body inflates to more than {limit} bytes ({LIMIT_KEY})")
             out.append(chunk)
             if not chunk and not pending:
                 break
     except zlib.error as exc:
-        raise InvalidArgument(f"Content-Encoding gzip, but the body is not valid gzip data: {exc}") from None
+        raise InvalidArgument(f"Content-Encoding {encoding}, but the body is not valid {encoding} data: {exc}") from None
     if not inflater.eof:
-        raise InvalidArgument("Content-Encoding gzip, but the gzip body is truncated")
+        raise InvalidArgument(f"Content-Encoding {encoding}, but the {encoding} body is truncated")
     return b"".join(out)
 
 
+def _window_bits(data: bytes, encoding: str) -> int:
+    """zlib's window bits for ``encoding``: gzip's header and trailer required; for deflate,
+    zlib's two-byte header when the body starts with one (RFC 1950: method 8, a multiple of 31),
+    else raw deflate."""
+    if encoding == "gzip":
+        return 16 + zlib.MAX_WBITS
+    if len(data) >= 2 and data[0] & 0x0F == 8 and ((data[0] << 8) | data[1]) % 31 == 0:
+        return zlib.MAX_WBITS
+    return -zlib.MAX_WBITS
+
+
 class GzipBodies:
-    """WSGI layer: a gzip request body becomes a plain one for the layers inside it.
+    """WSGI layer: a compressed (gzip, deflate) request body becomes a plain one for the layers inside it.
 
     Sits inside the authentication layer, so no unauthenticated client gets the server
     to inflate anything. Requests without Content-Encoding pass untouched.

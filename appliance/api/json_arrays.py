@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import threading
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -46,9 +46,20 @@ _WHITESPACE = b" \t\r\n"
 _local = threading.local()
 
 
-def loads(raw: bytes) -> Any | None:
+class TooMany(Exception):
+    """A top-level array holds more members than ``loads``'s ``rows`` allow (no value built yet)."""
+
+    def __init__(self, key: str, count: int):
+        super().__init__(key, count)
+        self.key, self.count = key, count
+
+
+def loads(raw: bytes, rows: Mapping[str, int] | None = None, before: Callable[[], None] | None = None) -> Any | None:
     """``raw`` parsed, big numeric arrays as numpy (module docstring); None when this path
-    does not apply (the caller parses it its own way)."""
+    does not apply (the caller parses it its own way). Between simdjson's parse (its tape: no
+    Python value yet) and the conversion, ``TooMany`` when an array under a top-level key of
+    ``rows`` holds more members than its bound (simdjson keeps an array's count: free), then
+    ``before()`` (the caller's other checks)."""
     if simdjson is None or len(raw) < MIN_BODY or b"\\" in raw:
         return None  # (an escape: simdjson finds members by their raw key, so "a\"b" would not be found)
     parser = getattr(_local, "parser", None)
@@ -59,11 +70,27 @@ def loads(raw: bytes) -> Any | None:
     except (ValueError, TypeError, RuntimeError):  # not JSON simdjson takes: NaN, depth, bad bytes
         return None
     try:
+        _check_rows(doc, rows or {})
+        if before is not None:
+            before()
         return _convert(doc, None, raw)
     except (_Duplicate, KeyError):  # a key twice, or one simdjson cannot look up as decoded
         return None
     finally:
         del doc  # the parser may be reused only once no proxy of this document is alive
+
+
+def _check_rows(doc: Any, rows: Mapping[str, int]) -> None:
+    if not rows or not isinstance(doc, simdjson.Object):
+        return
+    keys = list(doc.keys())
+    if len(set(keys)) != len(keys):
+        raise _Duplicate(keys)  # which one would the caller's parser take? Not this path's to say
+    for key, bound in rows.items():
+        if key in keys:
+            value = doc[key]
+            if isinstance(value, simdjson.Array) and len(value) > bound:
+                raise TooMany(key, len(value))
 
 
 class _Duplicate(Exception):

@@ -6,7 +6,7 @@ its own bytes:
 * before a JSON body is parsed (``check_body_values``): orjson turns each number into a
   Python object (10^7 numbers: +436 MB), so a body that holds more values than the limit
   allows, plus a small envelope of names and shapes, is refused from one C-speed pass over
-  its bytes (``count_values``). Short bodies skip the pass: each value needs two bytes.
+  its bytes (``count_values``, appliance/api/json_rows.py). Short bodies skip the pass: each value needs two bytes.
 * once the tensors are known (``check_elements`` on decoded arrays, ``check_element_count``
   on the elements a request declares, before any array of that size exists).
 
@@ -17,11 +17,11 @@ KServe v2 over REST (JSON and binary tensors) and gRPC (appliance/api/kserve/).
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 import numpy as np
 
+from appliance.api import json_rows
 from appliance.core.errors import InvalidArgument
 
 KEY = "limits.max_tensor_elements"
@@ -53,22 +53,6 @@ def check_element_count(total: int, limits: Any, detail: str = "") -> None:
                               f"{limits.max_tensor_elements} ({KEY})")
 
 
-# --- counting values of a big body before parsing it -----------------------------------------
-_SKELETON = b'[]{}",\\'
-# Every other byte of a value becomes "v" (so "[1]" is not mistaken for an empty "[]");
-# whitespace and ":" go.
-_TO_SKELETON = bytes(c if c in _SKELETON else ord("v") for c in range(256))
-_NOT_SKELETON = b" \t\r\n:"
-_PLAIN_STRING = re.compile(rb'"[^"]*"')  # a JSON string when the body has no backslash
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-
-
 def count_values(body: bytes) -> int:
-    """The number of non-container values in ``body`` (exact for valid JSON), from one
-    C-speed pass over its bytes: each comma outside strings separates two values, and an
-    empty container holds none."""
-    if b"\\" in body:  # escaped quotes: drop whole strings from the text first
-        skeleton = _STRING.sub(b"v", body).translate(_TO_SKELETON, _NOT_SKELETON)
-    else:  # strings cannot hide a quote: drop them from the skeleton
-        skeleton = _PLAIN_STRING.sub(b"v", body.translate(_TO_SKELETON, _NOT_SKELETON))
-    return skeleton.count(b",") + 1 - skeleton.count(b"[]") - skeleton.count(b"{}")
+    """The number of non-container values in ``body`` (appliance/api/json_rows.py counts them)."""
+    return json_rows.count_values(body)

@@ -104,7 +104,12 @@ class RuntimeConfig:
     # A new version is first loaded, measured and warmed up in a child process (its trial,
     # appliance/core/loader_child.py): these bound it. 0 MB: 80 % of the memory available then.
     load_memory_mb: int = 0
-    load_timeout_s: float = 600.0
+    load_timeout_s: float = 600.0  # the most any trial may take
+    # A trial's own deadline grows with its version's size: load_timeout_base_s plus this many
+    # seconds per MB of its files (at most load_timeout_s), so that a small version whose load
+    # hangs holds the next one up for a minute, not ten. 0: every trial gets load_timeout_s.
+    load_timeout_s_per_mb: float = 2.0
+    load_timeout_base_s: float = 60.0
     # A version whose artifacts do not all load (a corrupt saved_model.pb beside a good
     # model.tflite) fails; true: it serves from what loaded, shown as degraded.
     allow_partial_versions: bool = False
@@ -339,8 +344,17 @@ class SharedMemoryConfig:
     enabled: bool = True
     max_regions: int = 64  # regions registered at once
     max_bytes: int = 2 << 30  # their byte_size together
+    # Who may use them: callers on this host only (a loopback peer or the Unix socket; a remote
+    # peer cannot share this host's memory anyway), unless true (a container reaching the host's
+    # /dev/shm through a bridge address, say).
+    allow_remote: bool = False
+    # Prefixes of the objects' keys (their /dev/shm names) a region may open; empty: any the
+    # service's user can open.
+    allowed_keys: list[str] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
+        if any(not isinstance(p, str) or not p.strip("/") for p in self.allowed_keys):
+            raise ConfigError(f"{key}.allowed_keys", "every prefix must be a non-empty string")
         if not 1 <= self.max_regions <= 65536:
             raise ConfigError(f"{key}.max_regions", "must be between 1 and 65536")
         if self.max_bytes < 1:
@@ -576,6 +590,10 @@ def validate(config: Config) -> Config:
         raise ConfigError("runtime.load_memory_mb", "must be 0 (80 % of the memory available) or a number of MB")
     if config.runtime.load_timeout_s <= 0:
         raise ConfigError("runtime.load_timeout_s", "must be positive")
+    if config.runtime.load_timeout_s_per_mb < 0:
+        raise ConfigError("runtime.load_timeout_s_per_mb", "must not be negative (0: every trial gets load_timeout_s)")
+    if config.runtime.load_timeout_base_s <= 0:
+        raise ConfigError("runtime.load_timeout_base_s", "must be positive")
     config.batching.validate("batching")
     if config.discovery.recheck_interval_s <= 0:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")

@@ -24,6 +24,8 @@ import psutil
 
 from runtimes.tflite import EDGETPU_DELEGATE_LIBS, GPU_DELEGATE_LIBS
 
+from appliance.core.cgroup import available_bytes, total_bytes
+
 
 def _dist_version(name: str) -> str | None:
     try:
@@ -99,7 +101,7 @@ def profile(tflite_options: dict[str, Any] | None = None) -> dict[str, Any]:
         "system": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "cpu_count": os.cpu_count() or 1,
-        "memory_mb": memory.total // (1 << 20),
+        "memory_mb": total_bytes(memory.total) // (1 << 20),  # a container's limit, when smaller
         "litert": "ai_edge_litert" if importlib.util.find_spec("ai_edge_litert") else (
             "tflite_runtime" if importlib.util.find_spec("tflite_runtime") else None),
         "delegates": {
@@ -174,6 +176,7 @@ def _zone_name() -> str:
 def live_figures(state_dir: str) -> dict[str, Any]:
     """Figures that change: load, memory, disk on the state directory, temperatures."""
     memory = psutil.virtual_memory()
+    total, available = total_bytes(memory.total), available_bytes(memory.available)  # the cgroup's when smaller
     try:
         disk = psutil.disk_usage(state_dir)
         disk_free = {"disk_free_mb": disk.free // (1 << 20), "disk_total_mb": disk.total // (1 << 20)}
@@ -188,6 +191,6 @@ def live_figures(state_dir: str) -> dict[str, Any]:
         pass
     load1, load5, _ = os.getloadavg()
     return {"load_1m": round(load1, 2), "load_5m": round(load5, 2), "cpu_percent": _cpu_percent(),
-            "memory_used_mb": (memory.total - memory.available) // (1 << 20), "memory_available_mb":
-            memory.available // (1 << 20), "process_rss_mb": psutil.Process().memory_info().rss // (1 << 20),
+            "memory_used_mb": (total - available) // (1 << 20), "memory_available_mb":
+            available // (1 << 20), "process_rss_mb": psutil.Process().memory_info().rss // (1 << 20),
             "boot_time": psutil.boot_time(), "temperatures_c": temps, **disk_free}

@@ -7,6 +7,8 @@
     │   │                                          ever hold (permanent, never "retry later")
     │   └── FailedPrecondition  400  FAILED_PRECONDITION  what TF Serving's gRPC calls so
     │                                              (an unknown signature key in Predict)
+    ├── PermissionDenied  403  PERMISSION_DENIED   a caller this feature is not for (shared
+    │                                              memory from another host)
     ├── NotFound          404  NOT_FOUND           unknown model, version, label, signature
     ├── MethodNotAllowed  405  UNIMPLEMENTED       a known path with the wrong HTTP method
     ├── PayloadTooLarge   413  RESOURCE_EXHAUSTED  body or tensor over a limit
@@ -26,6 +28,9 @@ Backends raise ``runtimes.InputFailure`` / ``LoadFailure`` / ``MissingDependency
 ``from_runtime`` turns those into this hierarchy at the boundary. ``runtimes`` (and so
 numpy) is imported there, on the first failure, not with this module: the CLI imports
 ``ConfigError`` and must stay cheap.
+
+A message is at most ``MAX_MESSAGE`` characters (its middle cut, said so): an error that quotes
+a request's value (a 60 MB JSON string where a number belongs) never echoes the request back.
 """
 
 from __future__ import annotations
@@ -36,14 +41,26 @@ if TYPE_CHECKING:
     from runtimes import RuntimeFailure
 
 
+MAX_MESSAGE = 2048  # characters of an error's message: one quoting a request's value never echoes megabytes
+
+
 class ApplianceError(Exception):
     http_status = 500
     grpc_code = "INTERNAL"
     retry_after: float | None = None
 
     def __init__(self, message: str):
+        message = _bounded(message)
         super().__init__(message)
         self.message = message
+
+
+def _bounded(message: str) -> str:
+    """``message``, its middle cut past ``MAX_MESSAGE`` (its end keeps the limit or key it names)."""
+    if len(message) <= MAX_MESSAGE:
+        return message
+    head, tail = message[:MAX_MESSAGE * 3 // 4], message[-MAX_MESSAGE // 8:]
+    return f"{head} ... ({len(message) - len(head) - len(tail)} characters cut) ... {tail}"
 
 
 class InvalidArgument(ApplianceError):
@@ -56,6 +73,11 @@ class FailedPrecondition(InvalidArgument):
     answers the same mistakes 400)."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class PermissionDenied(ApplianceError):
+    http_status = 403
+    grpc_code = "PERMISSION_DENIED"
 
 
 class NotFound(ApplianceError):

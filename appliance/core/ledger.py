@@ -8,7 +8,10 @@
   load (a crash, an OOM kill, a power cut): the next attempt runs its trial in a child again,
   and a version whose in-process load was interrupted ``MAX_INTERRUPTED`` times is
   quarantined for good (until its directory changes) instead of taking the device down again.
-- **quarantines** that must outlive a restart (those above).
+- **quarantines** that must outlive a restart: those above, and every version refused at its
+  load (but for a load cancelled by the service stopping), with the settings it was judged
+  under: a restart shows it refused with its reason and does not try it again, until its
+  directory changes or the settings that judged it do (``runtime``, the model's own section).
 - **trial verdicts**, keyed by device fingerprint, model, version and directory mtime: a
   restart loads the chosen backend directly, without a trial.
 
@@ -69,16 +72,19 @@ class Ledger:
         return int(marker.get("attempts", 0)) if marker.get("mtime") == mtime(path) else 0
 
     # -- quarantines that survive a restart ------------------------------------------------
-    def quarantine(self, model: str, version: int, path: str, reason: str, code: str) -> None:
+    def quarantine(self, model: str, version: int, path: str, reason: str, code: str, settings: str = "") -> None:
+        """Remember the refusal; ``settings``: a digest of what judged it ('' for any)."""
         self.kv[f"quarantine:{model}:{version}"] = {"mtime": mtime(path), "reason": reason, "code": code,
-                                                     "at": time.time()}
+                                                     "at": time.time(), "settings": settings}
 
-    def quarantined(self, model: str, version: int, path: str) -> tuple[str, str] | None:
-        """(reason, code) of a lasting quarantine of this version as its directory is now."""
+    def quarantined(self, model: str, version: int, path: str, settings: str = "") -> tuple[str, str] | None:
+        """(reason, code) of a lasting quarantine of this version as its directory is now, judged
+        under ``settings`` (a record made under any settings holds under all)."""
         record = self.kv.get(f"quarantine:{model}:{version}")
         if not record:
             return None
-        if record.get("mtime") != mtime(path):  # replaced since: tried afresh
+        judged = record.get("settings") or ""
+        if record.get("mtime") != mtime(path) or judged and judged != settings:  # replaced, or judged otherwise
             self.kv.pop(f"quarantine:{model}:{version}", None)
             return None
         return str(record.get("reason", "")), str(record.get("code", "INTERNAL"))

@@ -47,7 +47,7 @@ from appliance.core.errors import ApplianceError
 from appliance.core.ledger import MAX_INTERRUPTED, Ledger, mtime
 from appliance.core.loader_api import Api, differences
 from appliance.core.loader_child import examine, failure_code
-from appliance.core.loader_trial import Limits, memory_budget, run_in_child
+from appliance.core.loader_trial import Limits, load_deadline_s, memory_budget, run_in_child
 from appliance.core.text import check_assets as check_text_assets
 from appliance.core.warmup import warm_up
 
@@ -185,7 +185,7 @@ class Loader:
             return _as_cached(cached)
         request = self._request()
         if self.env.isolated:
-            limits = Limits(request["memory_bytes"], self.env.config.runtime.load_timeout_s)
+            limits = Limits(request["memory_bytes"], load_deadline_s(self.path, self.env.config.runtime))
             verdict = run_in_child(request, limits, self.env.cancel)
         else:
             verdict, self._inline = examine(self.env.backends, request)

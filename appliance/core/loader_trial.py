@@ -7,14 +7,18 @@ hands it the request and watches it until it answers:
   grow by at most ``limits.memory_bytes`` past what its runtimes took at import (the child
   reports that figure first); past it the child is killed. Inside, the child also sets
   ``RLIMIT_AS`` so that most runaway allocations fail cleanly in the library first.
-- **time**: ``limits.timeout_s`` (``runtime.load_timeout_s``), then it is killed.
+- **time**: ``limits.timeout_s`` (``load_deadline_s``: in proportion to the version's size,
+  at most ``runtime.load_timeout_s``), then it is killed.
 - **the service stopping**: ``cancel`` set, it is killed.
 - **crashes**: a signal or a non-zero exit becomes a failed verdict naming the signal and the
   last words the child wrote on stderr.
 
 Whatever happens, the answer is a verdict (``ok``; ``code`` and ``reason`` when not), never
 an exception, and the child is reaped before this returns. ``memory_budget`` gives the
-default limit: 80 % of the memory available when the trial starts.
+default limit: 80 % of the memory available when the trial starts, as the service's cgroup sees
+it when that is less than the host's (a container's or a unit's limit: appliance/core/cgroup.py).
+The child's ``oom_score_adj`` is raised to the most, so that should the kernel's OOM killer act
+anyway (a runaway allocation between two reads), the trial is what it ends, not the serving process.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import IO, Any, Mapping
 
 import psutil
 
+from appliance.core.cgroup import TRIAL_OOM_SCORE, available_bytes, raise_oom_score
+
 WATCH_S = 0.02
 MB = 1 << 20
 AUTO_SHARE = 0.8  # of the memory available when a trial starts, when no limit is configured
@@ -46,10 +52,33 @@ class Limits:
 
 
 def memory_budget(configured_mb: int) -> int:
-    """Bytes a trial may grow by: ``runtime.load_memory_mb``, or 80 % of what is available."""
+    """Bytes a trial may grow by: ``runtime.load_memory_mb``, or 80 % of what is available
+    (the host's figure, or the cgroup's when it has less left)."""
     if configured_mb > 0:
         return configured_mb * MB
-    return int(psutil.virtual_memory().available * AUTO_SHARE)
+    return int(available_bytes(psutil.virtual_memory().available) * AUTO_SHARE)
+
+
+def load_deadline_s(version_dir: str, runtime: Any) -> float:
+    """Seconds a trial of ``version_dir`` may take: ``runtime.load_timeout_base_s`` plus
+    ``load_timeout_s_per_mb`` for each MB of its files, at most ``load_timeout_s`` (all of it
+    when per-MB is 0)."""
+    if runtime.load_timeout_s_per_mb <= 0:
+        return float(runtime.load_timeout_s)
+    scaled = runtime.load_timeout_base_s + runtime.load_timeout_s_per_mb * directory_bytes(version_dir) / MB
+    return float(min(runtime.load_timeout_s, scaled))
+
+
+def directory_bytes(path: str) -> int:
+    """The bytes of the files under ``path`` (links not followed; what cannot be read counts 0)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 TRIAL = [sys.executable, "-m", "appliance.core.loader_child"]
@@ -65,6 +94,7 @@ def run_in_child(request: Mapping[str, Any], limits: Limits, cancel: threading.E
                                     stdout=out, stderr=err, env=_child_env(), close_fds=True)
         except OSError as exc:  # no process to run it in: the version cannot be tried, so it does not serve
             return {"ok": False, "code": "INTERNAL", "reason": f"the trial process could not start: {exc}"}
+        raise_oom_score(proc.pid, TRIAL_OOM_SCORE)  # before it reads its request: it loads nothing yet
         try:
             assert proc.stdin is not None
             body = {**request, "parent": os.getpid(), "memory_bytes": limits.memory_bytes}
@@ -106,7 +136,8 @@ def _watch(proc: subprocess.Popen[bytes], out: IO[bytes], limits: Limits,
                          f"{limits.memory_bytes // MB} MB (runtime.load_memory_mb), and was stopped")
         if time.monotonic() > deadline:
             return _stop(proc, "DEADLINE_EXCEEDED", f"was still running after {limits.timeout_s:g} s "
-                         "(runtime.load_timeout_s) and was stopped")
+                         "(runtime.load_timeout_base_s + load_timeout_s_per_mb x its size, at most "
+                         "load_timeout_s) and was stopped")
         if cancel.is_set():
             return _stop(proc, "CANCELLED", "was stopped: the service is stopping")
 
@@ -183,4 +214,4 @@ def _last_words(err: str, keep: int = 3) -> str:
     return " | ".join(lines[-keep:])[-600:]
 
 
-__all__ = ["Limits", "memory_budget", "run_in_child"]
+__all__ = ["Limits", "directory_bytes", "load_deadline_s", "memory_budget", "run_in_child"]

@@ -25,6 +25,8 @@ Thread-safety: every public method may be called from any thread.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -245,17 +247,31 @@ class Manager:
 
     def _update_quarantine(self, entry: ModelEntry, on_disk: Mapping[int, str]) -> None:
         """A quarantined version is retried only if its directory was replaced (one deleted keeps
-        its reason until a new directory of that number appears); one the ledger
-        quarantined in an earlier run (its load ended the process) stays quarantined."""
+        its reason until a new directory of that number appears); one the ledger quarantined in
+        an earlier run (refused, or its load ended the process) stays quarantined while its
+        directory and the settings that judged it are the same."""
         for version, q in list(entry.quarantined.items()):
             path = on_disk.get(version)  # gone (deleted, set aside): the reason stays until it is back
             if path is not None and mtime(path) != q.mtime:
                 entry.quarantined.pop(version, None)
         for version, path in on_disk.items():
             if version not in entry.quarantined and version not in entry.versions:
-                lasting = self.ledger.quarantined(entry.config.name, version, path)
+                lasting = self.ledger.quarantined(entry.config.name, version, path, self._judged_by(entry))
                 if lasting is not None:
                     entry.quarantined[version] = Quarantine(mtime(path), *lasting)
+                    self._show_refused(entry, version, path, *lasting)
+
+    def _show_refused(self, entry: ModelEntry, version: int, path: str, reason: str, code: str) -> None:
+        """A version refused in an earlier run, shown as it was then (END with its reason), untried."""
+        slot = VersionSlot(entry.config.name, version, path, State.END, reason, code)
+        with self._lock:
+            entry.versions.setdefault(version, slot)
+            self._changed()
+
+    def _judged_by(self, entry: ModelEntry) -> str:
+        """A digest of the settings a load is judged under: ``[runtime]`` and the model's own."""
+        settings = [dataclasses.asdict(self.config.runtime), dataclasses.asdict(entry.config)]
+        return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def _changed(self) -> None:
         """Under the lock: ``handle``'s choices are void; tell the listeners."""
@@ -337,6 +353,8 @@ class Manager:
         slot.error, slot.error_code = reason, code
         slot.decision = decision or slot.decision
         entry.quarantined[slot.version] = Quarantine(mtime(slot.path), reason, code)
+        if code != "CANCELLED":  # remembered across a restart (a stop's cancel says nothing of the version)
+            self.ledger.quarantine(slot.model, slot.version, slot.path, reason, code, self._judged_by(entry))
         self._transition(slot, State.END, f"{slot.model} version {slot.version} failed to load ({code}): {reason}",
                          "load_failed", error=reason, error_code=code)
 

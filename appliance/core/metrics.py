@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from appliance.core.cgroup import available_bytes
 from appliance.core.inference_stats import InferenceStats
 
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1e6, 2.5e6, 1e7)
@@ -308,8 +309,9 @@ class _DeviceCollector(Collector):
 
         load1 = os.getloadavg()[0]
         yield _gauge("edge_appliance_device_load1", "1-minute load average", load1)
-        yield _gauge("edge_appliance_device_memory_available_bytes", "Memory available",
-                     psutil.virtual_memory().available)
+        yield _gauge("edge_appliance_device_memory_available_bytes",
+                     "Memory available (the host's, or the service's cgroup's when it has less left)",
+                     available_bytes(psutil.virtual_memory().available))
         if self._state_dir:
             try:
                 yield _gauge("edge_appliance_device_disk_free_bytes", "Free space on the state directory's disk",

@@ -23,7 +23,9 @@ access checks, and each failure is an ``InvalidArgument`` (400) naming the regio
   own reserved prefix, naming a regular file in the shared-memory directory.
 
 ``[shared_memory]`` limits the number of regions and their total size; ``summary()`` shows
-both in ``/api/status``. The inference token guards registration (the API's route table).
+both in ``/api/status``; ``allowed_keys`` (prefixes) limits which objects a region may open
+(403 otherwise). The inference token guards registration (the API's route table), and the API
+layer lets only callers on this host use regions at all (appliance/api/kserve/shared_memory.py).
 
 With front workers, requests that use shared memory are answered by the serving process,
 where this registry lives (a worker forwards them: their bodies hold no tensor, and the
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from appliance.core.config import SharedMemoryConfig
-from appliance.core.errors import InvalidArgument, NotFound
+from appliance.core.errors import InvalidArgument, NotFound, PermissionDenied
 
 SHM_DIR = "/dev/shm"  # where glibc's shm_open puts objects (Linux)
 RESERVED_PREFIX = "edge-appliance"  # keys of the service's own objects: never an app's region
@@ -110,6 +112,7 @@ class SharedMemory:
         self._check_enabled()
         _check_name(name)
         _check_numbers(name, offset, byte_size)
+        self._check_allowed(name, key)
         fd, identity, size = self.opened(key, name)
         try:
             if offset + byte_size > size:
@@ -121,6 +124,13 @@ class SharedMemory:
         except BaseException:
             os.close(fd)
             raise
+
+    def _check_allowed(self, name: str, key: str) -> None:
+        """``[shared_memory] allowed_keys``: the key starts with one of them (none set: any)."""
+        prefixes = [p.lstrip("/") for p in getattr(self.settings(), "allowed_keys", ())]
+        if prefixes and not any(key.lstrip("/").startswith(p) for p in prefixes):
+            raise PermissionDenied(f"failed to register shared memory region '{name}': key '{key[:NAME_MAX]}' "
+                                   "starts with none of [shared_memory] allowed_keys")
 
     def _admit(self, name: str, byte_size: int) -> None:
         """(lock held) The name is free and the limits leave room for ``byte_size`` more."""

@@ -163,8 +163,9 @@ class FrontApp:
     def _inflate(self, environ: dict[str, Any]) -> None:
         """A compressed body made plain (appliance/api/body.py: bounded while inflating)."""
         limit = self.core.config.server.max_body_bytes
-        if content_encoding(environ) == "gzip":
-            body = inflate(read_raw(environ, limit), limit)
+        encoding = content_encoding(environ)
+        if encoding:
+            body = inflate(read_raw(environ, limit), limit, encoding)
             environ["CONTENT_LENGTH"] = str(len(body))
             environ["wsgi.input"] = io.BytesIO(body)
         environ.pop("HTTP_CONTENT_ENCODING", None)

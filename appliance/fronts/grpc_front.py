@@ -83,7 +83,7 @@ async def _forward(method: str, request: bytes, context: Any, link: Link) -> byt
     """The serving process's answer to a call (appliance/fronts/serving.py ``_grpc``): its
     response's bytes, or its status and trailing metadata given to this call."""
     reply = await link.call(m.GrpcCall(link.next_id(), method, request, m.metadata(context.invocation_metadata()),
-                                       context.time_remaining()))
+                                       context.time_remaining(), context.peer()))
     if isinstance(reply, m.GrpcDone):
         return reply.response
     if isinstance(reply, m.GrpcStatus):

@@ -12,7 +12,8 @@ A request carries its ``id``; every reply carries the request's. Worker -> servi
 - ``Forward``: (environ, body) of an HTTP request the worker forwards; replied ``Answer``
   for a whole answer, or ``Start``, ``Chunk``..., ``End`` for a stream. ``Cancel``: the
   client went away; the stream is closed.
-- ``GrpcCall``: a gRPC call the worker forwards; replied ``GrpcDone`` (the response's
+- ``GrpcCall``: a gRPC call the worker forwards, with its client's peer (who may use shared
+  memory is judged by it); replied ``GrpcDone`` (the response's
   bytes) or ``GrpcStatus`` (code name, details, trailing metadata).
 - ``Observe``: request metrics, one message per loop tick, sent before the answers of that
   tick leave.
@@ -141,6 +142,7 @@ class GrpcCall(Message, tag="grpc"):
     request: bytes
     metadata: Metadata
     seconds_left: float | None
+    peer: str  # the worker's client, as grpc's context.peer() names it
 
 
 class Cancel(Message, tag="cancel"):

@@ -230,12 +230,13 @@ class FrontService:
             raise Unavailable(CHANGED.format(was=was, now=now)) from None
 
     async def _grpc(self, proto: Channel, call: m.GrpcCall) -> None:
-        """A gRPC call a worker forwarded, answered by this process's handler for it."""
+        """A gRPC call a worker forwarded, answered by this process's handler for it, as from
+        the worker's client (``call.peer``: who may use shared memory is judged by it)."""
         LONE_CALL.set(self._alone)
         ident, method, request = call.id, call.method, call.request
         pairs = tuple(m.pairs(call.metadata))
         deadline = None if call.seconds_left is None else time.monotonic() + call.seconds_left
-        context = Context(pairs, deadline, "front worker")
+        context = Context(pairs, deadline, call.peer)
         handler = self._grpc_handler(method, pairs)
         try:
             if handler is None:

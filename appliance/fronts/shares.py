@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 
+from appliance.core.cgroup import total_bytes
 from appliance.core.config import Config, GRPCConfig, LimitsConfig
 
 MEMORY_PER_WORKER = 512 << 20  # the default runs a worker per CPU, and per this much memory at most
@@ -15,8 +16,9 @@ MEMORY_PER_WORKER = 512 << 20  # the default runs a worker per CPU, and per this
 
 def workers_for(config: Config) -> int:
     """How many front workers to run: ``server.workers``, or by default one per CPU but no
-    more than one per ``MEMORY_PER_WORKER`` of the device's memory (a worker forked from the
-    zygote costs ~8-10 MB PSS, bench/RESULTS.md); 0 or 1 means none (the single-process path)."""
+    more than one per ``MEMORY_PER_WORKER`` of the device's memory, or of its cgroup's limit when
+    smaller (a worker forked from the zygote costs ~8-10 MB PSS, bench/RESULTS.md); 0 or 1 means
+    none (the single-process path)."""
     wanted = config.server.workers or auto_workers()
     return wanted if wanted > 1 else 0
 
@@ -24,7 +26,7 @@ def workers_for(config: Config) -> int:
 def auto_workers() -> int:
     cpus = os.cpu_count() or 1
     try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = total_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # a container's limit
     except (ValueError, OSError):  # not a POSIX sysconf: by the CPUs alone
         return cpus
     return max(1, min(cpus, memory // MEMORY_PER_WORKER))

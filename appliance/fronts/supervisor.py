@@ -11,7 +11,12 @@ speaks. The caller reports each sign of life with ``heard(index)`` (a worker sen
 from its event loop every second, so they stop when its loop stops turning: a deadlock, a stuck
 C call, SIGSTOP). A child not heard for ``timeout_s`` since its last word (or its start) is
 killed (SIGKILL: its connections close, the kernel answers its queued ones with a reset) and
-replaced like any child that ends; its exit's reason is "heartbeat". The heartbeat is judged
+replaced like any child that ends; its exit's reason is "heartbeat". **Busy is not hung**: a
+child whose main thread (a worker's event loop) used CPU within the last ``timeout_s`` is
+computing (a long decode), not stopped, so its silence is borne up to ``busy_limit_s``
+(``BUSY_FACTOR`` times ``timeout_s`` by default) and it still counts as serving; its CPU time is
+read from ``/proc/<pid>/task/<pid>/stat`` at every check. A stopped child (SIGSTOP, a
+deadlock, a wait that never ends) uses none and is killed at ``timeout_s`` as before. The heartbeat is judged
 only while the caller's own side is turning (``listening()`` true): if the serving process's
 loop is what stalls, killing healthy workers would not help.
 
@@ -46,6 +51,7 @@ log = logging.getLogger("appliance.workers")
 QUICK_EXIT_S = 10.0  # a child that exits sooner than this after its start is crash-looping
 FIRST_PAUSE_S, MAX_PAUSE_S = 0.5, 30.0
 CHECK_EVERY_S = 0.5  # how often the heartbeat is judged
+BUSY_FACTOR = 6  # a child computing without a word is killed past this many heartbeat timeouts
 KEPT_EXITS = 5
 REASONS = ("heartbeat", "signal", "exit", "spawn")  # why a child was replaced: the metric's label values
 
@@ -86,16 +92,20 @@ class Child:
     pause: float = 0.0
     killed_for: str | None = None  # set when the supervisor itself killed it
     exits: list[Exit] = field(default_factory=list)  # newest last, KEPT_EXITS of them
+    cpu_ticks: int = -1  # its main thread's CPU time at the last check (clock ticks); -1: unknown
+    computed: float = 0.0  # monotonic: the last check that saw that CPU time grow
 
 
 class Supervisor:
     def __init__(self, count: int, launch: Launcher, on_start: Callable[[int, int, socket.socket], None],
                  on_exit: Callable[[int, Exit, bool], None], timeout_s: float,
-                 listening: Callable[[], bool] = lambda: True, on_change: Callable[[], None] = lambda: None):
+                 listening: Callable[[], bool] = lambda: True, on_change: Callable[[], None] = lambda: None,
+                 busy_limit_s: float | None = None):
         """``on_start(index, pid, parent_end)``; ``on_exit(index, exit, restarting)``;
         ``listening()``: whether the caller's side of the channels is turning now;
         ``on_change()``: which children serve has changed (``serving``, ``missing``)."""
         self.count, self.launch, self.timeout_s = count, launch, timeout_s
+        self.busy_limit_s = busy_limit_s if busy_limit_s is not None else BUSY_FACTOR * timeout_s
         self.on_start, self.on_exit, self.listening, self.on_change = on_start, on_exit, listening, on_change
         self.children = [Child(i) for i in range(count)]
         self.restarts_by_reason: Counter[str] = Counter({reason: 0 for reason in REASONS})
@@ -120,7 +130,7 @@ class Supervisor:
         """The children that serve now: running, heard since their start, not silent."""
         now = time.monotonic()
         return [c.index for c in self.children if c.listening and c.proc is not None and c.proc.poll() is None
-                and not c.killed_for and now - c.heard <= self.timeout_s]
+                and not c.killed_for and (now - c.heard <= self.timeout_s or self._busy(c, now))]
 
     def missing(self) -> dict[int, str]:
         """Why each child that does not serve does not (``serving``'s complement)."""
@@ -131,7 +141,7 @@ class Supervisor:
                 continue
             running = child.proc is not None and child.proc.poll() is None and not child.killed_for
             if running and child.listening:
-                out[child.index] = f"has been silent for {now - child.heard:.0f} s"
+                out[child.index] = f"has been silent for {now - child.heard:.0f} s"  # and not computing
             elif running or not child.exits:
                 out[child.index] = "is starting"
             else:
@@ -161,6 +171,7 @@ class Supervisor:
         now = time.monotonic()
         child.proc, child.started, child.started_at, child.heard = proc, now, time.time(), now
         child.killed_for, child.listening = None, False
+        child.cpu_ticks, child.computed = -1, now
         self.on_start(child.index, proc.pid, parent_end)
         self._thread(lambda: self._watch(child, proc), f"worker-{child.index}-watch")
 
@@ -204,13 +215,28 @@ class Supervisor:
 
     def _check(self, child: Child, now: float) -> None:
         proc = child.proc
-        if proc is None or proc.poll() is not None or child.killed_for or now - child.heard < self.timeout_s:
+        if proc is None or proc.poll() is not None or child.killed_for:
+            return
+        ticks = main_thread_ticks(proc.pid)
+        if ticks > child.cpu_ticks >= 0:
+            child.computed = now
+        child.cpu_ticks = ticks
+        silent = now - child.heard
+        if silent < self.timeout_s or (self._busy(child, now) and silent < self.busy_limit_s):
             return
         child.killed_for = "heartbeat"
         self.on_change()
-        log.error("front worker %d (pid %d) sent nothing for %.0f s ([server] worker_timeout_s): killing it",
-                  child.index, proc.pid, now - child.heard)
+        if self._busy(child, now):
+            log.error("front worker %d (pid %d) computed without a word for %.0f s (%g times [server] "
+                      "worker_timeout_s): killing it", child.index, proc.pid, silent, self.busy_limit_s / self.timeout_s)
+        else:
+            log.error("front worker %d (pid %d) sent nothing and computed nothing for %.0f s ([server] "
+                      "worker_timeout_s): killing it", child.index, proc.pid, silent)
         proc.kill()
+
+    def _busy(self, child: Child, now: float) -> bool:
+        """Its main thread used CPU within the last ``timeout_s``: computing, not stopped."""
+        return now - child.computed < self.timeout_s
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children if c.proc is not None and c.proc.poll() is None]
@@ -243,3 +269,13 @@ class Supervisor:
     def halt(self) -> None:
         """Start no more children (those running go on until they exit or ``stop``)."""
         self._stopping.set()
+
+
+def main_thread_ticks(pid: int) -> int:
+    """CPU time (user + system, clock ticks) of ``pid``'s main thread; -1 when unreadable."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # past the command name, which may hold spaces
+        return int(fields[11]) + int(fields[12])  # utime, stime: the stat's 14th and 15th fields
+    except (OSError, IndexError, ValueError):  # gone, or no /proc: never judged busy
+        return -1

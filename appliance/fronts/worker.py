@@ -42,6 +42,7 @@ from appliance.fronts.app import Forwarder, FrontApp, facing, forward_whole, hot
 from appliance.fronts.remote import RemoteCore
 from appliance.fronts.link import Link
 from appliance.core import logs, memory
+from appliance.core.cgroup import WORKER_OOM_SCORE, raise_oom_score
 from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
 from appliance.transport.channel import ChannelProtocol, Codec, read_one
 from appliance.transport.http.server import HTTPServer, listen
@@ -204,6 +205,9 @@ def run_forked(index: int, port: int, grpc_port: int, channel_fd: int) -> int:
     """The worker's main, in a process the zygote forked or a fresh interpreter: its exit status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Should the kernel's OOM killer act, a worker goes before the serving process (which holds
+    # the models and restarts workers); forked ones have it from the zygote already.
+    raise_oom_score(os.getpid(), WORKER_OOM_SCORE)
     memory.limit_arenas()
     sock = socket.socket(fileno=channel_fd)
     sock.setblocking(True)

@@ -47,6 +47,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from appliance.core.cgroup import WORKER_OOM_SCORE, raise_oom_score
+
 if TYPE_CHECKING:
     from appliance.core.config import Config
 
@@ -241,6 +243,7 @@ def _await_orphan(child: Forked) -> None:
 # -- the zygote process ------------------------------------------------------------------------
 def _serve(control: socket.socket) -> int:
     """The zygote's loop: fork workers on request, report their exits; 0 at EOF."""
+    raise_oom_score(os.getpid(), WORKER_OOM_SCORE)  # its workers inherit it: they go before the serving process
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     wake_r, wake_w = os.pipe()

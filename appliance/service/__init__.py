@@ -187,9 +187,11 @@ class Service:
 
 
 def url_for(config: Config, port: int) -> str:
+    """The URL the start-up lines show: https:// when the REST port speaks TLS."""
     host = config.server.host
     shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1", "") else host
-    return f"http://{shown}:{port}"
+    shown = f"[{shown}]" if ":" in shown else shown
+    return f"{'https' if config.security.tls_cert_file else 'http'}://{shown}:{port}"
 
 
 def main(config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None,

@@ -1,11 +1,12 @@
 """Request limits of ``[limits]`` and ``server.max_body_bytes``: config, the byte scan, the
-gzip layer, and a real server configured with small limits."""
+gzip and deflate layer, and a real server configured with small limits."""
 
 from __future__ import annotations
 
 import gzip
 import io
 import json
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -94,8 +95,15 @@ def test_gzip_layer_hands_on_a_plain_body_or_refuses() -> None:
     assert seen == [(b'{"a": 1}', "8", None)]
     body = layer(environ(gzip.compress(b" " * 5000), "gzip"), lambda s, h: statuses.append(s))
     assert statuses[-1].startswith("413") and b"max_body_bytes" in b"".join(body)
-    layer(environ(b"plain", "deflate"), lambda s, h: statuses.append(s))
+    layer(environ(b"plain", "br"), lambda s, h: statuses.append(s))
     assert statuses[-1].startswith("400") and len(seen) == 1
+    layer(environ(b"plain", "deflate"), lambda s, h: statuses.append(s))  # not deflate data
+    assert statuses[-1].startswith("400") and len(seen) == 1
+    for deflated in (zlib.compress(b'{"b": 2}'), zlib.compress(b'{"b": 2}', wbits=-15)):  # zlib's format, and raw
+        assert layer(environ(deflated, "deflate"), lambda s, h: statuses.append(s)) == [b"ok"]
+        assert seen[-1] == (b'{"b": 2}', "8", None)
+    body = layer(environ(zlib.compress(b" " * 5000), "deflate"), lambda s, h: statuses.append(s))
+    assert statuses[-1].startswith("413") and b"max_body_bytes" in b"".join(body)
 
 
 # --- a real server with small limits -------------------------------------------------------------
@@ -225,3 +233,26 @@ def test_oversized_v2_tensors_cost_no_parse_memory(start_server: Any, models_dir
         error(answer, 400, "limits.max_tensor_elements", words)
     answer = infer(server, normal)
     assert answer.status_code == 200 and answer.json()["outputs"][0]["shape"] == [1, 10]
+
+
+@pytest.mark.parametrize("algorithm", ["deflate", "gzip"])
+def test_compressed_v2_bodies_from_triton_client(server: Any, algorithm: str) -> None:
+    """tritonclient's request compression (deflate: zlib's format) inflates under the same bounds."""
+    import numpy as np
+
+    tc_http = pytest.importorskip("tritonclient.http")
+    from tritonclient.utils import InferenceServerException
+
+    client = tc_http.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        inp = tc_http.InferInput("x", [2, 64], "FP32")
+        inp.set_data_from_numpy(np.full((2, 64), 0.5, np.float32), binary_data=False)
+        result = client.infer("mlp", [inp], request_compression_algorithm=algorithm)
+        assert result.as_numpy("probs").shape == (2, 10)
+        big = tc_http.InferInput("x", [400, 64], "FP32")  # 102 KB of JSON, past max_body_bytes once inflated
+        big.set_data_from_numpy(np.zeros((400, 64), np.float32), binary_data=False)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("mlp", [big], request_compression_algorithm=algorithm)
+        assert "max_body_bytes" in str(refused.value) and "inflates" in str(refused.value)
+    finally:
+        client.close()

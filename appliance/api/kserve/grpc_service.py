@@ -56,6 +56,17 @@ _CONTENTS_FIELD = {
 _ALL_FIELDS = tuple(sorted(set(_CONTENTS_FIELD.values())))
 
 
+def _with_caller(call: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    """``call`` with the call's peer as shared memory's ``CALLER`` (only this host may use regions)."""
+    async def with_caller(request: Any, context: Any) -> Any:
+        caller = shm.CALLER.set(context.peer())
+        try:
+            return await call(request, context)
+        finally:
+            shm.CALLER.reset(caller)
+    return with_caller
+
+
 def add_to_server(server: grpc.Server, core: "Appliance") -> None:
     """Register ``inference.GRPCInferenceService`` on ``server`` (before ``server.start()``)."""
     server.add_generic_rpc_handlers((V2GRPC.serving(core).handler(),))
@@ -103,7 +114,7 @@ class V2GRPC:
                                            pb.CudaSharedMemoryUnregisterResponse, self.cuda_unregister),
         }
         handlers = {name: grpc.unary_unary_rpc_method_handler(
-            guarded(fn, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+            _with_caller(guarded(fn, name)), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
             for name, (req, resp, fn) in methods.items()}
         handlers[STREAM] = grpc.stream_stream_rpc_method_handler(
             self.model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,

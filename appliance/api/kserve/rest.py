@@ -77,6 +77,13 @@ class V2API(AsyncFamily):
         return status_line(status), [*headers, ("Content-Length", str(len(body)))], body
 
     async def _respond(self, environ: dict[str, Any]) -> Response:
+        caller = shm.CALLER.set(environ.get("REMOTE_ADDR"))  # who may use shared memory: this host only
+        try:
+            return await self._respond_to(environ)
+        finally:
+            shm.CALLER.reset(caller)
+
+    async def _respond_to(self, environ: dict[str, Any]) -> Response:
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ).partition("?")[0]
         try:

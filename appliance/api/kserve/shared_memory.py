@@ -23,12 +23,19 @@ CUDA shared memory: the same endpoints, answering that this device has no CUDA s
 (``register`` 400 naming what is missing, ``status`` an empty list); the interface a GPU
 build fills in is ``CudaSharedMemory`` below.
 
-Registration needs the inference token (the ``/v2/`` mount and gRPC's interceptor).
+Registration needs the inference token (the ``/v2/`` mount and gRPC's interceptor). And every
+use of a region (status, register, unregister, an infer request naming one) is answered only for
+a caller on this host: a loopback peer or the Unix socket (``CALLER``, set by the REST and gRPC
+adapters from the connection's peer, and carried with a request a front worker forwards); any
+other gets 403 / PERMISSION_DENIED, unless ``[shared_memory] allow_remote``. A remote peer cannot
+share this host's memory anyway: what it could do is name objects the service can open.
 """
 
 from __future__ import annotations
 
 import base64
+import contextvars
+import ipaddress
 import re
 from typing import Any, Mapping
 from urllib.parse import unquote
@@ -37,7 +44,7 @@ import numpy as np
 import orjson
 
 from appliance.api.kserve import codec
-from appliance.core.errors import InvalidArgument, MethodNotAllowed, NotFound
+from appliance.core.errors import InvalidArgument, MethodNotAllowed, NotFound, PermissionDenied
 from appliance.core.shared_memory import SharedMemory, Slice
 
 
@@ -64,13 +71,41 @@ def message_names_a_region(request: Any) -> bool:
     return any(REGION in t.parameters for t in (*request.inputs, *request.outputs))
 
 
+# The peer of the request being answered: an address ("127.0.0.1", "::1", gRPC's "ipv4:1.2.3.4:5"),
+# "" or "unix:..." for the Unix socket; None: no adapter said (refused: who it is is unknown).
+CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("shared_memory_caller", default=None)
+
+
 def registry(regions: SharedMemory | None) -> SharedMemory:
-    """The serving process's regions; a process without them (a front worker) never gets here:
-    it forwards every request that names a region."""
+    """The serving process's regions, for a caller allowed to use them (module docstring); a
+    process without them (a front worker) never gets here: it forwards every request that names a
+    region."""
     if regions is None:
         raise InvalidArgument("shared memory is served by the serving process; this request reached a process "
                               "without the registry")
+    caller = CALLER.get()
+    if not same_host(caller) and not getattr(regions.settings(), "allow_remote", False):
+        raise PermissionDenied(f"shared memory is for callers on this device (a loopback address or the Unix "
+                               f"socket); this request came from {str(caller)[:80]} ([shared_memory] allow_remote)")
     return regions
+
+
+def same_host(peer: str | None) -> bool:
+    """Whether ``peer`` (a REST ``REMOTE_ADDR`` or a gRPC peer string) is on this host."""
+    if peer is None:
+        return False
+    if peer == "" or peer.startswith("unix:"):
+        return True
+    host = peer
+    if host.startswith(("ipv4:", "ipv6:")):  # gRPC's: the port follows the last colon
+        host = host[5:].rsplit(":", 1)[0]
+    host = host.strip("[]").split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool((mapped or address).is_loopback)
 
 
 class CudaSharedMemory:

@@ -8,7 +8,9 @@ as ``{"b64": ...}``. Numeric tensors go from orjson's parse straight into one
 
 Hostile bodies (``[limits]``), each refused with a 400 that names the limit: a body long
 enough to hold more than ``max_tensor_elements`` values has them counted on its bytes before
-it is parsed (``count_values``); orjson stops at 1024 levels, so 500,000 brackets cost
+it is parsed (``count_values``), and an ``instances`` or ``examples`` list has its rows counted
+on the bytes too, stopping past ``max_instances`` (appliance/api/json_rows.py: a 16 KB gzip body
+of four million strings is refused before any of them becomes an object); orjson stops at 1024 levels, so 500,000 brackets cost
 nothing; the parsed document must nest no deeper than ``max_json_depth`` (``nesting``).
 
 As TF Serving (rapidjson with kParseNanAndInfFlag): ``NaN``, ``Infinity`` and ``Inf``
@@ -42,6 +44,7 @@ import orjson
 from runtimes import SignatureInfo, TensorSpec
 
 from appliance.api import json_arrays
+from appliance.api.json_rows import rows_over
 from appliance.api.tfserving.b64 import b64_decode
 from appliance.api.tensor_limits import check_body_values, check_elements  # shared with KServe v2
 from appliance.api.tfserving.service import data_type_string
@@ -53,15 +56,28 @@ DEFAULT_LIMITS = LimitsConfig()
 _TRUSTED: contextvars.ContextVar["_Trust | None"] = contextvars.ContextVar("numbers_only", default=None)
 _NATIVE = frozenset("biuf")  # dtype kinds orjson serialises itself
 MAX_DIMS = 64  # numpy's limit on an array's dimensions
+# A body this long has its rows and values counted on its bytes before any parse (bounded memory:
+# simdjson's tape takes 16-32 bytes a value); a shorter one is parsed by simdjson first, whose tape
+# holds each array's count (no pass of ours: the hot path's image requests are ~0.2 MB).
+SCAN_FIRST = 1 << 20
+ROWS = ("instances", "examples")  # the row lists limits.max_instances bounds (predict; classify and regress)
 
 
 def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
     """A request body, parsed and checked against ``limits`` (see the module docstring)."""
     if not body:  # TF Serving's own check, before rapidjson sees the body
         raise InvalidArgument("JSON Parse error: The document is empty")
+    big = len(body) >= SCAN_FIRST
+    if big:  # counted on the bytes before any parser's memory is taken (module docstring)
+        _check_rows_on_bytes(body, limits)
     check_body_values(body, limits)
-    doc = json_arrays.loads(body)  # big numeric arrays straight into numpy, when it can
+    try:  # big numeric arrays straight into numpy, when it can; rows bounded on simdjson's tape first
+        doc = json_arrays.loads(body, {key: limits.max_instances for key in ROWS})
+    except json_arrays.TooMany as over:
+        raise _too_many_rows(over.key, over.count, limits) from None
     if doc is None:
+        if not big:
+            _check_rows_on_bytes(body, limits)
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -71,6 +87,17 @@ def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
     if nesting(doc, limits.max_json_depth) > limits.max_json_depth:
         raise _too_deep(limits)
     return doc
+
+
+def _check_rows_on_bytes(body: bytes, limits: Any) -> None:
+    over = rows_over(body, ROWS, limits.max_instances)
+    if over is not None:
+        raise _too_many_rows(*over, limits)
+
+
+def _too_many_rows(key: str, counted: int, limits: Any) -> InvalidArgument:
+    return InvalidArgument(f"'{key}' has more than {limits.max_instances} entries ({counted} counted before "
+                           "parsing), over the limit per request (limits.max_instances); split the request")
 
 
 def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: Any) -> Any:
