@@ -554,14 +554,18 @@ TESTDATA_MODELS = {  # model -> what TF Serving does with it
 
 @pytest.fixture(scope="module")
 def every_model(run_server: Any, tmp_path_factory: pytest.TempPathFactory) -> TFServer:
-    """One server with every copied testdata model in its models.config."""
+    """One server with every copied testdata model in its models.config. TF Serving would not
+    start with bad_half_plus_two in it (tests/service/test_tfs_start_order.py: neither does
+    ``appliance tfs``); ``--no-wait-for-models`` opens the ports at once, as ``serve`` does, so
+    the other models can be checked beside the refused one."""
     lines = ["model_config_list {"]
     for name in TESTDATA_MODELS:
         platform = "tflite" if "tflite" in name else "tensorflow"
         lines.append(f'  config {{ name: "{name}" base_path: "{DATA / name}" model_platform: "{platform}" }}')
     path = tmp_path_factory.mktemp("every") / "models.config"
     path.write_text("\n".join(lines + ["}"]) + "\n")
-    server = run_server(None, None, model_config_file=path, wait_for_server_ready=False)
+    server = run_server(None, None, model_config_file=path, wait_for_server_ready=False,
+                        extra=("--no-wait-for-models",))
     server.server.wait_for(lambda: all(m["versions"] and m["versions"][0]["state"] in ("AVAILABLE", "END")
                                        for m in server.server.status()["models"].values())
                            and len(server.server.status()["models"]) == len(TESTDATA_MODELS), 240,
