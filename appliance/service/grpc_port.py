@@ -15,7 +15,8 @@ The server stops, after in-flight calls finish (bounded by ``server.drain_timeou
 the service's "stopping" hook. Same process, same manager, same batchers as REST.
 
 Which server: ``[grpc] transport``. "lean" (the default) is appliance/transport/grpc/h2_server.py, unary
-gRPC over python-hyper's h2, on one event loop, with the ``[grpc]`` bounds on hostile clients; "grpcio" is grpcio's ``grpc.aio`` server
+gRPC over libnghttp2 (through cffi; without the library, grpcio with a warning), on one event
+loop, with the ``[grpc]`` bounds on hostile clients; "grpcio" is grpcio's ``grpc.aio`` server
 (appliance/transport/grpc/aio_server.py), kept as the fallback. Both take the same generic handlers and
 interceptor, so the services do not know which one runs them. Why not grpcio by default:
 its per-call machinery cost more server CPU than the whole REST path on a small device
