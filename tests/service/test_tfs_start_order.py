@@ -75,7 +75,7 @@ def test_a_client_that_calls_as_soon_as_the_port_accepts_is_answered(tmp_path: P
 
 def _fails_without_ever_listening(proc: subprocess.Popen[bytes], ports: tuple[int, int], log: Path) -> str:
     """Poll both ports until the process exits; none may ever accept. The log's text."""
-    opened = []
+    opened: list[int] = []
 
     def ended() -> bool:
         opened.extend(p for p in ports if accepts(p))

@@ -236,7 +236,7 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
             text = classes[i, j] if classes is not None else b""
             label = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
             score = float(scores[i, j]) if scores is not None else 0.0
-            row.append([label, score if np.isfinite(score) else tfs_json.numbers_json(np.float64(score))])
+            row.append([label, score if np.isfinite(score) else tfs_json.numbers_json(np.array(score))])
         results.append(row)
     return results
 
