@@ -107,9 +107,34 @@ class SessionServable:
                 {a: _tensor_spec(tf, a, i) for a, i in sig.outputs.items()},
                 sig.method_name,
             )
+        self._feed_dtypes = self._graph_dtypes(tf)
         self._callables: dict[tuple[str, tuple[str, ...]], Callable[..., Any]] = {}
         self._lock = threading.Lock()
         self._closed = False
+
+    def _graph_dtypes(self, tf: Any) -> dict[str, np.dtype]:
+        """{tensor name: the graph tensor's own dtype} of every signature input. A SignatureDef
+        may declare another dtype than its tensor has (TF Serving's saved_model_half_plus_three:
+        ``tf_example:0`` declared DT_FLOAT, a string placeholder); TF Serving feeds the session by
+        the tensor (serialized Examples as strings), and reports the declaration in metadata."""
+        found: dict[str, np.dtype] = {}
+        for sig in self.signatures.values():
+            for spec in sig.inputs.values():
+                try:
+                    tensor = self._graph.get_tensor_by_name(spec.tensor_name)
+                except (KeyError, ValueError):  # a name not in the graph: TensorFlow says so at run
+                    continue
+                found[spec.tensor_name] = _numpy_dtype(tf, tensor.dtype.as_datatype_enum)
+        return found
+
+    def _feed(self, spec: TensorSpec, value: np.ndarray) -> np.ndarray:
+        """``value`` as the graph tensor takes it. Strings against numbers are left as sent, so
+        TensorFlow's session answers the mismatch in its own words, as it does for TF Serving."""
+        dtype = self._feed_dtypes.get(spec.tensor_name, spec.dtype)
+        value = np.asarray(value)
+        if (value.dtype.kind in "OSU") != (dtype == np.dtype(object)):
+            return value
+        return np.asarray(value, dtype=dtype)
 
     def _callable(self, signature: SignatureInfo, names: tuple[str, ...]) -> Callable[..., Any]:
         key = (signature.name, names)
@@ -134,7 +159,7 @@ class SessionServable:
             raise InputFailure(f"signature {signature!r} not found")
         names = tuple(inputs)
         try:
-            feeds = [np.asarray(inputs[n], dtype=info.inputs[n].dtype) for n in names]
+            feeds = [self._feed(info.inputs[n], inputs[n]) for n in names]
             values = self._callable(info, names)(*feeds)
         except (self._tf.errors.InvalidArgumentError, ValueError, TypeError) as exc:
             raise InputFailure(_short_tf_error(exc)) from exc

@@ -8,6 +8,11 @@ docs/migrating-from-tfserving.md). Both ``--flag=value`` and ``--flag value`` wo
 booleans as TF Serving's ``--enable_batching``, ``--enable_batching=true|false``. Flags that
 make no sense here are accepted with a warning that says why they are ignored, never
 silently. Our own ``--config``, ``--state``, ``--host`` and ``--no-discovery`` may be added.
+
+Start-up order as tensorflow_model_server's: the ports open once every configured model is
+AVAILABLE (appliance/service/models_wait.py; at most ``[tfs] wait_for_models_timeout_s``, then
+start-up fails as TF Serving's does when a model cannot load). Our own ``--no-wait-for-models``
+opens them at once instead, as ``appliance serve`` does (``/readyz`` says when the models serve).
 """
 
 from __future__ import annotations
@@ -92,7 +97,8 @@ def cmd_tfs(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"appliance tfs: warning: {warning}", file=sys.stderr, flush=True)
     overrides.update({"state_dir": ours.get("state"), "server.host": ours.get("host"),
-                      "discovery.enabled": False if ours.get("no_discovery") else None})
+                      "discovery.enabled": False if ours.get("no_discovery") else None,
+                      "tfs.wait_for_models": not ours.get("no_wait_for_models")})
     try:
         config = load_config(ours.get("config"), overrides)
     except ConfigError as exc:
@@ -124,7 +130,7 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
                 value, i = argv[i], i + 1
             ours[name] = value
             continue
-        if name in ("no-discovery", "no_discovery", "version"):
+        if name in ("no-discovery", "no_discovery", "no-wait-for-models", "no_wait_for_models", "version"):
             ours[name.replace("-", "_")] = True
             continue
         boolean = name in ("enable_batching", "prefer_tflite_model", "enable_model_warmup") or \

@@ -233,10 +233,16 @@ class TFServingFilesConfig:
     model_config_file_poll_wait_seconds: float = 0.0  # 0: read once (and on reload)
     batching_parameters_file: str = ""
     monitoring_config_file: str = ""
+    # tensorflow_model_server's start-up order (appliance/service/models_wait.py): the ports open
+    # once every configured model is AVAILABLE; `appliance tfs` sets it, `serve` leaves it off.
+    wait_for_models: bool = False
+    wait_for_models_timeout_s: float = 600.0  # then start-up fails, naming the models
 
     def validate(self, key: str) -> None:
         if self.model_config_file_poll_wait_seconds < 0:
             raise ConfigError(f"{key}.model_config_file_poll_wait_seconds", "must not be negative")
+        if self.wait_for_models_timeout_s <= 0:
+            raise ConfigError(f"{key}.wait_for_models_timeout_s", "must be more than 0 (seconds)")
 
 
 @dataclass

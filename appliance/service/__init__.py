@@ -40,6 +40,7 @@ from appliance.fronts.app import facing, serving_front
 from appliance.fronts.pool import Fronts
 from appliance.fronts.shares import workers_for
 from appliance.service import listening
+from appliance.service.models_wait import wait_for_models
 from appliance.service.state_lock import StateDirBusy, lock_state_dir
 from appliance.core.tls import tls_context
 from sync.store import check_version
@@ -78,8 +79,16 @@ class Service:
     def start(self) -> None:
         """Start the core and bind the port; requests are served from ``serve_http()`` on.
         StateDirBusy when another live service holds the state directory."""
+        self.start_core()
+        self.bind_http()
+
+    def start_core(self) -> None:
+        """Lock the state directory and start the core (models begin to load); no port yet."""
         self._state_lock = lock_state_dir(self.config.state_dir)
         self.core.start()
+
+    def bind_http(self) -> None:
+        """Bind the REST port (and start the front workers); OSError when it cannot."""
         c, security = self.config.server, self.config.security
         context = tls_context(security) if security.tls_cert_file else None  # before binding: fail early
         workers = workers_for(self.config)
@@ -204,10 +213,18 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
     service = Service(config, config_path, overrides)
     service.install_signals()
     try:
-        service.start()
+        service.start_core()
     except StateDirBusy as exc:
         print(f"edge-appliance: {exc}", file=sys.stderr)
         return 1
+    if config.tfs.wait_for_models:
+        if not _models_available(service):
+            return 1
+        if service.stopping:  # SIGTERM while the models loaded: nothing was ever listening
+            service.core.close()
+            return 0
+    try:
+        service.bind_http()
     except OSError as exc:
         print(f"edge-appliance: cannot listen on {config.server.host}:{config.server.port}: {exc.strerror}",
               file=sys.stderr)
@@ -231,6 +248,21 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
           file=sys.stderr, flush=True)
     threading.Thread(target=_announce_when_ready, args=(service, url, banner), name="announce", daemon=True).start()
     return service.run()
+
+
+def _models_available(service: Service) -> bool:
+    """``[tfs] wait_for_models``: block until the configured models are AVAILABLE before any
+    port opens (appliance/service/models_wait.py); False (said, core closed) when they fail."""
+    timeout = service.config.tfs.wait_for_models_timeout_s
+    print(f"edge-appliance: waiting for the configured models before opening the ports (at most {timeout:g} s)",
+          file=sys.stderr, flush=True)
+    failure = wait_for_models(service.core.manager, timeout, lambda: service.stopping)
+    if failure is None:
+        return True
+    print(f"edge-appliance: Failed to start server. Error: UNKNOWN: {failure}", file=sys.stderr, flush=True)
+    service.core.db.event("start_failed", failure)
+    service.core.close()
+    return False
 
 
 def _abandon(service: Service) -> None:

@@ -552,24 +552,36 @@ TESTDATA_MODELS = {  # model -> what TF Serving does with it
 }
 
 
+# Fifteen models, each TensorFlow one tried in a child before it serves (tens of seconds apiece on a
+# loaded 2-core box): the test that first asks for every_model carries that wait, so the tests
+# using it get a pytest timeout above it.
+EVERY_MODEL_S = 840
+every_model_timeout = pytest.mark.timeout(EVERY_MODEL_S + 60)
+
+
 @pytest.fixture(scope="module")
 def every_model(run_server: Any, tmp_path_factory: pytest.TempPathFactory) -> TFServer:
-    """One server with every copied testdata model in its models.config."""
+    """One server with every copied testdata model in its models.config. TF Serving would not
+    start with bad_half_plus_two in it (tests/service/test_tfs_start_order.py: neither does
+    ``appliance tfs``); ``--no-wait-for-models`` opens the ports at once, as ``serve`` does, so
+    the other models can be checked beside the refused one."""
     lines = ["model_config_list {"]
     for name in TESTDATA_MODELS:
         platform = "tflite" if "tflite" in name else "tensorflow"
         lines.append(f'  config {{ name: "{name}" base_path: "{DATA / name}" model_platform: "{platform}" }}')
     path = tmp_path_factory.mktemp("every") / "models.config"
     path.write_text("\n".join(lines + ["}"]) + "\n")
-    server = run_server(None, None, model_config_file=path, wait_for_server_ready=False)
+    server = run_server(None, None, model_config_file=path, wait_for_server_ready=False,
+                        extra=("--no-wait-for-models",))
     server.server.wait_for(lambda: all(m["versions"] and m["versions"][0]["state"] in ("AVAILABLE", "END")
                                        for m in server.server.status()["models"].values())
-                           and len(server.server.status()["models"]) == len(TESTDATA_MODELS), 240,
+                           and len(server.server.status()["models"]) == len(TESTDATA_MODELS), EVERY_MODEL_S,
                            "every testdata model loaded or refused")
     return server
 
 
 @pytest.mark.parametrize("name", TESTDATA_MODELS)
+@every_model_timeout
 def test_every_testdata_model_loads_as_in_tf_serving(every_model: TFServer, name: str) -> None:
     model = every_model.server.status()["models"][name]
     states = {v["version"]: v["state"] for v in model["versions"]}
@@ -579,6 +591,7 @@ def test_every_testdata_model_loads_as_in_tf_serving(every_model: TFServer, name
         assert "AVAILABLE" in states.values(), model
 
 
+@every_model_timeout
 def test_a_failing_synthetic_warmup_is_a_warning_and_the_version_serves(every_model: TFServer) -> None:
     """half_plus_three's 'tensorflow/serving/regress' SignatureDef declares a float input for
     the string placeholder tf_example: a synthetic call fails, TF Serving serves it anyway."""
@@ -595,6 +608,7 @@ def test_a_failing_synthetic_warmup_is_a_warning_and_the_version_serves(every_mo
     assert r.json() == {"predictions": [4.0]}
 
 
+@every_model_timeout
 def test_parse_example_tflite_parses_as_tf_servings_tflite_session(every_model: TFServer) -> None:
     """tflite_session_test.cc TestBatchParallelismForString, over REST and gRPC: x and y from
     each tf.Example, or the defaults (0.0, "missing") where they are absent; an Example whose x
@@ -631,6 +645,7 @@ def test_parse_example_tflite_parses_as_tf_servings_tflite_session(every_model: 
     assert (r.status_code, r.json()) == (400, {"error": "Failed to invoke TfLite interpreter"})
 
 
+@every_model_timeout
 def test_the_counter_model_is_not_changed_by_warm_up(every_model: TFServer) -> None:
     """A stateful model (TF Serving's saved_model_counter): warm-up takes none of its
     input-less actions, so get_counter answers 0 as on TF Serving, and incr_counter 1."""

@@ -154,6 +154,33 @@ def test_tf_cpu_string_model(models_dir: Path) -> None:
         servable.close()
 
 
+def test_tf_cpu_feeds_by_the_graph_tensors_dtype_not_the_signatures() -> None:
+    """TF Serving's saved_model_half_plus_three: its regress SignatureDef declares ``tf_example:0``
+    DT_FLOAT, the placeholder is a string. Serialized Examples are fed as strings, as TF
+    Serving feeds them ({"results": [3.5, 4.0]} in its REST doc); the signature still says
+    float (metadata shows the declaration); a float fed to the string placeholder gets
+    TensorFlow's own refusal."""
+    from tensorflow.core.example import example_pb2
+
+    version = Path(__file__).resolve().parents[1] / "data" / "tfserving" / "saved_model_half_plus_three" / "00000123"
+    servable = TFCPUBackend().load(str(version), {})
+    try:
+        regress = servable.signatures["tensorflow/serving/regress"]
+        assert regress.inputs["inputs"].dtype == np.float32 and regress.inputs["inputs"].tensor_name == "tf_example:0"
+        examples = []
+        for x in (1.0, 2.0):
+            example = example_pb2.Example()
+            example.features.feature["x"].float_list.value.append(x)
+            examples.append(example.SerializeToString())
+        got = servable.run("tensorflow/serving/regress", {"inputs": np.array(examples, dtype=object)})
+        np.testing.assert_array_equal(got["outputs"].reshape(-1), [3.5, 4.0])
+        with pytest.raises(InputFailure, match="Type mismatch: actual float vs. expect string"):
+            servable.run("tensorflow/serving/regress", {"inputs": np.zeros(2, np.float32)})
+        np.testing.assert_array_equal(servable.run("serving_default", {"x": np.array([1.0, 5.0])})["y"], [3.5, 5.5])
+    finally:
+        servable.close()
+
+
 def test_tf_cpu_refuses_a_broken_saved_model(tmp_path: Path) -> None:
     bad = tmp_path / "1"
     bad.mkdir()

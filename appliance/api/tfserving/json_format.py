@@ -449,6 +449,12 @@ def _jsonable(name: str, arr: np.ndarray) -> Any:
     return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
 
 
+def numbers_json(arr: np.ndarray) -> Any:
+    """A numeric array (or 0-d value) as TF Serving writes it, ``NaN``, ``Infinity`` and
+    ``-Infinity`` spelled out (orjson alone writes ``null``): :regress results and scores."""
+    return _jsonable("", arr)
+
+
 def _nonfinite_json(arr: np.ndarray) -> bytes:
     """A float array with NaN or infinities as TF Serving writes it: orjson's text, whose
     ``null`` stand exactly for the non-finite values, with their spellings put back."""

@@ -226,8 +226,8 @@ async def _classify_regress(handles: HandleSource, body: dict[str, Any], name: s
 
 
 def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> Any:
-    if method == "regress":
-        return regression_values(signature, outputs, n)
+    if method == "regress":  # NaN and infinities as TF Serving writes them (its REST doc, "JSON conformance")
+        return tfs_json.numbers_json(regression_values(signature, outputs, n))
     classes, scores, ref = classification_outputs(outputs, n)
     results = []
     for i in range(n):
@@ -235,7 +235,8 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
         for j in range(ref.shape[1]):
             text = classes[i, j] if classes is not None else b""
             label = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
-            row.append([label, float(scores[i, j]) if scores is not None else 0.0])
+            score = float(scores[i, j]) if scores is not None else 0.0
+            row.append([label, score if np.isfinite(score) else tfs_json.numbers_json(np.array(score))])
         results.append(row)
     return results
 
