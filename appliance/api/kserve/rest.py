@@ -392,14 +392,14 @@ def render_infer_response(result: InferResult, request_id: str | None) -> Respon
 
 # --- OpenAPI -------------------------------------------------------------------------------------
 def _openapi_paths() -> dict[str, Any]:
-    error = {"description": "error", "content": {JSON: {"schema": {"type": "object", "properties": {
-        "error": {"type": "string"}}, "required": ["error"]}}}}
+    error_schema: dict[str, Any] = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
+    error = {"description": "error", "content": {JSON: {"schema": error_schema}}}
     model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     version = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
     def health(key: str, named: bool = False) -> dict[str, Any]:
         props = {"name": {"type": "string"}, key: {"type": "boolean"}} if named else {key: {"type": "boolean"}}
         schema = {"type": "object", "properties": props, "required": list(props)}
-        failed = {"anyOf": [schema, error["content"][JSON]["schema"]]}  # false, or a bad request
+        failed = {"anyOf": [schema, error_schema]}  # false, or a bad request
         return {"200": {"description": "true", "content": {JSON: {"schema": schema}}},
                 "400": {"description": "false (or a bad request: an error)", "content": {JSON: {"schema": failed}}}}
     json_ok = {"description": "ok", "content": {JSON: {"schema": {"type": "object"}}}}
