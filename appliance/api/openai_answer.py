@@ -7,7 +7,7 @@ Logprobs are one entry per generated token, OpenAI's shapes: chat ``{"content": 
 "logprob", "bytes", "top_logprobs"}]}``, completions ``{"tokens", "token_logprobs",
 "top_logprobs", "text_offset"}``. An answer that may be a tool call (``Tools.reads_calls``)
 is held back while streaming and sent as ``tool_calls`` deltas (the call, then its
-arguments) or as text once it ends. Not thread-safe: one reader per request.
+arguments) or streamed as text as soon as it cannot be one. Not thread-safe: one reader per request.
 """
 
 from __future__ import annotations
@@ -185,23 +185,35 @@ class Answer:
 
     # -- server-sent chunks --------------------------------------------------------------------
     def chunks(self) -> Iterator[bytes]:
-        """Every chunk but the error event and [DONE] (the caller writes those)."""
-        held = self.tools is not None and self.tools.reads_calls  # a tool call is sent whole, once known
+        """Every chunk but the error event and [DONE] (the caller writes those). With tools, a
+        choice's text is held only while it may still be a call (OpenAI streams content until a
+        call starts): text that cannot begin one is flushed and streamed from then on; a call is
+        sent whole once known."""
+        tools = self.tools if self.tools is not None and self.tools.reads_calls else None
+        holding = [tools is not None] * len(self.choices)
+        buffered: list[tuple[str, list[TokenLogprob]]] = [("", []) for _ in self.choices]
         if self.chat:
             for choice in self.choices:
                 yield self.chunk(choice.index, {"role": "assistant", "content": ""})
         offsets = [0] * len(self.choices)
         while (event := self.next_event()) is not None:
             choice, text, logprobs = event
-            if held or (not text and not logprobs):
+            i = choice.index
+            if holding[i] and tools is not None:
+                text, logprobs = buffered[i][0] + text, buffered[i][1] + logprobs
+                if tools.may_be_call(text):
+                    buffered[i] = (text, logprobs)
+                    continue
+                holding[i] = False  # not a call: what was held goes out now, the rest as it comes
+            if not text and not logprobs:
                 continue
-            lp = self._logprobs(logprobs, offsets[choice.index]) if self.logprobs is not None else None
-            offsets[choice.index] += len(text)
-            yield self.chunk(choice.index, {"content": text} if self.chat else text, logprobs=lp)
+            lp = self._logprobs(logprobs, offsets[i]) if self.logprobs is not None else None
+            offsets[i] += len(text)
+            yield self.chunk(i, {"content": text} if self.chat else text, logprobs=lp)
         if self.error is not None:
             return
         for choice in self.choices:
-            yield from self._ending(choice, held)
+            yield from self._ending(choice, holding[choice.index])
         if self.include_usage:
             yield _event({**self.head(self._kind), "choices": [], "usage": self.usage()})
 

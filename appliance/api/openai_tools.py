@@ -117,6 +117,12 @@ class Tools:
                           "function": {"name": call[0], "arguments": call[1]}})
         return calls or None
 
+    def may_be_call(self, text: str) -> bool:
+        """Whether a streamed answer's text so far may still be a call (then it is held back)."""
+        start = text.lstrip()
+        marker = "<tool_call>" if self.style == HERMES else "{"
+        return marker.startswith(start) or start.startswith(marker)
+
     def cut_call(self, text: str) -> list[dict[str, Any]] | None:
         """A call the length limit cut (OpenAI: finish_reason ``length``, the call so far, its
         arguments unfinished); None when the text is no call's beginning."""

@@ -173,3 +173,15 @@ def test_a_burst_of_200_requests_to_one_model_is_all_answered(server: Server) ->
     metrics = requests.get(f"{server.url}/monitoring/prometheus/metrics", timeout=30).text
     assert "edge_appliance_generation_requests_waiting" in metrics
     assert "edge_appliance_generation_queue_wait_seconds_count" in metrics
+
+
+def test_an_answer_that_is_no_call_streams_as_content_when_tools_are_offered(client: Any) -> None:
+    """OpenAI streams content until a call starts; offering tools made a 100-chunk stream one chunk."""
+    tool = openai.pydantic_function_tool(Q)
+    kw: dict[str, Any] = dict(model="tok_tools", messages=chat("hello"), tools=[tool], max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    assert not whole.choices[0].message.tool_calls  # a random model's answer is no <tool_call>
+    chunks = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kw)
+              if c.choices and c.choices[0].delta.content]
+    assert len(chunks) > 3  # streamed as it came, not held to the end as one chunk
+    assert "".join(chunks) == whole.choices[0].message.content
