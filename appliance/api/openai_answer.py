@@ -146,7 +146,7 @@ class Answer:
         if not self.chat:
             return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
         calls, finish = self._calls(choice, text)
-        message = {"role": "assistant", "content": None if calls else text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": None if calls else text, "refusal": None}
         if calls:
             message["tool_calls"] = calls
         return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}

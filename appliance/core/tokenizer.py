@@ -33,13 +33,17 @@ import json
 import os
 from typing import Any, Iterable, Protocol, Sequence
 
-from appliance.core.errors import ApplianceError, InvalidArgument
+from appliance.core.errors import InvalidArgument
 
 HF_FILE, SPM_FILE = "tokenizer.json", "tokenizer.model"
 CONFIG_FILE, GENERATION_FILE = "tokenizer_config.json", "generation_config.json"
 PLACES = ("assets", "")  # where a version's tokenizer files are looked for, in order
 PREFIX_WINDOW = 5  # prompt ids a detokenizer decodes before the first new one (vLLM's offset)
 REPLACEMENT = "\ufffd"
+
+
+class MissingLibrary(InvalidArgument):
+    """The library of a version's tokenizer file is not installed on this device."""
 
 
 class Tokenizer(Protocol):
@@ -324,32 +328,44 @@ class SentencePieceTokenizer:
         from appliance.core.constraints import tokenizer_of_bytes
 
         tokens = [self.token_bytes(i) for i in range(self.size)]
-        return tokenizer_of_bytes(tokens, self.eos_id, self.special_ids,
-                                  lambda text: list(self.sp.EncodeAsIds(text)))
+        return tokenizer_of_bytes(tokens, self.eos_id, self.special_ids, self._plain)
+
+    def _plain(self, text: str) -> list[int]:
+        """Text encoded without SentencePiece's dummy "▁" prefix (Hugging Face's legacy=False
+        trick: encode after the unknown piece's text, drop that part): the grammar engine tokenizes
+        pieces of the answer, not a text's beginning, and would otherwise ask for a space first."""
+        marker = self.sp.IdToPiece(self.sp.unk_id())
+        skip = len(self.sp.EncodeAsIds(marker))
+        return list(self.sp.EncodeAsIds(marker + text))[skip:]
 
 
 def load(version_dir: str) -> Tokenizer | None:
-    """The version's tokenizer (module docstring), or None when it ships none."""
+    """The version's tokenizer (module docstring), or None when it ships none. InvalidArgument
+    when a file does not read, or its library is not installed on this device."""
     config, generation = read_json(version_dir, CONFIG_FILE), read_json(version_dir, GENERATION_FILE)
-    path = find(version_dir, HF_FILE)
-    if path is not None:
-        return HFTokenizer(path, config, generation)
-    path = find(version_dir, SPM_FILE)
-    if path is not None:
-        return SentencePieceTokenizer(path, config, generation)
+    try:
+        path = find(version_dir, HF_FILE)
+        if path is not None:
+            return HFTokenizer(path, config, generation)
+        path = find(version_dir, SPM_FILE)
+        if path is not None:
+            return SentencePieceTokenizer(path, config, generation)
+    except ImportError as exc:  # a lean install: the format's library is missing
+        raise MissingLibrary(f"this version's tokenizer needs the {exc.name} package on this device "
+                              f"(pip install {exc.name})") from exc
     from appliance.core.text import Vocabulary
 
     return Vocabulary.load(version_dir)
 
 
 def check(version_dir: str) -> None:
-    """At load: the version's tokenizer reads (appliance/core/text.py ``check_assets``)."""
+    """At load (appliance/core/text.py ``check_assets``): the version's tokenizer files read.
+    A missing library is no fault of the version (it may never generate here): its requests say so."""
     try:
         load(version_dir)
-    except ImportError as exc:  # the format's library is not installed on this device
-        raise ApplianceError(f"this version's tokenizer needs the {exc.name} package (pip install {exc.name})") \
-            from exc
+    except MissingLibrary:
+        pass
 
 
-__all__ = ["CONFIG_FILE", "Decodes", "Detokenizer", "Tokenizer", "HFTokenizer", "HF_FILE", "SPM_FILE", "SentencePieceTokenizer", "check",
+__all__ = ["CONFIG_FILE", "Decodes", "Detokenizer", "MissingLibrary", "Tokenizer", "HFTokenizer", "HF_FILE", "SPM_FILE", "SentencePieceTokenizer", "check",
            "find", "load", "read_json", "token_text"]
