@@ -19,13 +19,16 @@ routed as such during a rollout), ``name:<version>`` (digits) or ``name:<label>`
 is outside TF Serving's model and label alphabet (``[^/:]+``), so an id never clashes
 with a name, and it is the tag form LLM users know (``llama3:8b``). An answer's ``model``
 is the id of the version that answered, ``name:<version>`` (OpenAI too answers an alias
-with the snapshot that ran). ``GET /v1/models`` lists every id that can generate now, and the encoders ``/v1/embeddings`` serves.
+with the snapshot that ran). ``GET /v1/models`` lists every id that can generate now, and
+the encoders ``/v1/embeddings`` serves.
 
-A request takes ``max_tokens`` (``max_completion_tokens`` too, for chat; default
-``generation.default_max_new_tokens``), ``temperature`` (OpenAI's default 1; 0 is
-greedy), ``top_p``, ``stop`` (a string or up to 4), ``seed``, ``n`` (1 only), ``stream``
-and ``stream_options.include_usage``; ``user`` is ignored, and fields this server cannot
-honour are refused unless they hold their default. Errors are OpenAI's ``{"error":
+A request takes ``max_tokens`` (``max_completion_tokens`` too, for chat; default and cap:
+the rest of the context), ``temperature`` (OpenAI's default 1; 0 is greedy), ``top_p``,
+``stop`` (a string or up to 4), ``seed``, ``n`` (up to 8), ``stream`` and
+``stream_options.include_usage``, the logit processors (``presence_penalty``,
+``frequency_penalty``, ``logit_bias``; vLLM's ``top_k``, ``min_p``, ``repetition_penalty``:
+appliance/core/sampling.py); ``user`` is ignored, and fields this server cannot honour are
+refused unless they hold their default. Errors are OpenAI's ``{"error":
 {"message", "type", "param", "code"}}`` with the status of our error classes
 (appliance/core/errors.py), like every other API; while streaming, one ``data:
 {"error": ...}`` event, then ``data: [DONE]``. The layers in front of every API (the HTTP
@@ -33,8 +36,9 @@ server's limits, auth, gzip bodies) answer in the service's ``{"error": "..."}``
 which OpenAI's clients map to the same exception classes by status.
 
 Text: a token-level version needs its tokenizer (``tokenizer.json``, ``tokenizer.model`` or
-``assets/vocab.json``: appliance/core/tokenizer.py); a LiteRT-LM bundle has its own. Chat messages become one prompt through the version's chat template, stop
-strings are cut here (appliance/core/text.py); the stream then ends at its next step.
+``assets/vocab.json``: appliance/core/tokenizer.py); a LiteRT-LM bundle has its own. Chat
+messages become one prompt through the version's chat template, stop strings are cut here
+(appliance/core/text.py); the stream then ends at its next step.
 Thread-safety: none needed, every request has its own objects.
 """
 
