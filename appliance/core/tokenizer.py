@@ -161,14 +161,23 @@ class HFTokenizer:
             self.tokenizer = Tokenizer.from_file(path)
         except Exception as exc:  # the Rust side raises a bare Exception for a malformed file
             raise InvalidArgument(f"{HF_FILE} of this version cannot be read by tokenizers: {exc}") from exc
-        self.json = self.tokenizer.to_str()
+        self._add_missing(added_tokens(config))
+        self.json = self.tokenizer.to_str()  # after: the grammar engine sees the added tokens too
         added = {i: (t.content, t.special) for i, t in self.tokenizer.get_added_tokens_decoder().items()}
-        added.update(added_tokens(config))
         self.size = max(self.tokenizer.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
         self.special_ids = frozenset(i for i, (_, special) in added.items() if special)
         self.eos_id, self.stop_ids = _stops(config, generation, self.tokenizer.token_to_id)
         self.longest = max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1)
         self._bytes = _byte_decoder(json.loads(self.json).get("decoder"))
+
+    def _add_missing(self, listed: dict[int, tuple[str, bool]]) -> None:
+        """tokenizer_config's added tokens that tokenizer.json lacks, added as Hugging Face's
+        fast tokenizer adds them when it loads (in id order, so they take the ids listed)."""
+        from tokenizers import AddedToken
+
+        for _, (content, special) in sorted(listed.items()):
+            if self.tokenizer.token_to_id(content) is None:
+                self.tokenizer.add_tokens([AddedToken(content, special=special, normalized=not special)])
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=special).ids)

@@ -96,3 +96,13 @@ def test_a_broken_file_is_refused_naming_it(tmp_path: Path) -> None:
     (tmp_path / "assets" / "tokenizer.json").write_text("{not json")
     with pytest.raises(T.InvalidArgument, match="tokenizer.json"):
         T.check(str(tmp_path))
+
+
+def test_added_tokens_only_the_config_lists_are_added(bpe: Path, tmp_path: Path) -> None:
+    """Hugging Face's fast tokenizer adds tokenizer_config's added tokens that tokenizer.json lacks."""
+    (tmp_path / "tokenizer.json").write_text((bpe / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>", "added_tokens_decoder": {
+        "2000": {"content": "<|eot|>", "special": True}}}))
+    tok = T.load(str(tmp_path))
+    assert tok is not None and tok.size == 2001 and tok.eos_id == 2000 and 2000 in tok.special_ids
+    assert tok.encode("a<|eot|>b")[1] == 2000 and tok.decode_all(tok.encode("a<|eot|>b")) == "ab"
