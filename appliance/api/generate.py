@@ -3,7 +3,7 @@
 The WSGI handler of the ``POST /v1/...:generate`` mount of the route table
 (appliance/api/routes.py; other ``:generate`` paths are TF Serving's, which answers them 400). The request is a JSON object::
 
-    {"input_ids": [ids...]} or {"text": "..."}       (text: the version ships assets/vocab.json)
+    {"input_ids": [ids...]} or {"text": "..."}       (text: the version ships its tokenizer)
     "max_new_tokens": int, "temperature": float (0 = greedy, the default), "top_k": int,
     "top_p": float, "seed": int, "stop": [ids...], "stream": bool
 
@@ -28,7 +28,7 @@ import orjson
 from appliance.core.errors import ApplianceError, InvalidArgument
 from appliance.core.generation import Generation
 from appliance.core.streams import Params, Stream
-from appliance.core.text import Vocabulary
+from appliance.core.tokenizer import Detokenizer, Tokenizer
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
 from appliance.api.errors import render, render_error, status_line
@@ -78,7 +78,7 @@ class GenerateAPI:
         start_response(status_line(status), headers)
         return [body]
 
-    def _start(self, environ: dict[str, Any], match: re.Match[str]) -> tuple[Stream, Vocabulary | None, bool]:
+    def _start(self, environ: dict[str, Any], match: re.Match[str]) -> tuple[Stream, Tokenizer | None, bool]:
         if self.core.manager is None:
             raise ApplianceError("the service is not started")
         name, version, label = unquote(match.group(1)), match.group(2), match.group(3)
@@ -101,12 +101,12 @@ class GenerateAPI:
         return stream, vocab, bool(body.get("stream", False))
 
     @staticmethod
-    def _collect(stream: Stream, vocab: Vocabulary | None) -> tuple[int, list[tuple[str, str]], bytes]:
+    def _collect(stream: Stream, vocab: Tokenizer | None) -> tuple[int, list[tuple[str, str]], bytes]:
         while True:
             kind, value = stream.events.get()
             if kind == "done":
                 text = "".join(stream.pieces) if stream.text_level else \
-                    "".join(map(vocab.decode, stream.tokens)) if vocab else None
+                    Detokenizer(vocab, stream.prompt).text(stream.tokens) if vocab else None
                 body = orjson.dumps({**value, "tokens": None if stream.text_level else stream.tokens, "text": text})
                 return 200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
             if kind == "error":  # the model failed mid-way
@@ -116,21 +116,26 @@ class GenerateAPI:
 class _EventStream(StreamBody):
     """The SSE body (module docstring)."""
 
-    def __init__(self, api: GenerateAPI, stream: Stream, vocab: Vocabulary | None, started: float):
+    def __init__(self, api: GenerateAPI, stream: Stream, vocab: Tokenizer | None, started: float):
         self.api, self.vocab, self.started = api, vocab, started
+        # the text of each token as it can be shown: a character split across tokens comes whole
+        self.detokenizer = Detokenizer(vocab, stream.prompt) if vocab is not None and not stream.text_level else None
         super().__init__(stream)
 
     def events(self) -> Iterator[bytes]:
         while True:
             kind, value = self.stream.events.get()
             if kind == "token":
-                text = self.vocab.decode(value) if self.vocab else None
+                text = self.detokenizer.feed(value) if self.detokenizer is not None else None
                 yield b"data: " + orjson.dumps({"token": value, "text": text}) + b"\n\n"
                 continue
             if kind == "text":  # a text-level servable (LiteRT-LM): pieces, no ids
                 yield b"data: " + orjson.dumps({"token": None, "text": value}) + b"\n\n"
                 continue
             self.finished = True
+            rest = self.detokenizer.flush() if self.detokenizer is not None else ""
+            if rest:  # the end of a character that never completed: shown as U+FFFD, as in the whole text
+                yield b"data: " + orjson.dumps({"token": None, "text": rest}) + b"\n\n"
             status = 200 if kind == "done" else 500
             self.api.core.metrics.observe_request(self.stream.model, "generate", status,
                                                   time.perf_counter() - self.started)
@@ -159,14 +164,14 @@ def _ids(value: Any, name: str, vocab_size: int, allow_empty: bool) -> list[int]
     return list(value)
 
 
-def _prompt(body: dict[str, Any], vocab: Vocabulary | None, vocab_size: int) -> list[int]:
+def _prompt(body: dict[str, Any], vocab: Tokenizer | None, vocab_size: int) -> list[int]:
     if ("input_ids" in body) == ("text" in body):
         raise InvalidArgument("field 'input_ids' or field 'text' is required (exactly one of them)")
     if "input_ids" in body:
         return _ids(body["input_ids"], "input_ids", vocab_size, allow_empty=False)
     if vocab is None:
-        raise InvalidArgument("field 'text' needs a tokenizer vocabulary, and this version ships none "
-                              "(assets/vocab.json); send 'input_ids'")
+        raise InvalidArgument("field 'text' needs a tokenizer, and this version ships none (tokenizer.json, "
+                              "tokenizer.model or assets/vocab.json); send 'input_ids'")
     if not isinstance(body["text"], str) or not body["text"]:
         raise InvalidArgument("field 'text' must be a non-empty string")
     return vocab.encode(body["text"])

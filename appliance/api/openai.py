@@ -19,22 +19,26 @@ routed as such during a rollout), ``name:<version>`` (digits) or ``name:<label>`
 is outside TF Serving's model and label alphabet (``[^/:]+``), so an id never clashes
 with a name, and it is the tag form LLM users know (``llama3:8b``). An answer's ``model``
 is the id of the version that answered, ``name:<version>`` (OpenAI too answers an alias
-with the snapshot that ran). ``GET /v1/models`` lists every id that can generate now.
+with the snapshot that ran). ``GET /v1/models`` lists every id that can generate now, and
+the encoders ``/v1/embeddings`` serves.
 
-A request takes ``max_tokens`` (``max_completion_tokens`` too, for chat; default
-``generation.default_max_new_tokens``), ``temperature`` (OpenAI's default 1; 0 is
-greedy), ``top_p``, ``stop`` (a string or up to 4), ``seed``, ``n`` (1 only), ``stream``
-and ``stream_options.include_usage``; ``user`` is ignored, and fields this server cannot
-honour are refused unless they hold their default. Errors are OpenAI's ``{"error":
+A request takes ``max_tokens`` (``max_completion_tokens`` too, for chat; default and cap:
+the rest of the context), ``temperature`` (OpenAI's default 1; 0 is greedy), ``top_p``,
+``stop`` (a string or up to 4), ``seed``, ``n`` (up to 8), ``stream`` and
+``stream_options.include_usage``, the logit processors (``presence_penalty``,
+``frequency_penalty``, ``logit_bias``; vLLM's ``top_k``, ``min_p``, ``repetition_penalty``:
+appliance/core/sampling.py); ``user`` is ignored, and fields this server cannot honour are
+refused unless they hold their default. Errors are OpenAI's ``{"error":
 {"message", "type", "param", "code"}}`` with the status of our error classes
 (appliance/core/errors.py), like every other API; while streaming, one ``data:
 {"error": ...}`` event, then ``data: [DONE]``. The layers in front of every API (the HTTP
 server's limits, auth, gzip bodies) answer in the service's ``{"error": "..."}`` shape,
 which OpenAI's clients map to the same exception classes by status.
 
-Text: a token-level version needs ``assets/vocab.json``; a LiteRT-LM bundle has its own
-tokenizer. Chat messages become one prompt through the version's chat template, stop
-strings are cut here (appliance/core/text.py); the stream then ends at its next step.
+Text: a token-level version needs its tokenizer (``tokenizer.json``, ``tokenizer.model`` or
+``assets/vocab.json``: appliance/core/tokenizer.py); a LiteRT-LM bundle has its own. Chat
+messages become one prompt through the version's chat template, stop strings are cut here
+(appliance/core/text.py); the stream then ends at its next step.
 Thread-safety: none needed, every request has its own objects.
 """
 
@@ -61,7 +65,7 @@ from appliance.api.mounts import INFERENCE, Mount, raw_path
 from appliance.api.sse import StreamBody, client_gone
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.generation import Generation
-from appliance.core.text import Vocabulary
+from appliance.core.tokenizer import load as load_tokenizer
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -168,8 +172,8 @@ class OpenAIAPI:
         return out
 
     def _speaks_text(self, name: str, version: int) -> bool:
-        """It generates and has a tokenizer: what this API needs (a version without a
-        vocabulary generates ids only, which :generate serves)."""
+        """It generates and has a tokenizer (a version without one generates ids only, which
+        :generate serves), or it is an encoder ``/v1/embeddings`` serves."""
         manager = self.core.manager
         if manager is None:
             return False
@@ -181,7 +185,7 @@ class OpenAIAPI:
             try:
                 return self.generation.prepare(handle)[1] is not None
             except InvalidArgument:
-                return False
+                return embeddings.serves(handle)
 
     # -- POST /v1/chat/completions, /v1/completions --------------------------------------------
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -227,8 +231,9 @@ class OpenAIAPI:
         except InvalidArgument as exc:
             raise FieldError(f"model '{body['model']}': {exc.message}", "model") from exc
         if vocab is None:
-            raise FieldError(f"model '{body['model']}' generates token ids only: its version ships no "
-                             "tokenizer vocabulary (assets/vocab.json), and this API speaks text", "model")
+            raise FieldError(f"model '{body['model']}' generates token ids only: its version ships no tokenizer "
+                             "(tokenizer.json, tokenizer.model or assets/vocab.json), and this API speaks text",
+                             "model")
         tools: Tools | None = None
         if chat:
             template = self.generation.chat_template(handle)
@@ -236,11 +241,17 @@ class OpenAIAPI:
             text = template.render(fields.messages(body), tools.tools if tools else None)
         else:
             text = fields.prompt(body)
-        prompt = self._tokens(vocab, text, driver.context_length, where, body)
+        prompt = self._tokens(vocab, text, driver, where, chat)
         grammar = response_grammar(body) or (tools.grammar() if tools else None)
-        stop_ids = frozenset({vocab.eos_id}) if getattr(vocab, "eos_id", None) is not None else frozenset()
-        params = fields.params(body, self.core.config.generation, chat, stop_ids)
+        stop_ids: frozenset[int] = getattr(vocab, "stop_ids", frozenset())  # EOS and generation_config's
         text_level = not hasattr(vocab, "eos_id")
+        context = driver.context_length
+        room = context - len(prompt) if context is not None else None  # a bundle's counts its start token
+        params = fields.params(body, self.core.config.generation, chat, stop_ids, room, driver.vocab_size)
+        asked = fields.processors_asked(body) if text_level else None
+        if asked is not None:
+            raise FieldError(f"field '{asked}': model '{body['model']}' is a LiteRT-LM bundle, which samples by "
+                             "itself (temperature, top_p, top_k and seed only)", asked)
         if text_level and (grammar is not None or params.logprobs is not None):
             raise FieldError(f"model '{body['model']}' is a LiteRT-LM bundle, which decodes by itself: "
                              "response_format, forced tool calls and logprobs need a token-level model",
@@ -253,20 +264,25 @@ class OpenAIAPI:
         return Answer(streams, vocab, body, chat, len(prompt) + overhead, fields.stops(body), tools, gone)
 
     @staticmethod
-    def _tokens(vocab: Any, text: str, context: int | None, where: str, body: dict[str, Any]) -> list[int]:
+    def _tokens(vocab: Any, text: str, driver: Any, where: str, chat: bool) -> list[int]:
         """The prompt's tokens; a prompt over the context is refused before it is all
-        tokenized (a 10 MB prompt took 19.5 s to refuse), in OpenAI's words."""
+        tokenized (a 10 MB prompt took 19.5 s to refuse), in OpenAI's words. A chat prompt's
+        template writes its own BOS, so the tokenizer adds none there (vLLM's rule)."""
+        context = driver.context_length
         if context is not None:
             fewest = vocab.fewest_tokens(text) if hasattr(vocab, "fewest_tokens") else \
                 len(vocab.encode(text[:context * PREFIX_CHARS_PER_TOKEN]))
             if fewest >= context:
                 raise _too_long(context, fewest, where, at_least=True)
         try:
-            prompt = vocab.encode(text)
+            prompt = vocab.encode(text, special=not chat)
         except InvalidArgument as exc:
             raise FieldError(f"field '{where}': {exc.message}", where) from exc
         if not prompt:
             raise FieldError(f"field '{where}': the prompt is empty", where)
+        if max(prompt) >= driver.vocab_size:  # a tokenizer larger than the model's embedding table
+            raise FieldError(f"field '{where}': token {max(prompt)} of the prompt is outside this model's vocabulary "
+                             f"of {driver.vocab_size}: its tokenizer does not fit the model", where)
         if context is not None and len(prompt) >= context:
             raise _too_long(context, len(prompt), where)
         return prompt  # type: ignore[no-any-return]  # the tokenizer (the version's own) is typed Any; a list of ids
@@ -309,7 +325,7 @@ class OpenAIAPI:
         with handle:
             sig = embeddings.signature(handle, body["model"])
             items = embeddings.inputs(body)
-            feeds, tokens = embeddings.feeds(sig, items, Vocabulary.load(handle.path), body["model"])
+            feeds, tokens = embeddings.feeds(sig, items, load_tokenizer(handle.path), body["model"])
             # a WSGI thread: the handle's coroutine runs on a loop of its own (as AsyncFamily's)
             found = embeddings.vectors(sig, asyncio.run(handle.run(sig.name, feeds)), body["model"])
             return embeddings.answer(body, found, f"{handle.model}:{handle.version}", tokens)
@@ -377,7 +393,16 @@ def _openapi_paths() -> dict[str, Any]:
               "max_tokens": {"type": "integer", "minimum": 1},
               "temperature": {"type": "number", "minimum": 0, "maximum": 2},
               "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "stop": stop,
-              "seed": {"type": "integer"}, "n": {"type": "integer", "enum": [1]}, "stream": {"type": "boolean"},
+              "seed": {"type": "integer"}, "n": {"type": "integer", "minimum": 1, "maximum": fields.MAX_CHOICES},
+              "stream": {"type": "boolean"},
+              "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+              "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+              "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                                         "maximum": 100}},
+              "top_k": {"type": "integer", "minimum": -1}, "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+              "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+              "response_format": {"type": "object", "required": ["type"], "properties": {
+                  "type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {"type": "object"}}},
               "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
               "user": {"type": "string"}}
     message = {"type": "object", "required": ["role"], "properties": {"role": {"type": "string"},
@@ -397,8 +422,21 @@ def _openapi_paths() -> dict[str, Any]:
     return {
         CHAT: post("OpenAI chat completion (the version's chat template), streamed with stream=true", "messages",
                    {"messages": {"type": "array", "minItems": 1, "items": message},
-                    "max_completion_tokens": {"type": "integer", "minimum": 1}}),
-        COMPLETIONS: post("OpenAI text completion, streamed with stream=true", "prompt", {"prompt": {"type": "string"}}),
+                    "max_completion_tokens": {"type": "integer", "minimum": 1},
+                    "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                    "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"]}},
+                    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
+                    "parallel_tool_calls": {"type": "boolean"}}),
+        COMPLETIONS: post("OpenAI text completion, streamed with stream=true", "prompt",
+                          {"prompt": {"type": "string"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 5}}),
+        EMBEDDINGS: {"post": {"summary": "OpenAI embeddings of an encoder version", "requestBody": {
+            "required": True, "content": {JSON: {"schema": {"type": "object", "required": ["model", "input"],
+                                                            "properties": {
+                "model": {"type": "string"}, "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                "encoding_format": {"enum": ["float", "base64"]}, "dimensions": {"type": "integer"},
+                "user": {"type": "string"}}}}}},
+            "responses": {"200": {"description": "the embeddings in OpenAI's list shape", "content": {
+                JSON: {"schema": {"type": "object"}}}}, **errors}}},
         MODELS: {"get": {"summary": "the model ids that generate now, in OpenAI's list shape (TF Serving "
                                     "answers this path 400 'Missing model name')", "responses": {"200": {
             "description": "the list", "content": {JSON: {"schema": {

@@ -7,7 +7,7 @@ Logprobs are one entry per generated token, OpenAI's shapes: chat ``{"content": 
 "logprob", "bytes", "top_logprobs"}]}``, completions ``{"tokens", "token_logprobs",
 "top_logprobs", "text_offset"}``. An answer that may be a tool call (``Tools.reads_calls``)
 is held back while streaming and sent as ``tool_calls`` deltas (the call, then its
-arguments) or as text once it ends. Not thread-safe: one reader per request.
+arguments) or streamed as text as soon as it cannot be one. Not thread-safe: one reader per request.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from appliance.api.openai_tools import Tools
 from appliance.core.streams import Stream
 from appliance.core.sampling import TokenLogprob
 from appliance.core.text import StopText
+from appliance.core.tokenizer import Detokenizer
 
 POLL_S = 0.25  # how often a whole answer's reader looks whether its client is still there
 
@@ -30,8 +31,10 @@ POLL_S = 0.25  # how often a whole answer's reader looks whether its client is s
 class Choice:
     """One stream's text, logprobs and end."""
 
-    def __init__(self, stream: Stream, stops: list[str]):
+    def __init__(self, stream: Stream, stops: list[str], vocab: Any):
         self.stream, self.stop = stream, StopText(stops)
+        # token-level: text by the tokenizer's incremental detokenizer (never a split character)
+        self.detokenizer = None if stream.text_level else Detokenizer(vocab, stream.prompt)
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.tokens = 0
@@ -42,21 +45,26 @@ class Choice:
     def index(self) -> int:
         return self.stream.index
 
-    def feed(self, kind: str, value: Any, decode: Callable[[int], str]) -> tuple[str, list[TokenLogprob]]:
+    def feed(self, kind: str, value: Any) -> tuple[str, list[TokenLogprob]]:
         """One event -> (text that may be shown, the logprobs of its tokens)."""
         if kind in ("token", "text"):
             if self.finish_reason is not None:  # after a stop string: neither shown nor counted
                 return "", []
             self.tokens += 1
             logprob = self.stream.logprobs[self.tokens - 1:self.tokens] if kind == "token" else []
-            text, stopped = self.stop.feed(decode(value) if kind == "token" else value)
+            piece = self.detokenizer.feed(value) if self.detokenizer is not None else value
+            text, stopped = self.stop.feed(piece)
             if stopped:
                 self.stream.cancel("stop")  # ended at its next step; its handle released there
                 self.finish_reason = "stop"
             self.text.append(text)
             self.logprobs += logprob
             return text, logprob
-        held = self.stop.flush()
+        held = ""
+        if self.detokenizer is not None and self.finish_reason is None:  # the last, incomplete character
+            held, stopped = self.stop.feed(self.detokenizer.flush())
+            self.finish_reason = "stop" if stopped else None
+        held += self.stop.flush()
         if self.finish_reason is None:
             if kind == "error":
                 self.error = str(value)
@@ -73,7 +81,7 @@ class Answer:
                  stops: list[str], tools: Tools | None, gone: Callable[[], bool]):
         self.streams, self.vocab, self.chat, self.tools = streams, vocab, chat, tools
         self.events = streams[0].choice_events
-        self.choices = [Choice(s, stops) for s in streams]
+        self.choices = [Choice(s, stops, vocab) for s in streams]
         self.streaming = bool(body.get("stream", False))
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -100,7 +108,7 @@ class Answer:
             choice = self.choices[index]
             if kind in ("done", "error"):
                 self.open -= 1
-            return (choice, *choice.feed(kind, value, self.vocab.decode))
+            return (choice, *choice.feed(kind, value))
         return None
 
     def _get(self) -> tuple[int, str, Any]:
@@ -137,12 +145,23 @@ class Answer:
         logprobs = self._logprobs(choice.logprobs, 0) if self.logprobs is not None else None
         if not self.chat:
             return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
-        calls = self.tools.calls(text) if self.tools else None
+        calls, finish = self._calls(choice, text)
         message: dict[str, Any] = {"role": "assistant", "content": None if calls else text, "refusal": None}
         if calls:
             message["tool_calls"] = calls
-        finish = "tool_calls" if calls else choice.finish_reason
         return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def _calls(self, choice: Choice, text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """(the tool calls of a choice's text, its finish reason): ``tool_calls`` for whole calls;
+        ``length`` with the call so far for one the length limit cut (OpenAI's report of it)."""
+        if self.tools is None:
+            return None, choice.finish_reason
+        calls = self.tools.calls(text)
+        if calls:
+            return calls, "tool_calls"
+        if choice.finish_reason == "length":
+            return self.tools.cut_call(text), "length"
+        return None, choice.finish_reason
 
     # -- logprobs, OpenAI's shapes -------------------------------------------------------------
     def _logprobs(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -158,31 +177,43 @@ class Answer:
                 "text_offset": text_offset}
 
     def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
-        def one(token: int, logprob: float) -> dict[str, Any]:
-            text = self.vocab.decode(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        def one(token: int, logprob: float) -> dict[str, Any]:  # bytes: the token's own, a split character too
+            raw = self.vocab.token_bytes(token)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
         return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
 
     # -- server-sent chunks --------------------------------------------------------------------
     def chunks(self) -> Iterator[bytes]:
-        """Every chunk but the error event and [DONE] (the caller writes those)."""
-        held = self.tools is not None and self.tools.reads_calls  # a tool call is sent whole, once known
+        """Every chunk but the error event and [DONE] (the caller writes those). With tools, a
+        choice's text is held only while it may still be a call (OpenAI streams content until a
+        call starts): text that cannot begin one is flushed and streamed from then on; a call is
+        sent whole once known."""
+        tools = self.tools if self.tools is not None and self.tools.reads_calls else None
+        holding = [tools is not None] * len(self.choices)
+        buffered: list[tuple[str, list[TokenLogprob]]] = [("", []) for _ in self.choices]
         if self.chat:
             for choice in self.choices:
                 yield self.chunk(choice.index, {"role": "assistant", "content": ""})
         offsets = [0] * len(self.choices)
         while (event := self.next_event()) is not None:
             choice, text, logprobs = event
-            if held or (not text and not logprobs):
+            i = choice.index
+            if holding[i] and tools is not None:
+                text, logprobs = buffered[i][0] + text, buffered[i][1] + logprobs
+                if tools.may_be_call(text):
+                    buffered[i] = (text, logprobs)
+                    continue
+                holding[i] = False  # not a call: what was held goes out now, the rest as it comes
+            if not text and not logprobs:
                 continue
-            lp = self._logprobs(logprobs, offsets[choice.index]) if self.logprobs is not None else None
-            offsets[choice.index] += len(text)
-            yield self.chunk(choice.index, {"content": text} if self.chat else text, logprobs=lp)
+            lp = self._logprobs(logprobs, offsets[i]) if self.logprobs is not None else None
+            offsets[i] += len(text)
+            yield self.chunk(i, {"content": text} if self.chat else text, logprobs=lp)
         if self.error is not None:
             return
         for choice in self.choices:
-            yield from self._ending(choice, held)
+            yield from self._ending(choice, holding[choice.index])
         if self.include_usage:
             yield _event({**self.head(self._kind), "choices": [], "usage": self.usage()})
 
@@ -190,14 +221,13 @@ class Answer:
         finish = choice.finish_reason
         if held:
             text = "".join(choice.text)
-            calls = self.tools.calls(text) if self.tools else None
+            calls, finish = self._calls(choice, text)
             if calls:
                 for i, call in enumerate(calls):
                     named = {**call, "index": i, "function": {"name": call["function"]["name"], "arguments": ""}}
                     yield self.chunk(choice.index, {"tool_calls": [named]})
                     yield self.chunk(choice.index, {"tool_calls": [
                         {"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
-                finish = "tool_calls"
             elif text:
                 yield self.chunk(choice.index, {"content": text})
         yield self.chunk(choice.index, {} if self.chat else "", finish=finish)

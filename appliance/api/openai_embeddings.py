@@ -25,7 +25,6 @@ import numpy as np
 
 from appliance.api.openai_fields import FieldError
 from appliance.core.errors import InvalidArgument
-from appliance.core.text import Vocabulary
 
 if TYPE_CHECKING:
     from appliance.core.seams import ModelHandle
@@ -43,6 +42,19 @@ def signature(handle: "ModelHandle", model: str) -> "SignatureInfo":
                      "model")
 
 
+def serves(handle: "ModelHandle") -> bool:
+    """Whether the version is an encoder by the convention (module docstring), as ``/v1/models``
+    lists it: an ``embed`` signature, or a ``serving_default`` whose output is ``embeddings``
+    (any TensorFlow model has a serving_default: that alone makes no encoder)."""
+    sig = handle.signatures.get("embed")
+    named = sig is not None
+    sig = sig or handle.signatures.get("serving_default")
+    if sig is None or not ("embeddings" in sig.outputs or (named and len(sig.outputs) == 1)):
+        return False
+    names = list(sig.inputs)
+    return "input_ids" in sig.inputs or (len(names) == 1 and sig.inputs[names[0]].is_string)
+
+
 def inputs(body: dict[str, Any]) -> list[Any]:
     given = body.get("input")
     items = [given] if isinstance(given, str) or (isinstance(given, list) and given and
@@ -54,7 +66,7 @@ def inputs(body: dict[str, Any]) -> list[Any]:
     return items
 
 
-def feeds(sig: Any, items: list[Any], vocab: Vocabulary | None, model: str) -> tuple[dict[str, np.ndarray], int]:
+def feeds(sig: Any, items: list[Any], vocab: Any, model: str) -> tuple[dict[str, np.ndarray], int]:
     """(the signature's inputs, prompt tokens) for the items (module docstring)."""
     names = list(sig.inputs)
     if len(names) == 1 and sig.inputs[names[0]].is_string:
@@ -81,11 +93,11 @@ def feeds(sig: Any, items: list[Any], vocab: Vocabulary | None, model: str) -> t
     return out, sum(len(t) for t in ids)
 
 
-def _ids(item: Any, vocab: Vocabulary | None, model: str) -> list[int]:
+def _ids(item: Any, vocab: Any, model: str) -> list[int]:
     if isinstance(item, list):
         return item
     if vocab is None:
-        raise FieldError(f"model '{model}' ships no vocabulary (assets/vocab.json): send token-id lists", "input")
+        raise FieldError(f"model '{model}' ships no tokenizer (tokenizer.json, tokenizer.model or assets/vocab.json): send token-id lists", "input")
     try:
         return vocab.encode(item)
     except InvalidArgument as exc:
@@ -114,4 +126,4 @@ def answer(body: dict[str, Any], found: np.ndarray, answered_by: str, tokens: in
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-__all__ = ["answer", "feeds", "inputs", "signature", "vectors"]
+__all__ = ["answer", "feeds", "inputs", "serves", "signature", "vectors"]

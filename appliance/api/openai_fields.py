@@ -24,13 +24,18 @@ MAX_STOPS = 4  # OpenAI's limit
 MAX_CHOICES = 8  # n: each choice is a stream (and a cache row) of its own
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions logprobs
 COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
-          "response_format", "logprobs")
+          "response_format", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+          # vLLM's, llama.cpp's and Ollama's extensions (the openai client's extra_body)
+          "top_k", "min_p", "repetition_penalty")
+# What a backend that samples by itself (a LiteRT-LM bundle) cannot do: refused by name there
+PROCESSORS = ("presence_penalty", "frequency_penalty", "logit_bias", "min_p", "repetition_penalty")
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 FIELDS = {CHAT: COMMON + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                           "parallel_tool_calls"),
           COMPLETIONS: COMMON + ("prompt",)}
 # Fields this server cannot honour: accepted only with OpenAI's default value (None is also fine).
 DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "echo": (False,),
+    "echo": (False,),
     "best_of": (1,), "suffix": ("",), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default")}
 WHY_NOT = {"best_of": "best_of (ranking several samples by their log-probability) is not built here; ask for n "
                       "choices and compare their logprobs"}
@@ -189,17 +194,55 @@ def _number(body: dict[str, Any], name: str, default: Any, kind: type, low: floa
     return kind(value)
 
 
-def params(body: dict[str, Any], config: Any, chat: bool, stop_ids: frozenset[int] = frozenset()) -> Params:
+def params(body: dict[str, Any], config: Any, chat: bool, stop_ids: frozenset[int] = frozenset(),
+           room: int | None = None, vocab_size: int = 1 << 31) -> Params:
+    """The request's sampling parameters. ``room``: the context left after the prompt, the
+    default and the cap of ``max_tokens`` (OpenAI's and vLLM's rule: an answer may use the rest
+    of the context); None where the backend says no context (then generation's limits apply)."""
     stops(body)
-    limit = config.max_new_tokens_limit
     field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = max(room, 1) if room is not None else config.max_new_tokens_limit
+    asked = _number(body, field, None, int, 1, 1 << 62)
     seed = _number(body, "seed", None, int, -(1 << 63), (1 << 63) - 1)
-    return Params(max_new_tokens=_number(body, field, config.default_max_new_tokens, int, 1, limit),
+    top_k = _number(body, "top_k", 0, int, -1, 1 << 31)
+    return Params(max_new_tokens=min(asked, limit) if asked is not None else
+                  (limit if room is not None else config.default_max_new_tokens),
                   temperature=_number(body, "temperature", 1.0, float, 0, 2),
-                  top_p=_number(body, "top_p", 1.0, float, 1e-9, 1),
+                  top_p=_number(body, "top_p", 1.0, float, 1e-9, 1), top_k=max(top_k, 0),  # -1: off (vLLM's)
                   seed=None if seed is None else seed % (1 << 63),  # numpy's generators take no negative seed
-                  stop=stop_ids, logprobs=top_logprobs(body, chat))
+                  stop=stop_ids, logprobs=top_logprobs(body, chat),
+                  presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
+                  frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
+                  repetition_penalty=_number(body, "repetition_penalty", 1.0, float, 1e-6, 100),
+                  min_p=_number(body, "min_p", 0.0, float, 0, 1), logit_bias=logit_bias(body, vocab_size))
 
 
-__all__ = ["CHAT", "COMPLETIONS", "FieldError", "MAX_STOPS", "ModelNotFound", "choices", "messages", "model_id",
-           "params", "prompt", "read", "stops", "top_logprobs"]
+def logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: {"<token id>": bias from -100 to 100}."""
+    given = body.get("logit_bias")
+    if given is None:
+        return ()
+    if not isinstance(given, dict) or len(given) > MAX_LOGIT_BIAS:
+        raise FieldError(f"field 'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids to biases",
+                         "logit_bias")
+    out = []
+    for key, bias in given.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise FieldError(f"field 'logit_bias': {key!r} is not a token id of this model (0..{vocab_size - 1})",
+                             "logit_bias")
+        ok = isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+        if not ok or not -100 <= bias <= 100:
+            raise FieldError(f"field 'logit_bias': the bias of token {key} must be a number from -100 to 100",
+                             "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+def processors_asked(body: dict[str, Any]) -> str | None:
+    """The first logit processor the request turns on (for a backend that has none), else None."""
+    off = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "min_p": 0, "repetition_penalty": 1}
+    return next((f for f in PROCESSORS if body.get(f) is not None and body[f] != off[f]), None)
+
+
+__all__ = ["CHAT", "COMPLETIONS", "FieldError", "MAX_STOPS", "ModelNotFound", "choices", "logit_bias", "messages",
+           "model_id", "params", "processors_asked", "prompt", "read", "stops", "top_logprobs"]

@@ -98,6 +98,17 @@ class TFConfig:
 
 
 @dataclass
+class LiteRTLMConfig:
+    """``[runtime.litertlm]``: LiteRT-LM bundles (runtimes/litertlm.py)."""
+
+    engines: int = 1  # engines per bundle version, lent one per stream: streams of one bundle at once
+
+    def validate(self, key: str) -> None:
+        if self.engines < 1:
+            raise ConfigError(f"{key}.engines", "must be at least 1")
+
+
+@dataclass
 class RuntimeConfig:
     backend: str = "auto"
     prefer_tflite_below_mb: int = 0
@@ -115,6 +126,7 @@ class RuntimeConfig:
     allow_partial_versions: bool = False
     tflite: TFLiteConfig = field(default_factory=TFLiteConfig)
     tf: TFConfig = field(default_factory=TFConfig)
+    litertlm: LiteRTLMConfig = field(default_factory=LiteRTLMConfig)
 
 
 @dataclass
@@ -400,9 +412,11 @@ class KServeConfig:
 class GenerationConfig:
     """Token streaming from generative models (``:generate``, appliance/core/generation.py)."""
 
-    max_streams: int = 24  # streams at once, all models (each holds an HTTP thread); more: 503 + Retry-After
+    max_streams: int = 24  # streams at once, all models (each holds an HTTP thread); more wait in a queue
     max_streams_per_model: int = 0  # streams at once of one model; 0: no cap of its own (appliance/core/stream_limits.py)
-    reserved_streams_per_model: int = 2  # kept in the pool for each other generative model that holds fewer
+    reserved_streams_per_model: int = 0  # kept in the pool for each other generative model that holds fewer (0: off)
+    max_queued_per_model: int = 256  # requests of one model waiting for a stream; more: 503 + Retry-After
+    queue_timeout_s: float = 60.0  # the longest a request waits for a stream before its 503 + Retry-After
     max_streams_per_step: int = 0  # streams per decode call; 0: the model's batching.max_batch_size
     step_batching: bool = True  # false: one decode call per stream per step (the bench's baseline)
     default_max_new_tokens: int = 64  # when a request names none
@@ -412,7 +426,9 @@ class GenerationConfig:
         for name in ("max_streams", "default_max_new_tokens", "max_new_tokens_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{key}.{name}", "must be at least 1")
-        for name in ("max_streams_per_model", "reserved_streams_per_model"):
+        if not self.queue_timeout_s >= 0:
+            raise ConfigError(f"{key}.queue_timeout_s", "must not be negative (0: refuse at once when full)")
+        for name in ("max_streams_per_model", "reserved_streams_per_model", "max_queued_per_model"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{key}.{name}", "must not be negative (0: off)")
         if self.max_streams_per_step < 0:
@@ -601,6 +617,7 @@ def validate(config: Config) -> Config:
     if config.runtime.load_timeout_base_s <= 0:
         raise ConfigError("runtime.load_timeout_base_s", "must be positive")
     config.batching.validate("batching")
+    config.runtime.litertlm.validate("runtime.litertlm")
     if config.discovery.recheck_interval_s <= 0:
         raise ConfigError("discovery.recheck_interval_s", "must be positive")
     if len(config.discovery.name.encode()) > 63:

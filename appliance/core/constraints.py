@@ -6,10 +6,11 @@ turns one into a mask over the version's own vocabulary at every decode step, wi
 llguidance (Microsoft's grammar engine, also behind llama.cpp's and vLLM's guided
 decoding; bench/RESULTS.md says why it was chosen over outlines-core and xgrammar).
 
-* ``TokenTable.of(vocab)``: the vocabulary as llguidance sees it (token bytes; the special
-  tokens, EOS among them, marked so that no grammar text can use them). Built once per
-  version. A vocabulary without an EOS token gets a virtual one past its end: the model
-  cannot pick it, so such a stream ends when the grammar can take nothing more.
+* ``TokenTable.of(tokenizer)``: the version's tokenizer as llguidance sees it: a
+  ``tokenizer.json`` read by llguidance itself, else token bytes (the special tokens, EOS
+  among them, marked so that no grammar text can use them). Built once per version. A
+  vocabulary without an EOS token gets a virtual one past its end: the model cannot pick
+  it, so such a stream ends when the grammar can take nothing more.
 * ``Grammar``: a compiled, validated grammar (``json_schema``, ``json_object``, ``lark``);
   a grammar the engine refuses raises ``InvalidArgument`` naming why, before any stream.
 * ``Constraint``: one stream's matcher: ``allowed()`` -> a boolean mask over the model's
@@ -27,7 +28,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -42,7 +43,7 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 MATCHERS_KEPT = 32  # compiled grammars kept per vocabulary (TokenTable.matcher)
 
 
-def _llguidance() -> Any:
+def llguidance_module() -> Any:
     try:
         import llguidance
     except ImportError as exc:  # a lean install without the grammar engine
@@ -51,19 +52,26 @@ def _llguidance() -> Any:
     return llguidance
 
 
+def tokenizer_of_bytes(tokens: Sequence[bytes], eos: int | None, special: frozenset[int],
+                       encode: Callable[[str], list[int]] | None = None) -> Any:
+    """An llguidance tokenizer over token bytes (a vocabulary no library reads for it): the
+    special tokens, EOS among them, marked so that no grammar text can use them; without an
+    EOS, a virtual one past the end. ``encode``: the version's own encoder (else greedy
+    longest match over the bytes, as appliance/core/text.py's Vocabulary encodes)."""
+    llg = llguidance_module()
+    raw = [(SPECIAL + t) if i in special or i == eos else t for i, t in enumerate(tokens)]
+    if eos is None:
+        eos = len(raw)
+        raw.append(SPECIAL + b"<eos>")
+    return llg.LLTokenizer(llg.TokenizerWrapper(_Wrapper(raw, eos, encode)))
+
+
 class TokenTable:
     """A vocabulary as the grammar engine reads it (module docstring). Immutable."""
 
-    def __init__(self, tokens: Sequence[str], eos: int | None, special: frozenset[int]):
-        llg = _llguidance()
-        self.model_vocab = len(tokens)
-        self.eos = eos if eos is not None else len(tokens)  # virtual: past the model's logits
-        raw = [(SPECIAL + t.encode("utf-8")) if i in special or i == eos else t.encode("utf-8")
-               for i, t in enumerate(tokens)]
-        if eos is None:
-            raw.append(SPECIAL + b"<eos>")
-        wrapper = _Wrapper(raw, self.eos)
-        self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(wrapper))
+    def __init__(self, tokenizer: Any, model_vocab: int):
+        self.tokenizer = tokenizer
+        self.model_vocab = model_vocab  # the version's tokens (a virtual EOS lies past them)
         self.size = self.tokenizer.vocab_size
         self.words = (self.size + 31) // 32
         self._matchers: OrderedDict[str, Any] = OrderedDict()  # grammar source -> a fresh matcher, to copy
@@ -78,7 +86,7 @@ class TokenTable:
             if proto is not None:
                 self._matchers.move_to_end(grammar.source)
                 return proto.deep_copy()
-        proto = _llguidance().LLMatcher(self.tokenizer, grammar.source, log_level=0)
+        proto = llguidance_module().LLMatcher(self.tokenizer, grammar.source, log_level=0)
         if proto.is_error():
             raise InvalidArgument(f"{grammar.what}: {proto.get_error()}")
         with self._lock:
@@ -93,7 +101,9 @@ class TokenTable:
 
     @classmethod
     def of(cls, vocab: Any) -> "TokenTable":
-        return cls(vocab.tokens, getattr(vocab, "eos_id", None), frozenset(getattr(vocab, "special_ids", ())))
+        """The table of a version's tokenizer (appliance/core/tokenizer.py): built from the same
+        tokenizer, by llguidance itself where it reads the format."""
+        return cls(vocab.grammar_tokenizer(), vocab.size)
 
 
 class _Wrapper:
@@ -101,14 +111,15 @@ class _Wrapper:
 
     bos_token_id = None
 
-    def __init__(self, tokens: list[bytes], eos: int):
-        self.tokens, self.eos_token_id = tokens, eos
+    def __init__(self, tokens: list[bytes], eos: int, encode: Callable[[str], list[int]] | None):
+        self.tokens, self.eos_token_id, self._encode = tokens, eos, encode
         self.special_token_ids = [i for i, t in enumerate(tokens) if t.startswith(SPECIAL)]
         lookup = {t: i for i, t in reversed(list(enumerate(tokens))) if t and not t.startswith(SPECIAL)}
         self._lookup, self._longest = lookup, max((len(t) for t in lookup), default=1)
 
     def __call__(self, text: bytes | str) -> list[int]:
-        """Greedy longest match, as appliance/core/text.py's Vocabulary encodes."""
+        if self._encode is not None:
+            return self._encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
         data = text.encode("utf-8") if isinstance(text, str) else text
         ids, i = [], 0
         while i < len(data):
@@ -132,7 +143,7 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any], what: str) -> "Grammar":
-        llg = _llguidance()
+        llg = llguidance_module()
         try:
             source = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         except ValueError as exc:
@@ -141,13 +152,13 @@ class Grammar:
 
     @classmethod
     def lark(cls, text: str, what: str) -> "Grammar":
-        return cls(_llguidance().LLMatcher.grammar_from_lark(text), what)
+        return cls(llguidance_module().LLMatcher.grammar_from_lark(text), what)
 
     def check(self, table: TokenTable) -> "Grammar":
         """This grammar, or ``InvalidArgument`` with the engine's reason."""
         if table.knows(self.source):  # a matcher was built from it: it was valid
             return self
-        llg = _llguidance()
+        llg = llguidance_module()
         error = llg.LLMatcher.validate_grammar(self.source, table.tokenizer)
         if error and not error.startswith("WARNING"):
             raise InvalidArgument(f"{self.what}: the grammar engine cannot take it: {error.strip()}")
@@ -172,7 +183,7 @@ class Constraint:
         All False: only the (virtual) end of text is allowed."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.table.model_vocab]
-        return bits.astype(bool)  # a real EOS keeps the grammar's bit: the model may end the text there
+        return bits.astype(bool)  # the model's logits may run past it: sampling pads the mask  # a real EOS keeps the grammar's bit: the model may end the text there
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
@@ -183,4 +194,4 @@ class Constraint:
         return bool(self.matcher.is_accepting())
 
 
-__all__ = ["ANY_OBJECT", "Constraint", "Grammar", "TokenTable"]
+__all__ = ["ANY_OBJECT", "Constraint", "Grammar", "TokenTable", "llguidance_module", "tokenizer_of_bytes"]

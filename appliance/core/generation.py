@@ -20,13 +20,14 @@ prefilled once: the other rows get a copy of that row's cache, and the choices r
 same calls.
 
 **Limits** (``generation.max_streams``, all models; ``max_streams_per_model``, 0: no cap
-of its own): a model may not take the last ``reserved_streams_per_model`` streams of the
-pool for each *other* model that can generate and holds fewer than that many, so streams
-on one model never shut every other model out (appliance/core/stream_limits.py).
+of its own): a request that finds no room waits in its model's queue, admitted as streams
+end, fewest-running model first (appliance/core/stream_limits.py); ``/api/status`` ->
+``generation.requests_waiting`` and the metric ``..._requests_waiting`` show the queues.
 
 Text-level servables (a LiteRT-LM ``.litertlm`` bundle) decode by themselves: their
 streams run in appliance/core/text_streams.py under the same limits, handle, status and
-metrics. Prompts as text, chat templates and stop strings: appliance/core/text.py; the
+metrics. Prompts as text: the version's tokenizer (appliance/core/tokenizer.py); chat templates and
+stop strings: appliance/core/text.py; the
 stream object, its parameters and metrics: appliance/core/streams.py.
 
 A stream holds a manager handle on the version it started on until it ends, so a
@@ -56,7 +57,8 @@ from appliance.core.lanes import Lane, place
 from appliance.core.sampling import choose
 from appliance.core.stream_limits import SharedHandle, StreamLimits
 from appliance.core.streams import GenerationMetrics, Params, Stream, Tagged
-from appliance.core.text import ChatTemplate, Vocabulary
+from appliance.core.text import ChatTemplate
+from appliance.core.tokenizer import load as load_tokenizer
 from appliance.core.text_streams import TextDriver, TextStreams, TextVocabulary
 
 log = logging.getLogger("appliance.generation")
@@ -147,6 +149,8 @@ class DecodeLoop:
         self.lanes = [lane for lane in self.lanes if lane.active()]  # an idle lane frees its cache
 
     def _advance(self, lane: Lane, row: int, stream: Stream, logits: np.ndarray) -> None:
+        if stream.vocab_limit is not None and logits.shape[-1] > stream.vocab_limit:
+            logits = logits[:stream.vocab_limit]  # a padded lm_head: ids past the tokenizer are no tokens
         token, logprob = choose(logits, stream)
         if token is None or token in stream.params.stop:  # the grammar is complete, or a stop token
             self._finish(lane, row, "stop")
@@ -198,7 +202,7 @@ class Generation:
         self.metrics: GenerationMetrics = GenerationMetrics(core.metrics.registry)
         self.counts = {"streams_started": 0, "streams_cancelled": 0, "tokens_generated": 0}
         self.admitted = 0  # streams queued or running, all versions
-        self.limits = StreamLimits(lambda: self.config, self._generative_models)
+        self.limits = StreamLimits(lambda: self.config, self._generative_models, self.lock, self.metrics)
         self.status: dict[str, Any] = {}
         self.publish()
         core.add_status("generation", lambda: self.status)
@@ -253,7 +257,7 @@ class Generation:
             driver = generative.detect(servable)
         except RuntimeFailure as exc:
             raise InvalidArgument(f"{slot.model} version {slot.version}: {exc}") from exc
-        return driver, (Vocabulary.load(slot.path) if driver is not None else None)
+        return driver, (load_tokenizer(slot.path) if driver is not None else None)
 
     def can_generate(self, handle: Any) -> bool:
         try:
@@ -269,9 +273,10 @@ class Generation:
     def token_table(self, handle: Any) -> TokenTable:
         """The version's vocabulary as the grammar engine reads it (built once per version)."""
         _, vocab = self.prepare(handle)
-        if not isinstance(vocab, Vocabulary):
-            raise InvalidArgument("constrained decoding needs a token-level model with its vocabulary "
-                                  "(assets/vocab.json); a LiteRT-LM bundle decodes by itself")
+        if vocab is None or isinstance(vocab, TextVocabulary):
+            raise InvalidArgument("constrained decoding needs a token-level model with its tokenizer "
+                                  "(tokenizer.json, tokenizer.model or assets/vocab.json); a LiteRT-LM bundle "
+                                  "decodes by itself")
         return self._read(handle.slot, "token_table", lambda slot: TokenTable.of(vocab))  # type: ignore[no-any-return]  # the cache holds each kind's own value
 
     def start(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None) -> Stream:
@@ -304,6 +309,7 @@ class Generation:
                 stream.events, stream.choice_events = Tagged(merged, i), merged  # type: ignore[assignment]  # Tagged is the queue's interface over a shared queue
             stream.leader = streams[0] if i and not text_level else None
             stream.constraint = Constraint(grammar, table) if grammar is not None and table is not None else None
+            stream.vocab_limit = None if text_level or vocab is None else vocab.size
         self.limits.refresh()
         loop = self._admit(streams, handle.slot, driver, model, text_level)
         self.metrics.active.labels(model).inc(n)
@@ -378,6 +384,9 @@ class Generation:
             loops = list(self.loops.values())
             status = {**self.counts, "active_streams": self.admitted, "step_batching": self.config.step_batching,
                       "streams_per_model": dict(self.limits.running),
+                      "requests_waiting": len(self.limits.waiting), "waiting_per_model": self.limits.queued(),
+                      "longest_wait_s": round(time.monotonic() - min(w.since for w in self.limits.waiting), 3)
+                      if self.limits.waiting else 0.0,
                       "loops": [{"model": lp.model, "version": lp.slot.version, "lane_size": lp.lane_size,
                                  **lp.driver.describe()} for lp in loops],
                       "text_streams": self.text.status()}

@@ -350,7 +350,7 @@ def backend_options(env: LoadEnv, name: str, version: int) -> dict[str, dict[str
         "device": dict(device),
     }
     # LiteRT-LM (.litertlm bundles) keeps its compiled-model cache beside TensorFlow's
-    litertlm = {"cache_dir": os.path.join(config.state_dir, "cache")}
+    litertlm = {"cache_dir": os.path.join(config.state_dir, "cache"), "engines": rt.litertlm.engines}
     return {"tflite": tflite, "tf-cpu": tf, "tf-gpu": dict(tf), "litertlm": litertlm}
 
 

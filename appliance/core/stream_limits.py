@@ -1,62 +1,142 @@
-"""How many token streams each model may run: one pool, a cap per model, a share kept for the others.
+"""How many token streams each model may run, and the queue of those that wait for room.
 
-``generation.max_streams`` bounds the streams of all models together (each holds an HTTP
-thread and a cache row). Within it:
+``generation.max_streams`` bounds the streams of all models together (each holds a cache row
+and, while the OpenAI API is synchronous, an HTTP thread). Within it:
 
 * ``generation.max_streams_per_model`` (0: none) caps any one model;
-* ``generation.reserved_streams_per_model``: a model may not take the pool's last streams
-  that every *other* generative model still needs to reach that many. With the defaults
-  (24, 2) and three generative models, one busy model gets at most 20 while the other two
-  are idle, and each of them can always start 2 at once; as they run more, the busy model
-  gets fewer. That is a work-conserving fair share without a queue: the pool is never left
-  idle for a model that may come, and no model can shut another out (with one pool, 24
-  streams on one model made every other generative model answer 503 for 53 s, issue 35).
+* ``generation.reserved_streams_per_model`` (default 0, off): a model may not take the
+  pool's last streams that every *other* generative model still needs to reach that many.
 
-A refusal is ``Unavailable`` (503 + Retry-After) naming the limit that refused. Thread-safe:
-``admit``/``leave`` run under the caller's lock (the generation's own).
+**A burst waits, as vLLM, llama.cpp and Ollama make it wait**: a request that finds no room
+joins its model's queue (at most ``generation.max_queued_per_model`` waiting) and is admitted
+when a stream ends; it is refused (``Unavailable``: 503 + Retry-After, naming why) only when
+that queue is full or it waited ``generation.queue_timeout_s``. **Fair shares without
+reservations**: when room frees, the waiting request of the model with the fewest running
+streams goes first (oldest first among equals): an idle model's first request overtakes a busy
+model's queue, and a model alone may use the whole pool, whatever the number of models.
+
+Thread-safety: ``admit``/``leave`` run under the caller's lock (the generation's own), which
+``admit`` releases while it waits (a ``threading.Condition`` on it).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
 
-from appliance.core.errors import ApplianceError, Unavailable
+from appliance.core.errors import ApplianceError, QueueFull, Unavailable
 
 MODELS_TTL_S = 2.0  # how long the set of generative models is reused before it is read again
 
 
-class StreamLimits:
-    """Counts per model and the admission rule (module docstring). ``admit`` and ``leave``
-    under the caller's lock; ``refresh`` outside it."""
+class QueueObserver(Protocol):
+    """Where the queue reports (appliance/core/streams.py ``GenerationMetrics``); called under the lock."""
 
-    def __init__(self, config: Callable[[], Any], generative_models: Callable[[], Iterable[str]]):
+    def queued(self, model: str, delta: int) -> None: ...
+
+    def waited(self, model: str, seconds: float) -> None: ...
+
+
+@dataclass
+class Waiter:
+    model: str
+    count: int
+    seq: int
+    since: float = field(default_factory=time.monotonic)
+
+
+class StreamLimits:
+    """Counts per model, the admission rule and its queue (module docstring). ``admit`` and
+    ``leave`` under ``lock``; ``refresh`` outside it."""
+
+    def __init__(self, config: Callable[[], Any], generative_models: Callable[[], Iterable[str]],
+                 lock: threading.Lock | None = None, observer: "QueueObserver | None" = None):
         self._config, self._models_of = config, generative_models
         self.running: dict[str, int] = {}
+        self.waiting: list[Waiter] = []
+        self._ready = threading.Condition(lock or threading.Lock())
+        self._seq = itertools.count()
+        self._observer = observer
         self._models: tuple[float, frozenset[str]] = (-MODELS_TTL_S, frozenset())
 
     @property
     def total(self) -> int:
         return sum(self.running.values())
 
+    def queued(self) -> dict[str, int]:
+        """Requests waiting per model (under the lock)."""
+        out: dict[str, int] = {}
+        for w in self.waiting:
+            out[w.model] = out.get(w.model, 0) + 1
+        return out
+
     def admit(self, model: str, count: int = 1) -> None:
-        """Count ``count`` new streams of ``model`` in, or raise ``Unavailable`` naming why."""
+        """Count ``count`` new streams of ``model`` in, waiting for room in the model's queue;
+        ``Unavailable`` naming why when the queue is full or the wait ran out."""
         config = self._config()
+        self._check_size(model, count, config)
+        if not self.waiting and self._refusal(model, count, config) is None:
+            self._count_in(model, count)
+            return
+        if sum(w.model == model for w in self.waiting) >= config.max_queued_per_model:
+            raise QueueFull(f"{config.max_queued_per_model} requests of model '{model}' are waiting for a stream, "
+                            "the limit is generation.max_queued_per_model; retry later")
+        me = Waiter(model, count, next(self._seq))
+        self.waiting.append(me)
+        if self._observer is not None:
+            self._observer.queued(model, 1)
+        deadline = me.since + config.queue_timeout_s
+        try:
+            while not self._my_turn(me, config):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Unavailable(f"waited {config.queue_timeout_s:g} s (generation.queue_timeout_s) for a "
+                                      f"stream of model '{model}': {self._refusal(model, count, config)} retry later")
+                self._ready.wait(left)
+        finally:
+            self.waiting.remove(me)
+            self._ready.notify_all()  # the next in line may fit now
+            if self._observer is not None:
+                self._observer.queued(model, -1)
+                self._observer.waited(model, time.monotonic() - me.since)
+        self._count_in(model, count)
+
+    def _check_size(self, model: str, count: int, config: Any) -> None:
+        """A request no amount of waiting can admit is refused at once."""
+        cap = config.max_streams_per_model
+        if count > config.max_streams or (cap and count > cap):
+            raise Unavailable(f"{count} streams at once is more than model '{model}' may ever run "
+                              f"(generation.max_streams = {config.max_streams}, max_streams_per_model = {cap})")
+
+    def _my_turn(self, me: Waiter, config: Any) -> bool:
+        """Whether ``me`` goes now: it fits, and no waiter that fits is ahead of it (fewest running
+        streams of its model first, then the oldest)."""
+        fitting = [w for w in self.waiting if self._refusal(w.model, w.count, config) is None]
+        if me not in fitting:
+            return False
+        return min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq)) is me
+
+    def _count_in(self, model: str, count: int) -> None:
+        self.running[model] = self.running.get(model, 0) + count
+
+    def _refusal(self, model: str, count: int, config: Any) -> str | None:
+        """Why ``count`` more streams of ``model`` cannot start now; None when they can."""
         mine, total = self.running.get(model, 0), self.total
         if total + count > config.max_streams:
-            raise Unavailable(f"{total} streams are running, the limit is generation.max_streams = "
-                              f"{config.max_streams}; retry later")
+            return f"{total} streams are running, the limit is generation.max_streams = {config.max_streams};"
         cap = config.max_streams_per_model
         if cap and mine + count > cap:
-            raise Unavailable(f"{mine} streams of model '{model}' are running, the limit is "
-                              f"generation.max_streams_per_model = {cap}; retry later")
+            return (f"{mine} streams of model '{model}' are running, the limit is "
+                    f"generation.max_streams_per_model = {cap};")
         kept = self._kept_for_others(model, config.reserved_streams_per_model)
         if total + count > config.max_streams - kept:
-            raise Unavailable(f"{total} of generation.max_streams = {config.max_streams} streams are running; the "
-                              f"last {kept} are kept for other models (generation.reserved_streams_per_model = "
-                              f"{config.reserved_streams_per_model}); retry later")
-        self.running[model] = mine + count
+            return (f"{total} of generation.max_streams = {config.max_streams} streams are running; the last {kept} "
+                    f"are kept for other models (generation.reserved_streams_per_model = "
+                    f"{config.reserved_streams_per_model});")
+        return None
 
     def leave(self, model: str) -> None:
         left = self.running.get(model, 0) - 1
@@ -64,6 +144,8 @@ class StreamLimits:
             self.running[model] = left
         else:
             self.running.pop(model, None)
+        if self.waiting:
+            self._ready.notify_all()
 
     def _kept_for_others(self, model: str, reserve: int) -> int:
         if reserve <= 0:
@@ -104,4 +186,4 @@ class SharedHandle:
         self.handle.release()
 
 
-__all__ = ["SharedHandle", "StreamLimits"]
+__all__ = ["QueueObserver", "SharedHandle", "StreamLimits"]

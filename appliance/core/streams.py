@@ -39,6 +39,18 @@ class Params:
     seed: int | None = None
     stop: frozenset[int] = frozenset()
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k best
+    # OpenAI's and vLLM's logit processors (appliance/core/sampling.py), all off by default
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logit processor is on (sampling skips them all otherwise)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 class Stream:
@@ -63,6 +75,7 @@ class Stream:
         self.offset = 0  # where its sequence starts in its cache row (aligned lanes, lanes.py)
         self.next_input = prompt[-1]
         self.constraint: Constraint | None = None
+        self.vocab_limit: int | None = None  # the tokenizer's size: logits past it are never chosen
         self.logprobs: list[TokenLogprob] = []  # one per token, when params.logprobs is set
         self.leader: Stream | None = None  # another choice of the same prompt whose prefill it copies
         self.index = 0  # which choice it is (OpenAI's index)
@@ -128,10 +141,23 @@ class GenerationMetrics:
                             ["model_name"], registry=registry)
         self.streams = Counter("edge_appliance_generation_streams", "Finished streams by finish reason",
                                ["model_name", "finish_reason"], registry=registry)
+        self.waiting = Gauge("edge_appliance_generation_requests_waiting",
+                             "Requests waiting for a stream (vLLM's num_requests_waiting)", ["model_name"],
+                             registry=registry)
+        self.queue_wait = Histogram("edge_appliance_generation_queue_wait_seconds",
+                                    "How long a request waited for a stream (refused ones included)",
+                                    ["model_name"], buckets=TTFT_BUCKETS_S + (30, 60), registry=registry)
         self.step_rows = Histogram("edge_appliance_generation_step_rows",
                                    "Streams per model call of a decode step (a lane whose streams sit at "
                                    "different shared positions makes one call per position)",
                                    ["model_name"], buckets=ROW_BUCKETS, registry=registry)
+
+
+    def queued(self, model: str, delta: int) -> None:
+        self.waiting.labels(model).inc(delta)
+
+    def waited(self, model: str, seconds: float) -> None:
+        self.queue_wait.labels(model).observe(seconds)
 
 
 __all__ = ["GenerationMetrics", "Params", "Stream", "Tagged"]

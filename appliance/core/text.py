@@ -1,7 +1,8 @@
 """Text around token streams: a version's vocabulary, its chat template, stop strings.
 
 ``Vocabulary``: ``assets/vocab.json`` of a token-level version (a JSON list of token
-strings), the tokenizer of ``:generate``'s ``text`` and of the OpenAI API.
+strings): the tokenizer of the tiny character-level versions; ``tokenizer.json`` and
+``tokenizer.model`` are read by their own libraries (appliance/core/tokenizer.py).
 
 ``ChatTemplate``: chat messages -> one prompt, by the version's own Jinja template
 (``assets/chat_template.jinja``, else ``chat_template`` of ``assets/tokenizer_config.json``:
@@ -19,6 +20,7 @@ import os
 from typing import Any, Iterable, Mapping, Sequence
 
 from appliance.core.errors import ApplianceError, InvalidArgument
+from appliance.core.tokenizer import check, find, read_json
 
 VOCAB_FILE = os.path.join("assets", "vocab.json")
 CHAT_TEMPLATE_FILE = os.path.join("assets", "chat_template.jinja")
@@ -49,7 +51,9 @@ class Vocabulary:
         self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
         self.longest = max((len(t) for t in self.tokens), default=1)
         self.eos_id = self._ids.get(eos) if eos else None
+        self.stop_ids = frozenset([self.eos_id]) if self.eos_id is not None else frozenset()
         self.special_ids = frozenset(self._ids[t] for t in special if t in self._ids)
+        self.size = len(self.tokens)
 
     @classmethod
     def load(cls, version_dir: str) -> "Vocabulary | None":
@@ -71,7 +75,8 @@ class Vocabulary:
         without encoding it: a prompt over the context is refused before any work."""
         return -(-len(text) // self.longest)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """``special`` is the tokenizers' face (appliance/core/tokenizer.py): a list adds no BOS."""
         ids, i = [], 0
         while i < len(text):
             for size in range(min(self.longest, len(text) - i), 0, -1):
@@ -87,6 +92,17 @@ class Vocabulary:
 
     def decode(self, token: int) -> str:
         return self.tokens[token] if 0 <= token < len(self.tokens) else ""
+
+    def decode_all(self, ids: Sequence[int]) -> str:
+        return "".join(self.decode(t) for t in ids if t not in self.special_ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode(token).encode("utf-8")
+
+    def grammar_tokenizer(self) -> Any:
+        from appliance.core.constraints import tokenizer_of_bytes
+
+        return tokenizer_of_bytes([t.encode("utf-8") for t in self.tokens], self.eos_id, self.special_ids)
 
 
 class ChatTemplate:
@@ -110,8 +126,8 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, version_dir: str) -> "ChatTemplate":
-        path = os.path.join(version_dir, CHAT_TEMPLATE_FILE)
-        if os.path.isfile(path):
+        path = find(version_dir, "chat_template.jinja")
+        if path is not None:
             with open(path, encoding="utf-8") as f:
                 return cls(f.read(), CHAT_TEMPLATE_FILE)
         config = _tokenizer_config(version_dir)
@@ -160,15 +176,7 @@ def _special(token: Any) -> str:
 
 
 def _tokenizer_config(version_dir: str) -> dict[str, Any]:
-    path = os.path.join(version_dir, TOKENIZER_CONFIG_FILE)
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"{TOKENIZER_CONFIG_FILE} of this version is not readable JSON: {exc}") from exc
-    return config if isinstance(config, dict) else {}
+    return read_json(version_dir, "tokenizer_config.json")  # assets/, else the version's root
 
 
 def check_assets(version_dir: str) -> None:
@@ -176,12 +184,12 @@ def check_assets(version_dir: str) -> None:
     ships them, must read, parse and render a plain chat; else the version is refused with the
     reason (``ApplianceError``), instead of a 500 on every chat request later."""
     try:
-        Vocabulary.load(version_dir)
+        check(version_dir)
     except (OSError, ValueError) as exc:
         raise ApplianceError(f"{VOCAB_FILE} of this version is not readable JSON: {exc}") from exc
     except InvalidArgument as exc:
         raise ApplianceError(exc.message) from exc
-    ships = os.path.isfile(os.path.join(version_dir, CHAT_TEMPLATE_FILE)) or \
+    ships = find(version_dir, "chat_template.jinja") is not None or \
         "chat_template" in _tokenizer_config(version_dir)
     if ships:
         ChatTemplate.load(version_dir).check()

@@ -15,6 +15,7 @@ guarded by the owner's lock; each stream's thread touches only its stream.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Protocol
@@ -55,7 +56,8 @@ class TextVocabulary:
     def __init__(self, servable: TextServable):
         self.servable = servable
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """``special``: the engine puts its own start token before a prompt, whatever is asked."""
         try:
             return self.servable.tokenize(text)
         except RuntimeFailure as exc:
@@ -107,7 +109,7 @@ class TextStreams:
         greedy = p.temperature <= 0
         request = TextRequest(text, p.max_new_tokens, top_k=1 if greedy else (p.top_k or NO_TOP_K),
                               top_p=1.0 if greedy else p.top_p, temperature=1.0 if greedy else p.temperature,
-                              seed=None if p.seed is None else p.seed % SEED_RANGE)
+                              seed=self._seed(stream))
         reason, error = "", ""
         try:
             reason = self._pieces(stream, driver, request)
@@ -127,6 +129,13 @@ class TextStreams:
             if not self.running[key]:
                 del self.running[key]
         self.owner.ended(stream, reason, error)
+
+    @staticmethod
+    def _seed(stream: Stream) -> int:
+        """The engine's seed: the request's, one apart per choice (``n``); without one, a fresh
+        random seed (the engine's own default is fixed: the same text every time)."""
+        base = stream.params.seed if stream.params.seed is not None else secrets.randbits(62)
+        return (base + stream.index) % SEED_RANGE
 
     def _pieces(self, stream: Stream, driver: TextDriver, request: TextRequest) -> str:
         """Put the pieces on the stream's events; the cancel reason if it was cancelled."""

@@ -137,7 +137,7 @@ def test_disconnect_cancels_a_running_stream(start_server: Any, gen_models: Path
     its stream (and its version handle) long before 60 steps could have run."""
     base = model_copy(gen_models, tmp_path, "gen_slow")
     config = tmp_path / "gen.toml"
-    config.write_text("[generation]\nmax_streams = 1\n")
+    config.write_text("[generation]\nmax_streams = 1\nqueue_timeout_s = 0\n")  # over the limit: refused, not queued
     srv = start_server("--models", str(base), "--config", str(config))
     r = requests.post(f"{srv.url}/v1/models/gen_slow:generate", stream=True, timeout=60,
                       data=json.dumps({"input_ids": [1, 2, 3], "max_new_tokens": 60, "stream": True}))

@@ -182,7 +182,7 @@ def test_errors_are_openais(client: Any, server: Any) -> None:
         assert missing.value.code == "model_not_found" and missing.value.param == "model", model
         assert missing.value.type == "invalid_request_error"
     for kwargs, param in (({"n": 99}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 9}, "logprobs"), ({"temperature": 5}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
-                          ({"presence_penalty": 1.5}, "presence_penalty"), ({"model": "mlp"}, "model"),
+                          ({"presence_penalty": 2.5}, "presence_penalty"), ({"model": "mlp"}, "model"),
                           ({"model": "tiny/versions/1"}, "model"), ({"stop": ["a"] * 5}, "stop"),
                           ({"prompt": ""}, "prompt"), ({"prompt": "\u00e9"}, "prompt")):
         with pytest.raises(openai.BadRequestError) as bad:
@@ -342,6 +342,21 @@ def test_a_bundle_samples_reproducibly_with_a_seed(client: Any, base: Path) -> N
     first = [sample(seed) for seed in (1, 2, 3, 4)]
     assert [sample(seed) for seed in (1, 2, 3, 4)] == first
     assert len(set(first)) > 1
+
+
+def test_a_bundle_samples_afresh_without_a_seed_and_per_choice(client: Any, base: Path) -> None:
+    """The engine's own default seed is fixed: temperature 1 gave the same text every time and
+    n=4 four copies of one answer (issue 45)."""
+    needs_bundle(base)
+    prompt = " ".join(f"t{i}" for i in WORDS)
+    kw: dict[str, Any] = {"model": "bundle", "prompt": prompt, "max_tokens": 8, "temperature": 1.5}
+    unseeded = {client.completions.create(**kw).choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1
+    choices = client.completions.create(n=4, seed=5, **kw).choices
+    assert len({c.text for c in choices}) > 1
+    with pytest.raises(openai.BadRequestError) as refused:  # a bundle samples by itself: no penalties
+        client.completions.create(presence_penalty=0.5, **kw)
+    assert refused.value.param == "presence_penalty"
 
 
 def test_a_bundle_answers_generate_with_text(server: Any, reference: Any, base: Path) -> None:

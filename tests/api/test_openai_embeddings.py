@@ -135,3 +135,10 @@ def test_embedding_errors_name_the_field(client: Any) -> None:
     with pytest.raises(openai.NotFoundError) as unknown:
         client.embeddings.create(model="nope", input="hi")
     assert unknown.value.code == "model_not_found"
+
+
+def test_the_model_list_names_the_encoders_embeddings_serves(client: Any) -> None:
+    """GET /v1/models listed only the models that generate: an app looking up its embedding model
+    found none (issue 45)."""
+    ids = {m.id for m in client.models.list().data}
+    assert {"enc", "enc:1", "enc_lite", "enc_lite:1"} <= ids

@@ -1,7 +1,9 @@
 """What a generative request holds, and for how long (issue 35), against the real
 ``appliance serve``: a whole (non-streamed) answer whose client goes away stops generating,
-in one process and through the front workers; one model's streams never shut another model
-out (``generation.reserved_streams_per_model``), and a model's own cap
+in one process and through the front workers; a request over the limits waits in its model's
+queue and is answered when a stream ends (issue 45); with no wait allowed
+(``generation.queue_timeout_s = 0``) one model's streams never shut another model out
+(``generation.reserved_streams_per_model``), and a model's own cap
 (``generation.max_streams_per_model``) refuses with its name.
 
 Model: genmodel's ``gen_slow`` (tests/support/genmodel.py: a generate_step SavedModel with a
@@ -16,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -76,7 +79,8 @@ def two_models(start_server: Any, gen_models: Path, tmp_path: Path) -> Any:  # n
     shutil.copytree(gen_models / "gen_slow", base / "busy")
     shutil.copytree(gen_models / "gen_slow", base / "other")
     config = tmp_path / "appliance.toml"
-    config.write_text(f'models_dir = "{base}"\n[generation]\nmax_streams = 4\nreserved_streams_per_model = 2\n')
+    config.write_text(f'models_dir = "{base}"\n[generation]\nmax_streams = 4\nreserved_streams_per_model = 2\n'
+                      'queue_timeout_s = 0\n')  # refused at once, not queued: what this fixture's test is about
     return start_server("--config", str(config))
 
 
@@ -119,8 +123,41 @@ def test_one_busy_model_never_shuts_another_out(two_models: Any) -> None:
     srv.wait_for(lambda: _generation(srv)["active_streams"] == 0, 60, "the held streams to end")
 
 
+def test_requests_over_the_limit_wait_for_a_stream(start_server: Any, gen_models: Path,  # noqa: F811
+                                                  tmp_path: Path) -> None:
+    """A burst is queued, not refused (vLLM's, llama.cpp's and Ollama's behaviour): with one
+    stream allowed, six requests of ~2.4 s each (30 gen_slow steps) sent at once are all
+    answered, the later ones after waiting in the model's queue (before: one answer, five 503s)."""
+    base = tmp_path / "models"
+    shutil.copytree(gen_models / "gen_slow", base / "gen")
+    config = tmp_path / "appliance.toml"
+    config.write_text(f'models_dir = "{base}"\n[generation]\nmax_streams = 1\n')
+    srv = start_server("--config", str(config))
+    answers: list[requests.Response] = []
+
+    def one() -> None:
+        answers.append(requests.post(f"{srv.url}/v1/completions", timeout=300,
+                                     json={"model": "gen", "prompt": "the model ", "max_tokens": 30}))
+
+    burst = [threading.Thread(target=one) for _ in range(6)]
+    for thread in burst:
+        thread.start()
+    for thread in burst:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in burst), "a request never ended"
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers if a.status_code != 200]
+    assert all(a.json()["usage"]["completion_tokens"] == 30 for a in answers)
+    metrics = srv.get("/monitoring/prometheus/metrics").text
+    waited = [line for line in metrics.splitlines()
+              if line.startswith('edge_appliance_generation_queue_wait_seconds_count{model_name="gen"}')]
+    assert waited and float(waited[0].split()[-1]) >= 1, waited  # they did wait: one stream at a time
+    assert 'edge_appliance_generation_requests_waiting{model_name="gen"} 0.0' in metrics
+    status = _generation(srv)
+    assert status["requests_waiting"] == 0 and status["waiting_per_model"] == {}
+
+
 class _Config:
-    def __init__(self, **kw: int):
+    def __init__(self, **kw: float):
         self.value = GenerationConfig(**kw)
 
     def __call__(self) -> GenerationConfig:
@@ -128,30 +165,38 @@ class _Config:
 
 
 def test_the_admission_rule() -> None:
-    """StreamLimits alone: the reserve (kept only for models below it), the pool, the cap."""
-    limits = StreamLimits(_Config(max_streams=6, reserved_streams_per_model=2), lambda: ["a", "b", "c"])
+    """StreamLimits alone, with no wait allowed: the reserve (kept only for models below it),
+    the pool, the cap."""
+    lock = threading.Lock()
+    limits = StreamLimits(_Config(max_streams=6, reserved_streams_per_model=2, queue_timeout_s=0),
+                          lambda: ["a", "b", "c"], lock)
+
+    def admit(on: StreamLimits, model: str, count: int = 1) -> None:
+        with lock:  # its contract: under the caller's lock
+            on.admit(model, count)
+
     limits.refresh()
-    limits.admit("a", 2)  # 6 - 2 kept for b - 2 kept for c = 2 for a
+    admit(limits, "a", 2)  # 6 - 2 kept for b - 2 kept for c = 2 for a
     with pytest.raises(Unavailable, match="reserved_streams_per_model"):
-        limits.admit("a")
-    limits.admit("b", 2)  # a has its reserve's worth: only c's 2 are kept back
+        admit(limits, "a")
+    admit(limits, "b", 2)  # a has its reserve's worth: only c's 2 are kept back
     with pytest.raises(Unavailable, match="reserved_streams_per_model"):
-        limits.admit("b")
-    limits.admit("c", 2)
+        admit(limits, "b")
+    admit(limits, "c", 2)
     with pytest.raises(Unavailable, match="generation.max_streams = 6"):
-        limits.admit("c")
+        admit(limits, "c")
     limits.leave("a")
     limits.leave("a")
     with pytest.raises(Unavailable, match="reserved_streams_per_model"):
-        limits.admit("c")  # a, below its reserve again, has 2 kept for it
-    limits.admit("a", 2)
+        admit(limits, "c")  # a, below its reserve again, has 2 kept for it
+    admit(limits, "a", 2)
     assert limits.running == {"a": 2, "b": 2, "c": 2}
-    capped = StreamLimits(_Config(max_streams=10, max_streams_per_model=3, reserved_streams_per_model=0),
-                          lambda: ["x", "y"])
-    capped.admit("x", 3)
+    capped = StreamLimits(_Config(max_streams=10, max_streams_per_model=3, reserved_streams_per_model=0,
+                                  queue_timeout_s=0), lambda: ["x", "y"], lock)
+    admit(capped, "x", 3)
     with pytest.raises(Unavailable, match="streams of model 'x' are running, the limit is "
                                           "generation.max_streams_per_model = 3"):
-        capped.admit("x")
+        admit(capped, "x")
     with pytest.raises(Unavailable, match="max_streams_per_model"):
-        capped.admit("y", 4)  # n choices are admitted together or not at all
+        admit(capped, "y", 4)  # n choices are admitted together or not at all
     assert capped.running == {"x": 3}

@@ -246,3 +246,23 @@ def test_the_config_names_exactly_the_registered_backends() -> None:
     from appliance.core.config import BACKEND_CHOICES
 
     assert BACKEND_CHOICES == ("auto", *runtimes.BACKEND_NAMES)
+
+
+def test_litertlm_engines_is_a_key_and_reaches_the_backend(tmp_path: Path) -> None:
+    """docs/generation.md names [runtime.litertlm] engines; it was refused as unknown."""
+    from types import SimpleNamespace
+
+    from appliance.core.loader import backend_options
+
+    config = load(write(tmp_path, "[runtime.litertlm]\nengines = 4\n"), {"state_dir": str(tmp_path / "state")})
+    env = SimpleNamespace(config=config, device={"cpu_count": 2})
+    assert backend_options(env, "m", 1)["litertlm"]["engines"] == 4  # type: ignore[arg-type]  # the fields read
+    assert refused(tmp_path, "[runtime.litertlm]\nengines = 0\n").key == "runtime.litertlm.engines"
+
+
+def test_the_stream_queue_keys_are_checked(tmp_path: Path) -> None:
+    config = load(None, {"state_dir": str(tmp_path)})
+    assert (config.generation.max_queued_per_model, config.generation.queue_timeout_s) == (256, 60.0)
+    assert config.generation.reserved_streams_per_model == 0  # fair shares come from the queue, not reservations
+    assert refused(tmp_path, "[generation]\nqueue_timeout_s = -1\n").key == "generation.queue_timeout_s"
+    assert refused(tmp_path, "[generation]\nmax_queued_per_model = -1\n").key == "generation.max_queued_per_model"
