@@ -8,9 +8,23 @@ worker restarts, and the tree's RSS idle and at its peak.
 MODELS_DIR holds ``keras_mlp_tflite/1/model.tflite`` (tests/support/modelgen.py builds it);
 compare a tree before the change by running this script with ``PYTHONPATH`` at a ``git archive``
 of it. Every process it starts is stopped by PID."""
-import gzip, json, os, subprocess, sys, threading, time
-import psutil, requests
-port = int(sys.argv[1]); models = sys.argv[2]; state = sys.argv[3]
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+import threading
+import time
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("port", type=int, help="a free loopback port for the service")
+parser.add_argument("models", help="MODELS_DIR, holding keras_mlp_tflite/1/model.tflite")
+parser.add_argument("state", help="STATE_DIR, the service's state directory (its log goes beside it)")
+args = parser.parse_args()
+port, models, state = args.port, args.models, args.state
+
+import psutil  # noqa: E402  (after --help: the bench's imports are not paid to print it)
+import requests  # noqa: E402
 proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                          "--state", state, "--models", models, "--backend", "tflite", "--workers", "2",
                          "--no-discovery", "--grpc-port", "0"], stdout=open(state + ".log", "wb"), stderr=subprocess.STDOUT)

@@ -24,7 +24,8 @@ FULL = re.compile(_NOT_AFTER + r"((?:" + "|".join(TOPS) + r")/[\w.\-/]*[\w/])(?!
 SHORT_FORM = re.compile(_NOT_AFTER + r"((?:" + "|".join(SHORT) + r")/[\w.\-/]*\.(?:py|md|json|toml|sh|js))\b")
 ROOT_VAR = re.compile(r"\$\{?ROOT\}?/")
 # Files of the service's state directory (``<state>/sync/...``, sync/store.py), not of the repository.
-STATE_FILES = {"sync/parked/", "sync/trust.json", "sync/pins.json", "sync/served.json"}
+STATE_FILES = {"sync/parked/", "sync/trust.json", "sync/pins.json", "sync/served.json", "sync/withdrawn.json",
+               "sync/report-sequence.json"}
 NOT_READ = {"RESULTS.md", Path(__file__).name}  # the dated record; this file's own examples of missing paths
 SUFFIXES = ("*.py", "*.pyi", "*.sh", "*.md", "*.toml", "*.yaml", "*.yml", "*.js", "*.html", "*.container", "*.service")
 
