@@ -20,6 +20,7 @@ without ``--state`` keeps its state there.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -37,6 +38,14 @@ HOME_VARIABLES = ("HOME", "STATE_DIRECTORY", "XDG_STATE_HOME", "XDG_CACHE_HOME",
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[OWNER] = reaper.claim()  # before collection: a builder's subprocesses carry it too
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (a CI's cancel, `timeout`, a kill by PID) as Ctrl-C: pytest then tears the
+        # fixtures down, stopping the servers they started, instead of dying and orphaning them.
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
