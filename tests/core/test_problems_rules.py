@@ -178,3 +178,13 @@ def test_sync_and_worker_events_date_their_problems() -> None:
 def test_the_dict_form_has_no_empty_keys_and_no_grace() -> None:
     out = Problem("store", "x", since=3.0).to_dict()
     assert out == {"kind": "store", "message": "x", "severity": WARNING, "since": 3.0}
+
+
+def test_grpc_on_its_slower_fallback_is_a_warning_naming_why() -> None:
+    why = "libnghttp2.so.14 was not found (looked for /nowhere): install libnghttp2"
+    found = find_problems(Inputs(grpc={"transport": "grpcio", "lean_unavailable": why}))
+    assert [(p.kind, p.severity, p.part) for p in found] == [("fallback", WARNING, "gRPC")]
+    assert why in found[0].message and "grpcio" in found[0].message
+    assert find_problems(Inputs(grpc={"transport": "lean", "http2": "libnghttp2 1.52.0"})) == []
+    assert find_problems(Inputs(grpc={"transport": "grpcio"})) == []  # chosen in the config: no fallback
+

@@ -236,7 +236,7 @@
     model_not_serving: "not serving", target_not_reached: "target not reached", version_quarantined: "quarantined",
     version_degraded: "degraded", backend_failed: "backend failed", workers_down: "front workers",
     sync_failing: "sync failing", sync_refused: "sync refused", store: "model store", part_down: "down",
-    state_database: "state database",
+    state_database: "state database", fallback: "slower fallback",
   };
 
   // Never green while a problem stands. A model not serving: red "not ready". Every model
