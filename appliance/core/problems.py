@@ -126,8 +126,14 @@ def model_problems(name: str, model: Mapping[str, Any]) -> list[Problem]:
 
 
 def _quarantined(name: str, model: Mapping[str, Any]) -> list[Problem]:
+    """Each quarantined version with its reason, but one older than the version serving: a newer
+    good version took its place, so nothing is left to act on (the page turned amber for as long
+    as the old version's folder stayed on disk)."""
     out = []
+    serving = _int(model.get("serving_version"))
     for version, entry in sorted((model.get("quarantined") or {}).items(), key=lambda kv: _int(kv[0]) or 0):
+        if serving is not None and (_int(version) or 0) < serving:
+            continue
         reason, code = _reason(entry)
         out.append(Problem("version_quarantined", f"{name} version {version} is quarantined and will not be "
                            f"loaded again until its folder changes: {reason}", WARNING, name, _int(version),
@@ -188,8 +194,8 @@ def target_problems(sync: Mapping[str, Any], models: Mapping[str, Any]) -> list[
 def _why_not(model: Mapping[str, Any], target: Any) -> tuple[str, float]:
     """Why ``target`` does not serve, and how long that may last by itself (0: it will not)."""
     quarantined = model.get("quarantined") or {}
-    if str(target) in quarantined:
-        return f"version {target} failed ({_reason(quarantined[str(target)])[0]})", 0.0
+    if str(target) in quarantined:  # its reason is said once, in its version_quarantined problem
+        return f"version {target} failed and is quarantined (the reason is in its own problem)", 0.0
     slot = next((v for v in model.get("versions") or [] if v.get("version") == target), None)
     if slot is None:
         return f"version {target} is not loaded (not on disk, refused, or not picked up yet)", UNSEEN_GRACE_S
