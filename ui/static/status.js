@@ -380,7 +380,7 @@
       requestCharts(m.requests || {}),
       serving ? batching(serving) : null,
       versionTable(versions, m.quarantined || {}),
-      versions.map((v) => decision(name, v, v.version === m.serving_version)));
+      versions.map((v) => decision(name, v, v.version === m.serving_version, listed(String(v.version)))));
   }
 
   function lastError(m) {
@@ -440,14 +440,14 @@
   }
 
   // One block per backend considered (not a wide table: it must read on a phone).
-  function decision(model, v, isServing) {
+  function decision(model, v, isServing, said) {
     const d = v.decision;
     if (!d) return null;
     const key = model + "\u0000" + v.version;
     const open = openDetails.has(key) ? openDetails.get(key) : isServing;
     const el = h("details", { class: "decision", open: open },
       h("summary", null, `Backend decision v${v.version}: `, h("b", null, d.chosen || "none"),
-        d.how ? ` (${d.how})` : "", " — ", d.reason || ""),
+        d.how ? ` (${d.how})` : "", " — ", said && !d.chosen ? "failed: why under Problems, at the top" : d.reason || ""),
       h("ul", { class: "considered" }, (d.considered || []).map((c) => h("li", { class: c.backend === d.chosen ? "chosen" : null },
         h("div", { class: "be-head" },
           h("b", null, c.backend),
@@ -456,7 +456,7 @@
               : h("span", { class: "badge " + (c.available ? "info" : "muted") }, c.available ? "usable" : "not usable"),
           measured(c)),
         h("div", { class: "why" }, c.reason || ""),
-        c.load_error ? h("div", { class: "err" }, "load error: " + c.load_error) : null))));
+        c.load_error ? h("div", { class: "err" }, "load error: " + (said ? "why: under Problems, at the top" : c.load_error)) : null))));
     el.addEventListener("toggle", () => openDetails.set(key, el.open));
     return el;
   }
