@@ -23,10 +23,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import types
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    import pytest_timeout
 
 from tests.support import load, reaper
 from tests.support.cache import AHEAD, ahead_of_tests, built_once
@@ -44,7 +48,7 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: types.FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -53,12 +57,12 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Any:
+def pytest_timeout_set_timer(item: pytest.Item, settings: "pytest_timeout.Settings") -> bool:
     """pytest-timeout's hook for "alternative timeout strategies": its own timer, with the
     written timeout stretched by the load, as the waits inside the test are."""
     import pytest_timeout
 
-    return pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=load.scaled(settings.timeout)))
+    return bool(pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=load.scaled(settings.timeout))))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
