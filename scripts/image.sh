@@ -74,11 +74,12 @@ debian_mirror() {  # this host's own Debian mirror (its apt sources); else deb.d
   echo "${found:-http://deb.debian.org/debian}"
 }
 # What each base holds. runtime: Python 3.11 and what the wheels need from the system (libstdc++
-# for grpcio and LiteRT, CA certificates for https/S3 buckets, time zones), no pip, no apt.
+# for grpcio and LiteRT, CA certificates for https/S3 buckets, time zones, libnghttp2 for the lean
+# gRPC server: without it gRPC falls back to grpcio, a problem on the page), no pip, no apt.
 # builder: the same with pip and venv, and binutils for both architectures (deploy/prune_site.py strips
 # debug sections). Both: no documentation, manuals or locales, and perl
 # (pulled in by usrmerge only) purged.
-RUNTIME_PKGS=usr-is-merged,python3,ca-certificates,libstdc++6,tzdata
+RUNTIME_PKGS=usr-is-merged,python3,ca-certificates,libstdc++6,tzdata,libnghttp2-14
 BUILDER_PKGS=$RUNTIME_PKGS,python3-pip,python3-venv,binutils,binutils-x86-64-linux-gnu,binutils-aarch64-linux-gnu
 PURGE="usrmerge libfile-find-rule-perl libnumber-compare-perl libtext-glob-perl perl libperl5.36 perl-modules-5.36 libgdbm-compat4"
 base_tag() {  # base_tag runtime|builder ARCH: the tag, keyed by the recipe (this function and the lists above)

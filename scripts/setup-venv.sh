@@ -18,8 +18,20 @@ if ! "$py" -c 'import ensurepip, venv' 2>/dev/null; then
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$(sha256sum pyproject.toml | cut -c1-12)"
+# Say what each step does and how long it took: the full install downloads ~2 GB and takes
+# minutes, and a silent minute reads as a hang. pip's own lines (Collecting, Downloading,
+# Installing) show where it is; EDGE_PIP_QUIET=1 hides them (the step lines stay).
+step() { echo "setup-venv: $*" >&2; }
+pip_args=(--progress-bar on)
+[ "${EDGE_PIP_QUIET:-0}" = 1 ] && pip_args=(-q)
 if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[${extras}]"
+  started=$SECONDS
+  step "upgrading pip in .venv"
+  .venv/bin/python -m pip install "${pip_args[@]}" --upgrade pip
+  step "installing edge-appliance[${extras}] into .venv (minutes the first time; pip prints each package)"
+  .venv/bin/python -m pip install "${pip_args[@]}" -e ".[${extras}]"
   touch "$stamp"
+  step "done in $((SECONDS - started)) s"
+else
+  step ".venv already has edge-appliance[${extras}] for this pyproject.toml ($stamp)"
 fi

@@ -18,6 +18,7 @@ command -v podman >/dev/null || need+=(podman runc conmon catatonit uidmap conta
 command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
+    echo "test.sh: installing ${need[*]} with apt-get" >&2
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
   else
     echo "missing system packages (${need[*]}): sudo apt-get install ${need[*]}; the tests that need them will skip" >&2
@@ -28,6 +29,7 @@ fi
 GRPC_JS_DIR="${EDGE_GRPC_JS_DIR:-$HOME/.cache/edge-appliance/grpc-js}"
 if command -v npm >/dev/null && [ ! -d "$GRPC_JS_DIR/node_modules/@grpc/grpc-js" ]; then
   mkdir -p "$GRPC_JS_DIR"
+  echo "test.sh: installing @grpc/grpc-js into $GRPC_JS_DIR" >&2
   npm install --no-audit --no-fund --silent --prefix "$GRPC_JS_DIR" "@grpc/grpc-js@^1.14" >/dev/null \
     || echo "could not install @grpc/grpc-js into $GRPC_JS_DIR; the grpc-js test will try again" >&2
 fi
@@ -36,6 +38,7 @@ fi
 # private apt state: nothing is installed or changed on the host.
 QUADLET_DIR="$HOME/.cache/edge-appliance/quadlet"
 if [ ! -x /usr/libexec/podman/quadlet ] && [ ! -x "$QUADLET_DIR/usr/libexec/podman/quadlet" ]; then
+  echo "test.sh: fetching podman's Quadlet generator into $QUADLET_DIR" >&2
   apt_dir=$(mktemp -d)
   mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$QUADLET_DIR"
   echo "deb http://deb.debian.org/debian trixie main" > "$apt_dir/sources.list"
@@ -64,6 +67,8 @@ export EDGE_TEST_ARTIFACTS="${EDGE_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 workers="${EDGE_TEST_WORKERS:-$(n=$(nproc); [ "$n" -lt 2 ] && n=2; [ "$n" -gt 4 ] && n=4; echo "$n")}"
 xdist=()
 [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadfile)
+# Timeouts and waits stretch with the load (tests/support/load.py); the header says by how much.
+echo "test.sh: running the suite ($workers workers; load average $(cut -d' ' -f1-3 /proc/loadavg)); the first run builds the test models before the first test" >&2
 if [ "${ARM64:-0}" = 1 ]; then
   .venv/bin/python -m pytest -q -p no:cacheprovider "${xdist[@]}" "$@"
   exec scripts/arm64-check.sh

@@ -7,7 +7,11 @@ multi-signature and a signature-less TFLite model) under ``<tmp>/<name>/1``.
 ``start_server(models, **opts)``: runs ``appliance serve`` as a child process (the real
 service, the real HTTP server), waits for ``/readyz`` and stops it by PID at teardown.
 
-An autouse fixture fails any test that leaves threads or child processes behind, and a
+An autouse fixture fails any test that leaves threads or child processes behind; at the
+session's end ``nothing_left_running`` fails the session (after ending them) if any process
+it started, however deep, still runs (tests/support/reaper.py). Timeouts, pytest's and the
+waits', stretch with the machine's load (tests/support/load.py), and the cached test models
+the collected tests need are built before the first test (tests/support/cache.py). A
 session-wide one (``private_home``) points ``HOME``, ``STATE_DIRECTORY`` and the XDG folders
 at a temporary folder: no test reads or writes the user's home (an admin token a real
 service left in ``~/.local/state/edge-appliance`` is never picked up), and a service started
@@ -16,18 +20,78 @@ without ``--state`` keeps its state there.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
+import types
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
-from tests.support.cache import built_once
+if TYPE_CHECKING:
+    import pytest_timeout
+
+from tests.support import load, reaper
+from tests.support.cache import AHEAD, ahead_of_tests, built_once
 from tests.support.servers import Server, launch, modelgen_digest
 
 # What ``private_home`` points elsewhere. XDG_RUNTIME_DIR stays: it is the session's sockets.
 HOME_VARIABLES = ("HOME", "STATE_DIRECTORY", "XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[OWNER] = reaper.claim()  # before collection: a builder's subprocesses carry it too
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (a CI's cancel, `timeout`, a kill by PID) as Ctrl-C: pytest then tears the
+        # fixtures down, stopping the servers they started, instead of dying and orphaning them.
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: types.FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"edge-appliance: {load.describe()} (timeouts and waits stretch by it)"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: "pytest_timeout.Settings") -> bool:
+    """pytest-timeout's hook for "alternative timeout strategies": its own timer, with the
+    written timeout stretched by the load, as the waits inside the test are."""
+    import pytest_timeout
+
+    return bool(pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=load.scaled(settings.timeout))))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the caches the collected tests use (tests/support/cache.py) before any test runs."""
+    if session.config.option.collectonly:
+        return
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    for fixture, build in AHEAD.items():
+        if fixture in used:
+            try:
+                build()
+            except Exception as exc:  # noqa: BLE001 — the fixture builds again and fails the tests that use it
+                print(f"\nbuilding the cache of {fixture} failed ahead of the tests: {exc!r}")
+
+
+OWNER = pytest.StashKey[str]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running(request: pytest.FixtureRequest) -> Iterator[None]:
+    """At the session's end (every module's servers stopped), no process the session started
+    may still run: any that does is ended by PID and the session fails, naming it."""
+    yield
+    mark = request.config.stash[OWNER]
+    left = reaper.survivors(mark)
+    if left:
+        reaper.end(sorted(left))
+        pytest.fail("processes the test session started were still running at its end (now ended): "
+                    + "; ".join(f"{pid}: {cmd}" for pid, cmd in sorted(left.items())), pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,12 +109,17 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield home
 
 
-@pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every test model, built once (cached across runs by modelgen's content hash)."""
+@ahead_of_tests("models_dir")
+def every_model() -> Path:
     from tests.support import modelgen
 
     return built_once(modelgen_digest(), modelgen.build_all)
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every test model, built once (cached across runs by modelgen's content hash)."""
+    return every_model()
 
 
 @pytest.fixture

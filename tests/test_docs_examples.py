@@ -75,7 +75,7 @@ class Docs:
                 self.serve(line)
                 continue
             done = subprocess.run(["bash", "-c", line], cwd=self.work, env=self.env, capture_output=True,
-                                  text=True, timeout=900)
+                                  text=True, timeout=scaled(900))
             assert done.returncode == 0, f"{block}: `{line}` failed:\n{done.stdout}\n{done.stderr}"
             assert '"error"' not in done.stdout and "event: error" not in done.stdout, f"{block}: {done.stdout}"
 
@@ -114,6 +114,7 @@ def docs(tmp_path: Path) -> Any:
         d.server.stop()
 
 
+@pytest.mark.timeout(1800)  # a documented pip install may take 900 s (stretched like this timeout)
 def test_the_docs_examples_run_as_written(docs: Docs) -> None:
     ran = []
     for page in PAGES:

@@ -145,12 +145,14 @@ def register(source: Any, view: dict[str, Any]) -> None:
 
 def print_fleet(view: dict[str, Any], rows: list[dict[str, Any]], rollouts: list[dict[str, Any]],
                 args: argparse.Namespace) -> None:
-    from appliance.commands.fleet_text import counts_line, device_line, progress_lines
+    from appliance.commands.fleet_text import counts_line, device_line, header_line, progress_lines
     from sync.fleet_view import counts
 
     if args.model:
         for progress in rollouts:
             print("\n".join(progress_lines(progress)))
+    if rows:
+        print(header_line())
     for row in rows:
         print(device_line(row))
     listing = view["listing"]

@@ -17,14 +17,37 @@ def ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.0f} d"
 
 
+COLUMNS = f"{'DEVICE':24} {'STATUS':10} {'CHANNEL':10} {'REPORTED':>12}  MODELS (what serves, what it aims at)  PROBLEM"
+
+
+def header_line() -> str:
+    """The table's header: what each column of ``device_line`` is."""
+    return COLUMNS
+
+
+def version(v: Any) -> str:
+    return "nothing" if v is None else f"v{v}"
+
+
+def model_words(name: str, m: dict[str, Any]) -> str:
+    """One model on one device in words: "hpt: target v2 failed; serving v1", never a code."""
+    serving, target, state = version(m["serving"]), version(m.get("target")), m["state"]
+    if state == "on-target":
+        return f"{name}: serving {serving}"
+    if state == "moving":
+        return f"{name}: serving {serving}, moving to {target}"
+    if state == "waiting":
+        return f"{name}: serving {serving}; target {target} waits for its wave"
+    return f"{name}: target {target} {state}; serving {serving}"  # failed, refused
+
+
 def device_line(row: dict[str, Any]) -> str:
-    models = ", ".join(f"{name}:{m['serving']}" + ("" if m["state"] in ("on-target", "moving") else f" ({m['state']})")
-                       for name, m in row["models"].items()) or "-"
+    models = "; ".join(model_words(name, m) for name, m in row["models"].items()) or "no models"
     trouble = row["error"] or next((m["reason"] for m in row["models"].values() if m["reason"]
                                     and m["state"] in ("refused", "failed")), "") or "; ".join(row["problems"][:2])
-    trust = "" if row["trust"] == "signed" else f" [{row['trust']}]"
+    trust = "" if row["trust"] == "signed" else f" [report {row['trust']}]"
     return (f"{row['device_id']:24} {row['status'].upper():10} {str(row.get('channel') or '-'):10} "
-            f"report {ago(row['age_s']):>7} ago  {models}{trust}{'  ' + trouble if trouble else ''}")
+            f"{ago(row['age_s']) + ' ago':>12}  {models}{trust}{'  ' + trouble if trouble else ''}")
 
 
 def progress_lines(p: dict[str, Any], now: float | None = None) -> list[str]:

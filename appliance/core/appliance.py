@@ -206,7 +206,8 @@ class Appliance:
             models = self.manager.snapshot() if self.manager is not None else {}
         section = (lambda name: sections.get(name)) if sections is not None else self.status_of
         inputs = Inputs(models=models, sync=section("sync"), workers=section("workers"),
-                        parts_down=self.parts_down(), critical=set(self._critical), database=list(self.db.problems))
+                        parts_down=self.parts_down(), critical=set(self._critical), database=list(self.db.problems),
+                        grpc=section("grpc"))
         return [p.to_dict() for p in self.problem_log.update(find_problems(inputs))]
 
     def parts_down(self) -> dict[str, str]:

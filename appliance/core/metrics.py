@@ -70,40 +70,62 @@ TFS_API_NAMES = {"predict": "Predict", "classify": "Classify", "regress": "Regre
 Snapshot = Callable[[], Mapping[str, Any]]
 
 
+# A request's outcome in the page's window: the client's mistake (a 4xx: a bad tensor, an unknown
+# model) is counted apart from the server's failure (a 5xx), and only the latter is "Errors".
+OK, CLIENT_ERROR, SERVER_ERROR = 0, 1, 2
+CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "PERMISSION_DENIED", "FAILED_PRECONDITION",
+                          "OUT_OF_RANGE", "ALREADY_EXISTS", "CANCELLED"})
+
+
+def outcome(status: int | str, code: str) -> int:
+    """OK, CLIENT_ERROR or SERVER_ERROR: an HTTP status by its class, a gRPC code by its name."""
+    if code == "OK":
+        return OK
+    if isinstance(status, int):
+        return SERVER_ERROR if status >= 500 else CLIENT_ERROR
+    return CLIENT_ERROR if code in CLIENT_CODES else SERVER_ERROR
+
+
 class RequestWindow:
-    """Recent (time, latency, ok) per model, bounded; summarised per request of the page."""
+    """Recent (time, latency, outcome) per model, bounded; summarised per request of the page."""
 
     def __init__(self) -> None:
-        self._data: dict[str, collections.deque[tuple[float, float, bool]]] = {}
+        self._data: dict[str, collections.deque[tuple[float, float, int]]] = {}
         self._lock = threading.Lock()
 
-    def add(self, model: str, seconds: float, ok: bool) -> None:
+    def add(self, model: str, seconds: float, result: int) -> None:
+        """``result``: OK, CLIENT_ERROR or SERVER_ERROR."""
         q = self._data.get(model)
         if q is None:
             with self._lock:
                 q = self._data.setdefault(model, collections.deque(maxlen=WINDOW_MAX))
-        q.append((time.time(), seconds, ok))
+        q.append((time.time(), seconds, int(result)))
 
     def summary(self, model: str, window: float = 60.0) -> dict[str, Any]:
-        """Rate, p50/p99 (ms) and error rate over ``window`` seconds, plus per-5-s series.
+        """Rate, p50/p99 (ms), server and client error rates over ``window`` seconds, plus
+        per-5-s series.
 
         ``series`` is requests/s per bucket; ``p50_series``/``p99_series`` (ms, None for an
-        empty bucket) and ``error_series`` (fraction) are per bucket too. All series are
-        oldest first and ``window // 5`` long, so the page draws them without any state.
+        empty bucket), ``error_series`` (server errors, fraction) and ``client_error_series``
+        are per bucket too. All series are oldest first and ``window // 5`` long, so the page
+        draws them without any state.
         """
         q = self._data.get(model)
         now = time.time()
         rows = np.array([r for r in list(q or ()) if now - r[0] <= window], dtype=float).reshape(-1, 3)
         if not len(rows):
-            return {"requests_per_s": 0.0, "p50_ms": None, "p99_ms": None, "error_rate": 0.0, "series": [],
-                    "p50_series": [], "p99_series": [], "error_series": []}
-        lat, errors = rows[:, 1] * 1000, rows[:, 2] == 0
+            return {"requests_per_s": 0.0, "p50_ms": None, "p99_ms": None, "error_rate": 0.0, "client_error_rate": 0.0,
+                    "series": [], "p50_series": [], "p99_series": [], "error_series": [], "client_error_series": []}
+        lat, errors, mistakes = rows[:, 1] * 1000, rows[:, 2] == SERVER_ERROR, rows[:, 2] == CLIENT_ERROR
+        buckets = int(window // BUCKET_SECONDS)
         return {
             "requests_per_s": round(len(rows) / window, 2),
             "p50_ms": round(float(np.percentile(lat, 50)), 3),
             "p99_ms": round(float(np.percentile(lat, 99)), 3),
             "error_rate": round(float(errors.mean()), 4),
-            **_bucket_series(now - rows[:, 0], lat, errors, int(window // BUCKET_SECONDS)),
+            "client_error_rate": round(float(mistakes.mean()), 4),
+            **_bucket_series(now - rows[:, 0], lat, errors, buckets),
+            "client_error_series": _bucket_series(now - rows[:, 0], lat, mistakes, buckets)["error_series"],
         }
 
 
@@ -182,7 +204,7 @@ class Metrics:
         self.requests.labels(api, entrypoint, model, code).inc()
         if code == "OK":
             self.request_latency.labels(model, TFS_API_NAMES.get(api, api), entrypoint).observe(seconds * 1e6)
-        self.window.add(model, seconds, code == "OK")
+        self.window.add(model, seconds, outcome(status, code))
 
     def batch_observer(self, model: str, backend: str,
                        version: int = 0) -> Callable[[str, int, int, float, float, int], None]:

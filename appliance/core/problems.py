@@ -19,6 +19,8 @@ kind                    when
 ``sync_refused``        the bucket offers something this device refuses
 ``store``               the synced model store has a problem (a damaged or foreign entry)
 ``part_down``           a configured part is down (gRPC port, discovery, notify, ...)
+``fallback``            a part serves on its slower fallback because what its fast path needs
+                        is missing (gRPC on grpcio: no usable libnghttp2 for the lean server)
 ``state_database``      the state database was damaged or cannot be written
 ======================  ========================================================================
 
@@ -46,7 +48,7 @@ STALE_WORKER_S = 5.0  # a front worker reports every second: this long silent, i
 LOADING_STATES = ("START", "LOADING", "NEW")
 # The order problems are listed in (errors first): what is not served, then why.
 KIND_ORDER = ("model_not_serving", "part_down", "target_not_reached", "version_quarantined", "version_degraded",
-              "backend_failed", "workers_down", "sync_failing", "sync_refused", "store", "state_database")
+              "backend_failed", "workers_down", "fallback", "sync_failing", "sync_refused", "store", "state_database")
 # Event kinds that start a problem of a model version, a sync failure or a worker's death:
 # the event's time becomes the problem's ``since``.
 FAILURE_WORDS = ("fail", "quarantin", "refus", "degrad", "abort", "crash", "error")
@@ -90,6 +92,7 @@ class Inputs:
     parts_down: Mapping[str, str] = field(default_factory=dict)  # part -> why
     critical: Iterable[str] = ()  # the parts among them without which the device is not ready
     database: Iterable[str] = ()  # the state database's problems
+    grpc: Mapping[str, Any] | None = None  # the gRPC port's section (None: no gRPC port)
 
 
 def find_problems(inputs: Inputs) -> list[Problem]:
@@ -102,6 +105,7 @@ def find_problems(inputs: Inputs) -> list[Problem]:
         found += sync_problems(inputs.sync)
     found += worker_problems(inputs.workers or [])
     found += part_problems(inputs.parts_down, set(inputs.critical))
+    found += fallback_problems(inputs.grpc)
     found += [Problem("state_database", str(text)) for text in inputs.database]
     return sorted(found, key=lambda p: (p.severity != ERROR, KIND_ORDER.index(p.kind)))  # stable within a kind
 
@@ -122,8 +126,14 @@ def model_problems(name: str, model: Mapping[str, Any]) -> list[Problem]:
 
 
 def _quarantined(name: str, model: Mapping[str, Any]) -> list[Problem]:
+    """Each quarantined version with its reason, but one older than the version serving: a newer
+    good version took its place, so nothing is left to act on (the page turned amber for as long
+    as the old version's folder stayed on disk)."""
     out = []
+    serving = _int(model.get("serving_version"))
     for version, entry in sorted((model.get("quarantined") or {}).items(), key=lambda kv: _int(kv[0]) or 0):
+        if serving is not None and (_int(version) or 0) < serving:
+            continue
         reason, code = _reason(entry)
         out.append(Problem("version_quarantined", f"{name} version {version} is quarantined and will not be "
                            f"loaded again until its folder changes: {reason}", WARNING, name, _int(version),
@@ -184,8 +194,8 @@ def target_problems(sync: Mapping[str, Any], models: Mapping[str, Any]) -> list[
 def _why_not(model: Mapping[str, Any], target: Any) -> tuple[str, float]:
     """Why ``target`` does not serve, and how long that may last by itself (0: it will not)."""
     quarantined = model.get("quarantined") or {}
-    if str(target) in quarantined:
-        return f"version {target} failed ({_reason(quarantined[str(target)])[0]})", 0.0
+    if str(target) in quarantined:  # its reason is said once, in its version_quarantined problem
+        return f"version {target} failed and is quarantined (the reason is in its own problem)", 0.0
     slot = next((v for v in model.get("versions") or [] if v.get("version") == target), None)
     if slot is None:
         return f"version {target} is not loaded (not on disk, refused, or not picked up yet)", UNSEEN_GRACE_S
@@ -233,6 +243,16 @@ def worker_problems(workers: list[Mapping[str, Any]]) -> list[Problem]:
 def part_problems(parts: Mapping[str, str], critical: set[str]) -> list[Problem]:
     return [Problem("part_down", f"{part_name(part)} is down: {why}", ERROR if part in critical else WARNING,
                     part=part_name(part)) for part, why in parts.items()]
+
+
+def fallback_problems(grpc: Mapping[str, Any] | None) -> list[Problem]:
+    """gRPC answers, but on grpcio in the serving process instead of the lean server (in the
+    front workers where there are some): slower, and only a log line said so before."""
+    why = (grpc or {}).get("lean_unavailable")
+    if not why:
+        return []
+    return [Problem("fallback", f"gRPC runs on its slower fallback (grpcio, in the serving process), not the lean "
+                                f"server: {why}", WARNING, part="gRPC")]
 
 
 def part_name(part: str) -> str:

@@ -375,6 +375,8 @@ class _Advertiser:
             "name": self._name if ok else None, "types": [SERVICE_TYPE, HTTP_TYPE],
             "port": self._port(), "addresses": list(self._addresses),
             "interfaces": self.settings.interfaces or "all", "txt": dict(self._txt) if ok else {},
+            # announced on loopback only (the service listens on 127.0.0.1): no other machine finds it
+            "loopback_only": bool(self._addresses) and all(a.startswith("127.") for a in self._addresses),
         }
 
 

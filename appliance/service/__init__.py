@@ -238,6 +238,10 @@ def main(config: Config, config_path: str | None = None, overrides: dict[str, An
         print(f"edge-appliance: Failed to start server. Error: {exc}", file=sys.stderr, flush=True)
         _abandon(service)
         return 1
+    except ConfigError as exc:  # a bad value of a configured API (its TLS files): as a bad REST certificate
+        print(f"edge-appliance: {exc}", file=sys.stderr, flush=True)
+        _abandon(service)
+        return 2
     _add_optional_parts(service, ("appliance.parts.config_poller",))
     listening.attach(service)  # <state>/service.json: how the CLI finds this service
     service.serve_http()
@@ -295,7 +299,8 @@ def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
     """Parts that may be missing on a device or fail without harming serving. A failure is
     shown (/api/status, the page, systemd's status line); an API part's also makes the
     device not ready. An API part that cannot bind its port raises OSError (start-up fails,
-    as TF Serving's does), unless it retries by itself ([grpc] bind_retry)."""
+    as TF Serving's does), unless it retries by itself ([grpc] bind_retry); one with a bad
+    configuration value (its TLS files) raises ConfigError: start-up stops, naming the key."""
     for module in modules:
         try:
             part = importlib.import_module(module)
@@ -306,6 +311,11 @@ def _add_optional_parts(service: Service, modules: tuple[str, ...]) -> None:
             continue
         try:
             part.attach(service)
+        except ConfigError as exc:
+            if module in API_PARTS:  # a configured API with a bad value (a TLS file): start-up stops, naming it
+                raise
+            log.warning("%s failed to start: %s", module, exc)
+            service.core.report_problem(module, str(exc), critical=False)
         except OSError as exc:
             if module in API_PARTS:  # a configured API that cannot listen (and is not retried): fatal
                 raise

@@ -83,13 +83,13 @@ def attach(service: Any) -> "GRPCServer | None":
 
 def transport_of(cfg: Any) -> tuple[str, str]:
     """The gRPC server to run and why: ``[grpc] transport``, except that "lean" without a
-    usable libnghttp2 falls back to grpcio (logged, and shown in ``/api/status``)."""
+    usable libnghttp2 falls back to grpcio (``GRPCServer.start`` logs it once; a ``fallback``
+    problem in ``/api/status`` and on the page, appliance/core/problems.py)."""
     if cfg.transport != "lean":
         return cfg.transport, ""
     try:
         nghttp2.load()
     except nghttp2.Missing as exc:
-        log.warning("the lean gRPC server cannot run: %s; serving gRPC with grpcio instead", exc)
         return "grpcio", str(exc)
     return "lean", ""
 
@@ -214,6 +214,7 @@ class GRPCServer:
             **(self.tls.describe() if self.tls else {"tls": False})}
         if self.fallback:
             section["lean_unavailable"] = self.fallback
+            log.warning("the lean gRPC server cannot run: %s; serving gRPC with grpcio instead", self.fallback)
         elif self.transport == "lean":
             section["http2"] = f"libnghttp2 {nghttp2.version()}"
         server = self.server

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import requests
 
-from tests.support.cache import built_once
+from tests.support.cache import ahead_of_tests, built_once
 from tests.support import genmodel
 from tests.support.servers import model_copy
 
@@ -23,13 +23,18 @@ EXPORTS = ("gen_tflite", "gen_tflite_aet", "gen_tflite_shared", "gen_savedmodel"
 N = 24  # tokens per answer
 
 
-@pytest.fixture(scope="session")
-def gen_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """genmodel's models, built once and cached under /tmp keyed by genmodel.py's hash."""
+@ahead_of_tests("gen_models")
+def built_gen_models() -> Path:
     import hashlib
 
     digest = hashlib.sha256(Path(genmodel.__file__).read_bytes()).hexdigest()[:12]
     return built_once(f"gen-{digest}", genmodel.build)
+
+
+@pytest.fixture(scope="session")
+def gen_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """genmodel's models, built once and cached keyed by genmodel.py's hash (before the first test)."""
+    return built_gen_models()
 
 
 @pytest.fixture(scope="module")

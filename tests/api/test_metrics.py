@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.core.metrics import SYNC_BUCKETS_S, Metrics, RequestWindow
+from appliance.core.metrics import (CLIENT_ERROR, OK, SERVER_ERROR, SYNC_BUCKETS_S, Metrics, RequestWindow, code_name,
+                                    outcome)
 from tests.support.servers import Server, model_copy
 
 MODEL = "multisig_tflite"
@@ -219,14 +220,21 @@ def test_process_and_device_gauges(server: Server) -> None:
 def test_request_window_series() -> None:
     """The page's charts: per-5-s rate, p50/p99 and error rate, oldest first, over 60 s."""
     window = RequestWindow()
-    for i in range(10):
-        window.add("m", 0.002 * (i + 1), ok=i != 0)
+    for i in range(10):  # one server error, two client errors, seven answers
+        window.add("m", 0.002 * (i + 1), SERVER_ERROR if i == 0 else CLIENT_ERROR if i in (1, 2) else OK)
     summary = window.summary("m")
-    assert summary["error_rate"] == 0.1
+    assert summary["error_rate"] == 0.1 and summary["client_error_rate"] == 0.2  # a client's 400 is no "error"
     assert summary["requests_per_s"] == round(10 / 60, 2)
-    for key in ("series", "p50_series", "p99_series", "error_series"):
+    for key in ("series", "p50_series", "p99_series", "error_series", "client_error_series"):
         assert len(summary[key]) == 12
     assert summary["series"][-1] == 10 / 5 and sum(summary["series"][:-1]) == 0
     assert summary["p50_series"][:-1] == [None] * 11 and summary["p50_series"][-1] == summary["p50_ms"]
-    assert summary["error_series"][-1] == 0.1
+    assert summary["error_series"][-1] == 0.1 and summary["client_error_series"][-1] == 0.2
     assert window.summary("unknown")["series"] == []
+
+
+def test_a_request_is_the_clients_mistake_or_the_servers_failure() -> None:
+    assert [outcome(s, code_name(s)) for s in (200, 400, 404, 413, 429, 500, 503)] == \
+        [OK, CLIENT_ERROR, CLIENT_ERROR, CLIENT_ERROR, CLIENT_ERROR, SERVER_ERROR, SERVER_ERROR]
+    assert [outcome(c, c) for c in ("INVALID_ARGUMENT", "NOT_FOUND", "INTERNAL", "UNAVAILABLE", "DATA_LOSS")] == \
+        [CLIENT_ERROR, CLIENT_ERROR, SERVER_ERROR, SERVER_ERROR, SERVER_ERROR]

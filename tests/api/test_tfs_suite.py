@@ -454,7 +454,7 @@ def _export_in_subprocess(code: str, export_path: Path, env: dict[str, str] | No
     keeps TensorFlow's eager/graph state and virtual devices out of this one)."""
     script = "import sys\nimport tensorflow as tf\nexport_path = sys.argv[1]\n" + code
     proc = subprocess.run([sys.executable, "-c", script, str(export_path)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+                          timeout=240, env={**os.environ, **(env or {})})  # under the test's 300 s
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

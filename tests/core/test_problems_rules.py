@@ -41,7 +41,9 @@ def test_the_target_quarantined_is_two_problems_named_with_their_reason() -> Non
     assert kinds(found) == [("target_not_reached", "m", 4), ("version_quarantined", "m", 4)]
     target = found[0]
     assert "version 4" in target.message and "version 3 serves" in target.message
-    assert "LoadFailure: bad" in target.message
+    # the reason is said once (issue 49: a ~600-character text three times filled a phone's screen)
+    assert "LoadFailure: bad" not in target.message and "quarantined" in target.message
+    assert [p.message.count("LoadFailure: bad") for p in found] == [0, 1]
     assert "channel 'stable'" in target.message and target.severity == WARNING and target.grace_s == 0
 
 
@@ -178,3 +180,21 @@ def test_sync_and_worker_events_date_their_problems() -> None:
 def test_the_dict_form_has_no_empty_keys_and_no_grace() -> None:
     out = Problem("store", "x", since=3.0).to_dict()
     assert out == {"kind": "store", "message": "x", "severity": WARNING, "since": 3.0}
+
+
+def test_grpc_on_its_slower_fallback_is_a_warning_naming_why() -> None:
+    why = "libnghttp2.so.14 was not found (looked for /nowhere): install libnghttp2"
+    found = find_problems(Inputs(grpc={"transport": "grpcio", "lean_unavailable": why}))
+    assert [(p.kind, p.severity, p.part) for p in found] == [("fallback", WARNING, "gRPC")]
+    assert why in found[0].message and "grpcio" in found[0].message
+    assert find_problems(Inputs(grpc={"transport": "lean", "http2": "libnghttp2 1.52.0"})) == []
+    assert find_problems(Inputs(grpc={"transport": "grpcio"})) == []  # chosen in the config: no fallback
+
+
+def test_a_quarantined_version_older_than_the_one_serving_is_no_longer_a_problem() -> None:
+    """Issue 49: the header stayed amber after a newer good version served; the old version's
+    quarantine is history, not something to act on."""
+    m = model(5, version(5), version(4, "END", error="LoadFailure: bad"), quarantined={"4": "LoadFailure: bad"})
+    assert find_problems(Inputs(models={"m": m}, sync=sync(targets={"m": 5}))) == []
+    newer = model(3, version(3), quarantined={"4": "LoadFailure: bad"})  # v3 serves, v4 failed: still a problem
+    assert kinds(find_problems(Inputs(models={"m": newer}))) == [("version_quarantined", "m", 4)]

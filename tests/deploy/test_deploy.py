@@ -39,7 +39,7 @@ UID = "10001"
 
 
 def run(*cmd: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=240,
                           env={**os.environ, **(env or {})})
 
 

@@ -106,6 +106,23 @@ def test_the_embedded_default_answers_as_a_non_root_user_with_json_logs(containe
     assert state["models"]["half_plus_two"]["serving_version"] == 1
 
 
+def test_its_grpc_runs_on_the_lean_server(container: Any) -> None:
+    """The image carries libnghttp2 (issue 49: the lite image fell back to grpcio at every start,
+    said only in a log line): gRPC answers on the lean server and no fallback is listed."""
+    from tests.service.test_grpc_fallback import predict_over_grpc
+
+    c = container()
+    started = c.run()
+    assert started.returncode == 0, started.stderr
+    c.wait_ready()
+    status = requests.get(c.url("/api/status"), timeout=10).json()
+    assert status["grpc"]["transport"] == "lean" and status["grpc"]["http2"].startswith("libnghttp2 1."), status["grpc"]
+    assert not [p for p in status["problems"] if p["kind"] == "fallback"], status["problems"]
+    assert predict_over_grpc(c.grpc_port) == EXPECTED
+    out, err = c.logs()
+    assert "lean gRPC server cannot run" not in out + err
+
+
 def test_its_health_check_turns_healthy(container: Any) -> None:
     """The image's HEALTHCHECK as it stands (``appliance health`` on the default port 8501), in a
     network namespace of the container's own; podman has no systemd timer here, so the test

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.load import scaled
 from tests.support.servers import ROOT, launch
 
-pytestmark = pytest.mark.slow
+# the first test builds a venv: pip's 900 s (stretched by the load) must fit inside pytest's timeout
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +33,7 @@ def lite_python() -> Path:
         shutil.rmtree(venv, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", f"{ROOT}[tflite]"], check=True,
-                       timeout=900)
+                       timeout=scaled(900))
         (venv / ".complete").write_text("ok")
     return python
 

@@ -28,7 +28,7 @@ MODEL = "half_plus_two"
 def appliance(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if k != "STATE_DIRECTORY"}  # as a shell has it
     return subprocess.run([sys.executable, "-m", "appliance.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**environment, **(env or {})})
+                          timeout=240, env={**environment, **(env or {})})
 
 
 @pytest.fixture(scope="module")

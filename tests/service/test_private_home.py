@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.load import scaled
 from tests.support.servers import ROOT, Server, free_port
 
 REAL_HOME = pwd.getpwuid(os.getuid()).pw_dir
@@ -54,6 +55,7 @@ def _free(port: int) -> bool:
     return True
 
 
+@pytest.mark.timeout(1800)  # 240 s for the service, 1200 for the nested suite, 300 for sync: all stretch alike
 def test_the_suite_passes_beside_a_service_started_as_the_readme_says(tmp_path: Path) -> None:
     """``scripts/run.sh`` runs ``appliance serve`` on its embedded default: the user's home
     holds its state and admin token, REST on 8501, gRPC on 8500. Tests run beside it (their
@@ -80,11 +82,11 @@ def test_the_suite_passes_beside_a_service_started_as_the_readme_says(tmp_path: 
         nested = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "nested"),
              "tests/sync/test_sync_file.py", "tests/service/test_cli_service.py", "tests/core/test_tfs_files_and_flags.py"],
-            cwd=ROOT, env=user, capture_output=True, text=True, timeout=1200)
+            cwd=ROOT, env=user, capture_output=True, text=True, timeout=scaled(1200))
         assert nested.returncode == 0, nested.stdout[-4000:] + nested.stderr[-2000:]
         assert (state / "admin-token").read_text() == token  # left alone
         sync = subprocess.run([sys.executable, "-m", "appliance.cli", "sync"], cwd=ROOT, env=user,
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=scaled(300))
         assert sync.returncode == 0, sync.stderr  # the user's own `appliance sync` still finds it, as the README says
         assert readme.proc.poll() is None
     finally:

@@ -71,7 +71,7 @@ class Device:
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([sys.executable, "-m", "appliance.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=240)
     if check:
         assert done.returncode == 0, done.stderr
     return done

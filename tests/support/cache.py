@@ -7,6 +7,14 @@ several test processes at once: an exclusive ``flock`` on ``.<name>.lock`` makes
 wait for the one that builds, instead of building the same thing beside it. The build goes to
 a staging folder renamed into place, so a session killed mid-build leaves no half cache that
 looks complete (``.complete`` is written last).
+
+``ahead_of_tests(fixture)`` registers a cache's builder under the fixture that returns it:
+tests/conftest.py builds every registered cache the collected tests use before the first
+test starts. A cold build (litert-torch converting a dozen models, TensorFlow writing
+SavedModels) belongs to no test: on a busy machine it takes longer than one test's timeout,
+and it ran inside whichever test came first. A rerun finds every cache complete and builds
+nothing; each cache's name carries a hash of its builder's source, so a changed builder
+builds afresh.
 """
 
 from __future__ import annotations
@@ -15,7 +23,18 @@ import fcntl
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
+
+Built = TypeVar("Built")
+AHEAD: dict[str, Callable[[], object]] = {}  # fixture name -> what builds (and returns) its cache
+
+
+def ahead_of_tests(fixture: str) -> Callable[[Callable[[], Built]], Callable[[], Built]]:
+    """Register ``build`` (no arguments, returns the cache) as what ``fixture`` needs built."""
+    def register(build: Callable[[], Built]) -> Callable[[], Built]:
+        AHEAD[fixture] = build
+        return build
+    return register
 
 
 def cache_root() -> Path:
@@ -43,4 +62,4 @@ def built_once(name: str, build: Callable[[Path], None]) -> Path:
     return cache
 
 
-__all__ = ["built_once", "cache_root"]
+__all__ = ["AHEAD", "ahead_of_tests", "built_once", "cache_root"]

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.support.cache import ahead_of_tests
+
 VOCAB = 128
 LAYERS, HEADS, HEAD_DIM, EMBED, FFN = 2, 2, 16, 32, 64
 
@@ -83,6 +85,15 @@ def models() -> Path:
     from tests.support.cache import built_once
 
     return built_once(f"litert-llm-{digest()}", build)
+
+
+@ahead_of_tests("lt_models")  # the fixture's name in the test modules that use these models
+def models_ahead() -> Path | None:
+    """``models()`` before the first test (converting all of them takes minutes on a busy
+    2-core box, more than a test may), or None without litert-torch (those tests skip)."""
+    import importlib.util
+
+    return models() if importlib.util.find_spec("litert_torch") else None
 
 
 def _config(spec: Spec) -> Any:

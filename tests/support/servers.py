@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import requests
 
+from tests.support import load
+
 ROOT = Path(__file__).resolve().parents[2]
 # Screenshots and other outputs for a person to look at: where $EDGE_TEST_ARTIFACTS says
 # (scripts/test.sh: the checkout's test-artifacts/), else a folder under /tmp, never the checkout.
@@ -40,9 +42,11 @@ def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", con
 
     A predicate that raises one of ``NOT_YET`` counts as "not yet" and is polled again; any
     other exception fails at once. ``alive()`` returns a message when waiting is pointless
-    (the server exited). On timeout the message names ``what``, the last value or "not yet"
-    exception, and ``context()`` (log tails, say)."""
-    deadline = time.monotonic() + timeout
+    (the server exited). ``timeout`` is what a quiet machine needs: it is stretched by the
+    machine's load (tests/support/load.py). On timeout the message names ``what``, the last
+    value or "not yet" exception, the load, and ``context()`` (log tails, say)."""
+    stretched = load.scaled(timeout)
+    deadline = time.monotonic() + stretched
     last: Any = "never polled"
     while True:
         try:
@@ -57,7 +61,8 @@ def poll_until(predicate: Any, timeout: float = 60, what: str = "condition", con
         if dead:
             raise AssertionError(f"gave up waiting for {what}: {dead}\nlast: {last}\n{context()}")
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\nlast: {last}\n{context()}")
+            raise AssertionError(f"timed out after {stretched:.0f} s ({timeout} s at a quiet machine; {load.describe()}) "
+                                 f"waiting for {what}\nlast: {last}\n{context()}")
         time.sleep(0.2)
 
 

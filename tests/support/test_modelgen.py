@@ -462,11 +462,12 @@ def test_nosig_tflite(models):
 # ---------------------------------------------------------------- CLI
 
 
+@pytest.mark.timeout(600)  # two builds of up to 240 s each
 def test_cli(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run(
         [sys.executable, "-m", "tests.support.modelgen", "nosig_tflite,multisig_tflite", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["multisig_tflite", "nosig_tflite"]
@@ -475,7 +476,7 @@ def test_cli(tmp_path):
         assert os.path.isfile(tmp_path / n / "1" / "model.tflite")
     r = subprocess.run(
         [sys.executable, "-m", "tests.support.modelgen", "nope", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
     assert r.returncode == 2 and "unknown model" in r.stderr
 

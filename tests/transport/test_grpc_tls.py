@@ -7,11 +7,13 @@ workers on, their default), both ways of turning it on:
 
 With client certificates required, a client holding one the CA signed is answered; one with
 none, one signed by another CA, and a plaintext client are refused in the handshake and the
-service keeps answering. A bad SSLConfig stops start-up naming the key.
+service keeps answering. A bad SSLConfig stops start-up naming the key (exit 2, no port left
+serving).
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,7 +29,7 @@ from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc  # 
 from appliance.core.config import Config, GRPCConfig  # noqa: E402
 from appliance.core.errors import ConfigError  # noqa: E402
 from appliance.core.grpc_tls import grpc_tls, parse_ssl_config  # noqa: E402
-from tests.support.servers import Server, free_port, spawn  # noqa: E402
+from tests.support.servers import ROOT, Server, free_port, spawn  # noqa: E402
 from tests.transport.test_tls import make_cert  # noqa: E402
 
 X = np.full((2, 64), 0.25, np.float32)
@@ -176,3 +178,18 @@ def test_a_bad_ssl_config_is_refused_by_key(tmp_path: Path, text: str, words: li
 def test_the_ssl_config_parser_is_protobufs() -> None:
     message = parse_ssl_config('server_key: "k"\nclient_verify: true\n')
     assert message.server_key == "k" and message.client_verify and not message.custom_ca
+
+
+def test_a_bad_ssl_config_file_stops_start_up_naming_the_key(tmp_path: Path) -> None:
+    """As a bad REST certificate does (tests/transport/test_tls.py): exit 2 with the key and the
+    reason, no traceback, and no REST port left serving with /readyz 503 (what it did before)."""
+    (tmp_path / "ssl.config").write_text('server_key: "x"\nserver_cert: "y"\n')
+    config = tmp_path / "bad.toml"
+    config.write_text(f'[grpc]\nssl_config_file = "{tmp_path / "ssl.config"}"\n')
+    port = free_port()
+    done = subprocess.run([sys.executable, "-m", "appliance.cli", "serve", "--config", str(config), "--host", "127.0.0.1",
+                           "--port", str(port), "--grpc-port", str(free_port()), "--state", str(tmp_path / "state"),
+                           "--no-discovery"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "edge-appliance: config grpc.ssl_config_file:" in done.stderr and "PEM" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]

@@ -31,6 +31,7 @@ from appliance.transport.grpc import connection as h2_conn
 from appliance.transport.grpc.h2_server import LeanServer
 from appliance.transport.grpc.limits import Limits
 from tests.support import h2_wire as h2_grpc
+from tests.support.load import scaled
 from tests.support.servers import poll_until
 from tests.support.h2_wire import frame, read_frame, request_headers
 
@@ -406,13 +407,14 @@ def grpc_js_modules() -> Path:
     if not (modules / "@grpc" / "grpc-js").is_dir():
         GRPC_JS_CACHE.mkdir(parents=True, exist_ok=True)
         subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(GRPC_JS_CACHE), GRPC_JS_PACKAGE],
-                       check=True, capture_output=True, timeout=600)
+                       check=True, capture_output=True, timeout=scaled(600))
     return modules
 
 
 GRPC_JS_PACKAGE = "@grpc/grpc-js@^1.14"  # scripts/test.sh installs the same
 
 
+@pytest.mark.timeout(900)  # npm's 600 s on the first run, then the calls
 def test_grpc_js_client(served: Any) -> None:
     """Node's gRPC (its HTTP/2 is Node's nghttp2): sizes over every window, 200 concurrent
     calls, status and trailers, a deadline, gzip."""

@@ -202,3 +202,29 @@ def test_the_page_api_is_read_only(served: str) -> None:
     assert "reports" not in r.json()  # full reports only one at a time
     assert "script-src 'self'" in requests.get(served + "/", timeout=10).headers["Content-Security-Policy"]
     assert re.search(r'"trust_signed":\s*5000', json.dumps(r.json()["counts"]))
+
+
+def test_on_a_phone_serving_and_problem_stay_in_view_in_words(browser: Any, served: str, fleet: dict[str, Any]) -> None:
+    """390 px wide (issue 49: Serving and Problem were scrolled off to the right): every visible
+    column fits the screen, Serving and Problem among them, and a failed target reads as words."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(served + "/")
+        page.wait_for_selector("body[data-updated]")
+        failed = next(d for d, k in fleet["kinds"].items() if k == "failed")
+        page.fill("#f-text", failed)
+        row = page.locator(f"tr[data-device='{failed}']")
+        row.wait_for()
+        width = page.evaluate("document.documentElement.clientWidth")
+        for key in ("device_id", "status", "models", "problem"):
+            box = page.locator(f"#table th[data-key={key}]").bounding_box()
+            assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= width, (key, box, width)
+        assert page.evaluate("document.querySelector('.table-wrap').scrollWidth <= document.querySelector('.table-wrap').clientWidth")
+        cells = row.locator("td:visible").all_inner_texts()
+        assert any("hpt v1; target v2 failed" in c for c in cells), cells
+        assert not any(":1 (failed)" in c for c in cells), cells
+        page.screenshot(path=str(ARTIFACTS / "fleet-390.png"))
+    finally:
+        context.close()

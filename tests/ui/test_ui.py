@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from tests.support.servers import ARTIFACTS, Server, free_port, model_copy
+from tests.support.servers import ARTIFACTS, Server, free_port, model_copy, poll_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -277,8 +277,14 @@ def test_quarantined_version_says_so(degraded_page: Page) -> None:
     card.locator(".model-head .badge.bad", has_text="v2 quarantined").wait_for()
     assert card.locator("tr[data-version='2'] .badge").inner_text() == "quarantined"
     assert card.locator("tr[data-version='1'] .badge").inner_text() == "AVAILABLE"
-    reason = page.row(card, "Quarantined").inner_text()
-    assert reason.startswith("v2: ") and "tflite failed to load" in reason, reason
+    # The reason is said once, in its problem at the top (issue 49: a ~600-character text three
+    # times); the card points there.
+    problem = page.page.locator(f"#problems li.problem[data-kind=version_quarantined][data-model={BROKEN}]")
+    problem.wait_for()
+    assert "tflite failed to load" in problem.inner_text()
+    assert page.row(card, "Quarantined").inner_text() == "v2: why: under Problems, at the top"
+    said = page.page.locator("#problems").inner_text() + card.inner_text()
+    assert said.count("tflite failed to load") == 1, said
 
 
 def test_latency_and_batch_charts_have_axes_and_units(page: Page) -> None:
@@ -372,3 +378,41 @@ def test_screenshots(browser: Any, server: Server, degraded: Degraded, width: in
         finally:
             shot.close()
         assert not shot.errors, f"the page logged {len(shot.errors)} errors, first: {shot.errors[:3]}"
+
+
+def test_a_clients_bad_requests_are_not_the_servers_errors(page: Page) -> None:
+    """Issue 49: clients' 400s were counted as "Errors"; they are counted apart."""
+    session = requests.Session()
+    for _ in range(5):
+        assert session.post(f"{page.server.url}/v1/models/{MODEL}:predict", json=ADD, timeout=30).status_code == 200
+        bad = session.post(f"{page.server.url}/v1/models/{MODEL}:predict", json={"signature_name": "add"}, timeout=30)
+        assert bad.status_code == 400, bad.text
+    errors = page.card(MODEL).locator("[data-chart=errors]")
+
+    def stats() -> dict[str, float] | None:
+        page.next_update()
+        found = {label: float(value) for label, value, _ in (re.sub(r"\s+", " ", t).strip().rsplit(" ", 2)
+                                                           for t in errors.locator("figcaption .stat").all_inner_texts())}
+        return found if found.get("client (4xx)") else None
+
+    shown = poll_until(stats, 60, "the page to show the client errors")
+    assert shown["server (5xx)"] == 0 and shown["client (4xx)"] > 0, shown
+    summary = page.server.status()["models"][MODEL]["requests"]
+    assert summary["error_rate"] == 0 and summary["client_error_rate"] > 0, summary
+
+
+def test_discovery_on_loopback_only_is_not_called_announcing(browser: Any, start_server: Any, models: Path) -> None:
+    """Issue 49: a service listening on 127.0.0.1 showed a green "announcing"; no other machine
+    can find it, and the page says so."""
+    server = start_server("--models", str(models), "--backend", "tflite", discovery=True)
+    disc = server.wait_for(lambda: (lambda d: d if d.get("announcing") else None)(server.status()["discovery"]), 120,
+                           "discovery to announce")
+    assert disc["loopback_only"] is True and disc["addresses"] == ["127.0.0.1"], disc
+    p = Page(browser, server)
+    try:
+        badge = p.page.locator("#discovery .part-state .badge")
+        badge.filter(has_text="loopback only").wait_for()
+        assert "ok" not in badge.get_attribute("class").split() and "announcing" not in badge.inner_text()
+    finally:
+        p.close()
+    assert not p.errors, p.errors

@@ -236,7 +236,7 @@
     model_not_serving: "not serving", target_not_reached: "target not reached", version_quarantined: "quarantined",
     version_degraded: "degraded", backend_failed: "backend failed", workers_down: "front workers",
     sync_failing: "sync failing", sync_refused: "sync refused", store: "model store", part_down: "down",
-    state_database: "state database",
+    state_database: "state database", fallback: "slower fallback",
   };
 
   // Never green while a problem stands. A model not serving: red "not ready". Every model
@@ -350,10 +350,12 @@
     const names = Object.keys(models).sort();
     const body = section("models");
     if (!names.length) return body.replaceChildren(h("p", { class: "card muted" }, "no models configured"));
-    body.replaceChildren(...names.map((name) => modelCard(name, models[name])));
+    body.replaceChildren(...names.map((name) => modelCard(name, models[name], st.problems || [])));
   }
 
-  function modelCard(name, m) {
+  function modelCard(name, m, problems) {
+    // A quarantine's reason is said once: in its problem at the top when there is one.
+    const listed = (v) => problems.some((p) => p.kind === "version_quarantined" && p.model === name && String(p.version) === v);
     const versions = m.versions || [];
     const quarantined = Object.keys(m.quarantined || {}).sort((a, b) => Number(a) - Number(b));
     const serving = versions.find((v) => v.version === m.serving_version);
@@ -371,13 +373,14 @@
         ["Labels", labels.length ? labels.map(([l, v]) => h("span", { class: "chip" }, l + " → v" + v)) : "none"],
         ["Serving since", serving && serving.available_since ? when(serving.available_since) : null],
         ["Load time", serving ? `${num(serving.load_ms, 0)} ms (warm-up ${num(serving.warmup_ms, 0)} ms)` : null],
-        ["Quarantined", quarantined.length ? quarantined.map((v) => h("div", null, "v" + v + ": " + m.quarantined[v])) : undefined, "err"],
+        ["Quarantined", quarantined.length ? quarantined.map((v) => h("div", null, "v" + v + ": " +
+          (listed(v) ? "why: under Problems, at the top" : m.quarantined[v]))) : undefined, "err"],
         ["Last error", quarantined.length ? undefined : lastError(m), lastError(m) ? "err" : null],
       ]),
       requestCharts(m.requests || {}),
       serving ? batching(serving) : null,
       versionTable(versions, m.quarantined || {}),
-      versions.map((v) => decision(name, v, v.version === m.serving_version)));
+      versions.map((v) => decision(name, v, v.version === m.serving_version, listed(String(v.version)))));
   }
 
   function lastError(m) {
@@ -396,8 +399,11 @@
       timeChart({ id: "latency", title: "Latency", unit: "ms", any,
         series: [{ cls: "p50", values: r.p50_series }, { cls: "p99", values: r.p99_series }],
         stats: [["p50", "p50", ms(r.p50_ms)], ["p99", "p99", ms(r.p99_ms)]] }),
-      timeChart({ id: "errors", title: "Errors", unit: "%", any, scale: 100, series: [{ cls: "err-rate", values: r.error_series }],
-        stats: [[null, "rate", typeof r.error_rate === "number" ? num(r.error_rate * 100, 1) + " %" : "—"]] }));
+      // Errors: the server's failures (5xx) only; a client's bad request (4xx) is counted apart.
+      timeChart({ id: "errors", title: "Errors", unit: "%", any, scale: 100,
+        series: [{ cls: "err-rate", values: r.error_series }, { cls: "client-rate", values: r.client_error_series }],
+        stats: [["err-rate", "server (5xx)", typeof r.error_rate === "number" ? num(r.error_rate * 100, 1) + " %" : "—"],
+          ["client-rate", "client (4xx)", typeof r.client_error_rate === "number" ? num(r.client_error_rate * 100, 1) + " %" : "—"]] }));
   }
 
   function batching(v) {
@@ -434,14 +440,14 @@
   }
 
   // One block per backend considered (not a wide table: it must read on a phone).
-  function decision(model, v, isServing) {
+  function decision(model, v, isServing, said) {
     const d = v.decision;
     if (!d) return null;
     const key = model + "\u0000" + v.version;
     const open = openDetails.has(key) ? openDetails.get(key) : isServing;
     const el = h("details", { class: "decision", open: open },
       h("summary", null, `Backend decision v${v.version}: `, h("b", null, d.chosen || "none"),
-        d.how ? ` (${d.how})` : "", " — ", d.reason || ""),
+        d.how ? ` (${d.how})` : "", " — ", said && !d.chosen ? "failed: why under Problems, at the top" : d.reason || ""),
       h("ul", { class: "considered" }, (d.considered || []).map((c) => h("li", { class: c.backend === d.chosen ? "chosen" : null },
         h("div", { class: "be-head" },
           h("b", null, c.backend),
@@ -450,7 +456,7 @@
               : h("span", { class: "badge " + (c.available ? "info" : "muted") }, c.available ? "usable" : "not usable"),
           measured(c)),
         h("div", { class: "why" }, c.reason || ""),
-        c.load_error ? h("div", { class: "err" }, "load error: " + c.load_error) : null))));
+        c.load_error ? h("div", { class: "err" }, "load error: " + (said ? "why: under Problems, at the top" : c.load_error)) : null))));
     el.addEventListener("toggle", () => openDetails.set(key, el.open));
     return el;
   }
@@ -481,8 +487,9 @@
       discSection.classList.toggle("is-down", Boolean(down));
       section("discovery").replaceChildren(
         partState(down ? ["warn", "down: not announcing"] : !disc.enabled ? ["muted", "off"]
-          : disc.announcing ? ["ok", "announcing"] : ["info", "starting"]),
-        genericKV(disc, ["enabled", "announcing", "error", "name", "type", "port", "addresses"]));
+          : disc.announcing && disc.loopback_only ? ["info", "loopback only: not visible on the LAN"]
+            : disc.announcing ? ["ok", "announcing"] : ["info", "starting"]),
+        genericKV(disc, ["enabled", "announcing", "error", "name", "type", "port", "addresses", "loopback_only"]));
     }
   }
 

@@ -16,6 +16,11 @@ them out. Two pointer types differ from the header where the ABI is the same: a 
 read through its header (``nghttp2_frame_hd *``, the union's first member) and a header
 field's name and value are ``char *`` (``ffi.unpack`` turns those into bytes fastest). ``load()`` returns (ffi, lib), or raises ``Missing`` with what to install.
 
+Where it is looked for: ``$EDGE_APPLIANCE_LIBNGHTTP2`` (a path or a soname) and nothing else
+when that is set; else the system's ``libnghttp2.so.14``, what ``ctypes.util.find_library``
+finds, and a copy shipped beside the running Python (``<sys.prefix>/lib/nghttp2/``: the OCI
+image built on a base without the library carries one there, deploy/Containerfile).
+
 Thread-safety: a session is used by one thread (the event loop's); the library holds no
 global state.
 """
@@ -23,6 +28,8 @@ global state.
 from __future__ import annotations
 
 import ctypes.util
+import os
+import sys
 from typing import Any
 
 CDEF = """
@@ -128,21 +135,30 @@ def _load() -> tuple[Any, Any]:
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     lib = None
-    for name in (LIBRARY, ctypes.util.find_library("nghttp2")):
-        if name:
-            try:
-                lib = ffi.dlopen(name)
-                break
-            except OSError:
-                continue
+    for name in candidates():
+        try:
+            lib = ffi.dlopen(name)
+            break
+        except OSError:
+            continue
     if lib is None:
-        raise Missing(f"{LIBRARY} was not found: install libnghttp2 (Debian/Ubuntu: apt-get install "
-                      "libnghttp2-14; Alpine: apk add nghttp2-libs), or set [grpc] transport = \"grpcio\"")
+        raise Missing(f"{LIBRARY} was not found (looked for {', '.join(candidates())}): install libnghttp2 "
+                      "(Debian/Ubuntu: apt-get install libnghttp2-14; Alpine: apk add nghttp2-libs), "
+                      "or set [grpc] transport = \"grpcio\"")
     info = lib.nghttp2_version(0)
     if info == ffi.NULL or info.version_num < MIN_VERSION:
         found = ffi.string(info.version_str).decode() if info != ffi.NULL else "unknown"
         raise Missing(f"libnghttp2 {found} is older than 1.12.0: upgrade it, or set [grpc] transport = \"grpcio\"")
     return ffi, lib
+
+
+def candidates() -> list[str]:
+    """Where the library is looked for, in order (module docstring)."""
+    chosen = os.environ.get("EDGE_APPLIANCE_LIBNGHTTP2")
+    if chosen:
+        return [chosen]
+    found = ctypes.util.find_library("nghttp2")
+    return [LIBRARY, *([found] if found else []), os.path.join(sys.prefix, "lib", "nghttp2", LIBRARY)]
 
 
 def version() -> str:

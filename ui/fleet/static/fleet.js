@@ -33,8 +33,12 @@ function when(epoch) {
   return new Date(epoch * 1000).toLocaleString(undefined, { timeZoneName: "short" });
 }
 
+// In words, as `appliance fleet` prints it: "hpt v1; target v2 failed", never "hpt:1 (failed)".
 function served(row) {
-  return Object.entries(row.models).map(([name, m]) => `${name}:${m.serving ?? "—"}`).join(", ");
+  const v = (n) => (n == null ? "nothing" : "v" + n);
+  return Object.entries(row.models).map(([name, m]) => `${name} ${v(m.serving)}` +
+    (m.state === "moving" ? `, moving to ${v(m.target)}` : m.state === "waiting" ? `; target ${v(m.target)} waits for its wave`
+      : m.state === "failed" || m.state === "refused" ? `; target ${v(m.target)} ${m.state}` : "")).join("; ");
 }
 
 function problem(row) {
