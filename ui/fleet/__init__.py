@@ -56,6 +56,8 @@ class FleetPage:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
+        if isinstance(host, bytes):  # typeshed allows an AF_UNIX path; this server is TCP
+            host = host.decode()
         return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
     def start(self) -> "FleetPage":
