@@ -1,8 +1,7 @@
 """Text around token streams: a version's vocabulary, its chat template, stop strings.
 
-``Vocabulary``: ``assets/vocab.json`` of a token-level version (a JSON list of token
-strings): the tokenizer of the tiny character-level versions; ``tokenizer.json`` and
-``tokenizer.model`` are read by their own libraries (appliance/core/tokenizer.py).
+``Vocabulary`` (re-exported from appliance/core/tokenizer.py, beside the other tokenizers):
+``assets/vocab.json`` of a token-level version, the tokenizer of the tiny character-level versions.
 
 ``ChatTemplate``: chat messages -> one prompt, by the version's own Jinja template
 (``assets/chat_template.jinja``, else ``chat_template`` of ``assets/tokenizer_config.json``:
@@ -15,14 +14,12 @@ become one. Pure functions of their inputs: no locks, no threads.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
 from appliance.core.errors import ApplianceError, InvalidArgument
-from appliance.core.tokenizer import check, find, read_json
+from appliance.core.tokenizer import VOCAB_FILE, Vocabulary, check, find, special_text, tokenizer_config
 
-VOCAB_FILE = os.path.join("assets", "vocab.json")
 CHAT_TEMPLATE_FILE = os.path.join("assets", "chat_template.jinja")
 TOKENIZER_CONFIG_FILE = os.path.join("assets", "tokenizer_config.json")
 # The template of a version that ships none: role tags on lines of their own; with tools,
@@ -37,72 +34,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for call in message.tool_calls or [] %}<tool_call>{\"name\": {{ call.function.name | tojson }}, "
     "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-class Vocabulary:
-    """``assets/vocab.json`` of a version: a JSON list of token strings (index = id).
-    Text is encoded by greedy longest match, which is exact for character vocabularies.
-    ``eos_id``: the token of ``eos_token`` in ``assets/tokenizer_config.json`` (a stream
-    ends there), ``special_ids``: its special tokens (``added_tokens_decoder``), which no
-    grammar's text may use."""
-
-    def __init__(self, tokens: Sequence[str], eos: str = "", special: Sequence[str] = ()):
-        self.tokens = list(tokens)
-        self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
-        self.longest = max((len(t) for t in self.tokens), default=1)
-        self.eos_id = self._ids.get(eos) if eos else None
-        self.stop_ids = frozenset([self.eos_id]) if self.eos_id is not None else frozenset()
-        self.special_ids = frozenset(self._ids[t] for t in special if t in self._ids)
-        self.size = len(self.tokens)
-
-    @classmethod
-    def load(cls, version_dir: str) -> "Vocabulary | None":
-        path = os.path.join(version_dir, VOCAB_FILE)
-        if not os.path.isfile(path):
-            return None
-        with open(path, encoding="utf-8") as f:
-            tokens = json.load(f)
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            raise InvalidArgument(f"{VOCAB_FILE} of this version is not a JSON list of strings")
-        config = _tokenizer_config(version_dir)
-        added = config.get("added_tokens_decoder")
-        special = [t.get("content") for t in added.values() if isinstance(t, dict) and t.get("special")] \
-            if isinstance(added, dict) else []
-        return cls(tokens, _special(config.get("eos_token")), [t for t in special if isinstance(t, str)])
-
-    def fewest_tokens(self, text: str) -> int:
-        """The fewest tokens ``text`` can take (its length over the longest token's), known
-        without encoding it: a prompt over the context is refused before any work."""
-        return -(-len(text) // self.longest)
-
-    def encode(self, text: str, special: bool = True) -> list[int]:
-        """``special`` is the tokenizers' face (appliance/core/tokenizer.py): a list adds no BOS."""
-        ids, i = [], 0
-        while i < len(text):
-            for size in range(min(self.longest, len(text) - i), 0, -1):
-                token = self._ids.get(text[i:i + size])
-                if token is not None:
-                    ids.append(token)
-                    i += size
-                    break
-            else:
-                raise InvalidArgument(f"field 'text': character {text[i]!r} at offset {i} is not in the "
-                                      "model's vocabulary")
-        return ids
-
-    def decode(self, token: int) -> str:
-        return self.tokens[token] if 0 <= token < len(self.tokens) else ""
-
-    def decode_all(self, ids: Sequence[int]) -> str:
-        return "".join(self.decode(t) for t in ids if t not in self.special_ids)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self.decode(token).encode("utf-8")
-
-    def grammar_tokenizer(self) -> Any:
-        from appliance.core.constraints import tokenizer_of_bytes
-
-        return tokenizer_of_bytes([t.encode("utf-8") for t in self.tokens], self.eos_id, self.special_ids)
 
 
 class ChatTemplate:
@@ -130,14 +61,14 @@ class ChatTemplate:
         if path is not None:
             with open(path, encoding="utf-8") as f:
                 return cls(f.read(), CHAT_TEMPLATE_FILE)
-        config = _tokenizer_config(version_dir)
+        config = tokenizer_config(version_dir)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the "default" one
             template = next((t.get("template") for t in template if isinstance(t, dict)
                              and t.get("name") == "default"), None)
         if isinstance(template, str):
-            return cls(template, TOKENIZER_CONFIG_FILE, _special(config.get("bos_token")),
-                       _special(config.get("eos_token")))
+            return cls(template, TOKENIZER_CONFIG_FILE, special_text(config.get("bos_token")),
+                       special_text(config.get("eos_token")))
         return cls(DEFAULT_CHAT_TEMPLATE, "the default template")
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
@@ -169,16 +100,6 @@ def _template_error(message: str) -> None:
     raise InvalidArgument(f"field 'messages': {message}")
 
 
-def _special(token: Any) -> str:
-    if isinstance(token, dict):  # {"content": "<s>", ...}
-        token = token.get("content")
-    return token if isinstance(token, str) else ""
-
-
-def _tokenizer_config(version_dir: str) -> dict[str, Any]:
-    return read_json(version_dir, "tokenizer_config.json")  # assets/, else the version's root
-
-
 def check_assets(version_dir: str) -> None:
     """At load (appliance/core/manager.py): a version's vocabulary and chat template, where it
     ships them, must read, parse and render a plain chat; else the version is refused with the
@@ -190,7 +111,7 @@ def check_assets(version_dir: str) -> None:
     except InvalidArgument as exc:
         raise ApplianceError(exc.message) from exc
     ships = find(version_dir, "chat_template.jinja") is not None or \
-        "chat_template" in _tokenizer_config(version_dir)
+        "chat_template" in tokenizer_config(version_dir)
     if ships:
         ChatTemplate.load(version_dir).check()
 

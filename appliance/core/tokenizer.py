@@ -35,6 +35,8 @@ from typing import Any, Iterable, Protocol, Sequence
 
 from appliance.core.errors import InvalidArgument
 
+VOCAB_FILE = os.path.join("assets", "vocab.json")
+
 HF_FILE, SPM_FILE = "tokenizer.json", "tokenizer.model"
 CONFIG_FILE, GENERATION_FILE = "tokenizer_config.json", "generation_config.json"
 PLACES = ("assets", "")  # where a version's tokenizer files are looked for, in order
@@ -348,6 +350,83 @@ class SentencePieceTokenizer:
         return list(self.sp.EncodeAsIds(marker + text))[skip:]
 
 
+def special_text(token: Any) -> str:
+    """A special token as tokenizer_config.json writes it (a string, or {"content": ...})."""
+    if isinstance(token, dict):  # {"content": "<s>", ...}
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
+def tokenizer_config(version_dir: str) -> dict[str, Any]:
+    return read_json(version_dir, "tokenizer_config.json")  # assets/, else the version's root
+
+
+class Vocabulary:
+    """``assets/vocab.json`` of a version: a JSON list of token strings (index = id).
+    Text is encoded by greedy longest match, which is exact for character vocabularies.
+    ``eos_id``: the token of ``eos_token`` in ``assets/tokenizer_config.json`` (a stream
+    ends there), ``special_ids``: its special tokens (``added_tokens_decoder``), which no
+    grammar's text may use."""
+
+    def __init__(self, tokens: Sequence[str], eos: str = "", special: Sequence[str] = ()):
+        self.tokens = list(tokens)
+        self._ids = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
+        self.longest = max((len(t) for t in self.tokens), default=1)
+        self.eos_id = self._ids.get(eos) if eos else None
+        self.stop_ids = frozenset([self.eos_id]) if self.eos_id is not None else frozenset()
+        self.special_ids = frozenset(self._ids[t] for t in special if t in self._ids)
+        self.size = len(self.tokens)
+
+    @classmethod
+    def load(cls, version_dir: str) -> "Vocabulary | None":
+        path = os.path.join(version_dir, VOCAB_FILE)
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            tokens = json.load(f)
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise InvalidArgument(f"{VOCAB_FILE} of this version is not a JSON list of strings")
+        config = tokenizer_config(version_dir)
+        added = config.get("added_tokens_decoder")
+        special = [t.get("content") for t in added.values() if isinstance(t, dict) and t.get("special")] \
+            if isinstance(added, dict) else []
+        return cls(tokens, special_text(config.get("eos_token")), [t for t in special if isinstance(t, str)])
+
+    def fewest_tokens(self, text: str) -> int:
+        """The fewest tokens ``text`` can take (its length over the longest token's), known
+        without encoding it: a prompt over the context is refused before any work."""
+        return -(-len(text) // self.longest)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """``special`` is the tokenizers' face (appliance/core/tokenizer.py): a list adds no BOS."""
+        ids, i = [], 0
+        while i < len(text):
+            for size in range(min(self.longest, len(text) - i), 0, -1):
+                token = self._ids.get(text[i:i + size])
+                if token is not None:
+                    ids.append(token)
+                    i += size
+                    break
+            else:
+                raise InvalidArgument(f"field 'text': character {text[i]!r} at offset {i} is not in the "
+                                      "model's vocabulary")
+        return ids
+
+    def decode(self, token: int) -> str:
+        return self.tokens[token] if 0 <= token < len(self.tokens) else ""
+
+    def decode_all(self, ids: Sequence[int]) -> str:
+        return "".join(self.decode(t) for t in ids if t not in self.special_ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode(token).encode("utf-8")
+
+    def grammar_tokenizer(self) -> Any:
+        from appliance.core.constraints import tokenizer_of_bytes
+
+        return tokenizer_of_bytes([t.encode("utf-8") for t in self.tokens], self.eos_id, self.special_ids)
+
+
 def load(version_dir: str) -> Tokenizer | None:
     """The version's tokenizer (module docstring), or None when it ships none. InvalidArgument
     when a file does not read, or its library is not installed on this device."""
@@ -362,8 +441,6 @@ def load(version_dir: str) -> Tokenizer | None:
     except ImportError as exc:  # a lean install: the format's library is missing
         raise MissingLibrary(f"this version's tokenizer needs the {exc.name} package on this device "
                               f"(pip install {exc.name})") from exc
-    from appliance.core.text import Vocabulary
-
     return Vocabulary.load(version_dir)
 
 
@@ -376,5 +453,5 @@ def check(version_dir: str) -> None:
         pass
 
 
-__all__ = ["CONFIG_FILE", "Decodes", "Detokenizer", "MissingLibrary", "Tokenizer", "HFTokenizer", "HF_FILE", "SPM_FILE", "SentencePieceTokenizer", "check",
+__all__ = ["CONFIG_FILE", "VOCAB_FILE", "Vocabulary", "special_text", "tokenizer_config", "Decodes", "Detokenizer", "MissingLibrary", "Tokenizer", "HFTokenizer", "HF_FILE", "SPM_FILE", "SentencePieceTokenizer", "check",
            "find", "load", "read_json", "token_text"]
