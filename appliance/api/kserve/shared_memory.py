@@ -98,7 +98,7 @@ def same_host(peer: str | None) -> bool:
         return True
     host = peer
     if host.startswith(("ipv4:", "ipv6:")):  # gRPC's: the port follows the last colon
-        host = host[5:].rsplit(":", 1)[0]
+        host = unquote(host[5:]).rsplit(":", 1)[0]  # grpcio >= 1.48 writes ipv6:%5B::1%5D:port
     host = host.strip("[]").split("%", 1)[0]
     try:
         address = ipaddress.ip_address(host)
