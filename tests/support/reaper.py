@@ -58,14 +58,27 @@ def _running(pid: int) -> bool:
     return state != "Z"  # a zombie holds no memory: its parent has only not reaped it yet
 
 
+def _own_helper(pid: int, command: str) -> bool:
+    """multiprocessing's resource tracker, started by this process (a test's SharedMemory): it
+    lives as long as this interpreter and ends with it, so it is no leak of the session's."""
+    try:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return False
+    return parent == os.getpid() and "multiprocessing.resource_tracker" in command
+
+
 def survivors(mark: str) -> dict[int, str]:
-    """{pid: command line} of every running process but this one that carries ``mark``."""
+    """{pid: command line} of every running process but this one (and its own resource
+    tracker) that carries ``mark``."""
     found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             pid = int(entry.name)
             if mark in _marks(pid) and _running(pid):
-                found[pid] = _command(pid)
+                command = _command(pid)
+                if not _own_helper(pid, command):
+                    found[pid] = command
     return found
 
 
