@@ -53,7 +53,9 @@ def device_rows(entries: list[Entry], registry: dict[str, str], cache: ReportCac
     forget_gone(cache, {e.device_id for e in entries})
     for entry in entries:
         mark, trusted = judge(entry, registry, cache)
-        row = device_row(trusted or entry, registry, now)
+        # An unreadable report is shown as such (its error, status "unreadable"), not hidden
+        # behind the last trusted one: the device's own file is broken, and that is news.
+        row = device_row(entry if entry.report is None else trusted or entry, registry, now)
         row.update(trust=mark, counted=trusted is not None)  # counted as its last trusted report has it
         if mark != SIGNED:
             report = entry.report or {}

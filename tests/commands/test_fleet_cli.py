@@ -198,3 +198,6 @@ def test_a_replay_is_caught_by_the_next_cli_run_and_the_cache_file_holds_each_re
     row = rows()[IDS[0]]
     assert row["trust"] == "replayed" and row["status"] == "ok" and row["models"]["hpt"]["serving"] == 2
     assert row["untrusted_report"]["sequence"] == 7
+    source.put(f"_devices/{IDS[0]}.json", b"{not json")  # the device's own file, broken
+    row = rows()[IDS[0]]
+    assert row["status"] == "unreadable" and row["error"], row  # said as such, not its last trusted report
