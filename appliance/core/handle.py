@@ -212,7 +212,7 @@ async def _execute(slot: VersionSlot, signature: str, inputs: Mapping[str, np.nd
         else:
             out = await asyncio.get_running_loop().run_in_executor(None, _run_alone, slot, signature, inputs,
                                                                    stats, started)
-    except Exception:
+    except BaseException:  # a cancelled request (its client went away) is a failed one too
         if stats is not None:
             stats.request(slot.model, slot.version, False, time.perf_counter() - started)
         raise
