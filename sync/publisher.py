@@ -172,14 +172,22 @@ def check_on_failure(value: Any, where: str) -> str:
 
 
 def roll_back_channel(source: Any, model: str, channel: str, to_version: int, sign_key: Any = None,
-                      reason: str = "", by: str = "") -> dict[str, Any]:
+                      reason: str = "", by: str = "", judged: int | None = None) -> dict[str, Any]:
     """Point the channel back at ``to_version`` at once (no waves, no threshold: it is the version
     that served before), recording ``rolled_back`` {from, to, reason, at, by}. A new pointer
-    (a newer ``created``): every device moves, those that took the failed version included."""
+    (a newer ``created``): every device moves, those that took the failed version included.
+    ``judged``: the version the caller found failing; if the channel points elsewhere now (an
+    operator published a fix meanwhile), nothing is written (Refused)."""
     fetched = source.read(f"{model}/channels/{channel}.json")
     if fetched.status == MISSING:
         raise Refused(f"{model} has no channel {channel!r} in the bucket")
-    old = json.loads(fetched.data)
+    try:
+        old = json.loads(fetched.data)
+    except ValueError as exc:
+        raise Refused(f"{model} channel {channel}: the pointer does not parse ({exc}); not rolled back") from exc
+    if judged is not None and old.get("version") != judged:
+        raise Refused(f"{model} channel {channel} moved to version {old.get('version')} after version {judged} "
+                      "was judged failing; not rolled back")
     doc = channel_doc(model, channel, to_version, float(old.get("expires") or 0))
     doc["rolled_back"] = {"from": old.get("version"), "to": to_version, "reason": reason, "at": time.time(),
                           "by": by or _whoami()}

@@ -23,6 +23,7 @@ from .fleet import read_pointer
 from .listing import ReportCache, list_reports
 from .publisher import halt_channel, roll_back_channel
 from .report import load_registry
+from .errors import Refused
 
 
 @dataclass
@@ -77,7 +78,11 @@ def control_round(source: Any, model: str, channel: str, cache: ReportCache, sig
         return Round(progress, done=_done(progress))
     previous = pointer.get("previous_version")
     if pointer.get("on_failure") == "rollback" and type(previous) is int and previous != pointer.get("version"):
-        doc = roll_back_channel(source, model, channel, previous, sign_key, reason=reason, by=by)
+        try:
+            doc = roll_back_channel(source, model, channel, previous, sign_key, reason=reason, by=by,
+                                    judged=pointer.get("version"))
+        except Refused:  # the pointer moved since it was read: the next round judges what it says now
+            return Round(progress, done=_done(progress))
         return Round({**progress, "rolled_back": doc["rolled_back"]}, halted_now=True)
     halt_channel(source, model, channel, sign_key, reason=reason, by=by)
     return Round({**progress, "halted": True, "halted_reason": reason}, halted_now=True)

@@ -99,3 +99,20 @@ def test_without_a_previous_version_or_with_halt_the_controller_halts(tmp_path: 
     assert first.halted_now and pointer(source)["halt"] is True and pointer(source)["version"] == 2
     halted = pointer(source)
     assert not control_round(source, "hpt", "stable", cache).halted_now and pointer(source) == halted
+
+
+def test_a_rollback_judged_on_a_pointer_that_moved_since_writes_nothing(tmp_path: Path) -> None:
+    """An operator published a fix between the controller's look and its write: the fix stays."""
+    from sync.errors import Refused
+    from sync.open_source import open_source
+    from sync.manifest import channel_doc
+    from sync.publisher import roll_back_channel
+
+    source = open_source(f"file://{tmp_path}")
+    # the fix, version 3, published after version 2 was judged failing
+    source.put("hpt/channels/stable.json", json.dumps(channel_doc("hpt", "stable", 3, 0)).encode())
+    with pytest.raises(Refused, match="moved to version 3 after version 2"):
+        roll_back_channel(source, "hpt", "stable", 1, judged=2)
+    assert json.loads(source.read("hpt/channels/stable.json").data)["version"] == 3
+    doc = roll_back_channel(source, "hpt", "stable", 2, judged=3)
+    assert doc["version"] == 2 and doc["rolled_back"]["from"] == 3
