@@ -230,9 +230,13 @@ def _clean_name(tensor_name: str) -> str:
 
 def _spec(name: str, detail: Mapping[str, Any], resizable: bool) -> TensorSpec:
     shape = [int(d) for d in detail.get("shape_signature", detail["shape"])]
-    if resizable and shape:
-        shape[0] = -1  # batch dimension: resized per batch
     dtype = np.dtype(object) if detail["dtype"] in (np.bytes_, np.str_, object) else np.dtype(detail["dtype"])
+    if resizable and not shape:
+        # LiteRT's converter writes a placeholder of unknown rank (TF1's ``placeholder(float32)``,
+        # the sample's ``x``) as rank 0: served as TensorFlow serves it, any shape, resized per call.
+        return TensorSpec(name, dtype, None, detail["name"])
+    if resizable:
+        shape[0] = -1  # batch dimension: resized per batch
     return TensorSpec(name, dtype, tuple(shape), detail["name"])
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests.support.load import scaled
 from tests.support.servers import ROOT, Server, free_port
 
 pytest.importorskip("litert_torch", reason="scripts/tiny_chat_model.py converts with litert-torch (the test extra)")

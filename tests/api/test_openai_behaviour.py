@@ -20,6 +20,10 @@ import requests
 from tests.support import real_tokenizers
 from tests.support.servers import Server, launch, model_copy
 
+# Its waits (a server that builds or converts its model first, a burst) reach past the default
+# 300 s: the pytest timeout sits above every wait inside it (tests/test_timeouts.py).
+pytestmark = pytest.mark.timeout(1200)
+
 openai = pytest.importorskip("openai", reason="the official OpenAI client (the test extra)")
 pydantic = pytest.importorskip("pydantic", reason="openai's own dependency")
 pytest.importorskip("litert_torch", reason="litert-torch converts the model (the test extra)")

@@ -17,6 +17,10 @@ import pytest
 from tests.support import real_tokenizers
 from tests.support.servers import Server, launch
 
+# Its waits (a server that builds or converts its model first, a burst) reach past the default
+# 300 s: the pytest timeout sits above every wait inside it (tests/test_timeouts.py).
+pytestmark = pytest.mark.timeout(900)
+
 pytest.importorskip("openai", reason="the official OpenAI client (the test extra)")
 pytest.importorskip("litert_torch", reason="litert-torch converts the model (the test extra)")
 pytest.importorskip("tokenizers", reason="Hugging Face tokenizers reads tokenizer.json")

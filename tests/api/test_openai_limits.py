@@ -30,6 +30,10 @@ from appliance.core.errors import Unavailable
 from appliance.core.stream_limits import StreamLimits
 from tests.api.test_generate import gen_models  # noqa: F401  (the session fixture)
 
+# Its waits (a server that builds or converts its model first, a burst) reach past the default
+# 300 s: the pytest timeout sits above every wait inside it (tests/test_timeouts.py).
+pytestmark = pytest.mark.timeout(600)
+
 MAX_TOKENS = 200  # gen_slow (a generate_step without a cache) has no context bound: seconds of work
 
 

@@ -21,6 +21,10 @@ import requests
 from tests.support import real_tokenizers
 from tests.support.servers import Server, launch
 
+# Waits of up to 300 s inside (a server, a model built first): the pytest timeout sits above
+# them (tests/test_timeouts.py).
+pytestmark = pytest.mark.timeout(600)
+
 openai = pytest.importorskip("openai", reason="the official OpenAI client (the test extra)")
 pytest.importorskip("litert_torch", reason="litert-torch converts the model (the test extra)")
 tokenizers = pytest.importorskip("tokenizers", reason="Hugging Face tokenizers reads tokenizer.json")

@@ -57,7 +57,7 @@ RPC_TIMEOUT = 30.0
 # loaded 2-core box), and the ports open only once all are AVAILABLE: the module's first test
 # carries that start-up, so its timeout is above the start-up's own wait.
 START_S = 840
-pytestmark = pytest.mark.timeout(START_S + 60)
+pytestmark = pytest.mark.timeout(900)  # START_S + 60, written out: tests/test_timeouts.py reads literals
 
 # The document's bodies without a TF Serving test model, served by models built here: one model
 # per default signature the bodies need (they name no signature, but for classify_objects).

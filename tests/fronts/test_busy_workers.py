@@ -24,11 +24,15 @@ import pytest
 from appliance.fronts.supervisor import Exit, Supervisor
 from tests.support.servers import poll_until
 
+# A wait of up to 300 s inside: the pytest timeout sits above it (tests/test_timeouts.py).
+pytestmark = pytest.mark.timeout(600)
+
 TIMEOUT_S = 2.0
 # The child: speaks every 0.1 s; with SPIN_S, after its first words it computes (its main thread,
 # silent) until it has used SPIN_S of CPU, then says "done" and speaks on. Exits when the channel closes.
 CHILD = r"""
 import os, socket, sys, time
+
 sock = socket.socket(fileno=int(sys.argv[1]))
 spin = float(sys.argv[2])
 def say(word):
