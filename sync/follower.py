@@ -372,7 +372,9 @@ class Follower:
         protect = {target} | ({local.serving} if local.serving is not None else set()) | set(local.loaded or ())
         protect |= {candidate} if candidate is not None else set()
         previous = self.store.trust(model).get("previous_target")
-        protect |= {previous} if isinstance(previous, int) else set()
+        # The channel's previous target is kept for a move back, unless it failed here: a move
+        # back to it would fail again (its reason outlives its directory, core/manager.py).
+        protect |= {previous} if isinstance(previous, int) and previous not in local.quarantined else set()
         deleted = self.store.retain(model, self.options.retain, protect, local.quarantined, target, local.serving)
         if deleted:
             self.event("sync_retention", f"{model}: deleted old versions {deleted} (keeping {self.options.retain})",
