@@ -42,6 +42,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from wsgiref.types import WSGIApplication
 
 from appliance.api.errors import render, wsgi_answer
 from appliance.api.mounts import ADMIN, INFERENCE, READ, ROUTE_KEY, SAFE_METHODS, SCOPES, rule_scope
@@ -242,7 +243,7 @@ class AuthLayer:
     environ (``ROUTE_KEY``) so the table dispatches without matching again."""
 
     def __init__(self, inner: Callable[..., Any], core: "Appliance", table: "RouteTable"):
-        self.inner = inner
+        self.inner: WSGIApplication = inner
         self.core = core
         self.table = table
         self.failures = _failure_counter(core)

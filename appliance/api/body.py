@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterable
+from wsgiref.types import WSGIApplication
 
 from appliance.api.errors import wsgi_error
 from appliance.core.errors import ApplianceError, InvalidArgument, PayloadTooLarge
@@ -50,7 +51,7 @@ def read_raw(environ: dict[str, Any], limit: int) -> bytes:
     data = stream.read(size) if size is not None else stream.read(limit + 1)
     if len(data) > limit:
         raise PayloadTooLarge(f"request body is over the limit of {limit} bytes ({LIMIT_KEY})")
-    return data
+    return bytes(data)
 
 
 def content_encoding(environ: dict[str, Any]) -> str:
@@ -106,7 +107,7 @@ class GzipBodies:
     """
 
     def __init__(self, app: Callable[..., Any], core: "Appliance"):
-        self.app = app
+        self.app: WSGIApplication = app
         self.core = core
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:

@@ -22,11 +22,14 @@ from __future__ import annotations
 import logging
 import math
 from http import HTTPStatus
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import orjson
 
 from appliance.core.errors import ApplianceError
+
+if TYPE_CHECKING:  # Flask is imported where a response is made (only Flask's callers need it)
+    from flask import Response
 
 JSON = "application/json"
 Headers = list[tuple[str, str]]
@@ -81,7 +84,7 @@ def wsgi_error(exc: BaseException, start_response: Callable[..., Any], where: st
 
 
 def flask_error(status: int, message: str, retry_after: float | None = None,
-                headers: Sequence[tuple[str, str]] = ()) -> Any:
+                headers: Sequence[tuple[str, str]] = ()) -> Response:
     """A Flask ``Response`` of ``render``'s answer (Flask imported here: only its callers need it)."""
     from flask import Response
 
@@ -93,7 +96,7 @@ def flask_error(status: int, message: str, retry_after: float | None = None,
     return response
 
 
-def flask_response(exc: BaseException, where: str = "the REST API") -> Any:
+def flask_response(exc: BaseException, where: str = "the REST API") -> Response:
     error = as_error(exc, where)
     return flask_error(error.http_status, error.message, error.retry_after)
 

@@ -92,7 +92,8 @@ class _Scan:
         prev = last_other[:-1]
         before[1:] = np.where(prev >= 0, index[1:] - 1 - prev, index[1:] + carried)
         self.backslashes = int(len(c) - 1 - last_other[-1]) if last_other[-1] >= 0 else len(c) + carried
-        return (before & 1).astype(bool) & ~slashes
+        escaped: np.ndarray = (before & 1).astype(bool) & ~slashes
+        return escaped
 
     def key_arrays(self, opening: np.ndarray, quotes: np.ndarray, start: int) -> list[tuple[int, str]]:
         """('[' position, key) of each array under a wanted key among the strings at ``opening``."""

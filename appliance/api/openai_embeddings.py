@@ -99,7 +99,7 @@ def _ids(item: Any, vocab: Any, model: str) -> list[int]:
     if vocab is None:
         raise FieldError(f"model '{model}' ships no tokenizer (tokenizer.json, tokenizer.model or assets/vocab.json): send token-id lists", "input")
     try:
-        return vocab.encode(item)
+        return list(vocab.encode(item))
     except InvalidArgument as exc:
         raise FieldError(f"field 'input': {exc.message}", "input") from exc
 

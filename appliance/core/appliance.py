@@ -221,7 +221,7 @@ class Appliance:
         problems = self.problem_list(models, parts)
         for name, model in models.items():
             model["requests"] = self.metrics.window.summary(name)
-        return redact({
+        snapshot: dict[str, Any] = redact({
             "service": {"name": "edge-appliance", "version": __version__, "device_id": self.device_id,
                         "uptime_s": round(time.time() - self.started_at, 1), "started": self.started_at,
                         "ready": self.ready(), "last_poll": self.manager.last_poll,
@@ -235,6 +235,7 @@ class Appliance:
             **parts,
             "parts_down": self.parts_down(),
         })
+        return snapshot
 
 
 def _worker_roles(workers: Any) -> dict[int, str]:
@@ -243,7 +244,8 @@ def _worker_roles(workers: Any) -> dict[int, str]:
 
 
 def _public_config(config: Config) -> dict[str, Any]:
-    return redact(dataclasses.asdict(config))
+    public: dict[str, Any] = redact(dataclasses.asdict(config))
+    return public
 
 
 def _secret_key(key: str) -> bool:

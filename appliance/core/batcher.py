@@ -46,13 +46,16 @@ import contextvars
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
 from runtimes import InputFailure, RuntimeFailure
 
 from appliance.core.errors import ApplianceError, InvalidArgument, QueueFull, Unavailable, from_runtime
+
+if TYPE_CHECKING:  # only for the annotation: the config module is not needed at run time here
+    from appliance.core.config import BatchingConfig
 
 RunFn = Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 INLINE_RUN_S = 0.0005  # a model whose batches average under this may run a lone call on its loop
@@ -158,7 +161,7 @@ def _rows(inputs: Mapping[str, np.ndarray]) -> int | None:
 class Batcher:
     """The queues and worker threads of one servable (see module docstring)."""
 
-    def __init__(self, run: RunFn, params: Any, name: str = "", threads: int = 1,
+    def __init__(self, run: RunFn, params: BatchingConfig, name: str = "", threads: int = 1,
                  observe: Callable[[str, int, int, float, float, int], None] | None = None,
                  run_wide: RunFn | None = None):
         self._run = run
@@ -168,7 +171,7 @@ class Batcher:
         self._threads_wanted = max(1, threads)
         self._observe = observe
         self._cond = threading.Condition()
-        self._queues: dict[tuple, collections.deque[_Task]] = {}
+        self._queues: dict[tuple[object, ...], collections.deque[_Task]] = {}
         self._queued_rows = 0
         self._busy = 0  # execution slots in use (leaders running a batch)
         self._closed = False
@@ -300,7 +303,7 @@ class Batcher:
         except RuntimeFailure as exc:
             raise from_runtime(exc) from exc
 
-    def _group(self, task: _Task) -> tuple:
+    def _group(self, task: _Task) -> tuple[object, ...]:
         pad = self.params.pad_variable_length_inputs
         return (task.signature,) + tuple(
             (k, v.dtype.str, v.ndim if pad else v.shape[1:]) for k, v in sorted(task.inputs.items()))

@@ -11,9 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
-from appliance.core.config_apis import GenerationConfig, KServeConfig, RolloutConfig, SharedMemoryConfig
+# Re-exported: the API sections live in config_apis.py, and their users import them from here.
+from appliance.core.config_apis import GenerationConfig as GenerationConfig
+from appliance.core.config_apis import KServeConfig as KServeConfig
+from appliance.core.config_apis import RolloutConfig as RolloutConfig
+from appliance.core.config_apis import SharedMemoryConfig as SharedMemoryConfig
 from appliance.core.errors import ConfigError
 
 BACKEND_CHOICES = ("auto", "tf-gpu", "tf-cpu", "tflite", "litertlm")
@@ -417,6 +421,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(key, f"must be a table, got {type(value).__name__}")
+        assert isinstance(hint, type)  # a section's annotation names its class
         return build(hint, value, key)
     if origin is list:
         if not isinstance(value, list):
@@ -437,6 +442,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     return value
 
 
+_Section = TypeVar("_Section")  # a config dataclass: build() returns the class it is given
+
+
 def set_field(obj: Any, name: str, value: Any, prefix: str) -> None:
     """``obj.name = value``, checked against the field's type; ConfigError naming ``prefix.name``."""
     hints = get_type_hints(type(obj))
@@ -446,7 +454,7 @@ def set_field(obj: Any, name: str, value: Any, prefix: str) -> None:
     setattr(obj, name, _coerce(value, hints[name], key))
 
 
-def build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
+def build(cls: type[_Section], data: dict[str, Any], prefix: str) -> _Section:
     """A ``cls`` (a config section) from a TOML table, every key checked (``set_field``)."""
     obj = cls()
     for name, value in data.items():

@@ -60,7 +60,7 @@ class Tally:
 
     requests: int = 0
     errors: int = 0
-    latencies: collections.deque = field(default_factory=lambda: collections.deque(maxlen=SAMPLES))
+    latencies: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=SAMPLES))
 
     def p99(self) -> float | None:
         return float(np.percentile(np.fromiter(self.latencies, float), 99)) if self.latencies else None

@@ -44,7 +44,7 @@ class VersionSlot:
     warnings: dict[str, str] = field(default_factory=dict)
     # Requests holding this version: one entry each. deque.append/pop are atomic under the
     # GIL, so a request counts itself in and out without the manager's lock (Manager.handle).
-    inflight: collections.deque = field(default_factory=collections.deque, repr=False)
+    inflight: collections.deque[None] = field(default_factory=collections.deque, repr=False)
 
     @property
     def refs(self) -> int:

@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover - the wheel exists for every platform we
 
 def masked_crc(data: bytes) -> int:
     """TFRecord's masked CRC32C."""
-    c = crc32c(data)
+    c: int = crc32c(data)
     return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 

@@ -31,7 +31,8 @@ from typing import Any, Callable
 from appliance.version import __version__
 from appliance.core import logs
 from appliance.core import memory
-from appliance.api.app import Appliance, create_app
+from appliance.api.app import create_app
+from appliance.core.appliance import Appliance
 from appliance.core.config import Config
 from appliance.core.config_file import load as load_config
 from appliance.core.errors import ConfigError

@@ -125,7 +125,7 @@ def check_nesting(data: Any, where: str) -> None:
         value = value[0]
 
 
-def _json_numbers(data: list, dtype: np.dtype, datatype: str, where: str) -> np.ndarray:
+def _json_numbers(data: list[Any], dtype: np.dtype, datatype: str, where: str) -> np.ndarray:
     arr = np.asarray(data)
     if arr.size and arr.dtype.kind not in _JSON_KINDS[dtype.kind]:
         got = _KIND_WORDS.get(arr.dtype.kind, arr.dtype.name)
@@ -138,14 +138,14 @@ def _json_numbers(data: list, dtype: np.dtype, datatype: str, where: str) -> np.
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
-def _json_strings(data: list, where: str) -> np.ndarray:
+def _json_strings(data: list[Any], where: str) -> np.ndarray:
     flat = _flatten_strings(data, where, 0)
     out = np.empty(len(flat), dtype=object)
     out[:] = flat
     return out
 
 
-def _flatten_strings(value: list, where: str, depth: int) -> list[bytes]:
+def _flatten_strings(value: list[Any], where: str, depth: int) -> list[bytes]:
     if depth > MAX_NESTING:
         raise InvalidArgument(f"{where}: JSON nesting depth exceeds maximum allowed limit ({MAX_NESTING})")
     out: list[bytes] = []

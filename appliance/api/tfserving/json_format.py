@@ -45,7 +45,7 @@ from runtimes import SignatureInfo, TensorSpec
 
 from appliance.api import json_arrays
 from appliance.api.json_rows import rows_over
-from appliance.api.tfserving.b64 import b64_decode
+from appliance.api.tfserving.b64 import b64_decode as b64_decode  # re-exported: rest.py decodes features with it
 from appliance.api.tensor_limits import check_body_values, check_elements  # shared with KServe v2
 from appliance.api.tfserving.service import data_type_string
 from appliance.core.config import LimitsConfig

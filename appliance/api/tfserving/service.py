@@ -24,7 +24,7 @@ def data_type_string(dtype: Any) -> str:
     """TensorFlow's DataTypeString, the name TF Serving's messages use: float32 -> "float",
     object (DT_STRING) -> "string", float16 -> "half"."""
     dtype = np.dtype(dtype)
-    return pw.DTYPE_NAMES.get(pw.ENUM_OF.get(dtype, 0), "DT_" + dtype.name).removeprefix("DT_").lower()
+    return str(pw.DTYPE_NAMES.get(pw.ENUM_OF.get(dtype, 0), "DT_" + dtype.name).removeprefix("DT_").lower())
 
 
 async def run_examples(handles: HandleSource, serialized: np.ndarray, name: str, version: int | None,
