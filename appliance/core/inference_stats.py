@@ -16,7 +16,11 @@ here come from the same two events as the Prometheus series (appliance/core/metr
 ``compute_input`` and ``compute_output`` (Triton: copying tensors to and from the backend)
 are counted per request with zero nanoseconds: here the merge and split of a batch are part
 of the run and are timed within ``compute_infer``. Thread-safety: every method may be called
-from any thread (one lock, held for a few additions).
+from any thread. Each version has its own lock, held for a few additions, so requests to
+different versions never wait on each other (one process-wide lock was taken on every request
+of every API); the table's lock is taken only when a version first counts or is forgotten.
+A version's figures are forgotten when it is unloaded (``forget``): Triton reports the
+versions it serves, and a device that rolls through versions for months keeps no row for each.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class VersionStats:
     last_inference_ms: int = 0
     inference_count: int = 0
     execution_count: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, object]:
         """The JSON shape of Triton's ``model_stats`` entry (less name and version)."""
@@ -83,13 +88,20 @@ class InferenceStats:
     """Every version's ``VersionStats``, keyed (model, version); see the module docstring."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._versions: dict[tuple[str, int], VersionStats] = defaultdict(VersionStats)
+        self._lock = threading.Lock()  # guards the table's shape only; figures under each version's lock
+        self._versions: dict[tuple[str, int], VersionStats] = {}
+
+    def _stats(self, model: str, version: int) -> VersionStats:
+        stats = self._versions.get((model, version))  # a dict read is atomic: no lock on the hot path
+        if stats is None:
+            with self._lock:
+                stats = self._versions.setdefault((model, version), VersionStats())
+        return stats
 
     def request(self, model: str, version: int, ok: bool, seconds: float) -> None:
         """A request ``version`` answered (``ok``) or failed, after ``seconds``."""
-        with self._lock:
-            stats = self._versions[(model, version)]
+        stats = self._stats(model, version)
+        with stats.lock:
             (stats.success if ok else stats.fail).add(1, seconds)
             if ok:
                 stats.compute_input.add(1, 0.0)
@@ -99,8 +111,8 @@ class InferenceStats:
     def execution(self, model: str, version: int, rows: int, requests: int, queued: float, ran: float) -> None:
         """One run of the model on ``rows`` rows from ``requests`` requests, which waited
         ``queued`` seconds on average, and took ``ran`` seconds."""
-        with self._lock:
-            stats = self._versions[(model, version)]
+        stats = self._stats(model, version)
+        with stats.lock:
             stats.execution_count += 1
             stats.inference_count += rows
             stats.queue.add(requests, queued * requests)
@@ -112,9 +124,16 @@ class InferenceStats:
 
     def of(self, model: str, version: int) -> dict[str, object]:
         """A copy of one version's figures (zeros for a version that has run nothing)."""
+        stats = self._versions.get((model, version))
+        if stats is None:
+            return VersionStats().as_dict()
+        with stats.lock:
+            return stats.as_dict()
+
+    def forget(self, model: str, version: int) -> None:
+        """Drop an unloaded version's figures (a later load of it starts from zero, as in Triton)."""
         with self._lock:
-            stats = self._versions.get((model, version))
-            return (stats or VersionStats()).as_dict()
+            self._versions.pop((model, version), None)
 
 
 __all__ = ["Duration", "InferenceStats", "VersionStats"]

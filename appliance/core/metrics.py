@@ -73,8 +73,11 @@ Snapshot = Callable[[], Mapping[str, Any]]
 # A request's outcome in the page's window: the client's mistake (a 4xx: a bad tensor, an unknown
 # model) is counted apart from the server's failure (a 5xx), and only the latter is "Errors".
 OK, CLIENT_ERROR, SERVER_ERROR = 0, 1, 2
+# RESOURCE_EXHAUSTED is what the REST API answers 413/429 for (a body over the limit, a full batch
+# queue: HTTP_TO_CODE), which the window counts as the client's by their 4xx class; a gRPC call
+# refused the same way is counted the same.
 CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "PERMISSION_DENIED", "FAILED_PRECONDITION",
-                          "OUT_OF_RANGE", "ALREADY_EXISTS", "CANCELLED"})
+                          "OUT_OF_RANGE", "ALREADY_EXISTS", "CANCELLED", "RESOURCE_EXHAUSTED"})
 
 
 def outcome(status: int | str, code: str) -> int:
@@ -237,8 +240,12 @@ class Metrics:
         self.sync_duration.labels(result).observe(seconds)
 
     def on_event(self, row: Mapping[str, Any]) -> None:
-        """``StateDB.subscribe`` callback: count every state event by kind."""
-        self.events.labels(str(row.get("kind", ""))).inc()
+        """``StateDB.subscribe`` callback: count every state event by kind; an unloaded version's
+        Triton statistics are forgotten."""
+        kind = str(row.get("kind", ""))
+        self.events.labels(kind).inc()
+        if kind == "unloaded" and isinstance(row.get("version"), int):
+            self.inference.forget(str(row.get("model", "")), row["version"])
 
     def render(self) -> bytes:
         """Prometheus text format 0.0.4, TF Serving's counter names kept exact (see below)."""

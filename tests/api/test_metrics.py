@@ -238,3 +238,5 @@ def test_a_request_is_the_clients_mistake_or_the_servers_failure() -> None:
         [OK, CLIENT_ERROR, CLIENT_ERROR, CLIENT_ERROR, CLIENT_ERROR, SERVER_ERROR, SERVER_ERROR]
     assert [outcome(c, c) for c in ("INVALID_ARGUMENT", "NOT_FOUND", "INTERNAL", "UNAVAILABLE", "DATA_LOSS")] == \
         [CLIENT_ERROR, CLIENT_ERROR, SERVER_ERROR, SERVER_ERROR, SERVER_ERROR]
+    # The same refusal counts the same over both APIs: REST's 413/429 are RESOURCE_EXHAUSTED over gRPC.
+    assert outcome("RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED") == outcome(429, code_name(429)) == CLIENT_ERROR
