@@ -35,8 +35,8 @@ X = np.random.default_rng(3).standard_normal((1, 64)).astype(np.float32)
 
 
 @pytest.mark.parametrize("peer, local", [
-    ("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("::ffff:127.0.0.1", True), ("", True),
-    ("unix:/run/edge-appliance/rest.sock", True), ("ipv4:127.0.0.1:5123", True), ("ipv6:[::1]:5123", True),
+    ("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("::ffff:127.0.0.1", True), ("", False),
+    ("unix:/run/edge-appliance/rest.sock", True), ("unix:", True), ("ipv4:127.0.0.1:5123", True), ("ipv6:[::1]:5123", True),
     ("ipv4:::1:5123", True),  # what the lean gRPC server writes for an IPv6 peer
     ("ipv6:%5B::1%5D:5123", True), ("ipv6:%5B2001:db8::1%5D:443", False),  # grpcio >= 1.48 percent-encodes the brackets
     ("192.0.2.7", False), ("ipv4:192.0.2.7:5123", False), ("ipv6:[2001:db8::1]:443", False), ("10.0.0.1", False),

@@ -72,6 +72,18 @@ def test_rest_over_the_unix_socket(tmp_path: Path, models_dir: Path, short_dir: 
         code, out = curl(sock, "/v2/models/mlp/infer", v2)
         assert out.rsplit("\n", 1)[1] == "200" and json.loads(out.rsplit("\n", 1)[0])["outputs"][0]["shape"] == [1, 10]
         assert curl(sock, "/v1/models/mlp:predict", {"instances": [ROW]}, token=None)[1].endswith("\n401")
+        # The socket's callers are on this device: shared memory is theirs (a peer with no address is not)
+        key = f"/edge-test-sock-{os.getpid()}"
+        fd = os.open(f"/dev/shm{key}", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, 256)
+            code, out = curl(sock, "/v2/systemsharedmemory/region/r0/register", {"key": key, "offset": 0, "byte_size": 256})
+            assert out.rsplit("\n", 1)[1] == "200", out
+            code, out = curl(sock, "/v2/systemsharedmemory/region/r0/unregister", {})
+            assert out.rsplit("\n", 1)[1] == "200", out
+        finally:
+            os.close(fd)
+            os.unlink(f"/dev/shm{key}")
         status = server.get("/api/status", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         assert status["rest_socket"]["path"] == str(sock) and status["rest_socket"]["mode"] == "0660"
     finally:

@@ -72,7 +72,7 @@ def message_names_a_region(request: Any) -> bool:
 
 
 # The peer of the request being answered: an address ("127.0.0.1", "::1", gRPC's "ipv4:1.2.3.4:5"),
-# "" or "unix:..." for the Unix socket; None: no adapter said (refused: who it is is unknown).
+# "unix:..." for the Unix socket; None or "": no adapter said (refused: who it is is unknown).
 CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("shared_memory_caller", default=None)
 
 
@@ -92,9 +92,9 @@ def registry(regions: SharedMemory | None) -> SharedMemory:
 
 def same_host(peer: str | None) -> bool:
     """Whether ``peer`` (a REST ``REMOTE_ADDR`` or a gRPC peer string) is on this host."""
-    if peer is None:
+    if not peer:  # no adapter said, or a peer with no address: unknown, so not this host
         return False
-    if peer == "" or peer.startswith("unix:"):
+    if peer.startswith("unix:"):
         return True
     host = peer
     if host.startswith(("ipv4:", "ipv6:")):  # gRPC's: the port follows the last colon

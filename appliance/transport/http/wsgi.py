@@ -53,7 +53,9 @@ def environ_for(request: Request, conn: Connection, server: Any) -> dict[str, An
         url = b"/" + url.split(b"://", 1)[1].partition(b"/")[2]
     path, _, query = url.partition(b"?")
     body = b"".join(request.body)
-    peer = conn.peer if isinstance(conn.peer, tuple) else ("", 0)
+    # A Unix socket's peer has no address: "unix:" says so (shared memory trusts it as this host,
+    # appliance/api/kserve/shared_memory.py), where "" would say nothing of who called.
+    peer = conn.peer if isinstance(conn.peer, tuple) else ("unix:", 0)
     env: dict[str, Any] = {
         "REQUEST_METHOD": request.method.decode("latin-1"), "SCRIPT_NAME": "",
         "PATH_INFO": unquote_to_bytes(path).decode("latin-1"), "QUERY_STRING": query.decode("latin-1"),
