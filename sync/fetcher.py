@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from .errors import Refused, SourceError
 from .manifest import MANIFEST, FileEntry, Manifest, sha256_file
-from .source import join
+from .source import join, Source
 
 FREE_MARGIN_BYTES = 16 << 20  # leave room for the state database and logs
 DIGEST_FILE = ".manifest-sha256"
@@ -43,7 +43,7 @@ class FetchStats:
     reused_files: int = 0
 
 
-def fetch(source: Any, manifest: Manifest, raw: bytes, stage: str, reuse: Mapping[str, str]) -> FetchStats:
+def fetch(source: Source, manifest: Manifest, raw: bytes, stage: str, reuse: Mapping[str, str]) -> FetchStats:
     digest = hashlib.sha256(raw).hexdigest()
     try:
         _prepare(stage, digest)  # inside: creating the stage can hit ENOSPC too
@@ -114,7 +114,7 @@ def _size(path: str) -> int:
         return 0
 
 
-def _fetch_file(source: Any, manifest: Manifest, entry: FileEntry, stage: str, reuse: Mapping[str, str],
+def _fetch_file(source: Source, manifest: Manifest, entry: FileEntry, stage: str, reuse: Mapping[str, str],
                 stats: FetchStats) -> None:
     dest = os.path.join(stage, *entry.path.split("/"))
     if not os.path.realpath(dest).startswith(os.path.realpath(stage) + os.sep):
@@ -146,7 +146,7 @@ def _matches(path: str, entry: FileEntry) -> bool:
     return os.path.getsize(path) == entry.size and sha256_file(path) == entry.sha256
 
 
-def _download(source: Any, manifest: Manifest, entry: FileEntry, dest: str, stats: FetchStats) -> None:
+def _download(source: Source, manifest: Manifest, entry: FileEntry, dest: str, stats: FetchStats) -> None:
     """One file into ``<dest>.part`` (resumed from what is there), checked, renamed. A wrong
     size or sha256 is ``Refused`` naming the object and the ETag the bucket served it with."""
     part = dest + ".part"

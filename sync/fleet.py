@@ -18,12 +18,12 @@ from .fleet_view import counts, device_rows, rollout_progress
 from .listing import ReportCache, list_reports
 from .manifest import parse_json
 from .report import load_registry
-from .source import MISSING
+from .source import MISSING, Source
 
 SCHEMA = 1
 
 
-def snapshot(source: Any, cache: ReportCache | None = None, workers: int = 16, now: float | None = None,
+def snapshot(source: Source, cache: ReportCache | None = None, workers: int = 16, now: float | None = None,
              also: tuple[str, str] | None = None) -> dict[str, Any]:
     """The fleet now; ``also``: a (model, channel) rollout to show even if no device reports it yet."""
     cache = cache or ReportCache()
@@ -41,14 +41,14 @@ def snapshot(source: Any, cache: ReportCache | None = None, workers: int = 16, n
             "reports": {e.device_id: e.report for e in listing.entries}}
 
 
-def _registry(source: Any) -> dict[str, str]:
+def _registry(source: Source) -> dict[str, str]:
     try:
         return load_registry(source)
     except Refused:  # a damaged registry trusts nobody: every report shows as unregistered
         return {}
 
 
-def read_pointer(source: Any, model: str, channel: str) -> dict[str, Any] | None:
+def read_pointer(source: Source, model: str, channel: str) -> dict[str, Any] | None:
     """The channel pointer as the bucket holds it (unverified: the view shows what is there),
     None when the channel does not exist or does not parse."""
     fetched = source.read(f"{model}/channels/{channel}.json")

@@ -26,16 +26,19 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from . import faults
 from .errors import Refused
 from .fetcher import fetch
 from .manifest import MANIFEST, MAX_VERSION, check_version_number, is_version_name, verify, verify_channel
 from .refusals import Refusals, objects_judged
-from .source import MISSING, NOT_MODIFIED, Fetched
+from .source import MISSING, NOT_MODIFIED, Fetched, Source
 from .store import Store, set_rollout_policy
 from .waves import admission, check_rollout_policy
+
+if TYPE_CHECKING:  # the key types, for annotations: cryptography is imported where keys are used
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 Event = Callable[..., None]
@@ -45,7 +48,7 @@ Event = Callable[..., None]
 class Options:
     models: list[str] = field(default_factory=list)  # empty: every model the bucket lists
     channel: str = ""  # empty: the newest committed version
-    public_key: Any = None  # Ed25519 public key object, or None: signatures not required
+    public_key: Ed25519PublicKey | None = None  # None: signatures not required
     device_tags: frozenset[str] = frozenset()
     retain: int = 2
     device_id: str = ""  # decides wave membership (sync/waves.py)
@@ -74,7 +77,7 @@ class PollResult:
 
 
 class Follower:
-    def __init__(self, source: Any, store: Store, options: Options, event: Event,
+    def __init__(self, source: Source, store: Store, options: Options, event: Event,
                  local: Callable[[], Mapping[str, LocalModel]] | None = None):
         self.source, self.store, self.options, self.event = source, store, options, event
         self.local = local or (lambda: {})

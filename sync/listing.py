@@ -30,12 +30,15 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 from urllib.parse import urlparse
 
 from .errors import Refused, SourceError
 from .report import signature_holds
-from .source import MISSING, Listed
+from .source import MISSING, Listed, Source
+
+if TYPE_CHECKING:  # the S3 source (and botocore) only where a bucket is S3
+    from .source_s3 import S3Source
 
 PREFIX = "_devices"
 MAX_REPORT_BYTES = 1 << 20  # a report is a few KB; a device writing more gets an error, not our memory
@@ -142,7 +145,7 @@ def default_cache_path(bucket_url: str) -> str:
     return os.path.join(base, "edge-appliance", "fleet", f"{name}.json")
 
 
-def list_reports(source: Any, cache: ReportCache | None = None, workers: int = DEFAULT_WORKERS) -> Listing:
+def list_reports(source: Source, cache: ReportCache | None = None, workers: int = DEFAULT_WORKERS) -> Listing:
     """Every report under ``_devices/`` (see the module docstring); ``SourceError`` when the
     bucket cannot be listed."""
     started, before = time.monotonic(), source.requests
@@ -169,18 +172,18 @@ def list_reports(source: Any, cache: ReportCache | None = None, workers: int = D
     return listing
 
 
-def _read_all(source: Any, keys: list[str], workers: int) -> list[tuple[dict[str, Any] | None, str]]:
+def _read_all(source: Source, keys: list[str], workers: int) -> list[tuple[dict[str, Any] | None, str]]:
     if not keys:
         return []
     if hasattr(source, "get_signer") and not _proxied(source):
-        return _read_signed(source, keys, workers)
+        return _read_signed(cast("S3Source", source), keys, workers)
     if getattr(source, "root", None):  # a local folder: reading is cheaper than any thread hand-off
         return [_parse(_read_one(source, key)) for key in keys]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fleet-read") as pool:
         return list(pool.map(lambda key: _parse(_read_one(source, key)), keys))
 
 
-def _read_one(source: Any, key: str) -> bytes | str:
+def _read_one(source: Source, key: str) -> bytes | str:
     """The object's bytes, or the reason it could not be read."""
     try:
         fetched = source.read(key)
@@ -201,7 +204,7 @@ def _parse(data: bytes | str) -> tuple[dict[str, Any] | None, str]:
     return (doc, "") if isinstance(doc, dict) else (None, "unreadable report: not a JSON object")
 
 
-def _proxied(source: Any) -> bool:
+def _proxied(source: Source) -> bool:
     """True when an HTTP(S) proxy applies to the bucket's endpoint (botocore would use it;
     the signed path does not, so such setups read through boto3 instead)."""
     url = urlparse(getattr(source, "endpoint_url", "") or "https://s3.amazonaws.com")
@@ -209,7 +212,7 @@ def _proxied(source: Any) -> bool:
     return url.scheme in proxies and not urllib.request.proxy_bypass(url.hostname or "")
 
 
-def _read_signed(source: Any, keys: list[str], workers: int) -> list[tuple[dict[str, Any] | None, str]]:
+def _read_signed(source: S3Source, keys: list[str], workers: int) -> list[tuple[dict[str, Any] | None, str]]:
     """GETs signed by botocore (SigV4 headers), sent over keep-alive connections, ``workers``
     at a time (sync/keepalive.py)."""
     from .keepalive import KeepAlive

@@ -17,9 +17,12 @@ import os
 import posixpath
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .errors import Refused
+
+if TYPE_CHECKING:  # the key types, for annotations: cryptography is imported where keys are used
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 MANIFEST = "MANIFEST.json"
 # TF Serving's version numbers are int64 (a folder name beyond it is ignored there); so are
@@ -128,26 +131,34 @@ def keygen(private_path: str, public_path: str) -> None:
         f.write(public)
 
 
-def load_private_key(path: str) -> Any:
+def load_private_key(path: str) -> Ed25519PrivateKey:
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     with open(path, "rb") as f:
-        return serialization.load_pem_private_key(f.read(), password=None)
+        key = serialization.load_pem_private_key(f.read(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):  # what `appliance keygen` makes and devices verify
+        raise Refused(f"{path} holds a {type(key).__name__}; signing keys are Ed25519 (appliance keygen)")
+    return key
 
 
-def load_public_key(path: str) -> Any:
+def load_public_key(path: str) -> Ed25519PublicKey:
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     with open(path, "rb") as f:
-        return serialization.load_pem_public_key(f.read())
+        key = serialization.load_pem_public_key(f.read())
+    if not isinstance(key, Ed25519PublicKey):
+        raise Refused(f"{path} holds a {type(key).__name__}; signature keys are Ed25519 (appliance keygen)")
+    return key
 
 
-def sign(doc: dict[str, Any], private_key: Any) -> dict[str, Any]:
+def sign(doc: dict[str, Any], private_key: Ed25519PrivateKey) -> dict[str, Any]:
     signature = private_key.sign(canonical(doc))
     return {**doc, "signature": base64.b64encode(signature).decode()}
 
 
-def check_signature(doc: dict[str, Any], public_key: Any, what: str) -> None:
+def check_signature(doc: dict[str, Any], public_key: Ed25519PublicKey | None, what: str) -> None:
     """Refuse an unsigned or mis-signed document when a key is configured."""
     from cryptography.exceptions import InvalidSignature
 
@@ -182,7 +193,7 @@ def check_expiry(doc: dict[str, Any], what: str, now: float | None = None) -> No
         raise Refused(f"{what} expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(expires))}")
 
 
-def verify(data: bytes, model: str, version: int, public_key: Any, device_tags: Iterable[str],
+def verify(data: bytes, model: str, version: int, public_key: Ed25519PublicKey | None, device_tags: Iterable[str],
            now: float | None = None) -> Manifest:
     """Parse and check a manifest against what the device asked for; ``Refused`` on any flaw."""
     what = f"{model} version {version} manifest"
@@ -227,7 +238,7 @@ def channel_doc(model: str, channel: str, version: int, expires: float = 0) -> d
             "expires": float(expires)}
 
 
-def verify_channel(data: bytes, model: str, channel: str, public_key: Any, now: float | None = None) -> dict[str, Any]:
+def verify_channel(data: bytes, model: str, channel: str, public_key: Ed25519PublicKey | None, now: float | None = None) -> dict[str, Any]:
     what = f"{model} channel {channel}"
     doc = parse_json(data, what)
     check_signature(doc, public_key, what)

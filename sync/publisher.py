@@ -19,13 +19,16 @@ import json
 import os
 import socket
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .errors import Refused
 from .follower import MODEL_NAME
 from .manifest import MANIFEST, build, channel_doc, check_version_number, dumps, is_version_name, parse_json, sha256_file, sign
-from .source import MISSING, join
+from .source import MISSING, join, Source
 from .waves import check_failure_threshold, check_rollout_policy, parse_waves
+
+if TYPE_CHECKING:  # the key types, for annotations: cryptography is imported where keys are used
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 DAY_S = 86400.0
 ON_FAILURE = ("halt", "rollback")  # what the rollout controller does at the failure threshold (Greengrass's failureHandlingPolicy)
@@ -36,7 +39,7 @@ def _check_name(model: str) -> None:
         raise Refused(f"model name {model!r}: use letters, digits, '.', '_' and '-'")
 
 
-def committed_versions(source: Any, model: str) -> list[int]:
+def committed_versions(source: Source, model: str) -> list[int]:
     index = source.read(f"{model}/versions.json")
     if index.status != MISSING:
         return sorted(int(v) for v in json.loads(index.data).get("versions", []) if is_version_name(str(v)))
@@ -44,15 +47,15 @@ def committed_versions(source: Any, model: str) -> list[int]:
     return sorted(v for v in listed if source.head(f"{model}/{v}/{MANIFEST}").status != MISSING)
 
 
-def next_version(source: Any, model: str) -> int:
+def next_version(source: Source, model: str) -> int:
     """One above every version in the bucket (committed or a leftover partial upload);
     folder names beyond int64 are ignored, as devices ignore them."""
     listed = [int(v) for v in source.list_dirs(model) if is_version_name(v)] if source.writable else []
     return check_version_number(max(committed_versions(source, model) + listed, default=0) + 1, f"next {model} version")
 
 
-def publish(source: Any, model: str, directory: str, version: int | None = None, channel: str = "",
-            sign_key: Any = None, publisher: str = "", expires_days: float = 365, compat: Iterable[str] = (),
+def publish(source: Source, model: str, directory: str, version: int | None = None, channel: str = "",
+            sign_key: Ed25519PrivateKey | None = None, publisher: str = "", expires_days: float = 365, compat: Iterable[str] = (),
             api_change: str = "") -> dict[str, Any]:
     """Upload ``directory`` as ``model``/``version``; returns the manifest written. ``api_change``:
     why this version may serve less than the one before (a signature, input or output dropped or
@@ -60,8 +63,9 @@ def publish(source: Any, model: str, directory: str, version: int | None = None,
     _check_name(model)
     if not os.path.isdir(directory):
         raise Refused(f"{directory} is not a directory")
-    if getattr(source, "root", None):  # a new folder bucket: the publisher creates it
-        os.makedirs(source.root, exist_ok=True)
+    root = getattr(source, "root", None)
+    if root:  # a new folder bucket: the publisher creates it
+        os.makedirs(root, exist_ok=True)
     version = next_version(source, model) if version is None else check_version_number(version, f"{model} --version")
     if source.head(f"{model}/{version}/{MANIFEST}").status != MISSING:
         raise Refused(f"{model} version {version} is already published; versions are immutable")
@@ -81,7 +85,7 @@ def publish(source: Any, model: str, directory: str, version: int | None = None,
     return doc
 
 
-def repair(source: Any, model: str, version: int, directory: str) -> list[str]:
+def repair(source: Source, model: str, version: int, directory: str) -> list[str]:
     """Re-upload every file of committed ``model``/``version`` from ``directory``, which must
     hold exactly what its manifest lists (same paths, sizes and sha256): the fix for objects
     corrupted or lost in the bucket. The manifest (and its signature) is left as it is.
@@ -102,7 +106,7 @@ def repair(source: Any, model: str, version: int, directory: str) -> list[str]:
     return [str(entry["path"]) for entry in files]
 
 
-def _update_indexes(source: Any, model: str, version: int) -> None:
+def _update_indexes(source: Source, model: str, version: int) -> None:
     versions = sorted(set(committed_versions(source, model)) | {version})
     source.put(f"{model}/versions.json", dumps({"model": model, "versions": versions, "latest": versions[-1],
                                                 "updated": time.time()}))
@@ -112,7 +116,7 @@ def _update_indexes(source: Any, model: str, version: int) -> None:
         source.put("_models.json", dumps({"models": sorted(names | {model}), "updated": time.time()}))
 
 
-def set_channel(source: Any, model: str, channel: str, version: int, sign_key: Any = None,
+def set_channel(source: Source, model: str, channel: str, version: int, sign_key: Ed25519PrivateKey | None = None,
                 expires_days: float = 365, waves: list[dict[str, Any]] | None = None,
                 candidate: int | None = None, rollout: dict[str, Any] | None = None,
                 failure_threshold: dict[str, Any] | None = None, on_failure: str | None = None) -> dict[str, Any]:
@@ -151,7 +155,7 @@ def set_channel(source: Any, model: str, channel: str, version: int, sign_key: A
     return _put_channel(source, model, channel, doc, sign_key)
 
 
-def _previous(source: Any, model: str, channel: str, version: int) -> dict[str, Any]:
+def _previous(source: Source, model: str, channel: str, version: int) -> dict[str, Any]:
     """``{"previous_version": N}``: the version the channel pointed at before, when it changes
     now (else the one it already recorded); {} for a new channel."""
     fetched = source.read(f"{model}/channels/{channel}.json")
@@ -171,7 +175,7 @@ def check_on_failure(value: Any, where: str) -> str:
     return str(value)
 
 
-def roll_back_channel(source: Any, model: str, channel: str, to_version: int, sign_key: Any = None,
+def roll_back_channel(source: Source, model: str, channel: str, to_version: int, sign_key: Ed25519PrivateKey | None = None,
                       reason: str = "", by: str = "", judged: int | None = None) -> dict[str, Any]:
     """Point the channel back at ``to_version`` at once (no waves, no threshold: it is the version
     that served before), recording ``rolled_back`` {from, to, reason, at, by}. A new pointer
@@ -194,7 +198,7 @@ def roll_back_channel(source: Any, model: str, channel: str, to_version: int, si
     return _put_channel(source, model, channel, doc, sign_key)
 
 
-def halt_channel(source: Any, model: str, channel: str, sign_key: Any = None, halt: bool = True,
+def halt_channel(source: Source, model: str, channel: str, sign_key: Ed25519PrivateKey | None = None, halt: bool = True,
                  reason: str = "", by: str = "") -> dict[str, Any]:
     """Set (or clear) ``halt`` in a channel pointer: no device moves while it is set. The
     pointer keeps its ``created`` (devices do not read a halt as a new rollout) and records
@@ -213,7 +217,7 @@ def halt_channel(source: Any, model: str, channel: str, sign_key: Any = None, ha
     return _put_channel(source, model, channel, doc, sign_key)
 
 
-def _put_channel(source: Any, model: str, channel: str, doc: dict[str, Any], sign_key: Any) -> dict[str, Any]:
+def _put_channel(source: Source, model: str, channel: str, doc: dict[str, Any], sign_key: Ed25519PrivateKey | None) -> dict[str, Any]:
     if sign_key is not None:
         doc = sign(doc, sign_key)
     source.put(f"{model}/channels/{channel}.json", dumps(doc))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import Refused
-from .source import MISSING
+from .source import MISSING, Source
 
 Key = tuple[str, int]  # (model, version)
 
@@ -57,7 +57,7 @@ class Refusals:
     def clear(self, model: str, version: int) -> None:
         self._by.pop((model, version), None)
 
-    def standing(self, source: Any, model: str, version: int, pointer_created: float | None) -> Refusal | None:
+    def standing(self, source: Source, model: str, version: int, pointer_created: float | None) -> Refusal | None:
         """The refusal of ``version`` if nothing it judged has changed (then ``Refused`` is
         raised by the caller with the original reason), else None (and it is forgotten)."""
         refusal = self._by.get((model, version))
@@ -70,7 +70,7 @@ class Refusals:
         return refusal
 
 
-def _etag_now(source: Any, key: str) -> str:
+def _etag_now(source: Source, key: str) -> str:
     """The object's ETag now ("" when missing): one HEAD."""
     head = source.head(key)
     return "" if head.status == MISSING else head.etag

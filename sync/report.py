@@ -26,10 +26,13 @@ import base64
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .manifest import canonical, parse_json
-from .source import MISSING
+from .source import MISSING, Source
+
+if TYPE_CHECKING:  # the key types, for annotations: cryptography is imported where keys are used
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 SCHEMA = 2
 KEY_FILE = "device-key.pem"
@@ -38,7 +41,7 @@ SIGNED, UNREGISTERED, KEY_CHANGED, MISSIGNED, UNSIGNED = "signed", "unregistered
 TRUST_MARKS = (SIGNED, UNREGISTERED, KEY_CHANGED, MISSIGNED, UNSIGNED)
 
 
-def device_key(state_dir: str) -> Any:
+def device_key(state_dir: str) -> Ed25519PrivateKey:
     """The device's Ed25519 private key, made on first use (``<state>/device-key.pem``, 0600)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -46,9 +49,13 @@ def device_key(state_dir: str) -> Any:
     path = os.path.join(state_dir, KEY_FILE)
     try:
         with open(path, "rb") as f:
-            return serialization.load_pem_private_key(f.read(), password=None)
+            loaded = serialization.load_pem_private_key(f.read(), password=None)
     except FileNotFoundError:
         pass
+    else:
+        if not isinstance(loaded, Ed25519PrivateKey):  # only something else wrote it: say so, never sign with it
+            raise ValueError(f"{path} holds a {type(loaded).__name__}, not the device's Ed25519 key; move it away")
+        return loaded
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -61,7 +68,7 @@ def device_key(state_dir: str) -> Any:
     return key
 
 
-def public_text(private_key: Any) -> str:
+def public_text(private_key: Ed25519PrivateKey) -> str:
     """``ed25519:<base64>`` of the raw 32-byte public key (what reports and the registry hold)."""
     from cryptography.hazmat.primitives import serialization
 
@@ -69,7 +76,7 @@ def public_text(private_key: Any) -> str:
     return "ed25519:" + base64.b64encode(raw).decode()
 
 
-def sign_report(doc: dict[str, Any], private_key: Any) -> dict[str, Any]:
+def sign_report(doc: dict[str, Any], private_key: Ed25519PrivateKey) -> dict[str, Any]:
     """``doc`` with ``device_key`` and ``signature`` (over everything else)."""
     body = {k: v for k, v in doc.items() if k != "signature"}
     body["device_key"] = public_text(private_key)
@@ -106,7 +113,7 @@ def signature_holds(doc: dict[str, Any]) -> bool:
         return False
 
 
-def load_registry(source: Any) -> dict[str, str]:
+def load_registry(source: Source) -> dict[str, str]:
     """device id -> registered key text, from ``_fleet/device-keys.json`` ({} when none)."""
     fetched = source.read(REGISTRY)
     if fetched.status == MISSING:
@@ -115,7 +122,7 @@ def load_registry(source: Any) -> dict[str, str]:
     return {str(d): str(v.get("key")) for d, v in devices.items() if isinstance(v, dict) and v.get("key")}
 
 
-def register_keys(source: Any, keys: dict[str, str], how: str = "first report") -> int:
+def register_keys(source: Source, keys: dict[str, str], how: str = "first report") -> int:
     """Add ``keys`` (device id -> key text) to the registry; never replaces a registered key
     (a changed key is resolved by hand: delete the entry first). Returns how many were added."""
     fetched = source.read(REGISTRY)

@@ -24,6 +24,7 @@ from .listing import ReportCache, list_reports
 from .publisher import halt_channel, roll_back_channel
 from .report import load_registry
 from .errors import Refused
+from .source import Source
 
 
 @dataclass
@@ -44,7 +45,7 @@ def halt_reason(progress: dict[str, Any]) -> str:
             f"failure threshold of {threshold['percent']:g}%: {examples}")
 
 
-def look(source: Any, model: str, channel: str, cache: ReportCache) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def look(source: Source, model: str, channel: str, cache: ReportCache) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the rollout's progress now, the channel pointer it was measured against)."""
     listing = list_reports(source, cache)
     registry = load_registry(source)
@@ -53,7 +54,7 @@ def look(source: Any, model: str, channel: str, cache: ReportCache) -> tuple[dic
     return rollout_progress(listing.entries, rows, model, channel, pointer, shown=shown), pointer
 
 
-def watch_round(source: Any, model: str, channel: str, cache: ReportCache, sign_key: Any = None,
+def watch_round(source: Source, model: str, channel: str, cache: ReportCache, sign_key: Any = None,
                 by: str = "appliance rollout watch") -> Round:
     """One look at the rollout; halts the channel when its threshold is reached."""
     progress, _ = look(source, model, channel, cache)
@@ -64,7 +65,7 @@ def watch_round(source: Any, model: str, channel: str, cache: ReportCache, sign_
     return Round(progress, halted_now=bool(reason), done=_done(progress))
 
 
-def control_round(source: Any, model: str, channel: str, cache: ReportCache, sign_key: Any = None,
+def control_round(source: Source, model: str, channel: str, cache: ReportCache, sign_key: Any = None,
                   by: str = "appliance rollout controller") -> Round:
     """The controller's round: the same judge as ``watch_round``; at the threshold, what the
     pointer's ``on_failure`` says: ``rollback`` points the channel back at its

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # the key types, for annotations: cryptography is imported where keys are used
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 BUCKET_HELP = "bucket URL: s3://bucket/prefix, file:///path or https://host/prefix"
 
@@ -22,7 +25,7 @@ def source(args: argparse.Namespace) -> Any:
     return open_source(args.bucket, getattr(args, "s3_endpoint_url", "") or "")
 
 
-def signing_key(path: str | None) -> Any:
+def signing_key(path: str | None) -> Ed25519PrivateKey | None:
     """The Ed25519 private key of ``--sign-key``, or None when the command was given none."""
     from sync.manifest import load_private_key
 

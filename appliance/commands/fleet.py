@@ -18,6 +18,7 @@ from typing import Any
 
 from appliance.commands.common import BUCKET_HELP, call_service, guarded, service_args, signing_key
 from appliance.commands.common import source as bucket
+from sync.source import Source
 
 
 def version_number(text: str) -> int:
@@ -130,7 +131,7 @@ def row_matches(row: dict[str, Any], args: argparse.Namespace) -> bool:
     return matches(row, args.model or "", args.channel or "", args.version, args.stale, args.unhealthy)
 
 
-def register(source: Any, view: dict[str, Any]) -> None:
+def register(source: Source, view: dict[str, Any]) -> None:
     """Trust on first use, on the operator's word: record the keys of unregistered reports."""
     from sync.report import UNREGISTERED, register_keys
 

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from appliance.commands.common import source as bucket
+from sync.source import Source
 
 
 class Snapshots:
@@ -21,7 +22,7 @@ class Snapshots:
 
     Thread-safety: ``refresh`` runs on one thread; ``fleet``/``device`` on any."""
 
-    def __init__(self, source: Any, cache: Any, workers: int):
+    def __init__(self, source: Source, cache: Any, workers: int):
         self.source, self.cache, self.workers = source, cache, workers
         self._lock = threading.Lock()
         self._fleet = b"{}"

@@ -217,3 +217,24 @@ def test_retention_keeps_what_a_rollback_can_go_back_to(tmp_path: Path) -> None:
     assert sorted(store.versions("m")) == [3, 5] and store.previous_version("m") == 3
     (Path(store.models_dir) / "m" / "9223372036854775808").mkdir()  # past int64: not a version
     assert sorted(store.versions("m")) == [3, 5]
+
+
+def test_a_signing_key_that_is_not_ed25519_is_refused_by_name(tmp_path: Path) -> None:
+    """An operator pointing ``--sign-key`` or ``sync.public_key`` at another kind of key (an RSA
+    key from an old PKI) is told so when the key is read, not with a TypeError at the first use."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    private, public = tmp_path / "rsa.pem", tmp_path / "rsa.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    with pytest.raises(Refused, match="RSAPrivateKey.*Ed25519"):
+        mf.load_private_key(str(private))
+    with pytest.raises(Refused, match="RSAPublicKey.*Ed25519"):
+        mf.load_public_key(str(public))
+    mf.keygen(str(tmp_path / "ok.pem"), str(tmp_path / "ok.pub"))  # what keygen makes loads as before
+    doc = mf.sign({"a": 1}, mf.load_private_key(str(tmp_path / "ok.pem")))
+    mf.check_signature(doc, mf.load_public_key(str(tmp_path / "ok.pub")), "doc")
