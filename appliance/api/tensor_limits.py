@@ -17,18 +17,21 @@ KServe v2 over REST (JSON and binary tensors) and gRPC (appliance/api/kserve/).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
 from appliance.api import json_rows
 from appliance.core.errors import InvalidArgument
 
+if TYPE_CHECKING:  # for annotations only: the service imports this module
+    from appliance.core.config import LimitsConfig
+
 KEY = "limits.max_tensor_elements"
 ENVELOPE_VALUES = 16  # values a TF Serving request carries besides its tensors (signature_name, ...)
 
 
-def check_body_values(body: bytes, limits: Any, envelope: int = ENVELOPE_VALUES) -> None:
+def check_body_values(body: bytes, limits: LimitsConfig, envelope: int = ENVELOPE_VALUES) -> None:
     """Refuse a JSON ``body`` holding more than ``limits.max_tensor_elements + envelope``
     values, before it is parsed."""
     allowed = limits.max_tensor_elements + envelope
@@ -40,12 +43,12 @@ def check_body_values(body: bytes, limits: Any, envelope: int = ENVELOPE_VALUES)
                               f"{limits.max_tensor_elements} tensor elements ({KEY})")
 
 
-def check_elements(inputs: Mapping[str, np.ndarray], limits: Any) -> None:
+def check_elements(inputs: Mapping[str, np.ndarray], limits: LimitsConfig) -> None:
     """Decoded inputs, all together, within the limit."""
     check_element_count(sum(arr.size for arr in inputs.values()), limits)
 
 
-def check_element_count(total: int, limits: Any, detail: str = "") -> None:
+def check_element_count(total: int, limits: LimitsConfig, detail: str = "") -> None:
     """``total`` elements (decoded, or declared by shapes before decoding) within the limit;
     ``detail`` says where they come from, in the error."""
     if total > limits.max_tensor_elements:

@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.api.auth import grpc_interceptor
 from appliance.api.kserve import grpc_service as v2_grpc
@@ -53,12 +53,16 @@ from appliance.transport.grpc.aio_server import AioServer
 from appliance.transport.grpc.h2_server import LeanServer
 from appliance.transport.grpc.limits import grpc_limits
 
+if TYPE_CHECKING:  # for annotations only: the service imports this module
+    from appliance.core.config import GRPCConfig
+    from appliance.service import Service
+
 log = logging.getLogger("appliance.grpc")
 PART = __name__  # the name gRPC's problem is reported under (appliance/service/__init__.py API_PARTS)
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
 
 
-def attach(service: Any) -> "GRPCServer | None":
+def attach(service: Service) -> "GRPCServer | None":
     """Bind and start gRPC; OSError when it cannot bind, or, with ``bind_retry``, None and a
     retrying thread (module docstring)."""
     cfg = service.config.grpc
@@ -81,7 +85,7 @@ def attach(service: Any) -> "GRPCServer | None":
         return None
 
 
-def transport_of(cfg: Any) -> tuple[str, str]:
+def transport_of(cfg: GRPCConfig) -> tuple[str, str]:
     """The gRPC server to run and why: ``[grpc] transport``, except that "lean" without a
     usable libnghttp2 falls back to grpcio (``GRPCServer.start`` logs it once; a ``fallback``
     problem in ``/api/status`` and on the page, appliance/core/problems.py)."""
@@ -94,12 +98,14 @@ def transport_of(cfg: Any) -> tuple[str, str]:
     return "lean", ""
 
 
-def _to_workers(service: Any, cfg: Any, tls: GRPCTLS | None) -> bool:
+def _to_workers(service: Service, cfg: GRPCConfig, tls: GRPCTLS | None) -> bool:
     """The TCP port to the front workers (appliance/fronts/pool.py); False when it is busy
     and ``bind_retry`` says to retry here, OSError when busy without it."""
     host = service.config.server.host or "0.0.0.0"
+    fronts = service.server
+    assert isinstance(fronts, Fronts)  # attach() sends only a service with front workers here
     try:
-        port = service.server.serve_grpc(host, cfg.port)
+        port = fronts.serve_grpc(host, cfg.port)
     except OSError as exc:
         if cfg.bind_retry:
             return False
@@ -109,20 +115,19 @@ def _to_workers(service: Any, cfg: Any, tls: GRPCTLS | None) -> bool:
     section = {"addresses": [f"{host}:{port}"], "transport": "lean", "served_by": "front workers",
                "max_message_bytes": cfg.max_message_bytes, "services": services,
                "http2": f"libnghttp2 {nghttp2.version()}", **(tls.describe() if tls else {"tls": False})}
-    fronts = service.server
     service.core.add_status("grpc", lambda: {**section, **fronts.grpc_stats()})
     log.info("gRPC served by the front workers on %s:%d", host, port)
     return True
 
 
-def _bind(service: Any, cfg: Any = None) -> "GRPCServer":
+def _bind(service: Service, cfg: GRPCConfig | None = None) -> "GRPCServer":
     server = GRPCServer(service, cfg)
     server.start()
     service.hooks.append(server.on_hook)
     return server
 
 
-def _retry(service: Any) -> None:
+def _retry(service: Service) -> None:
     """Bind again at 0.5, 1, 2 ... 30 s intervals until bound or the service stops."""
     stopped = threading.Event()
     service.hooks.append(lambda what, _: stopped.set() if what == "stopping" else None)
@@ -143,7 +148,7 @@ def _retry(service: Any) -> None:
 
 
 class GRPCServer:
-    def __init__(self, service: Any, cfg: Any = None):
+    def __init__(self, service: Service, cfg: GRPCConfig | None = None):
         self.service = service
         self.core = service.core
         cfg = cfg or service.config.grpc
@@ -173,7 +178,7 @@ class GRPCServer:
             self.server.stop(None)  # no loop thread left behind by a port that failed
             raise
 
-    def _listen(self, host: str, cfg: Any) -> None:
+    def _listen(self, host: str, cfg: GRPCConfig) -> None:
         if cfg.port:
             address = f"[{host}]:{cfg.port}" if ":" in host else f"{host}:{cfg.port}"
             try:
@@ -230,7 +235,7 @@ class GRPCServer:
             self.core.add_status("grpc", lambda: section)
         log.info("gRPC serving on %s", ", ".join(self.addresses))
 
-    def on_hook(self, what: str, service: Any) -> None:
+    def on_hook(self, what: str, service: Service) -> None:
         if what == "stopping":
             self.stop(service.config.server.drain_timeout_s)
 

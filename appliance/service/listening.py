@@ -12,16 +12,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.version import __version__
 from appliance.core import running
 from appliance.fronts.pool import Fronts
 
+if TYPE_CHECKING:  # for annotations only: the service imports this module
+    from appliance.core.config import Config, SecurityConfig
+    from appliance.service import Service
+
 log = logging.getLogger("appliance.service")
 
 
-def attach(service: Any) -> None:
+def attach(service: Service) -> None:
     service.core.add_status("listening", lambda: listening(service))
     record = {"pid": os.getpid(), "started": service.core.started_at, "written": time.time(),
               "version": __version__, "state_dir": os.path.abspath(service.config.state_dir),
@@ -33,9 +37,10 @@ def attach(service: Any) -> None:
                     running.path_in(service.config.state_dir))
 
 
-def listening(service: Any) -> dict[str, Any]:
+def listening(service: Service) -> dict[str, Any]:
     """The addresses and the token source of ``service`` now (safe to show)."""
     config, server = service.config, service.server
+    assert server is not None, "listening() is asked of a started service"
     tls = bool(config.security.tls_cert_file)
     host, port = server.host, server.port
     grpc = service.core.status_of("grpc") or {}
@@ -52,14 +57,14 @@ def listening(service: Any) -> dict[str, Any]:
     }
 
 
-def _grpc_configured(config: Any) -> list[str]:
+def _grpc_configured(config: Config) -> list[str]:
     """The gRPC addresses the config asks for (``grpc`` says which are bound)."""
     host = config.server.host or "0.0.0.0"
     wanted = [f"{host}:{config.grpc.port}"] if config.grpc.port else []
     return wanted + ([f"unix:{config.grpc.socket_path}"] if config.grpc.socket_path else [])
 
 
-def admin_token_source(security: Any) -> dict[str, Any]:
+def admin_token_source(security: SecurityConfig) -> dict[str, Any]:
     """Where the admin token comes from: ``{"source": ..., "file": path or None}`` (no token:
     source "none", admin endpoints are off)."""
     if security.admin_token:

@@ -21,17 +21,20 @@ import os
 import socket
 import stat
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.core.batcher import LONE_CALL
 from appliance.fronts.app import facing, serving_front
 from appliance.transport.http.server import HTTPServer
 
+if TYPE_CHECKING:  # for annotations only: the service imports this module
+    from appliance.service import Service
+
 log = logging.getLogger("appliance.http")
 PART = __name__
 
 
-def attach(service: Any) -> "RestSocket | None":
+def attach(service: Service) -> "RestSocket | None":
     """Listen on ``[server] socket_path`` (None when it is not set); OSError when it cannot."""
     path = service.config.server.socket_path
     if not path:
@@ -82,7 +85,7 @@ def _clear_stale(path: str) -> None:
 class RestSocket:
     """The Unix socket's HTTP server, started at once, drained on the service's "stopping"."""
 
-    def __init__(self, service: Any, path: str):
+    def __init__(self, service: Service, path: str):
         cfg = service.config
         self.path = path
         sock = unix_listener(path, int(cfg.server.socket_mode, 8), cfg.server.socket_group)
@@ -95,7 +98,7 @@ class RestSocket:
         service.core.add_status("rest_socket", lambda: {**section, **self.server.stats})
         log.info("REST serving on unix:%s (mode %s)", path, cfg.server.socket_mode)
 
-    def on_hook(self, what: str, service: Any) -> None:
+    def on_hook(self, what: str, service: Service) -> None:
         if what == "stopping":
             self.stop(service.config.server.drain_timeout_s)
 

@@ -63,7 +63,7 @@ SCAN_FIRST = 1 << 20
 ROWS = ("instances", "examples")  # the row lists limits.max_instances bounds (predict; classify and regress)
 
 
-def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
+def loads(body: bytes, limits: LimitsConfig = DEFAULT_LIMITS) -> Any:
     """A request body, parsed and checked against ``limits`` (see the module docstring)."""
     if not body:  # TF Serving's own check, before rapidjson sees the body
         raise InvalidArgument("JSON Parse error: The document is empty")
@@ -89,18 +89,18 @@ def loads(body: bytes, limits: Any = DEFAULT_LIMITS) -> Any:
     return doc
 
 
-def _check_rows_on_bytes(body: bytes, limits: Any) -> None:
+def _check_rows_on_bytes(body: bytes, limits: LimitsConfig) -> None:
     over = rows_over(body, ROWS, limits.max_instances)
     if over is not None:
         raise _too_many_rows(*over, limits)
 
 
-def _too_many_rows(key: str, counted: int, limits: Any) -> InvalidArgument:
+def _too_many_rows(key: str, counted: int, limits: LimitsConfig) -> InvalidArgument:
     return InvalidArgument(f"'{key}' has more than {limits.max_instances} entries ({counted} counted before "
                            "parsing), over the limit per request (limits.max_instances); split the request")
 
 
-def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: Any) -> Any:
+def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: LimitsConfig) -> Any:
     """A body orjson refused, as TF Serving's rapidjson reads it: NaN and Infinity taken, a
     byte-order mark skipped, anything after the root value ignored; else rapidjson's error
     text and offset (python-rapidjson, by appliance/api/tfserving/rapidjson_reader.py)."""
@@ -125,7 +125,7 @@ def dumps(obj: Any) -> bytes:
     return orjson.dumps(obj, option=DUMP)
 
 
-def _too_deep(limits: Any) -> InvalidArgument:
+def _too_deep(limits: LimitsConfig) -> InvalidArgument:
     return InvalidArgument(f"JSON nested deeper than the limit of {limits.max_json_depth} levels "
                            "(limits.max_json_depth)")
 
@@ -156,7 +156,7 @@ _NONFINITE = re.compile(rb'"(?:[^"\\]|\\.)*"|(-?)(NaN|Infinity|Inf)(?![A-Za-z0-9
 _INT64 = range(-(1 << 63), 1 << 64)
 
 
-def _loads_nonfinite(body: bytes, first: orjson.JSONDecodeError, limits: Any) -> Any:
+def _loads_nonfinite(body: bytes, first: orjson.JSONDecodeError, limits: LimitsConfig) -> Any:
     """Parse a body with NaN/Infinity tokens as rapidjson would, numbers as orjson would."""
     found = False
 
@@ -348,7 +348,7 @@ def _trusted() -> bool:
 
 
 def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes | None = None,
-                   limits: Any = DEFAULT_LIMITS) -> tuple[dict[str, np.ndarray], bool]:
+                   limits: LimitsConfig = DEFAULT_LIMITS) -> tuple[dict[str, np.ndarray], bool]:
     """(inputs, row_format) of a :predict request body (``raw``: its bytes, for the fast check)."""
     token = _TRUSTED.set(_Trust(raw, body) if raw is not None else None)
     try:
@@ -377,14 +377,14 @@ def as_lists(value: Any) -> Any:
     return value
 
 
-def check_rows(count: int, what: str, limits: Any = DEFAULT_LIMITS) -> None:
+def check_rows(count: int, what: str, limits: LimitsConfig = DEFAULT_LIMITS) -> None:
     if count > limits.max_instances:
         raise InvalidArgument(f"'{what}' has {count} entries, over the limit of {limits.max_instances} "
                               "per request (limits.max_instances); split the request")
 
 
 def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
-                    limits: Any) -> tuple[dict[str, np.ndarray], bool]:
+                    limits: LimitsConfig) -> tuple[dict[str, np.ndarray], bool]:
     has_rows, has_cols = "instances" in body, "inputs" in body
     if has_rows and has_cols:
         raise InvalidArgument("JSON Value: both 'instances' and 'inputs' given; use one of them")
