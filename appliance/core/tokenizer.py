@@ -203,11 +203,19 @@ class HFTokenizer:
         return -(-len(text.encode("utf-8")) // self.longest)
 
     def grammar_tokenizer(self) -> Any:
-        """llguidance's view of the same tokenizer: it reads tokenizer.json itself."""
-        from appliance.core.constraints import llguidance_module
+        """llguidance's view of the same tokenizer: it reads tokenizer.json itself when it knows
+        the decoder (byte-level, Metaspace/byte-fallback); for another decoder (a character
+        vocabulary's bare ``Fuse``: the README's tiny chat model) it is given every token's bytes
+        and this tokenizer's own encoder, as for SentencePiece."""
+        from appliance.core.constraints import llguidance_module, tokenizer_of_bytes
 
         stops = sorted(self.stop_ids) or None
-        return llguidance_module().LLTokenizer(self.json, n_vocab=self.size, eos_token=stops)
+        try:
+            return llguidance_module().LLTokenizer(self.json, n_vocab=self.size, eos_token=stops)
+        except ValueError:  # "can't determine decoder type"
+            tokens = [self.token_bytes(i) for i in range(self.size)]
+            return tokenizer_of_bytes(tokens, self.eos_id, self.special_ids | self.stop_ids,
+                                      lambda text: self.encode(text, special=False))
 
 
 def _stops(config: dict[str, Any], generation: dict[str, Any], lookup: Any) -> tuple[int | None, frozenset[int]]:

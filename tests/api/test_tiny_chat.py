@@ -35,6 +35,14 @@ def test_the_tiny_chat_model_is_made_and_served_without_torch(start_server: Any,
     assert answer.model == "chat:1" and isinstance(answer.choices[0].message.content, str)
     assert answer.usage is not None and 1 <= answer.usage.completion_tokens <= 8
     assert answer.usage.prompt_tokens == len("<user>hi\n<assistant>")  # a character vocabulary: one token each
+    # Structured output: llguidance cannot read this tokenizer.json's decoder (a bare Fuse), so the
+    # grammar engine gets the tokens' bytes (core/tokenizer.py); it answered 500 before.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    shaped = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    assert isinstance(json.loads(shaped.choices[0].message.content or "")["ok"], bool)
     imported = srv.status()["service"]["imported"]
     assert not {"torch", "tensorflow", "litert_torch"} & set(imported), imported
 
