@@ -29,7 +29,8 @@ SCRIPT = Path(__file__).parent / "kserve" / "kserve_clients.py"
 VENV = Path(os.environ.get("EDGE_KSERVE_VENV", Path.home() / ".cache" / "edge-appliance" / "peer-venvs" / "kserve"))
 PYTHON = VENV / "bin" / "python"
 CLIENTS_TIMEOUT_S = 600  # the child's whole run: importing kserve (pandas, grpcio) is slow on a loaded machine
-pytestmark = pytest.mark.timeout(CLIENTS_TIMEOUT_S + 600)  # plus the server's start (its wait: 300 s)
+# Above the module's fixture: the server's start and the model's load (300 s each) and the clients' run.
+pytestmark = pytest.mark.timeout(1800)
 
 CHECKS = ("rest v2 is_server_live", "rest v2 is_server_ready", "rest v2 is_model_ready",
           "rest v2 is_model_ready (unknown model)", "rest v2 infer (dict)", "rest v2 infer (InferRequest, JSON)",

@@ -38,6 +38,7 @@ SPEC: dict[str, Any] = yaml.safe_load(SPEC_PATH.read_text())
 SPEC_URI = "urn:oip:open_inference_rest.yaml"
 REGISTRY = Registry().with_resource(SPEC_URI, Resource(contents=SPEC, specification=DRAFT7))
 MODEL = "keras_mlp"
+pytestmark = pytest.mark.timeout(900)  # above the module's server start and model load (300 s each)
 X = [round(0.01 * i, 2) for i in range(64)]
 
 # inference_rest.md's health objects ($live_server_response, $ready_server_response,
