@@ -49,7 +49,11 @@ sys.path.insert(0, str(ROOT))
 from bench import loadgen  # noqa: E402
 from bench.run_bench import SHAPES, tree_cpu, bench_models, raw_limit, stop, wait_ready  # noqa: E402
 
-PEER_BENCH = ROOT.parent / "shared" / "peer-bench"
+# ../shared/peer-bench beside the checkout; from a worktree one level deeper (wt/NAME), the one above
+# it; PEER_BENCH names another.
+PEER_BENCH = Path(os.environ.get("PEER_BENCH") or next(
+    (p / "shared" / "peer-bench" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared" / "peer-bench").is_dir()),
+    ROOT.parent / "shared" / "peer-bench"))
 MLSERVER_PORT = 9201  # fixed by peer-bench's MLServer settings
 
 
