@@ -12,8 +12,10 @@ benchmark (MobileNetV2 at 96x96x3, bench/run_bench.py's models, byte-identical t
 * ``/v2/models/cnn/infer`` with Triton's binary tensor extension: a 180-byte JSON header,
   then the image as 110,592 raw float32 bytes; the output comes back binary too;
 
-then MLServer 1.7.1 with adaptive batching (../shared/peer-bench/peers/mlserver, started
-with PEERS_ROOT, default /tmp/peers-v2) answers the same v2 JSON body. Every body holds
+and MLServer 1.7.1 with adaptive batching (../shared/peer-bench/peers/mlserver, started
+with PEERS_ROOT, default /tmp/peers-v2) answers the same v2 JSON body right after them in
+each round (both servers stay up; each ratio compares points of one round, so a shared
+machine whose load moves between rounds moves both sides). Every body holds
 the same numbers; the first answer of each is checked before the load starts.
 
 The load generator is bench/loadgen.py's closed loop (one keep-alive connection per client,
@@ -49,8 +51,13 @@ sys.path.insert(0, str(ROOT))
 from bench import loadgen  # noqa: E402
 from bench.run_bench import SHAPES, tree_cpu, bench_models, raw_limit, stop, wait_ready  # noqa: E402
 
-PEER_BENCH = ROOT.parent / "shared" / "peer-bench"
+# ../shared/peer-bench beside the checkout; from a worktree one level deeper (wt/NAME), the one above
+# it; PEER_BENCH names another.
+PEER_BENCH = Path(os.environ.get("PEER_BENCH") or next(
+    (p / "shared" / "peer-bench" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared" / "peer-bench").is_dir()),
+    ROOT.parent / "shared" / "peer-bench"))
 MLSERVER_PORT = 9201  # fixed by peer-bench's MLServer settings
+MLSERVER_LABEL = "MLServer 1.7.1 adaptive batching, v2 JSON"
 
 
 # --- bodies --------------------------------------------------------------------------------------
@@ -186,10 +193,49 @@ def start_mlserver(models: Path, peers_root: str) -> int:
     return int((Path(peers_root) / "run" / "mlserver.pid").read_text())
 
 
+def mlserver_checked(models: Path, args: argparse.Namespace, request: bytes, reference: np.ndarray) -> int | None:
+    """MLServer started (both servers stay up: idle, one costs the other little) and its first
+    answer checked; None, said on stderr, where it cannot start."""
+    try:
+        pid = start_mlserver(models, args.peers_root)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"MLServer skipped: {exc}", file=sys.stderr)
+        return None
+    try:
+        got = answer("v2-json", MLSERVER_PORT, request)
+        np.testing.assert_allclose(got, reference, rtol=1e-3, atol=1e-4)  # TF vs LiteRT kernels
+    except BaseException:
+        stop_mlserver(args.peers_root)
+        raise
+    return pid
+
+
 def stop_mlserver(peers_root: str) -> None:
     env = {**os.environ, "PEERS_ROOT": peers_root}
     subprocess.call([str(PEER_BENCH / "peers" / "mlserver" / "stop.sh"), "on"], env=env,
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+
+
+def per_cpu(row: dict) -> float:
+    """Requests per second of the server tree's CPU: on a machine loaded by others the servers get
+    unequal shares of the cores, which req/s alone does not see."""
+    return float(row["rps"]) / max(float(row["server_cpu_pct"]) / 100, 1e-9)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """Per round, each of our protocols against MLServer's point of the same round."""
+    out: list[str] = []
+    ml_rows = [i for i, r in enumerate(rows) if r["server"] == MLSERVER_LABEL]
+    for n, i in enumerate(ml_rows, 1):
+        ml = rows[i]
+        ours = [r for r in rows[(ml_rows[n - 2] + 1 if n > 1 else 0):i]]
+        if not ml["rps"]:
+            continue
+        parts = [f"{r['server'].split(', ', 1)[1]} **{r['rps'] / ml['rps']:.2f}x** (p99 {r['p99_ms']} ms; "
+                 f"{per_cpu(r) / per_cpu(ml):.2f}x per server CPU-second)" for r in ours]
+        out += ["", f"Round {n}, against MLServer's v2 JSON ({ml['rps']} req/s, p99 {ml['p99_ms']} ms): "
+                    + ", ".join(parts) + " (target 3x)."]
+    return out
 
 
 # --- report ---------------------------------------------------------------------------------------------
@@ -205,12 +251,7 @@ def markdown(args: argparse.Namespace, rows: list[dict], raw: list[dict]) -> str
     if raw:
         lines += ["", "In-process limit of the same model, no HTTP (bench/run_bench.py's raw_limit): " + ", ".join(
             f"batch {r['batch']}: {r['samples_per_s']} samples/s" for r in raw) + f" ({raw[0]['backend']})."]
-    ml = [r for r in rows if r["server"].startswith("MLServer")]
-    binary = [r for r in rows if "binary" in r["server"]]
-    if ml and binary and ml[-1]["rps"]:
-        b, m = binary[-1], ml[-1]
-        lines += ["", f"v2 binary / MLServer v2 JSON: **{b['rps'] / m['rps']:.2f}x** req/s (target 3x), "
-                      f"p99 {b['p99_ms']} ms vs {m['p99_ms']} ms (target: no worse)."]
+    lines += ratios(rows)
     return "\n".join(lines) + "\n"
 
 
@@ -240,6 +281,7 @@ def main() -> None:
     port = free_port()
     state = Path(tempfile.mkdtemp(prefix="edge-v2-bench-"))
     proc = start_service(models, args.backend, port, state)
+    ml_pid = None
     try:
         requests = {
             "tfs-json": http_request(f"/v1/models/{model}:predict", port, tfs_json(model, values)),
@@ -249,30 +291,22 @@ def main() -> None:
         reference = answer("tfs-json", port, requests["tfs-json"])
         for kind, request in requests.items():  # every protocol answers the same numbers
             np.testing.assert_allclose(answer(kind, port, request), reference, rtol=1e-5, atol=1e-6)
+        ml_request = http_request(f"/v2/models/{model}/infer", MLSERVER_PORT, v2_json(model, values))
+        ml_pid = mlserver_checked(models, args, ml_request, reference) if args.mlserver else None
         labels = {"tfs-json": f"edge-appliance ({args.backend}), TF Serving JSON",
                   "v2-json": f"edge-appliance ({args.backend}), v2 JSON",
                   "v2-binary": f"edge-appliance ({args.backend}), v2 binary"}
         expects = {"tfs-json": b"predictions", "v2-json": b"outputs", "v2-binary": b"outputs"}
-        for _ in range(args.rounds):
+        for _ in range(args.rounds):  # MLServer in every round, right after ours: one window per ratio
             for kind, request in requests.items():
                 rows.append(point(labels[kind], port, proc.pid, request, args, expects[kind]))
+            if ml_pid is not None:
+                rows.append(point(MLSERVER_LABEL, MLSERVER_PORT, ml_pid, ml_request, args, b"outputs"))
     finally:
         stop(proc)
         shutil.rmtree(state, ignore_errors=True)
-    if args.mlserver:
-        try:
-            pid = start_mlserver(models, args.peers_root)
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            print(f"MLServer skipped: {exc}", file=sys.stderr)
-        else:
-            try:
-                request = http_request(f"/v2/models/{model}/infer", MLSERVER_PORT, v2_json(model, values))
-                got = answer("v2-json", MLSERVER_PORT, request)
-                np.testing.assert_allclose(got, reference, rtol=1e-3, atol=1e-4)  # TF vs LiteRT kernels
-                rows.append(point("MLServer 1.7.1 adaptive batching, v2 JSON", MLSERVER_PORT, pid, request, args,
-                                  b"outputs"))
-            finally:
-                stop_mlserver(args.peers_root)
+        if ml_pid is not None:
+            stop_mlserver(args.peers_root)
     raw = raw_limit(models, [model], [args.backend], args.raw_seconds) if args.raw_seconds else []
     text = markdown(args, rows, raw)
     print(text)

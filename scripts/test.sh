@@ -33,6 +33,10 @@ if command -v npm >/dev/null && [ ! -d "$GRPC_JS_DIR/node_modules/@grpc/grpc-js"
   npm install --no-audit --no-fund --silent --prefix "$GRPC_JS_DIR" "@grpc/grpc-js@^1.14" >/dev/null \
     || echo "could not install @grpc/grpc-js into $GRPC_JS_DIR; the grpc-js test will try again" >&2
 fi
+# KServe's own clients for tests/peers/test_kserve_clients.py: a venv of their own outside the tree (the
+# kserve package pins pydantic, starlette and psutil away from ours); the test skips, naming the
+# script, where it could not be made.
+scripts/peer_venv_kserve.sh || echo "could not make KServe's client venv (scripts/peer_venv_kserve.sh); its test will skip" >&2
 # podman's Quadlet generator for tests/deploy/test_deploy.py: Debian's podman 4.3 has none (Quadlet came
 # with 4.4), so it is taken from Debian's newer podman package (trixie) into a cache, with a
 # private apt state: nothing is installed or changed on the host.
