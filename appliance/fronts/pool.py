@@ -15,7 +15,8 @@ with the reason), counted in ``edge_appliance_worker_restarts_total{reason}`` an
 missing, named as a problem ("1 of 2 front workers serving") by ``/readyz`` and the page.
 
 Workers are forked by the zygote when the serve command made one (appliance/fronts/zygote.py:
-their imports shared with this process), else started as fresh interpreters.
+their imports shared with this process), else started as fresh interpreters. Should the zygote
+die, the workers serve on and a new zygote forks the later ones (appliance/fronts/keeper.py).
 
 ``Fronts`` has the face of appliance/transport/http/server.py's ``HTTPServer`` that the
 service uses (``host``, ``port``, ``stats``, ``serve_forever``, ``drain``, ``close``), so
@@ -48,8 +49,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from appliance.fronts import messages as m
 from appliance.fronts import zygote
+from appliance.fronts.keeper import Keeper
 from appliance.core.config import Config
-from appliance.fronts.health import RestartCounters, process_memory, serving_problem
+from appliance.fronts.health import RestartCounters, process_memory, serving_report
 from appliance.fronts.serving import FrontService
 from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
 from appliance.fronts.supervisor import Exit, Supervisor
@@ -76,7 +78,7 @@ class Fronts:
         self._started_all = False  # every worker has served once (the device is ready from then on)
         self.grpc_port = 0  # the gRPC port the workers serve too (serve_grpc); 0: none
         self.grpc_sock: socket.socket | None = None
-        self.zygote = zygote.early()
+        self.zygotes = Keeper(zygote.early())
         self.supervisor = Supervisor(count, self._launch, self._started, self._exited, server.worker_timeout_s,
                                      self._turning, self._report_serving)
         self.pids: dict[int, int] = {}
@@ -89,10 +91,7 @@ class Fronts:
 
     def _launch(self, index: int, channel: socket.socket) -> zygote.WorkerProcess:
         """Worker ``index``: forked by the zygote while there is one, else a fresh interpreter."""
-        forker = self.zygote
-        if forker is not None and forker.alive:
-            return forker.spawn(index, self.port, self.grpc_port, channel)
-        return zygote.popen_worker(index, self.port, self.grpc_port, channel)
+        return self.zygotes.launch(index, self.port, self.grpc_port, channel)
 
     def serve_grpc(self, host: str, port: int) -> int:
         """Have the workers serve gRPC on ``port`` too (before ``serve_forever``): held here
@@ -150,17 +149,7 @@ class Fronts:
         """For the systemd watchdog (appliance/parts/notify.py): None while every worker serves
         or is being replaced; else why not (the supervisor itself has stopped judging, or a
         worker has been silent for twice the timeout and is still not replaced)."""
-        if not self._serving:
-            return None
-        now = time.monotonic()
-        stalled = now - self.supervisor.last_check
-        if stalled > max(5.0, self.supervisor.timeout_s):
-            return f"the front workers' supervisor has not run for {stalled:.0f} s"
-        stuck = [c.index for c in self.supervisor.children
-                 if c.proc is not None and c.proc.poll() is None and now - c.heard > 2 * self.supervisor.timeout_s]
-        if stuck:
-            return f"front worker {stuck[0]} has been silent for over {2 * self.supervisor.timeout_s:g} s and is not replaced"
-        return None
+        return self.supervisor.stalled() if self._serving else None
 
     def _counters(self) -> tuple[dict[str, int], int, int, dict[int, dict[str, int]]]:
         memory = {index: process_memory(pid) for index, pid in self.pids.items() if pid in self.supervisor.pids()}
@@ -195,8 +184,7 @@ class Fronts:
         self.supervisor.halt()
         self.front.close()  # the workers read EOF: they close their connections and exit
         self.supervisor.stop(EXIT_GRACE_S)
-        if self.zygote is not None:
-            self.zygote.close()
+        self.zygotes.close()
         self.sock.close()
         if self.grpc_sock is not None:
             self.grpc_sock.close()
@@ -217,11 +205,8 @@ class Fronts:
         """(any thread) The problem while fewer workers than configured serve: critical (not
         ready) until every worker has served once, and whenever none serves; shown, not
         critical, while one of several is being replaced (the port is answered meanwhile)."""
-        missing = self.supervisor.missing()
-        if not missing:
-            self._started_all = True
-        problem = serving_problem(self.count - len(missing), self.count, missing)
-        self.core.report_problem(PART, problem, critical=not self._started_all or len(missing) >= self.count)
+        problem, critical, self._started_all = serving_report(self.count, self.supervisor.missing(), self._started_all)
+        self.core.report_problem(PART, problem, critical=critical)
 
     def _exited(self, index: int, ended: Exit, restarting: bool) -> None:
         if not restarting:

@@ -41,6 +41,7 @@ from appliance.fronts import messages as m
 from appliance.fronts.app import Forwarder, FrontApp, facing, forward_whole, hot_mounts
 from appliance.fronts.remote import RemoteCore
 from appliance.fronts.link import Link
+from appliance.fronts.pids import open_pidfd
 from appliance.core import logs, memory
 from appliance.core.cgroup import WORKER_OOM_SCORE, raise_oom_score
 from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
@@ -59,8 +60,9 @@ PARENT_CHECK_S = 1.0
 
 
 class Worker:
-    def __init__(self, index: int, port: int, grpc_port: int, sock: socket.socket):
-        self.index, self.port, self.grpc_port, self.sock = index, port, grpc_port, sock
+    def __init__(self, index: int, port: int, grpc_port: int, sock: socket.socket, serving: int):
+        """``serving``: the serving process's pid (this worker ends with it)."""
+        self.index, self.port, self.grpc_port, self.sock, self.serving = index, port, grpc_port, sock, serving
         self.grpc: Any = None
         self.workers = 1
         self.link = Link(self.on_push)
@@ -173,12 +175,19 @@ class Worker:
             threading.Thread(target=self.grpc.stop, args=(0,), name="grpc-close", daemon=True).start()
 
     def watch_parent(self) -> None:
-        """Exit when this process's parent changes (the serving process, or the zygote that
-        forked this worker, is gone), should the channel's EOF be missed."""
+        """Exit when the serving process is gone, should the channel's EOF be missed. Watched by
+        a pidfd on it, not by this process's parent: the zygote that forked this worker may die
+        and this worker serve on (appliance/fronts/zygote.py). Where there are no pidfds, when
+        the parent changes, as before."""
+        serving = open_pidfd(self.serving)
         parent = os.getppid()
-        while not self.done.wait(PARENT_CHECK_S):
-            if os.getppid() != parent:
-                log.error("front worker %d: its parent (pid %d) is gone; exiting", self.index, parent)
+        while not self.done.is_set():
+            if serving is not None:
+                gone = serving.ended(PARENT_CHECK_S)
+            else:
+                gone = not self.done.wait(PARENT_CHECK_S) and os.getppid() != parent
+            if gone and not self.done.is_set():
+                log.error("front worker %d: the serving process (pid %d) is gone; exiting", self.index, self.serving)
                 self.gone()
                 return
 
@@ -201,8 +210,9 @@ def _rss() -> int:
         return 0
 
 
-def run_forked(index: int, port: int, grpc_port: int, channel_fd: int) -> int:
-    """The worker's main, in a process the zygote forked or a fresh interpreter: its exit status."""
+def run_forked(index: int, port: int, grpc_port: int, channel_fd: int, serving: int) -> int:
+    """The worker's main, in a process the zygote forked or a fresh interpreter: its exit status.
+    ``serving``: the serving process's pid."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Should the kernel's OOM killer act, a worker goes before the serving process (which holds
@@ -211,12 +221,12 @@ def run_forked(index: int, port: int, grpc_port: int, channel_fd: int) -> int:
     memory.limit_arenas()
     sock = socket.socket(fileno=channel_fd)
     sock.setblocking(True)
-    return Worker(index, port, grpc_port, sock).run()
+    return Worker(index, port, grpc_port, sock, serving).run()
 
 
 def main(argv: list[str]) -> int:
     port, grpc_port, index, channel_fd = (int(a) for a in argv[-4:])
-    return run_forked(index, port, grpc_port, channel_fd)
+    return run_forked(index, port, grpc_port, channel_fd, os.getppid())  # started by the serving process itself
 
 
 if __name__ == "__main__":

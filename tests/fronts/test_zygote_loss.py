@@ -1,0 +1,93 @@
+"""No single point of failure besides the serving process (issue 47 item 8): kill -9 of the
+zygote under load costs no request, its workers serve on, a new zygote is started, and a worker
+killed afterwards is replaced by one the new zygote forked.
+
+The real service as a user starts it, two keep-alive clients on loopback, SIGKILL sent by PID to
+processes of the tree this test started (found with psutil from the service's own pid).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.fronts.test_fronts import MLP, Clients, models
+
+pytestmark = pytest.mark.timeout(600)  # the waits below add up to under 300 s
+
+
+def tree(server: Any) -> dict[int, psutil.Process]:
+    return {p.pid: p for p in psutil.Process(server.proc.pid).children(recursive=True)}
+
+
+def parent(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def workers(server: Any) -> list[dict[str, Any]]:
+    return server.status()["workers"]  # type: ignore[no-any-return]
+
+
+def zygote_of(server: Any) -> int:
+    """The serving process's child that forked worker 0."""
+    forker = parent(workers(server)[0]["pid"])
+    assert forker is not None and parent(forker) == server.proc.pid, "worker 0's parent is no child of the service"
+    return forker
+
+
+def fresh_zygote(server: Any, dead: int) -> int | None:
+    """The serving process's child started as a zygote since ``dead`` died, if any."""
+    for child in psutil.Process(server.proc.pid).children():
+        try:
+            if child.pid != dead and "appliance.fronts.zygote" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def test_the_zygote_killed_under_load_costs_no_request(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
+    server = start_server("--models", str(models(models_dir, tmp_path, MLP)), "--backend", "tflite", "--workers", "2")
+    before = workers(server)
+    assert all(w["forked"] for w in before), before
+    zygote = zygote_of(server)
+    assert zygote in tree(server)  # ours, by PID
+    clients = Clients(f"{server.url}/v1/models/{MLP}:predict", threads=2)
+    try:
+        server.wait_for(lambda: clients.count() >= 50, 60, "50 answered requests")
+        os.kill(zygote, signal.SIGKILL)
+        server.wait_for(lambda: fresh_zygote(server, zygote) is not None, 60, "a new zygote")
+        answered = clients.count()
+        server.wait_for(lambda: clients.count() >= answered + 100, 60, "100 more answered requests")
+        # the zygote held no request: none failed, and the same workers serve
+        assert clients.failures() == [], clients.failures()[:5]
+        assert [w["pid"] for w in workers(server)] == [w["pid"] for w in before]
+        assert all(w["up"] and w["restarts"] == 0 for w in workers(server)), workers(server)
+        new = fresh_zygote(server, zygote)
+        assert new is not None
+
+        victim = before[0]["pid"]  # a worker of the dead zygote, handed to the serving process
+        assert parent(victim) == server.proc.pid
+        os.kill(victim, signal.SIGKILL)
+        server.wait_for(lambda: workers(server)[0]["pid"] != victim and workers(server)[0]["up"], 60,
+                        "a new worker in the killed one's place")
+        replaced = workers(server)[0]
+        assert replaced["forked"] and parent(replaced["pid"]) == new, (replaced, new)
+        exit_ = replaced["exits"][-1]
+        assert exit_["pid"] == victim and exit_["reason"] == "signal" and exit_["code"] == -signal.SIGKILL, exit_
+        answered = clients.count()
+        server.wait_for(lambda: clients.count() >= answered + 50, 60, "50 answered requests after the worker's kill")
+    finally:
+        clients.finish()
+    # the killed worker's keep-alive connections end: at most one request per client
+    failures = clients.failures()
+    assert len(failures) <= 2 and all(kind == "cut" for _, kind, _ in failures), failures
+    assert not [e for e in server.status()["events"] if e["kind"] == "worker_exited" and "heartbeat" in e["message"]]
