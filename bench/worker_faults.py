@@ -169,6 +169,9 @@ def killed_zygote(proc: subprocess.Popen, port: int, clients: int) -> dict[str, 
     zygote = zygote_of(proc.pid, workers)
     if zygote is None:
         raise RuntimeError("no zygote in the service's process tree")
+    from appliance.fronts.health import process_memory
+
+    memory_before = process_memory(zygote)
     load = Load(port, clients)
     time.sleep(3)
     ok0, failed0 = load.ok, len(load.failed)
@@ -180,7 +183,10 @@ def killed_zygote(proc: subprocess.Popen, port: int, clients: int) -> dict[str, 
     load.finish()
     after = [w["pid"] for w in status(port)["workers"]]
     new = zygote_of(proc.pid, after)
-    return {"failed": failed, "answered": ok + failed, "last_failure_s": round(last - t0, 1),
+    mb = {f"zygote_{k}_mb": round(v / 2**20, 1) for k, v in memory_before.items()}
+    if new is not None and new != zygote:
+        mb.update({f"new_zygote_{k}_mb": round(v / 2**20, 1) for k, v in process_memory(new).items()})
+    return {**mb, "failed": failed, "answered": ok + failed, "last_failure_s": round(last - t0, 1),
             "workers_kept": after == workers,
             "new_zygote": new if new != zygote else None}
 
