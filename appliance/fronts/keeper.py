@@ -40,11 +40,12 @@ class Keeper:
         if first is not None:
             self._keep(first)
 
-    def launch(self, index: int, port: int, grpc_port: int, channel: socket.socket) -> WorkerProcess:
+    def launch(self, index: int, port: int, grpc_port: int, channel: socket.socket,
+               listener: socket.socket) -> WorkerProcess:
         forker = self.current(SPAWN_TIMEOUT_S)
         if forker is not None:
-            return forker.spawn(index, port, grpc_port, channel)
-        return popen_worker(index, port, grpc_port, channel)
+            return forker.spawn(index, port, grpc_port, channel, listener)
+        return popen_worker(index, port, grpc_port, channel, listener)
 
     def current(self, timeout: float = 0.0) -> Zygote | None:
         """The living zygote; while one is being replaced, waits up to ``timeout`` for it."""

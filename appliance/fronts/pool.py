@@ -24,10 +24,14 @@ the service, the drain on SIGTERM and the parts do not care which one serves. Th
 order: every worker stops accepting and finishes what it holds (their requests still run
 here), then they exit, then the service unloads its models.
 
-What a worker's death costs: the connections it held, and those the kernel had queued for
-it but it had not accepted, close (a client sees the connection end, never a hang);
-requests of it still queued here are dropped when their answer finds no channel. The
-other workers go on taking new connections meanwhile.
+What a worker's death costs: the connections it held close (a client sees the connection
+end, never a hang); requests of it still queued here are dropped when their answer finds no
+channel. The other workers go on taking new connections meanwhile. What can be drained is:
+each worker's REST listener is made here and kept across its worker's death (``listeners``),
+so connections the kernel queued for a worker that died or was killed (stopped, hung) wait
+there and its replacement answers them. A worker that ended by itself young (``crash_looping``:
+its replacement waits a pause that grows) gives its listener up, so that new connections go to
+the others meanwhile; so do they all at a drain. The gRPC port's listeners are the workers' own.
 
 Limits that bound the whole port (``limits.max_connections``, ``limits.max_buffered_bytes``,
 and gRPC's ``max_connections`` and ``max_buffer_bytes``) are shared out among the workers,
@@ -53,7 +57,8 @@ from appliance.fronts.keeper import Keeper
 from appliance.core.config import Config
 from appliance.fronts.health import RestartCounters, process_memory, serving_report
 from appliance.fronts.serving import FrontService
-from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
+from appliance.transport.http.server import connection_cap, initial_stats, listen, reserve_port
+from appliance.fronts.backoff import QUICK_EXIT_S
 from appliance.fronts.supervisor import Exit, Supervisor
 
 if TYPE_CHECKING:
@@ -64,6 +69,13 @@ log = logging.getLogger("appliance.workers")
 EXIT_GRACE_S = 5.0  # past the drain timeout, how long workers get to exit before they are killed
 PART = "http workers"  # as the page and /readyz name it while fewer than configured serve
 LOOP_STALL_S = 3.0  # this side's loop silent this long: the workers' silence is not theirs
+
+
+def crash_looping(ended: Exit) -> bool:
+    """A worker that ended by itself (or never started) within ``QUICK_EXIT_S`` of its start: the
+    next one waits a pause that grows (appliance/fronts/backoff.py). One killed (for its
+    heartbeat, or by a signal) is replaced at once or nearly, and keeps its listener."""
+    return ended.reason in ("exit", "spawn") and ended.ran_s < QUICK_EXIT_S
 
 
 class Fronts:
@@ -82,6 +94,8 @@ class Fronts:
         self.supervisor = Supervisor(count, self._launch, self._started, self._exited, server.worker_timeout_s,
                                      self._turning, self._report_serving)
         self.pids: dict[int, int] = {}
+        self.listeners: dict[int, socket.socket] = {}  # worker index -> its REST listener (module docstring)
+        self._listen_host = server.host
         core.metrics.registry.register(RestartCounters(self._counters))
         limits = config.limits
         self._base_stats = {**initial_stats(limits, bool(config.security.tls_cert_file),
@@ -91,7 +105,17 @@ class Fronts:
 
     def _launch(self, index: int, channel: socket.socket) -> zygote.WorkerProcess:
         """Worker ``index``: forked by the zygote while there is one, else a fresh interpreter."""
-        return self.zygotes.launch(index, self.port, self.grpc_port, channel)
+        listener = self.listeners.get(index)
+        if listener is None:
+            listener = self.listeners[index] = listen(self._listen_host, self.port, reuse_port=True)
+        return self.zygotes.launch(index, self.port, self.grpc_port, channel, listener)
+
+    def _give_up_listener(self, index: int) -> None:
+        """Close worker ``index``'s listener here: what the kernel queued for it is reset, and
+        new connections go to the others (its worker, if alive, holds its own copy)."""
+        listener = self.listeners.pop(index, None)
+        if listener is not None:
+            listener.close()
 
     def serve_grpc(self, host: str, port: int) -> int:
         """Have the workers serve gRPC on ``port`` too (before ``serve_forever``): held here
@@ -173,6 +197,8 @@ class Fronts:
     def drain(self, timeout: float) -> bool:
         """The graceful stop (module docstring); True when every worker drained in time."""
         self.front.broadcast(m.Drain(timeout))
+        for index in list(self.listeners):  # a draining worker's queue goes nowhere: reset, not kept waiting
+            self._give_up_listener(index)
         clean = self.supervisor.stop(timeout + EXIT_GRACE_S)
         self.close()
         return clean
@@ -185,6 +211,8 @@ class Fronts:
         self.front.close()  # the workers read EOF: they close their connections and exit
         self.supervisor.stop(EXIT_GRACE_S)
         self.zygotes.close()
+        for index in list(self.listeners):
+            self._give_up_listener(index)
         self.sock.close()
         if self.grpc_sock is not None:
             self.grpc_sock.close()
@@ -209,6 +237,8 @@ class Fronts:
         self.core.report_problem(PART, problem, critical=critical)
 
     def _exited(self, index: int, ended: Exit, restarting: bool) -> None:
+        if not restarting or crash_looping(ended):  # no replacement soon: the others take its share
+            self._give_up_listener(index)
         if not restarting:
             return
         how = ended.words()

@@ -1,11 +1,13 @@
 """A front worker process: the REST port's HTTP and JSON on a core of its own.
 
-    python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD
+    python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD LISTENER_FD
 
 Started only by appliance/fronts/pool.py, which holds the port (and the gRPC port, 0
 for none) and passes its end of a private channel: forked by the zygote (``run_forked``,
 appliance/fronts/zygote.py), or as a fresh interpreter with the command above where there is
-none. The worker listens on the ports with SO_REUSEPORT beside the others. gRPC runs on the
+none, and the REST port's listening socket it accepts on (SO_REUSEPORT beside the others'; the
+serving process keeps it across this worker's death, so what the kernel queued for it is
+answered by its replacement). The gRPC port it listens on itself, with SO_REUSEPORT. gRPC runs on the
 HTTP server's event loop, as the lean server's guest (appliance/fronts/grpc_front.py's
 services), so a call's run is awaited on the loop the channel lives on. The first message on the channel is the service's config, read before anything starts; the
 worker then serves appliance/fronts/app.py's ``FrontApp`` on appliance/transport/http/
@@ -46,7 +48,7 @@ from appliance.core import logs, memory
 from appliance.core.cgroup import WORKER_OOM_SCORE, raise_oom_score
 from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
 from appliance.transport.channel import ChannelProtocol, Codec, read_one
-from appliance.transport.http.server import HTTPServer, listen
+from appliance.transport.http.server import HTTPServer
 
 log = logging.getLogger("appliance.workers")
 
@@ -60,9 +62,12 @@ PARENT_CHECK_S = 1.0
 
 
 class Worker:
-    def __init__(self, index: int, port: int, grpc_port: int, sock: socket.socket, serving: int):
-        """``serving``: the serving process's pid (this worker ends with it)."""
+    def __init__(self, index: int, port: int, grpc_port: int, sock: socket.socket, serving: int,
+                 listener: socket.socket):
+        """``serving``: the serving process's pid (this worker ends with it); ``listener``: the
+        REST port's socket to accept on."""
         self.index, self.port, self.grpc_port, self.sock, self.serving = index, port, grpc_port, sock, serving
+        self.listener = listener
         self.grpc: Any = None
         self.workers = 1
         self.link = Link(self.on_push)
@@ -88,7 +93,7 @@ class Worker:
         workers = self.workers = workers_for(config)
         self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
                                  config.server.max_body_bytes, worker_limits(config.limits, workers), context,
-                                 sock=listen(config.server.host, self.port, reuse_port=True), fast=app,
+                                 sock=self.listener, fast=app,
                                  on_loop=self.open_channel, facing=facing())
         threading.Thread(target=self.watch_parent, name="parent", daemon=True).start()
         memory.tune_gc()
@@ -210,9 +215,9 @@ def _rss() -> int:
         return 0
 
 
-def run_forked(index: int, port: int, grpc_port: int, channel_fd: int, serving: int) -> int:
+def run_forked(index: int, port: int, grpc_port: int, channel_fd: int, serving: int, listener_fd: int) -> int:
     """The worker's main, in a process the zygote forked or a fresh interpreter: its exit status.
-    ``serving``: the serving process's pid."""
+    ``serving``: the serving process's pid; ``listener_fd``: the REST port's listening socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Should the kernel's OOM killer act, a worker goes before the serving process (which holds
@@ -221,12 +226,13 @@ def run_forked(index: int, port: int, grpc_port: int, channel_fd: int, serving: 
     memory.limit_arenas()
     sock = socket.socket(fileno=channel_fd)
     sock.setblocking(True)
-    return Worker(index, port, grpc_port, sock, serving).run()
+    listener = socket.socket(fileno=listener_fd)
+    return Worker(index, port, grpc_port, sock, serving, listener).run()
 
 
 def main(argv: list[str]) -> int:
-    port, grpc_port, index, channel_fd = (int(a) for a in argv[-4:])
-    return run_forked(index, port, grpc_port, channel_fd, os.getppid())  # started by the serving process itself
+    port, grpc_port, index, channel_fd, listener_fd = (int(a) for a in argv[-5:])
+    return run_forked(index, port, grpc_port, channel_fd, os.getppid(), listener_fd)  # started by the serving process
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from it, so its pages are shared three ways: the serving process, the zygote and
 The conversation, on a ``SOCK_SEQPACKET`` socketpair (one message per datagram, descriptors
 passed with ``SCM_RIGHTS``), in plain ASCII:
 
-- serving -> zygote: ``spawn INDEX PORT GRPC_PORT`` with the worker's channel end attached;
+- serving -> zygote: ``spawn INDEX PORT GRPC_PORT`` with the worker's channel end and its REST
+  listener attached (the serving process keeps the listener: appliance/fronts/pool.py);
   ``kill PID`` (SIGKILL, sent by the zygote: only a parent can name a pid safely, since a pid
   the parent has reaped may be reused at once; used only where there are no pidfds).
 - zygote -> serving: ``ready`` once its imports are done (a fresh interpreter's only: a forked
@@ -89,12 +90,12 @@ class WorkerProcess(Protocol):
     def kill(self) -> None: ...
 
 
-def popen_worker(index: int, port: int, grpc_port: int, channel: socket.socket,
+def popen_worker(index: int, port: int, grpc_port: int, channel: socket.socket, listener: socket.socket,
                  env: dict[str, str] | None = None) -> WorkerProcess:
     """A worker as a fresh interpreter: the way when there is no zygote."""
     argv = [sys.executable, "-m", "appliance.fronts.worker", str(port), str(grpc_port), str(index),
-            str(channel.fileno())]
-    return subprocess.Popen(argv, pass_fds=(channel.fileno(),), env=env)
+            str(channel.fileno()), str(listener.fileno())]
+    return subprocess.Popen(argv, pass_fds=(channel.fileno(), listener.fileno()), env=env)
 
 
 class Forked:
@@ -194,16 +195,18 @@ class Zygote:
         return cls(proc.pid, ours, grpc, proc, on_gone)
 
     # -- the serving process's requests ----------------------------------------------------
-    def spawn(self, index: int, port: int, grpc_port: int, channel: socket.socket) -> WorkerProcess:
-        """A worker forked by the zygote, with ``channel`` as its end of the conversation.
-        OSError when the zygote is gone or could not fork."""
+    def spawn(self, index: int, port: int, grpc_port: int, channel: socket.socket,
+              listener: socket.socket) -> WorkerProcess:
+        """A worker forked by the zygote, with ``channel`` as its end of the conversation and
+        ``listener`` as its REST port's socket. OSError when the zygote is gone or could not fork."""
         with self._spawning:
             if not self.alive:
                 raise OSError("the front workers' zygote is gone")
             with self._reply:
                 self._replies.clear()
             try:
-                socket.send_fds(self.control, [f"spawn {index} {port} {grpc_port}".encode()], [channel.fileno()])
+                socket.send_fds(self.control, [f"spawn {index} {port} {grpc_port}".encode()],
+                                [channel.fileno(), listener.fileno()])
             except OSError:
                 self._gone()
                 raise
@@ -343,7 +346,7 @@ def _serve(control: socket.socket) -> int:
 
 def _command(control: socket.socket, children: set[int], own: tuple[int, int], serving: int) -> bool:
     """One request from the serving process; False at EOF."""
-    data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 1)
+    data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 2)
     if not data:
         return False
     words = data.decode().split()
@@ -354,14 +357,15 @@ def _command(control: socket.socket, children: set[int], own: tuple[int, int], s
     elif words[0] == "spawn":
         index, port, grpc_port = (int(w) for w in words[1:4])
         try:
-            pid = _fork_worker(index, port, grpc_port, fds[0], control, own, serving)
+            pid = _fork_worker(index, port, grpc_port, (fds[0], fds[1]), control, own, serving)
         except OSError as exc:
             control.send(f"failed {index} {exc.errno or 0}".encode())
         else:
             children.add(pid)
             _started(control, index, pid)
         finally:
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
     return True
 
 
@@ -378,8 +382,9 @@ def _started(control: socket.socket, index: int, pid: int) -> None:
         pidfd.close()
 
 
-def _fork_worker(index: int, port: int, grpc_port: int, channel_fd: int, control: socket.socket,
+def _fork_worker(index: int, port: int, grpc_port: int, passed: tuple[int, int], control: socket.socket,
                  own: tuple[int, int], serving: int) -> int:
+    """``passed``: the worker's channel and its REST listener, as the serving process sent them."""
     pid = os.fork()
     if pid:
         return pid
@@ -392,7 +397,7 @@ def _fork_worker(index: int, port: int, grpc_port: int, channel_fd: int, control
             os.close(fd)
         from appliance.fronts.worker import run_forked
 
-        code = run_forked(index, port, grpc_port, channel_fd, serving)
+        code = run_forked(index, port, grpc_port, passed[0], serving, passed[1])
     except BaseException:  # anything at all: the worker ends here, never back in the zygote's loop
         logging.getLogger("appliance.workers").exception("front worker %d failed", index)
     finally:

@@ -276,3 +276,15 @@ def test_the_pool_is_not_ready_until_every_worker_served_once_and_never_with_non
     problem, critical, started_all = serving_report(2, {0: "was killed by signal 9 (SIGKILL); being replaced"}, True)
     assert not critical and started_all and problem and "worker 0 was killed" in problem  # shown, still ready
     assert serving_report(2, starting, True)[1] is True  # none serves: not ready whatever came before
+
+
+def test_a_worker_keeps_its_listener_unless_it_is_crash_looping() -> None:
+    """appliance/fronts/pool.py: a killed worker's queued connections wait for its replacement;
+    one that keeps ending by itself at start-up gives its share of new connections to the others."""
+    from appliance.fronts.pool import crash_looping
+
+    young, old = 1.0, sup.QUICK_EXIT_S + 1
+    assert crash_looping(sup.Exit(1, 1, "exit", 0.0, young)) and crash_looping(sup.Exit(0, None, "spawn", 0.0, 0.0))
+    assert not crash_looping(sup.Exit(1, 1, "exit", 0.0, old))
+    assert not crash_looping(sup.Exit(1, -9, "heartbeat", 0.0, young))
+    assert not crash_looping(sup.Exit(1, -9, "signal", 0.0, young))

@@ -35,7 +35,7 @@ class FakeZygote:
         self.spawned: list[int] = []
         self.closed = False
 
-    def spawn(self, index: int, port: int, grpc_port: int, channel: socket.socket) -> Any:
+    def spawn(self, index: int, port: int, grpc_port: int, channel: socket.socket, listener: socket.socket) -> Any:
         self.spawned.append(index)
         return ("forked", self, index)
 
@@ -70,7 +70,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[Fresh]:
     monkeypatch.setattr(Zygote, "start_fresh", made)
     monkeypatch.setattr(keeper_module, "next_pause",  # the keeper's pauses, a hundredth of the real ones
                         lambda previous, ran_s: next_pause(previous, ran_s, first_s=0.005, most_s=0.02))
-    monkeypatch.setattr(keeper_module, "popen_worker", lambda index, port, grpc_port, channel: ("popen", index))
+    monkeypatch.setattr(keeper_module, "popen_worker", lambda index, port, grpc_port, channel, listener: ("popen", index))
     yield made
 
 
@@ -97,7 +97,7 @@ def channel() -> socket.socket:
 def test_workers_are_forked_by_the_zygote_there_is(fresh: Fresh, keepers: list[Keeper]) -> None:
     first = FakeZygote(grpc=True)
     keeper = keep(keepers, first)
-    assert keeper.launch(0, 8501, 8500, channel()) == ("forked", first, 0)
+    assert keeper.launch(0, 8501, 8500, channel(), channel()) == ("forked", first, 0)
     assert fresh.made == []
 
 
@@ -110,7 +110,7 @@ def test_a_dead_zygote_is_replaced_and_later_workers_come_from_the_new_one(fresh
     new = fresh.made[0]
     assert keeper.current() is new and new.grpc is True  # it preloads what the dead one did
     assert keeper.pause == 0.0  # the dead one lived long: replaced at once
-    assert keeper.launch(1, 8501, 8500, channel()) == ("forked", new, 1) and first.spawned == []
+    assert keeper.launch(1, 8501, 8500, channel(), channel()) == ("forked", new, 1) and first.spawned == []
 
 
 def test_zygotes_that_die_young_are_replaced_after_a_pause_that_doubles(fresh: Fresh, keepers: list[Keeper]) -> None:
@@ -131,11 +131,11 @@ def test_while_no_zygote_answers_a_worker_starts_as_a_fresh_interpreter(fresh: F
     fresh.failing = 10**6  # no new zygote can be started
     keeper = keep(keepers, FakeZygote(grpc=False))
     keeper.zygote.die()  # type: ignore[union-attr]
-    assert keeper.launch(0, 8501, 0, channel()) == ("popen", 0)
+    assert keeper.launch(0, 8501, 0, channel(), channel()) == ("popen", 0)
     poll_until(lambda: fresh.failing < 10**6 - 2, 30, "the keeper to go on trying")
     fresh.failing = 0
     poll_until(lambda: keeper.current() is not None, 30, "a new zygote once one can be started")
-    assert keeper.launch(0, 8501, 0, channel()) == ("forked", fresh.made[0], 0)
+    assert keeper.launch(0, 8501, 0, channel(), channel()) == ("forked", fresh.made[0], 0)
 
 
 def test_a_closed_keeper_replaces_nothing(fresh: Fresh, keepers: list[Keeper]) -> None:
@@ -148,7 +148,7 @@ def test_a_closed_keeper_replaces_nothing(fresh: Fresh, keepers: list[Keeper]) -
 
 
 def test_without_a_zygote_workers_are_fresh_interpreters(fresh: Fresh, keepers: list[Keeper]) -> None:
-    assert keep(keepers, None).launch(2, 8501, 0, channel()) == ("popen", 2)
+    assert keep(keepers, None).launch(2, 8501, 0, channel(), channel()) == ("popen", 2)
 
 
 def test_a_worker_whose_zygote_died_is_killed_and_reaped_by_its_pidfd() -> None:

@@ -91,3 +91,46 @@ def test_the_zygote_killed_under_load_costs_no_request(start_server: Any, models
     failures = clients.failures()
     assert len(failures) <= 2 and all(kind == "cut" for _, kind, _ in failures), failures
     assert not [e for e in server.status()["events"] if e["kind"] == "worker_exited" and "heartbeat" in e["message"]]
+
+
+def test_connections_queued_for_a_stopped_worker_are_answered_by_its_replacement(
+        start_server: Any, models_dir: Path, tmp_path: Path) -> None:
+    """A worker's death drains what it can: the connections the kernel queued for it (accepted by
+    no one: it was stopped) wait in its listener, which the serving process keeps, and its
+    replacement answers them; before, they were reset when the stopped worker was killed."""
+    import json
+    import http.client
+    import threading
+
+    from tests.fronts.test_fronts import ROW
+    from tests.fronts.test_worker_supervision import kill_if_left, serve_config
+
+    server = start_server("--config", str(serve_config(tmp_path)), "--models", str(models(models_dir, tmp_path, MLP)),
+                          "--backend", "tflite", "--workers", "2")
+    victim = workers(server)[0]["pid"]
+    assert victim in tree(server)  # ours, by PID
+    body = json.dumps({"instances": [ROW]})
+    outcomes: list[str] = []
+
+    def ask() -> None:  # a fresh connection each: the kernel hashes about half to the stopped worker
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+        try:
+            conn.request("POST", f"/v1/models/{MLP}:predict", body, {"Content-Type": "application/json"})
+            outcomes.append(str(conn.getresponse().status))
+        except (OSError, http.client.HTTPException) as exc:
+            outcomes.append(repr(exc))
+        finally:
+            conn.close()
+
+    os.kill(victim, signal.SIGSTOP)
+    askers = [threading.Thread(target=ask) for _ in range(20)]
+    try:
+        for t in askers:
+            t.start()
+        server.wait_for(lambda: workers(server)[0]["pid"] != victim and workers(server)[0]["up"], 120,
+                        "a new worker in the stopped one's place")
+    finally:
+        kill_if_left(victim, server)
+        for t in askers:
+            t.join(600)
+    assert outcomes == ["200"] * 20, outcomes
