@@ -113,7 +113,7 @@ def test_connections_queued_for_a_stopped_worker_are_answered_by_its_replacement
     outcomes: list[str] = []
 
     def ask() -> None:  # a fresh connection each: the kernel hashes about half to the stopped worker
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=240)
         try:
             conn.request("POST", f"/v1/models/{MLP}:predict", body, {"Content-Type": "application/json"})
             outcomes.append(str(conn.getresponse().status))
@@ -132,5 +132,5 @@ def test_connections_queued_for_a_stopped_worker_are_answered_by_its_replacement
     finally:
         kill_if_left(victim, server)
         for t in askers:
-            t.join(600)
+            t.join(300)
     assert outcomes == ["200"] * 20, outcomes
