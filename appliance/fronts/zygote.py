@@ -158,6 +158,7 @@ class Zygote:
         self._replies: list[str] = []
         self._reply = threading.Condition()
         self._spawning = threading.Lock()
+        self._ending = threading.Lock()  # ``_gone`` runs once, whether the reader or a spawn finds it gone
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
 
@@ -270,9 +271,10 @@ class Zygote:
     def _gone(self) -> None:
         """The zygote exited: its workers serve on (module docstring); each is watched by its
         pidfd from now on. Then ``on_gone``, unless this process closed it."""
-        if not self.alive:
-            return
-        self.alive = False
+        with self._ending:
+            if not self.alive:
+                return
+            self.alive = False
         self.ready.set()  # who waits for it, waits no more
         if not self._closing:
             log.error("the front workers' zygote (pid %d) is gone; its %d workers serve on, a new zygote starts",
