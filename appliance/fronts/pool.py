@@ -27,9 +27,9 @@ here), then they exit, then the service unloads its models.
 What a worker's death costs: the connections it held close (a client sees the connection
 end, never a hang); requests of it still queued here are dropped when their answer finds no
 channel. The other workers go on taking new connections meanwhile. What can be drained is:
-each worker's REST listener is made here and kept across its worker's death (``listeners``),
-so connections the kernel queued for a worker that died or was killed (stopped, hung) wait
-there and its replacement answers them. A worker that ended by itself young (``crash_looping``:
+each worker's REST listener is bound here (``bound``; the worker starts it listening once it
+can serve) and kept across its worker's death (``listeners``), so connections the kernel queued
+for a worker that died or was killed (stopped, hung) wait there and its replacement answers them. A worker that ended by itself young (``crash_looping``:
 its replacement waits a pause that grows) gives its listener up, so that new connections go to
 the others meanwhile; so do they all at a drain. The gRPC port's listeners are the workers' own.
 
@@ -57,7 +57,7 @@ from appliance.fronts.keeper import Keeper
 from appliance.core.config import Config
 from appliance.fronts.health import RestartCounters, process_memory, serving_report
 from appliance.fronts.serving import FrontService
-from appliance.transport.http.server import connection_cap, initial_stats, listen, reserve_port
+from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
 from appliance.fronts.backoff import QUICK_EXIT_S
 from appliance.fronts.supervisor import Exit, Supervisor
 
@@ -69,6 +69,21 @@ log = logging.getLogger("appliance.workers")
 EXIT_GRACE_S = 5.0  # past the drain timeout, how long workers get to exit before they are killed
 PART = "http workers"  # as the page and /readyz name it while fewer than configured serve
 LOOP_STALL_S = 3.0  # this side's loop silent this long: the workers' silence is not theirs
+
+
+def bound(host: str, port: int) -> socket.socket:
+    """A worker's REST listener: bound to the port beside the others (SO_REUSEPORT), not yet
+    listening; its worker starts it listening once it can serve (appliance/fronts/worker.py), so
+    one that fails at start-up never has connections queued for it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def crash_looping(ended: Exit) -> bool:
@@ -107,7 +122,7 @@ class Fronts:
         """Worker ``index``: forked by the zygote while there is one, else a fresh interpreter."""
         listener = self.listeners.get(index)
         if listener is None:
-            listener = self.listeners[index] = listen(self._listen_host, self.port, reuse_port=True)
+            listener = self.listeners[index] = bound(self._listen_host, self.port)
         return self.zygotes.launch(index, self.port, self.grpc_port, channel, listener)
 
     def _give_up_listener(self, index: int) -> None:

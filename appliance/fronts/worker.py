@@ -59,6 +59,7 @@ NAMED_MODULES = ("numpy", "uvloop", "httptools", "orjson", "simdjson", "rapidjso
                  "litert_lm", "sqlite_utils", "prometheus_client", "zeroconf", "boto3", "cryptography", "psutil")
 HEARTBEAT_S = 1.0  # HTTP figures and memory to the serving process, from the loop: the heartbeat
 PARENT_CHECK_S = 1.0
+LISTEN_BACKLOG = 1024  # as appliance/transport/http/server.py's listen: bursts wait in the kernel
 
 
 class Worker:
@@ -93,7 +94,7 @@ class Worker:
         workers = self.workers = workers_for(config)
         self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
                                  config.server.max_body_bytes, worker_limits(config.limits, workers), context,
-                                 sock=self.listener, fast=app,
+                                 sock=listening(self.listener), fast=app,
                                  on_loop=self.open_channel, facing=facing())
         threading.Thread(target=self.watch_parent, name="parent", daemon=True).start()
         memory.tune_gc()
@@ -205,6 +206,13 @@ class Worker:
                            "max_connections": grpc.limits.max_connections, **grpc.stats.copy()}
             self.link.send(m.Stats(os.getpid(), _rss(), dict(server.stats), server.tracker.served,
                                    [name for name in NAMED_MODULES if name in sys.modules], figures))
+
+
+def listening(sock: socket.socket) -> socket.socket:
+    """The REST listener the serving process bound for this worker, listening from now on (a
+    replaced worker's is listening already: its queue waited for this one)."""
+    sock.listen(LISTEN_BACKLOG)
+    return sock
 
 
 def _rss() -> int:
