@@ -155,7 +155,8 @@ class Fronts:
     def workers_status(self) -> list[dict[str, Any]]:
         """Each worker (``/api/status`` ``workers``): pid, whether it serves, its age, memory
         (RSS, PSS, USS, read here from /proc), requests served, connections, how long since it
-        was last heard, its restarts and the last few exits with their reasons."""
+        was last heard, its restarts and the last few exits with their reasons, and the pid of
+        the zygote that forked it (which may have died since: appliance/fronts/keeper.py)."""
         now, wall = time.monotonic(), time.time()
         serving = set(self.supervisor.serving())
         out = []
@@ -171,6 +172,7 @@ class Fronts:
                         "served": stats.served if stats else 0,
                         "connections": stats.http.get("connections", 0) if stats else 0,
                         "restarts": child.restarts, "forked": self._forked(child), "pause_s": child.pause,
+                        "zygote_pid": child.proc.zygote.pid if isinstance(child.proc, zygote.Forked) else None,
                         "imported": stats.imported if stats else None,
                         "exits": [{"pid": e.pid, "reason": e.reason, "code": e.code, "at": e.at,
                                    "ran_s": round(e.ran_s, 1), "words": e.words()} for e in child.exits],

@@ -37,10 +37,10 @@ def workers(server: Any) -> list[dict[str, Any]]:
 
 
 def zygote_of(server: Any) -> int:
-    """The serving process's child that forked worker 0."""
-    forker = parent(workers(server)[0]["pid"])
-    assert forker is not None and parent(forker) == server.proc.pid, "worker 0's parent is no child of the service"
-    return forker
+    """The zygote that forked worker 0, as /api/status says and the process tree agrees."""
+    forker = workers(server)[0]["zygote_pid"]
+    assert forker == parent(workers(server)[0]["pid"]) and parent(forker) == server.proc.pid, workers(server)
+    return forker  # type: ignore[no-any-return]
 
 
 def fresh_zygote(server: Any, dead: int) -> int | None:
@@ -80,7 +80,7 @@ def test_the_zygote_killed_under_load_costs_no_request(start_server: Any, models
         server.wait_for(lambda: workers(server)[0]["pid"] != victim and workers(server)[0]["up"], 60,
                         "a new worker in the killed one's place")
         replaced = workers(server)[0]
-        assert replaced["forked"] and parent(replaced["pid"]) == new, (replaced, new)
+        assert replaced["forked"] and parent(replaced["pid"]) == new == replaced["zygote_pid"], (replaced, new)
         exit_ = replaced["exits"][-1]
         assert exit_["pid"] == victim and exit_["reason"] == "signal" and exit_["code"] == -signal.SIGKILL, exit_
         answered = clients.count()
