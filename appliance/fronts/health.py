@@ -8,7 +8,7 @@
   appliance/fronts/supervisor.py), ``edge_appliance_workers{state}`` (configured, serving) and
   ``edge_appliance_worker_memory_bytes{worker,kind}`` (pss, uss).
 - ``serving_problem``: the words ``/readyz``, ``/api/status`` and the page show while fewer
-  workers than configured serve.
+  workers than configured serve; ``serving_report``: those words and whether they are critical.
 
 Thread-safety: everything here reads; the collector runs on a scrape's thread.
 """
@@ -46,6 +46,16 @@ def serving_problem(serving: int, configured: int, why: Mapping[int, str]) -> st
         return None
     reasons = "; ".join(f"worker {index} {words}" for index, words in sorted(why.items()))
     return f"{serving} of {configured} front workers serving" + (f" ({reasons})" if reasons else "")
+
+
+def serving_report(configured: int, missing: Mapping[int, str], started_all: bool) -> tuple[str | None, bool, bool]:
+    """The pool's problem while fewer workers than configured serve (``missing``: why each other
+    does not): (the words, whether critical, whether every worker has served once by now).
+    Critical (not ready) until every worker has served once, and whenever none serves; shown,
+    not critical, while one of several is being replaced (the port is answered meanwhile)."""
+    started_all = started_all or not missing
+    problem = serving_problem(configured - len(missing), configured, missing)
+    return problem, not started_all or len(missing) >= configured, started_all
 
 
 class RestartCounters(Collector):

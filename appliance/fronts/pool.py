@@ -15,7 +15,8 @@ with the reason), counted in ``edge_appliance_worker_restarts_total{reason}`` an
 missing, named as a problem ("1 of 2 front workers serving") by ``/readyz`` and the page.
 
 Workers are forked by the zygote when the serve command made one (appliance/fronts/zygote.py:
-their imports shared with this process), else started as fresh interpreters.
+their imports shared with this process), else started as fresh interpreters. Should the zygote
+die, the workers serve on and a new zygote forks the later ones (appliance/fronts/keeper.py).
 
 ``Fronts`` has the face of appliance/transport/http/server.py's ``HTTPServer`` that the
 service uses (``host``, ``port``, ``stats``, ``serve_forever``, ``drain``, ``close``), so
@@ -23,10 +24,14 @@ the service, the drain on SIGTERM and the parts do not care which one serves. Th
 order: every worker stops accepting and finishes what it holds (their requests still run
 here), then they exit, then the service unloads its models.
 
-What a worker's death costs: the connections it held, and those the kernel had queued for
-it but it had not accepted, close (a client sees the connection end, never a hang);
-requests of it still queued here are dropped when their answer finds no channel. The
-other workers go on taking new connections meanwhile.
+What a worker's death costs: the connections it held close (a client sees the connection
+end, never a hang); requests of it still queued here are dropped when their answer finds no
+channel. The other workers go on taking new connections meanwhile. What can be drained is:
+each worker's REST listener is bound here (``bound``; the worker starts it listening once it
+can serve) and kept across its worker's death (``listeners``), so connections the kernel queued
+for a worker that died or was killed (stopped, hung) wait there and its replacement answers them. A worker that ended by itself young (``crash_looping``:
+its replacement waits a pause that grows) gives its listener up, so that new connections go to
+the others meanwhile; so do they all at a drain. The gRPC port's listeners are the workers' own.
 
 Limits that bound the whole port (``limits.max_connections``, ``limits.max_buffered_bytes``,
 and gRPC's ``max_connections`` and ``max_buffer_bytes``) are shared out among the workers,
@@ -48,10 +53,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from appliance.fronts import messages as m
 from appliance.fronts import zygote
+from appliance.fronts.keeper import Keeper
 from appliance.core.config import Config
-from appliance.fronts.health import RestartCounters, process_memory, serving_problem
+from appliance.fronts.health import RestartCounters, process_memory, serving_report
 from appliance.fronts.serving import FrontService
 from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
+from appliance.fronts.backoff import QUICK_EXIT_S
 from appliance.fronts.supervisor import Exit, Supervisor
 
 if TYPE_CHECKING:
@@ -62,6 +69,28 @@ log = logging.getLogger("appliance.workers")
 EXIT_GRACE_S = 5.0  # past the drain timeout, how long workers get to exit before they are killed
 PART = "http workers"  # as the page and /readyz name it while fewer than configured serve
 LOOP_STALL_S = 3.0  # this side's loop silent this long: the workers' silence is not theirs
+
+
+def bound(host: str, port: int) -> socket.socket:
+    """A worker's REST listener: bound to the port beside the others (SO_REUSEPORT), not yet
+    listening; its worker starts it listening once it can serve (appliance/fronts/worker.py), so
+    one that fails at start-up never has connections queued for it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def crash_looping(ended: Exit) -> bool:
+    """A worker that ended by itself (or never started) within ``QUICK_EXIT_S`` of its start: the
+    next one waits a pause that grows (appliance/fronts/backoff.py). One killed (for its
+    heartbeat, or by a signal) is replaced at once or nearly, and keeps its listener."""
+    return ended.reason in ("exit", "spawn") and ended.ran_s < QUICK_EXIT_S
 
 
 class Fronts:
@@ -76,10 +105,12 @@ class Fronts:
         self._started_all = False  # every worker has served once (the device is ready from then on)
         self.grpc_port = 0  # the gRPC port the workers serve too (serve_grpc); 0: none
         self.grpc_sock: socket.socket | None = None
-        self.zygote = zygote.early()
+        self.zygotes = Keeper(zygote.early())
         self.supervisor = Supervisor(count, self._launch, self._started, self._exited, server.worker_timeout_s,
                                      self._turning, self._report_serving)
         self.pids: dict[int, int] = {}
+        self.listeners: dict[int, socket.socket] = {}  # worker index -> its REST listener (module docstring)
+        self._listen_host = server.host
         core.metrics.registry.register(RestartCounters(self._counters))
         limits = config.limits
         self._base_stats = {**initial_stats(limits, bool(config.security.tls_cert_file),
@@ -89,10 +120,17 @@ class Fronts:
 
     def _launch(self, index: int, channel: socket.socket) -> zygote.WorkerProcess:
         """Worker ``index``: forked by the zygote while there is one, else a fresh interpreter."""
-        forker = self.zygote
-        if forker is not None and forker.alive:
-            return forker.spawn(index, self.port, self.grpc_port, channel)
-        return zygote.popen_worker(index, self.port, self.grpc_port, channel)
+        listener = self.listeners.get(index)
+        if listener is None:
+            listener = self.listeners[index] = bound(self._listen_host, self.port)
+        return self.zygotes.launch(index, self.port, self.grpc_port, channel, listener)
+
+    def _give_up_listener(self, index: int) -> None:
+        """Close worker ``index``'s listener here: what the kernel queued for it is reset, and
+        new connections go to the others (its worker, if alive, holds its own copy)."""
+        listener = self.listeners.pop(index, None)
+        if listener is not None:
+            listener.close()
 
     def serve_grpc(self, host: str, port: int) -> int:
         """Have the workers serve gRPC on ``port`` too (before ``serve_forever``): held here
@@ -117,7 +155,8 @@ class Fronts:
     def workers_status(self) -> list[dict[str, Any]]:
         """Each worker (``/api/status`` ``workers``): pid, whether it serves, its age, memory
         (RSS, PSS, USS, read here from /proc), requests served, connections, how long since it
-        was last heard, its restarts and the last few exits with their reasons."""
+        was last heard, its restarts and the last few exits with their reasons, and the pid of
+        the zygote that forked it (which may have died since: appliance/fronts/keeper.py)."""
         now, wall = time.monotonic(), time.time()
         serving = set(self.supervisor.serving())
         out = []
@@ -133,6 +172,7 @@ class Fronts:
                         "served": stats.served if stats else 0,
                         "connections": stats.http.get("connections", 0) if stats else 0,
                         "restarts": child.restarts, "forked": self._forked(child), "pause_s": child.pause,
+                        "zygote_pid": child.proc.zygote.pid if isinstance(child.proc, zygote.Forked) else None,
                         "imported": stats.imported if stats else None,
                         "exits": [{"pid": e.pid, "reason": e.reason, "code": e.code, "at": e.at,
                                    "ran_s": round(e.ran_s, 1), "words": e.words()} for e in child.exits],
@@ -150,17 +190,7 @@ class Fronts:
         """For the systemd watchdog (appliance/parts/notify.py): None while every worker serves
         or is being replaced; else why not (the supervisor itself has stopped judging, or a
         worker has been silent for twice the timeout and is still not replaced)."""
-        if not self._serving:
-            return None
-        now = time.monotonic()
-        stalled = now - self.supervisor.last_check
-        if stalled > max(5.0, self.supervisor.timeout_s):
-            return f"the front workers' supervisor has not run for {stalled:.0f} s"
-        stuck = [c.index for c in self.supervisor.children
-                 if c.proc is not None and c.proc.poll() is None and now - c.heard > 2 * self.supervisor.timeout_s]
-        if stuck:
-            return f"front worker {stuck[0]} has been silent for over {2 * self.supervisor.timeout_s:g} s and is not replaced"
-        return None
+        return self.supervisor.stalled() if self._serving else None
 
     def _counters(self) -> tuple[dict[str, int], int, int, dict[int, dict[str, int]]]:
         memory = {index: process_memory(pid) for index, pid in self.pids.items() if pid in self.supervisor.pids()}
@@ -184,6 +214,8 @@ class Fronts:
     def drain(self, timeout: float) -> bool:
         """The graceful stop (module docstring); True when every worker drained in time."""
         self.front.broadcast(m.Drain(timeout))
+        for index in list(self.listeners):  # a draining worker's queue goes nowhere: reset, not kept waiting
+            self._give_up_listener(index)
         clean = self.supervisor.stop(timeout + EXIT_GRACE_S)
         self.close()
         return clean
@@ -195,8 +227,9 @@ class Fronts:
         self.supervisor.halt()
         self.front.close()  # the workers read EOF: they close their connections and exit
         self.supervisor.stop(EXIT_GRACE_S)
-        if self.zygote is not None:
-            self.zygote.close()
+        self.zygotes.close()
+        for index in list(self.listeners):
+            self._give_up_listener(index)
         self.sock.close()
         if self.grpc_sock is not None:
             self.grpc_sock.close()
@@ -217,13 +250,12 @@ class Fronts:
         """(any thread) The problem while fewer workers than configured serve: critical (not
         ready) until every worker has served once, and whenever none serves; shown, not
         critical, while one of several is being replaced (the port is answered meanwhile)."""
-        missing = self.supervisor.missing()
-        if not missing:
-            self._started_all = True
-        problem = serving_problem(self.count - len(missing), self.count, missing)
-        self.core.report_problem(PART, problem, critical=not self._started_all or len(missing) >= self.count)
+        problem, critical, self._started_all = serving_report(self.count, self.supervisor.missing(), self._started_all)
+        self.core.report_problem(PART, problem, critical=critical)
 
     def _exited(self, index: int, ended: Exit, restarting: bool) -> None:
+        if not restarting or crash_looping(ended):  # no replacement soon: the others take its share
+            self._give_up_listener(index)
         if not restarting:
             return
         how = ended.words()

@@ -22,8 +22,9 @@ loop is what stalls, killing healthy workers would not help.
 
 **Restarts**: a child that ends is replaced. One that ended within ``QUICK_EXIT_S`` of its
 start is crash-looping: it is started again after a pause that doubles from 0.5 s up to
-``MAX_PAUSE_S`` (a crash loop costs a fork every 30 s, never a core, and never stops trying:
-the service keeps serving on the others and says so); one that ran longer is started at once.
+``MAX_PAUSE_S`` (appliance/fronts/backoff.py: a crash loop costs a fork every 30 s, never a
+core, and never stops trying: the service keeps serving on the others and says so); one that
+ran longer is started at once.
 Each exit is kept with its reason (``Exit``): "heartbeat" (killed for silence), "signal"
 (killed by another), "exit" (ended by itself), "spawn" (could not be started).
 
@@ -44,12 +45,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from appliance.fronts.backoff import FIRST_PAUSE_S, MAX_PAUSE_S, QUICK_EXIT_S, next_pause
 from appliance.fronts.zygote import Launcher, WorkerProcess
 
 log = logging.getLogger("appliance.workers")
 
-QUICK_EXIT_S = 10.0  # a child that exits sooner than this after its start is crash-looping
-FIRST_PAUSE_S, MAX_PAUSE_S = 0.5, 30.0
 CHECK_EVERY_S = 0.5  # how often the heartbeat is judged
 BUSY_FACTOR = 6  # a child computing without a word is killed past this many heartbeat timeouts
 KEPT_EXITS = 5
@@ -100,41 +100,48 @@ class Supervisor:
     def __init__(self, count: int, launch: Launcher, on_start: Callable[[int, int, socket.socket], None],
                  on_exit: Callable[[int, Exit, bool], None], timeout_s: float,
                  listening: Callable[[], bool] = lambda: True, on_change: Callable[[], None] = lambda: None,
-                 busy_limit_s: float | None = None):
+                 busy_limit_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 ticks: Callable[[int], int] | None = None):
         """``on_start(index, pid, parent_end)``; ``on_exit(index, exit, restarting)``;
         ``listening()``: whether the caller's side of the channels is turning now;
-        ``on_change()``: which children serve has changed (``serving``, ``missing``)."""
+        ``on_change()``: which children serve has changed (``serving``, ``missing``);
+        ``clock`` and ``ticks`` (a pid's main thread's CPU time, ``main_thread_ticks``): what the
+        judgement reads, given by the unit tests (tests/fronts/test_supervisor_states.py)."""
         self.count, self.launch, self.timeout_s = count, launch, timeout_s
+        self.clock, self.ticks = clock, ticks or main_thread_ticks
         self.busy_limit_s = busy_limit_s if busy_limit_s is not None else BUSY_FACTOR * timeout_s
         self.on_start, self.on_exit, self.listening, self.on_change = on_start, on_exit, listening, on_change
         self.children = [Child(i) for i in range(count)]
         self.restarts_by_reason: Counter[str] = Counter({reason: 0 for reason in REASONS})
-        self.last_check = time.monotonic()
+        self.last_check = clock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> None:
+    def start(self, judge: bool = True) -> None:
+        """Start the children, and the heartbeat's judge every ``CHECK_EVERY_S`` (without
+        ``judge``, the caller calls ``check``)."""
         for child in self.children:
             self._start(child)
-        self._thread(self._judge, "worker-heartbeat")
+        if judge:
+            self._thread(self._judge, "worker-heartbeat")
 
     def heard(self, index: int) -> None:
         """(any thread) A sign of life from child ``index``."""
         child = self.children[index]
-        child.heard = time.monotonic()
+        child.heard = self.clock()
         if not child.listening:
             child.listening = True
             self.on_change()
 
     def serving(self) -> list[int]:
         """The children that serve now: running, heard since their start, not silent."""
-        now = time.monotonic()
+        now = self.clock()
         return [c.index for c in self.children if c.listening and c.proc is not None and c.proc.poll() is None
                 and not c.killed_for and (now - c.heard <= self.timeout_s or self._busy(c, now))]
 
     def missing(self) -> dict[int, str]:
         """Why each child that does not serve does not (``serving``'s complement)."""
-        serving, now = set(self.serving()), time.monotonic()
+        serving, now = set(self.serving()), self.clock()
         out = {}
         for child in self.children:
             if child.index in serving:
@@ -155,7 +162,7 @@ class Supervisor:
             self._spawn(child)
         except OSError as exc:  # out of processes or memory, or the zygote is gone and so is fork
             log.error("cannot start front worker %d: %s", child.index, exc)
-            child.started = time.monotonic()
+            child.started = self.clock()
             self._thread(lambda: self._ended(child, Exit(0, None, "spawn", time.time(), 0.0)),
                          f"worker-{child.index}-retry")
 
@@ -168,7 +175,7 @@ class Supervisor:
             raise
         finally:
             child_end.close()
-        now = time.monotonic()
+        now = self.clock()
         child.proc, child.started, child.started_at, child.heard = proc, now, time.time(), now
         child.killed_for, child.listening = None, False
         child.cpu_ticks, child.computed = -1, now
@@ -185,7 +192,7 @@ class Supervisor:
     def _watch(self, child: Child, proc: WorkerProcess) -> None:
         code = proc.wait()
         reason = child.killed_for or ("signal" if code < 0 else "exit")
-        self._ended(child, Exit(proc.pid, code, reason, time.time(), time.monotonic() - child.started))
+        self._ended(child, Exit(proc.pid, code, reason, time.time(), self.clock() - child.started))
 
     def _ended(self, child: Child, ended: Exit) -> None:
         child.exits = [*child.exits[-(KEPT_EXITS - 1):], ended]
@@ -197,8 +204,7 @@ class Supervisor:
         self.on_change()
         if not restarting:
             return
-        quick = ended.ran_s < QUICK_EXIT_S
-        child.pause = min(MAX_PAUSE_S, max(FIRST_PAUSE_S, child.pause * 2)) if quick else 0.0
+        child.pause = next_pause(child.pause, ended.ran_s, FIRST_PAUSE_S, MAX_PAUSE_S, QUICK_EXIT_S)
         if child.pause and self._stopping.wait(child.pause):
             return
         child.restarts += 1
@@ -207,17 +213,34 @@ class Supervisor:
     # -- the heartbeat -------------------------------------------------------------------------
     def _judge(self) -> None:
         while not self._stopping.wait(CHECK_EVERY_S):
-            self.last_check = time.monotonic()
-            if self.listening():
-                for child in self.children:
-                    self._check(child, self.last_check)
-            self.on_change()  # recomputed from the state each tick: a report raced by another thread heals here
+            self.check()
+
+    def check(self) -> None:
+        """One judgement of every child's heartbeat (module docstring)."""
+        self.last_check = self.clock()
+        if self.listening():
+            for child in self.children:
+                self._check(child, self.last_check)
+        self.on_change()  # recomputed from the state each tick: a report raced by another thread heals here
+
+    def stalled(self) -> str | None:
+        """Why the workers are not kept honest, for the watchdog: the judge has not run for a
+        while, or a child silent for twice the timeout is still not replaced; else None."""
+        now = self.clock()
+        late = now - self.last_check
+        if late > max(5.0, self.timeout_s):
+            return f"the front workers' supervisor has not run for {late:.0f} s"
+        stuck = [c.index for c in self.children
+                 if c.proc is not None and c.proc.poll() is None and now - c.heard > 2 * self.timeout_s]
+        if stuck:
+            return f"front worker {stuck[0]} has been silent for over {2 * self.timeout_s:g} s and is not replaced"
+        return None
 
     def _check(self, child: Child, now: float) -> None:
         proc = child.proc
         if proc is None or proc.poll() is not None or child.killed_for:
             return
-        ticks = main_thread_ticks(proc.pid)
+        ticks = self.ticks(proc.pid)
         if ticks > child.cpu_ticks >= 0:
             child.computed = now
         child.cpu_ticks = ticks

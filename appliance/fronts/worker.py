@@ -1,11 +1,13 @@
 """A front worker process: the REST port's HTTP and JSON on a core of its own.
 
-    python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD
+    python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD LISTENER_FD
 
 Started only by appliance/fronts/pool.py, which holds the port (and the gRPC port, 0
 for none) and passes its end of a private channel: forked by the zygote (``run_forked``,
 appliance/fronts/zygote.py), or as a fresh interpreter with the command above where there is
-none. The worker listens on the ports with SO_REUSEPORT beside the others. gRPC runs on the
+none, and the REST port's listening socket it accepts on (SO_REUSEPORT beside the others'; the
+serving process keeps it across this worker's death, so what the kernel queued for it is
+answered by its replacement). The gRPC port it listens on itself, with SO_REUSEPORT. gRPC runs on the
 HTTP server's event loop, as the lean server's guest (appliance/fronts/grpc_front.py's
 services), so a call's run is awaited on the loop the channel lives on. The first message on the channel is the service's config, read before anything starts; the
 worker then serves appliance/fronts/app.py's ``FrontApp`` on appliance/transport/http/
@@ -41,11 +43,12 @@ from appliance.fronts import messages as m
 from appliance.fronts.app import Forwarder, FrontApp, facing, forward_whole, hot_mounts
 from appliance.fronts.remote import RemoteCore
 from appliance.fronts.link import Link
+from appliance.fronts.pids import open_pidfd
 from appliance.core import logs, memory
 from appliance.core.cgroup import WORKER_OOM_SCORE, raise_oom_score
 from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
 from appliance.transport.channel import ChannelProtocol, Codec, read_one
-from appliance.transport.http.server import HTTPServer, listen
+from appliance.transport.http.server import HTTPServer
 
 log = logging.getLogger("appliance.workers")
 
@@ -56,11 +59,16 @@ NAMED_MODULES = ("numpy", "uvloop", "httptools", "orjson", "simdjson", "rapidjso
                  "litert_lm", "sqlite_utils", "prometheus_client", "zeroconf", "boto3", "cryptography", "psutil")
 HEARTBEAT_S = 1.0  # HTTP figures and memory to the serving process, from the loop: the heartbeat
 PARENT_CHECK_S = 1.0
+LISTEN_BACKLOG = 1024  # as appliance/transport/http/server.py's listen: bursts wait in the kernel
 
 
 class Worker:
-    def __init__(self, index: int, port: int, grpc_port: int, sock: socket.socket):
-        self.index, self.port, self.grpc_port, self.sock = index, port, grpc_port, sock
+    def __init__(self, index: int, port: int, grpc_port: int, sock: socket.socket, serving: int,
+                 listener: socket.socket):
+        """``serving``: the serving process's pid (this worker ends with it); ``listener``: the
+        REST port's socket to accept on."""
+        self.index, self.port, self.grpc_port, self.sock, self.serving = index, port, grpc_port, sock, serving
+        self.listener = listener
         self.grpc: Any = None
         self.workers = 1
         self.link = Link(self.on_push)
@@ -86,7 +94,7 @@ class Worker:
         workers = self.workers = workers_for(config)
         self.server = HTTPServer(app, config.server.host, self.port, config.server.threads,
                                  config.server.max_body_bytes, worker_limits(config.limits, workers), context,
-                                 sock=listen(config.server.host, self.port, reuse_port=True), fast=app,
+                                 sock=listening(self.listener), fast=app,
                                  on_loop=self.open_channel, facing=facing())
         threading.Thread(target=self.watch_parent, name="parent", daemon=True).start()
         memory.tune_gc()
@@ -173,12 +181,19 @@ class Worker:
             threading.Thread(target=self.grpc.stop, args=(0,), name="grpc-close", daemon=True).start()
 
     def watch_parent(self) -> None:
-        """Exit when this process's parent changes (the serving process, or the zygote that
-        forked this worker, is gone), should the channel's EOF be missed."""
+        """Exit when the serving process is gone, should the channel's EOF be missed. Watched by
+        a pidfd on it, not by this process's parent: the zygote that forked this worker may die
+        and this worker serve on (appliance/fronts/zygote.py). Where there are no pidfds, when
+        the parent changes, as before."""
+        serving = open_pidfd(self.serving)
         parent = os.getppid()
-        while not self.done.wait(PARENT_CHECK_S):
-            if os.getppid() != parent:
-                log.error("front worker %d: its parent (pid %d) is gone; exiting", self.index, parent)
+        while not self.done.is_set():
+            if serving is not None:
+                gone = serving.ended(PARENT_CHECK_S)
+            else:
+                gone = not self.done.wait(PARENT_CHECK_S) and os.getppid() != parent
+            if gone and not self.done.is_set():
+                log.error("front worker %d: the serving process (pid %d) is gone; exiting", self.index, self.serving)
                 self.gone()
                 return
 
@@ -193,6 +208,13 @@ class Worker:
                                    [name for name in NAMED_MODULES if name in sys.modules], figures))
 
 
+def listening(sock: socket.socket) -> socket.socket:
+    """The REST listener the serving process bound for this worker, listening from now on (a
+    replaced worker's is listening already: its queue waited for this one)."""
+    sock.listen(LISTEN_BACKLOG)
+    return sock
+
+
 def _rss() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -201,8 +223,9 @@ def _rss() -> int:
         return 0
 
 
-def run_forked(index: int, port: int, grpc_port: int, channel_fd: int) -> int:
-    """The worker's main, in a process the zygote forked or a fresh interpreter: its exit status."""
+def run_forked(index: int, port: int, grpc_port: int, channel_fd: int, serving: int, listener_fd: int) -> int:
+    """The worker's main, in a process the zygote forked or a fresh interpreter: its exit status.
+    ``serving``: the serving process's pid; ``listener_fd``: the REST port's listening socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Should the kernel's OOM killer act, a worker goes before the serving process (which holds
@@ -211,12 +234,13 @@ def run_forked(index: int, port: int, grpc_port: int, channel_fd: int) -> int:
     memory.limit_arenas()
     sock = socket.socket(fileno=channel_fd)
     sock.setblocking(True)
-    return Worker(index, port, grpc_port, sock).run()
+    listener = socket.socket(fileno=listener_fd)
+    return Worker(index, port, grpc_port, sock, serving, listener).run()
 
 
 def main(argv: list[str]) -> int:
-    port, grpc_port, index, channel_fd = (int(a) for a in argv[-4:])
-    return run_forked(index, port, grpc_port, channel_fd)
+    port, grpc_port, index, channel_fd, listener_fd = (int(a) for a in argv[-5:])
+    return run_forked(index, port, grpc_port, channel_fd, os.getppid(), listener_fd)  # started by the serving process
 
 
 if __name__ == "__main__":
