@@ -92,8 +92,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(module_server: Any, repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     config = tmp_path_factory.mktemp("triton-config") / "appliance.toml"
     grpc_port = free_port()
-    # grpcio's transport: the one that serves ModelStreamInfer (the default, lean, serves unary calls)
-    config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\ntransport = \"grpcio\"\n"
+    # the default (lean) gRPC transport: ModelStreamInfer through appliance/transport/grpc/streams.py
+    config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\n"
                       "[discovery]\nenabled = false\n"
                       '[kserve]\nserver_id = "triton"\nmodel_control = "explicit"\nmodel_control_scope = "inference"\n'
                       f"startup_models = {list(SERVED)!r}\n".replace("'", '"'))

@@ -181,7 +181,12 @@ class V2GRPC:
     async def shm_register(self, request: Any) -> Any:
         if not request.name:
             raise InvalidArgument("'region name' is necessary to register system shared memory region")
-        shm.registry(self.service.regions).register(request.name, request.key, request.offset, request.byte_size)
+        try:
+            shm.registry(self.service.regions).register(request.name, request.key, request.offset, request.byte_size)
+        except InvalidArgument as exc:
+            if exc.message.startswith("Unable to open shared memory region"):
+                raise _Unopenable(exc.message) from None
+            raise
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def shm_unregister(self, request: Any) -> Any:
@@ -269,6 +274,13 @@ class V2GRPC:
             return response
 
 
+class _Unopenable(InvalidArgument):
+    """A region whose key opens nothing: INTERNAL over gRPC, the code Triton answers (its qa
+    checks it); still 400 over REST."""
+
+    grpc_code = "INTERNAL"
+
+
 def _grpc_version(text: str) -> int | None:
     return parse_version(text) if text else None
 
@@ -335,10 +347,12 @@ def _requested(output: Any, regions: SharedMemory | None) -> Requested:
 def _declared_shape(item: Any) -> tuple[int, ...]:
     """An input's datatype and shape checked; its shape."""
     where = f"input '{item.name}'"
-    codec.dtype_of(item.datatype, where)
+    dtype = codec.dtype_of(item.datatype, where)
     if any(d < 0 for d in item.shape):
         raise InvalidArgument(f"{where}: 'shape' must be non-negative integers, got {list(item.shape)}")
-    return codec.check_shape(list(item.shape), where)
+    shape = codec.check_shape(list(item.shape), where)
+    codec.check_overflow(shape, dtype, item.datatype, where)
+    return shape
 
 
 def _from_contents(item: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
