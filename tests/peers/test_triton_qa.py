@@ -102,9 +102,10 @@ def _repository(base: Path, names: tuple[str, ...]) -> Path:
 def _start(module_server: Any, tmp: Path, repo: Path, names: tuple[str, ...], kserve: str) -> Any:
     config = tmp / "appliance.toml"
     grpc_port = free_port()
-    # A trial's deadline raised: nine TensorFlow trials on a loaded machine pass the default 60 s.
+    # On a loaded machine: a trial's deadline raised (nine TensorFlow trials pass the default 60 s),
+    # and no shedding (a /v2/health probe queued past 2 s would be answered 503, not "live").
     config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\n[discovery]\nenabled = false\n"
-                      "[runtime]\nload_timeout_base_s = 600\n"
+                      "[runtime]\nload_timeout_base_s = 600\n[limits]\nmax_queue_wait_s = 0\n"
                       f'[kserve]\nserver_id = "triton"\n{kserve}')
     srv = module_server("--config", str(config), "--models", str(repo), "--grpc-port", str(grpc_port), timeout=1200)
     srv.grpc_port = grpc_port
