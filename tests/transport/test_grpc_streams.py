@@ -113,32 +113,39 @@ def test_an_empty_stream_and_unary_calls_beside_it(served: Any) -> None:
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def _data_frames(data: bytes) -> bytes:
+    """DATA frames of at most 16 KiB (the default frame size: the client never acked ours)."""
+    return b"".join(w.frame(w.DATA, 0, 1, data[i:i + 16384]) for i in range(0, len(data), 16384))
+
+
 def test_no_credit_while_the_method_takes_nothing(served: Any) -> None:
-    """Raw frames: a stream's messages up to its 64 KiB window arrive while the method takes
-    none, and no WINDOW_UPDATE lets the client send more; once the method takes them, credit
-    comes back and each is answered."""
+    """Raw frames: messages up to the stream's 64 KiB window arrive while the method takes
+    none, and no WINDOW_UPDATE lets the client send more, not even for a larger message whose
+    head is in; once the method takes them, credit comes back (the large message's whole size
+    among it) and each is answered."""
     server, port, methods = served
     enc = hpack.Encoder()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     try:
         sock.sendall(w.PREFACE + w.settings(INITIAL_WINDOW_SIZE=1 << 20)
                      + w.frame(w.HEADERS, w.END_HEADERS, 1, w.request_headers(enc, port, "/t.Test/Hold")))
-        chunk = os.urandom(10_000)
-        data = b"".join(w.message(chunk) for _ in range(6))  # 60,030 bytes: within the window
-        in_frames = b"".join(w.frame(w.DATA, 0, 1, data[i:i + 16384]) for i in range(0, len(data), 16384))
-        frames = w.frames_until_ping(sock, in_frames)
+        chunk, big = os.urandom(10_000), w.message(os.urandom(200_000))
+        small = b"".join(w.message(chunk) for _ in range(6))  # 60,030 bytes
+        head = big[:streams.STREAM_WINDOW - len(small)]  # the large message's prefix: the window's rest
+        frames = w.frames_until_ping(sock, _data_frames(small + head))
         assert not [f for f in frames if f[0] == w.WINDOW_UPDATE and f[2] == 1], frames
         assert server.held >= 6 * len(chunk)  # the six messages wait for the method, counted as held
-        assert streams.STREAM_WINDOW - len(data) < len(chunk) + 5  # a seventh would pass the window
         methods.release.set()
         want, frames, answers = w.message(chunk[:8]) * 6, [], b""
         while len(answers) < len(want) and (f := w.read_frame(sock)) is not None:
             frames.append(f)
             answers += f[3] if f[0] == w.DATA and f[2] == 1 else b""
         assert answers == want
-        assert [f for f in frames if f[0] == w.WINDOW_UPDATE and f[2] == 1], "credit back once messages are taken"
-        sock.sendall(w.frame(w.DATA, w.END_STREAM, 1))
+        credit = sum(int.from_bytes(f[3], "big") for f in frames if f[0] == w.WINDOW_UPDATE and f[2] == 1)
+        assert credit >= len(big) - len(head), "credit for the whole large message once the others are taken"
+        sock.sendall(_data_frames(big[len(head):]) + w.frame(w.DATA, w.END_STREAM, 1))
         end = w.stream_end(sock, 1)
     finally:
         sock.close()
+    assert b"".join(f[3] for f in end if f[0] == w.DATA and f[2] == 1) == w.message(big[5:13])
     assert end[-1][0] == w.HEADERS and end[-1][1] & w.END_STREAM  # the status, in trailers

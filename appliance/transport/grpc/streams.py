@@ -11,9 +11,10 @@ connection's byte bounds) is the connection's, unchanged.
 Bounds, so that a stream's messages stay bounded as a unary call's one message is:
 
 * receiving: the stream's credit is ours (nghttp2 gives none back on its own). The client may
-  have at most ``STREAM_WINDOW`` bytes (or, while a larger message arrives, that message's
-  size) sent and not yet taken by the method: credit is given back as the method takes a
-  message, never before. A message larger than the receive limit is RESOURCE_EXHAUSTED.
+  have at most ``STREAM_WINDOW`` bytes sent and not yet taken by the method, or, once every
+  earlier message is taken, the one larger message arriving (if the connection can hold it,
+  else RESOURCE_EXHAUSTED): credit is given back as the method takes a message, never before.
+  A message larger than the receive limit is RESOURCE_EXHAUSTED.
 * bytes held: request messages waiting for the method and answers not yet written count in
   the connection's held bytes (``Limits.max_connection_buffer_bytes``, ``max_buffer_bytes``);
   a message or answer that would pass them ends the call with RESOURCE_EXHAUSTED.
@@ -91,7 +92,7 @@ class StreamCall:
                 conn.refuse_oversized(stream, size)
                 return
             if len(body) < size + 5:
-                self._credit_for(conn, stream, size + 5 - len(body))
+                self._grant(conn, stream)
                 return
             if body[0] != 0:  # a compressed message: none of our streaming clients sends one
                 self.end(conn, stream, grpc.StatusCode.UNIMPLEMENTED, "compressed messages on a stream are not "
@@ -106,11 +107,22 @@ class StreamCall:
             self.inbox_bytes += size + 5
             self.inbox.put_nowait(message)
 
-    def _credit_for(self, conn: "Connection", stream: "Stream", missing: int) -> None:
-        if missing > self.window and conn.session is not None:
-            increment = missing - self.window + GRANT_SLACK
-            conn.session.grant(stream.id, increment)
-            self.window += increment
+    def _grant(self, conn: "Connection", stream: "Stream") -> None:
+        """Credit up to what the stream may have sent and not had taken: STREAM_WINDOW, or,
+        while nothing waits in the inbox, the whole of the message arriving (if it can be held)."""
+        if self.input_ended or self.finished or conn.session is None or conn.streams.get(stream.id) is not stream:
+            return
+        body, target = stream.body, STREAM_WINDOW
+        if not self.inbox_bytes and len(body) >= 5:
+            need = declared_size(body) + 5
+            if need + GRANT_SLACK > target and not conn.may_hold(need):
+                self.end(conn, stream, grpc.StatusCode.RESOURCE_EXHAUSTED, conn.full_message())
+                return
+            target = max(target, need + GRANT_SLACK)
+        want = target - len(body) - self.inbox_bytes
+        if want > self.window:
+            conn.session.grant(stream.id, want - self.window)
+            self.window = want
             conn.write_later()
 
     def end_input(self, conn: "Connection", stream: "Stream") -> None:
@@ -137,13 +149,7 @@ class StreamCall:
     def _taken(self, conn: "Connection", stream: "Stream", size: int) -> None:
         conn.hold(-size)
         self.inbox_bytes -= size + 5
-        if self.input_ended or conn.streams.get(stream.id) is not stream or conn.session is None:
-            return
-        want = STREAM_WINDOW - len(stream.body) - self.inbox_bytes  # the window back to its size
-        if want > self.window:
-            conn.session.grant(stream.id, want - self.window)
-            self.window = want
-            conn.write_later()
+        self._grant(conn, stream)
 
     # -- sending ---------------------------------------------------------------------------
     async def send(self, conn: "Connection", stream: "Stream", payload: bytes) -> None:
