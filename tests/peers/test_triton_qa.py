@@ -71,7 +71,8 @@ SKIPS = {
         "request, and refuses it naming that bound; also over [limits] max_tensor_elements (4 Mi)",
     "python_unit_test.py::RestrictedProtocolTest":
         "Triton's --grpc-restricted-protocol (a header key/value per protocol group) is not an option here; "
-        "protocol groups are guarded by bearer tokens instead ([auth], docs/security.md)",
+        "protocol groups are guarded by bearer tokens instead ([security] inference_token / admin_token, "
+        "docs/security.md)",
     "python_grpc_aio_test.py::TestGrpcAioClient::test_update_trace_settings":
         "the trace extension (Triton's request tracing) is not served",
     "python_grpc_aio_test.py::TestGrpcAioClient::test_get_trace_settings":
