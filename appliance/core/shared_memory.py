@@ -113,8 +113,11 @@ class SharedMemory:
         _check_name(name)
         _check_numbers(name, offset, byte_size)
         self._check_allowed(name, key)
-        fd, identity, size = self.opened(key, name)
+        fd, identity, size = self.opened(key, name)  # first: a key that opens nothing is said as Triton says it
         try:
+            if byte_size == 0:
+                raise InvalidArgument(f"failed to register shared memory region '{name}': 'byte_size' must be at "
+                                      "least 1")
             if offset + byte_size > size:
                 raise InvalidArgument(f"failed to register shared memory region '{name}': invalid args: offset "
                                       f"{offset} + byte_size {byte_size} is past the end of '{key}' ({size} bytes)")
@@ -283,8 +286,6 @@ def _check_numbers(name: str, offset: Any, byte_size: Any) -> None:
         if type(value) is not int or value < 0 or value >= 1 << 63:
             raise InvalidArgument(f"failed to register shared memory region '{name}': '{label}' must be a "
                                   f"non-negative integer, got {value!r}")
-    if byte_size == 0:
-        raise InvalidArgument(f"failed to register shared memory region '{name}': 'byte_size' must be at least 1")
 
 
 def _check_key(key: Any, name: str) -> str:

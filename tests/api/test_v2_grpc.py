@@ -359,8 +359,9 @@ def _stream(port: int, models: list[str], half_close_first: bool = False) -> lis
     return got
 
 
-def test_model_stream_infer_answers_each_request(aio_port: int, models: Path) -> None:
-    got = _stream(aio_port, ["keras_mlp_tflite", "nope", "keras_mlp_tflite"])
+@pytest.mark.parametrize("transport", ["lean", "grpcio"])  # the lean one through streams.py
+def test_model_stream_infer_answers_each_request(transport: str, port: int, aio_port: int, models: Path) -> None:
+    got = _stream(port if transport == "lean" else aio_port, ["keras_mlp_tflite", "nope", "keras_mlp_tflite"])
     errors = [str(e) for _, e in got if e is not None]
     assert len(errors) == 1 and "Request for unknown model: 'nope' is not found" in errors[0]
     answered = {r.get_response().id: r.as_numpy("probs") for r, e in got if e is None}
@@ -371,6 +372,8 @@ def test_model_stream_infer_answers_each_request(aio_port: int, models: Path) ->
         np.testing.assert_allclose(probs, want, rtol=RTOL, atol=ATOL)
 
 
-def test_model_stream_infer_on_the_lean_transport_names_the_one_that_serves_it(port: int) -> None:
-    got = _stream(port, ["keras_mlp_tflite"], half_close_first=True)  # it reads a whole request first
-    assert got[0][1] is not None and "grpcio" in str(got[0][1]), got
+def test_model_stream_infer_on_the_lean_transport_after_the_half_close(port: int) -> None:
+    """Requests all sent and the stream half-closed before any answer: each is still answered."""
+    got = _stream(port, ["keras_mlp_tflite", "keras_mlp_tflite"], half_close_first=True)
+    assert [e for _, e in got] == [None, None], got
+    assert sorted(r.get_response().id for r, _ in got) == ["0", "1"]

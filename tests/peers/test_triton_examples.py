@@ -92,8 +92,11 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(module_server: Any, repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     config = tmp_path_factory.mktemp("triton-config") / "appliance.toml"
     grpc_port = free_port()
-    # grpcio's transport: the one that serves ModelStreamInfer (the default, lean, serves unary calls)
-    config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\ntransport = \"grpcio\"\n"
+    # the default (lean) gRPC transport: ModelStreamInfer through appliance/transport/grpc/streams.py;
+    # on a loaded machine a trial's deadline raised (six TensorFlow trials passed the default 60 s)
+    # and no shedding (a probe queued past 2 s would be answered 503)
+    config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\n"
+                      "[runtime]\nload_timeout_base_s = 600\n[limits]\nmax_queue_wait_s = 0\n"
                       "[discovery]\nenabled = false\n"
                       '[kserve]\nserver_id = "triton"\nmodel_control = "explicit"\nmodel_control_scope = "inference"\n'
                       f"startup_models = {list(SERVED)!r}\n".replace("'", '"'))

@@ -72,6 +72,21 @@ def check_shape(shape: Any, where: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
+U64_MAX = (1 << 64) - 1
+
+
+def check_overflow(shape: Sequence[int], dtype: np.dtype, datatype: str, where: str) -> None:
+    """A shape whose element count, or byte size, does not fit 64 bits: refused in Triton's
+    words (its qa checks them), before the element limit is even looked at."""
+    count = math.prod(shape)
+    if count > U64_MAX:
+        raise InvalidArgument(f"{where}: shape {list(shape)} causes total element count to exceed maximum size of "
+                              f"{U64_MAX}")
+    if dtype.kind != "O" and count * dtype.itemsize > U64_MAX:
+        raise InvalidArgument(f"byte size overflow for {where}: shape {list(shape)} of {datatype} needs "
+                              f"{count * dtype.itemsize} bytes, more than {U64_MAX}")
+
+
 def check_declared_elements(declared: Sequence[tuple[str, Sequence[int]]], limits: Any) -> None:
     """``limits.max_tensor_elements`` on the elements the (name, shape) of a request's inputs
     declare, all together: called before any input's data is read, so no tensor past the
@@ -263,10 +278,15 @@ def raw_body_tensor(body: bytes, datatype: str, declared: Sequence[int | None] |
     if len(body) % dtype.itemsize:
         raise InvalidArgument(f"raw input '{name}': {len(body)} bytes are not a whole number of {datatype} "
                               f"elements ({dtype.itemsize} bytes each)")
+    if dims.count(-1) > 1 and dims[0] == -1:  # the batch dimension and more: a batch of one, as Triton does
+        dims[0] = 1
+    if dims.count(-1) > 1:
+        raise InvalidArgument(f"The shape of the raw input '{name}' can not be deduced because there are more than "
+                              f"one variable-sized dimension (the model's input shape {dims})")
     known = math.prod(d for d in dims if d != -1)
     unknown = dims.count(-1)
     elements = len(body) // dtype.itemsize
-    if unknown > 1 or (unknown == 0 and known != elements) or (unknown == 1 and (not known or elements % known)):
+    if (unknown == 0 and known != elements) or (unknown == 1 and (not known or elements % known)):
         raise InvalidArgument(f"raw input '{name}': {elements} {datatype} elements do not fit the model's input "
                               f"shape {dims}; a raw request's shape must follow from its size")
     shape = [elements // known if d == -1 else d for d in dims]

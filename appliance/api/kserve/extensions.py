@@ -101,13 +101,16 @@ class V2Extensions:
     async def load(self, name: str, parameters: dict[str, Any]) -> None:
         """Triton's load: returns once the model is ready, or fails with "failed to load"."""
         control = self._control()
+        _check_explicit(control)
         _refuse_files(name, parameters)
         batching = _config_override(name, parameters)
         control.load(name, batching)
         await self._until(name, loaded=True)
 
     async def unload(self, name: str, parameters: dict[str, Any]) -> None:
-        self._control().unload(name)
+        control = self._control()
+        _check_explicit(control)
+        control.unload(name)
         await self._until(name, loaded=False)
 
     async def _until(self, name: str, loaded: bool) -> None:
@@ -142,6 +145,16 @@ class V2Extensions:
         if control is None:
             raise Unavailable("the model manager is not running")
         return control
+
+
+def _check_explicit(control: "ModelControl") -> None:
+    """Load and unload outside explicit mode: UNAVAILABLE (503), in Triton's words and with
+    Triton's code (its qa checks both)."""
+    if not control.explicit:
+        from appliance.core.model_control import NOT_EXPLICIT
+
+        raise Unavailable(f"{NOT_EXPLICIT}: this server runs with [kserve] model_control = \"none\"; set it to "
+                          "\"explicit\" to load and unload models through the repository API")
 
 
 def _quarantined(manager: "Manager", name: str) -> list[str]:

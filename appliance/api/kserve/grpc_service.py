@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 
 SERVICE_NAME = "inference.GRPCInferenceService"
-STREAM = "ModelStreamInfer"  # bidirectional: served by the grpcio transport ([grpc] transport = "grpcio")
+STREAM = "ModelStreamInfer"  # bidirectional: both transports serve it (the lean one through streams.py)
+STREAM_IN_FLIGHT = 64  # a stream's requests running at once; the next is read when one is answered
 _END = object()  # the end of a stream's requests
 log = logging.getLogger("appliance.grpc")
 
@@ -180,7 +181,12 @@ class V2GRPC:
     async def shm_register(self, request: Any) -> Any:
         if not request.name:
             raise InvalidArgument("'region name' is necessary to register system shared memory region")
-        shm.registry(self.service.regions).register(request.name, request.key, request.offset, request.byte_size)
+        try:
+            shm.registry(self.service.regions).register(request.name, request.key, request.offset, request.byte_size)
+        except InvalidArgument as exc:
+            if exc.message.startswith("Unable to open shared memory region"):
+                raise _Unopenable(exc.message) from None
+            raise
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def shm_unregister(self, request: Any) -> Any:
@@ -206,9 +212,13 @@ class V2GRPC:
         """Triton's ModelStreamInfer: every request of the stream is an ordinary ModelInfer,
         run as it arrives (several at once, so they batch), and answered as it completes; a
         failed one is answered with ``error_message`` and the stream goes on. Ends once the
-        client has half-closed and every request is answered."""
+        client has half-closed and every request is answered. At most ``STREAM_IN_FLIGHT``
+        run at once: the next request is not read (so the transport gives the client no
+        credit for more) until one is answered."""
         answers: asyncio.Queue[Any] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
+        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # read and not yet handed to the transport
+        unanswered = 0
 
         async def one(request: Any) -> None:
             try:
@@ -218,24 +228,31 @@ class V2GRPC:
             except Exception as exc:  # a bug here must not end the other requests' stream
                 log.exception("unhandled error in ModelStreamInfer")
                 response = pb.ModelStreamInferResponse(error_message=f"internal error: {type(exc).__name__}")
-            await answers.put(response)
+            answers.put_nowait(response)
 
         async def read() -> None:
-            async for request in requests:
-                task = asyncio.get_running_loop().create_task(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            await answers.put(_END)
+            nonlocal unanswered
+            try:
+                async for request in requests:
+                    await slots.acquire()
+                    unanswered += 1
+                    task = asyncio.get_running_loop().create_task(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:  # also when reading failed: the loop below ends, and ``await reader`` raises
+                answers.put_nowait(_END)
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
             ended = False
-            while not ended or tasks or not answers.empty():
+            while not ended or unanswered:  # counted, not the task set: a task's answer comes before its end
                 answer = await answers.get()
                 if answer is _END:
                     ended = True
-                else:
-                    yield answer
+                    continue
+                unanswered -= 1
+                yield answer
+                slots.release()
             await reader  # its error, if reading failed
         finally:
             for task in (reader, *tasks):
@@ -255,6 +272,13 @@ class V2GRPC:
                 # one entry per output, in order (Triton's): empty for one written into shared memory
                 response.raw_output_contents.append(b"" if tensor.name in result.shared else codec.to_raw(tensor.array))
             return response
+
+
+class _Unopenable(InvalidArgument):
+    """A region whose key opens nothing: INTERNAL over gRPC, the code Triton answers (its qa
+    checks it); still 400 over REST."""
+
+    grpc_code = "INTERNAL"
 
 
 def _grpc_version(text: str) -> int | None:
@@ -323,10 +347,12 @@ def _requested(output: Any, regions: SharedMemory | None) -> Requested:
 def _declared_shape(item: Any) -> tuple[int, ...]:
     """An input's datatype and shape checked; its shape."""
     where = f"input '{item.name}'"
-    codec.dtype_of(item.datatype, where)
+    dtype = codec.dtype_of(item.datatype, where)
     if any(d < 0 for d in item.shape):
         raise InvalidArgument(f"{where}: 'shape' must be non-negative integers, got {list(item.shape)}")
-    return codec.check_shape(list(item.shape), where)
+    shape = codec.check_shape(list(item.shape), where)
+    codec.check_overflow(shape, dtype, item.datatype, where)
+    return shape
 
 
 def _from_contents(item: Any, shape: tuple[int, ...], where: str) -> np.ndarray:

@@ -324,8 +324,9 @@ def _declared(item: Any, index: int, regions: SharedMemory | None = None) -> _De
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise InvalidArgument(f"inputs[{index}] must be an object with a string 'name'")
     where = f"input '{item['name']}'"
-    codec.dtype_of(item.get("datatype"), where)
+    dtype = codec.dtype_of(item.get("datatype"), where)
     shape = codec.check_shape(item.get("shape"), where)
+    codec.check_overflow(shape, dtype, item["datatype"], where)
     params = _parameters(item.get("parameters"), where)
     size = codec.binary_size(params, where)
     sources = [k for k, on in (("'data'", "data" in item), ("parameters.binary_data_size", size is not None),

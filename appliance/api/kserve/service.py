@@ -132,7 +132,8 @@ class V2Service:
     async def raw_input(self, name: str, version: int | None, body: bytes) -> Tensor:
         """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the whole body
         is the model's one input, its datatype the signature's, its shape what the body's size
-        makes of the signature's shape (one unknown dimension); a BYTES input must take one
+        makes of the signature's shape (one unknown dimension; with a leading batch dimension
+        and one more unknown, a batch of one, as Triton does); a BYTES input must take one
         element (shape [1], or [-1, 1] with a batch dimension): the body is that element."""
         with triton_words(name, version):
             held_handle = await self.core.handles.handle(name, version)
@@ -247,6 +248,6 @@ def _wanted(signature: SignatureInfo, requested: list[Requested] | None, model: 
             raise InvalidArgument(f"unexpected inference output '{want.name}' for model '{model}'; "
                                   f"signature '{signature.name}' has {', '.join(signature.outputs)}")
         if want.name in seen:
-            raise InvalidArgument(f"output '{want.name}' is requested twice")
+            raise InvalidArgument(f"output '{want.name}' already exists in request")  # Triton's words
         seen.add(want.name)
     return requested

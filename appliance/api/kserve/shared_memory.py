@@ -120,6 +120,9 @@ class CudaSharedMemory:
         raise InvalidArgument(f"failed to register CUDA shared memory region '{name}': {self.MISSING}")
 
     def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        if not name or not raw_handle or not byte_size:  # Triton's words for these (its qa checks them)
+            raise InvalidArgument(f"failed to register shared memory region '{name}': invalid args (a region name, "
+                                  "a raw_handle and a byte_size are needed)")
         self.check_supported(name)
 
     def status(self, name: str | None) -> list[dict[str, Any]]:

@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import grpc
 
 from appliance.transport.grpc import nghttp2 as ng
+from appliance.transport.grpc import streams
 from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort, CallDetails, Context, Refused,
                                             Request, declared_size, message_of, status_trailers)
 from appliance.transport.grpc.limits import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, TokenBucket
@@ -62,7 +63,7 @@ CONSUME_BATCH = 1 << 20  # connection-level credit is given back in steps this l
 
 class Stream:
     __slots__ = ("id", "headers", "header_bytes", "body", "granted", "need", "admitted", "dispatched",
-                 "answered", "message_bytes", "pending", "trailers", "task", "timer", "last")
+                 "answered", "message_bytes", "pending", "trailers", "task", "timer", "last", "streaming")
 
     def __init__(self, stream_id: int):
         self.id = stream_id
@@ -78,6 +79,7 @@ class Stream:
         self.task: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.last = time.monotonic()  # when a byte of it last moved
+        self.streaming: streams.StreamCall | None = None  # a bidirectional-streaming call's messages
 
 
 class Connection(asyncio.Protocol):
@@ -202,6 +204,9 @@ class Connection(asyncio.Protocol):
             self.session.consumed(self.unconsumed)
             self.unconsumed = 0
         stream = self.streams.get(stream_id)
+        if stream is not None and stream.streaming is not None:  # many messages: streams.py
+            stream.streaming.feed(self, stream, self.session.ffi.buffer(data, length)[:])
+            return
         if stream is None or stream.dispatched:
             return
         body = stream.body
@@ -234,12 +239,19 @@ class Connection(asyncio.Protocol):
                         f"{self.limits.max_metadata_size} advertised (SETTINGS_MAX_HEADER_LIST_SIZE)")
             if not end_stream:
                 self.stop_after_send.append(stream_id)
+        elif streams.wanted(self.server.handler_of, stream.headers):  # started after the read, as a unary call
+            stream.streaming = streams.StreamCall()
+            if end_stream:
+                stream.streaming.end_input(self, stream)
+            self.ended.append(stream)
         elif end_stream:
             self.ended.append(stream)
 
     def on_request_end(self, stream_id: int) -> None:
         stream = self.streams.get(stream_id)
-        if stream is not None and not stream.dispatched:
+        if stream is not None and stream.streaming is not None:
+            stream.streaming.end_input(self, stream)
+        elif stream is not None and not stream.dispatched:
             self.ended.append(stream)
 
     def on_client_reset(self, stream_id: int) -> None:
@@ -325,6 +337,9 @@ class Connection(asyncio.Protocol):
         if request.problem:
             self.finish(stream, grpc.StatusCode.INVALID_ARGUMENT, request.problem)
             return
+        if stream.streaming is not None:
+            self.start_streaming(stream, stream.streaming, request)
+            return
         body, server = stream.body, self.server
         reserve = server.max_receive if body[:1] == b"\x01" else len(body)  # inflation's worst case
         if not self.may_hold(reserve):
@@ -350,6 +365,21 @@ class Connection(asyncio.Protocol):
             stream.timer = server.loop.call_at(server.loop.time() + max(0.0, request.deadline - time.monotonic()),
                                                self.expire, stream)
 
+    def start_streaming(self, stream: Stream, call: "streams.StreamCall", request: Request) -> None:
+        """A bidirectional-streaming call (streams.py): its task runs while the stream is open;
+        it is not counted in the server's calls in flight (it may idle between messages)."""
+        self.calls += 1
+        stream.task = self.server.loop.create_task(streams.run(self, stream, call, request))
+        stream.task.add_done_callback(partial(self.stream_call_done, stream))
+        if request.deadline is not None:
+            stream.timer = self.server.loop.call_at(
+                self.server.loop.time() + max(0.0, request.deadline - time.monotonic()), self.expire, stream)
+
+    def stream_call_done(self, stream: Stream, task: Any) -> None:
+        self.calls -= 1
+        if self.going_away and not self.streams and not self.calls:
+            self.server.loop.call_soon(self.close_now)
+
     async def call(self, stream: Stream, method: str, message: bytes, context: Context) -> None:
         server = self.server
         if server.alone_var is not None:  # this task's own context: the batcher may run a lone call here
@@ -358,8 +388,9 @@ class Connection(asyncio.Protocol):
             handler = await server.lookup(CallDetails(method, context.invocation_metadata()))
             if handler is None or handler.unary_unary is None:
                 self.finish(stream, grpc.StatusCode.UNIMPLEMENTED, "Method not found!" if handler is None else
-                            f"{method} is a streaming method, which this gRPC transport (unary calls only) "
-                            "does not serve; the grpcio transport does ([grpc] transport = \"grpcio\")")
+                            f"{method} is a client- or server-streaming method, which this gRPC transport (unary and "
+                            "bidirectional-streaming calls) does not serve; the grpcio transport does "
+                            "([grpc] transport = \"grpcio\")")
                 return
             try:
                 request = handler.request_deserializer(message) if handler.request_deserializer else message
@@ -447,6 +478,8 @@ class Connection(asyncio.Protocol):
         with the last of them, once its trailers are submitted to follow. A stream we reset
         meanwhile is deferred: its RST_STREAM, already queued, ends it."""
         stream = self.streams.get(stream_id)
+        if stream is not None and stream.streaming is not None and self.session is not None:
+            return stream.streaming.read(self, stream, buf, length)
         view = stream.pending if stream is not None else None
         if stream is None or view is None or self.session is None:
             return ng.ERR_DEFERRED, False
@@ -505,6 +538,8 @@ class Connection(asyncio.Protocol):
         if stream.pending is not None:
             self.hold(-len(stream.pending))
             stream.pending = None
+        if stream.streaming is not None:
+            stream.streaming.close(self)
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
@@ -529,7 +564,8 @@ class Connection(asyncio.Protocol):
             self.abort()
             return
         for stream in list(self.streams.values()):
-            moving = stream.pending is not None or not stream.dispatched
+            moving = stream.pending is not None or not stream.dispatched or (
+                stream.streaming is not None and stream.streaming.moving(stream))
             if moving and now - stream.last > limits.stall_timeout_s:
                 self.reset(stream, ng.CANCEL)
                 self.server.count("stalled_streams")

@@ -7,8 +7,8 @@ objects, a polling thread, status sending) cost about three times this server's 
 more than the whole REST path (bench/RESULTS.md). Why not python-hyper's h2 any more: the same
 HTTP/2 state machine in pure Python cost ~90 µs of CPU per call, so gRPC stayed slower than
 REST through the front workers; nghttp2 does that work in C. Every RPC this service offers (TF
-Serving's and KServe v2's) is unary, so the part of gRPC it needs is small: one request
-message in, one answer or a status out. It takes the same ``grpc.GenericRpcHandler`` objects
+Serving's and KServe v2's) is unary but one (ModelStreamInfer: a stream of ordinary requests),
+so the part of gRPC it needs is small: one request message in, one answer or a status out. It takes the same ``grpc.GenericRpcHandler`` objects
 and ``grpc.aio.ServerInterceptor`` as a grpc.aio server, so the services and the token check
 do not know which server runs them (``[grpc] transport``: "lean", the default, or "grpcio").
 It knows nothing of models and holds no global state: it can run in any process.
@@ -21,8 +21,9 @@ wait in the kernel's queue, so the descriptors gRPC takes are bounded and REST k
 at most ``Limits.max_open_streams`` streams on all of them; a server-wide budget of client
 resets (limits.py); a handshake deadline; ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip and
 deflate requests, the maximum message size both ways (RESOURCE_EXHAUSTED); graceful drain
-(GOAWAY, then in-flight calls finish within the grace). What it does not: streaming RPCs (none
-are served), server push. The loop is uvloop's where it is installed
+(GOAWAY, then in-flight calls finish within the grace). Bidirectional-streaming calls
+(Triton's ModelStreamInfer) run through streams.py; client- and server-streaming ones and
+server push are not served. The loop is uvloop's where it is installed
 (appliance/transport/loop_thread.py).
 
 Thread-safety: the grpc.Server calls (add handlers and ports, start, stop) from any thread but
@@ -44,6 +45,7 @@ from typing import Any, Sequence
 
 import grpc
 
+from appliance.transport.grpc.calls import CallDetails
 from appliance.transport.grpc.connection import Connection
 from appliance.transport.grpc.limits import SERVER_RESET_BURST, SERVER_RESET_RATE, Limits, TokenBucket
 from appliance.transport.loop_thread import LoopThread, new_event_loop
@@ -279,6 +281,15 @@ class LeanServer(LoopThread):
                 self._coroutines.clear()
             known = self._coroutines[fn] = asyncio.iscoroutinefunction(fn)
         return known
+
+    def handler_of(self, method: str) -> Any:
+        """The handler of ``method`` without the interceptors: what kind of call a new stream
+        is (streams.py); the call itself still goes through ``lookup``."""
+        handler = self._cache.get(method)
+        if handler is None:  # not cached here: an unknown name must not grow the cache
+            details = CallDetails(method, ())
+            handler = next((h for h in (g.service(details) for g in self.handlers) if h is not None), None)
+        return handler
 
     async def _find(self, details: Any) -> Any:
         handler = self._cache.get(details.method)

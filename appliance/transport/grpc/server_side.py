@@ -36,6 +36,10 @@ class ServerSide(Protocol):
     alone_var: "contextvars.ContextVar[Any] | None"  # set to ``alone`` in each call's context
     lookup: "Callable[[CallDetails], Any]"  # awaitable: the method handler for a call, or None
 
+    def handler_of(self, method: str) -> Any:
+        """The method's handler, interceptors not run (None if none): whether a new stream
+        is a streaming call (streams.py)."""
+
     def alone(self) -> bool:
         """Whether the calling call is the only one in flight."""
 

@@ -146,6 +146,12 @@ class Session:
         nva, count, _keep = _nv(self.ffi, headers)
         _check(self.lib, self.lib.nghttp2_submit_trailer(self.ptr, stream_id, nva, count))
 
+    def resume(self, stream_id: int) -> None:
+        """More of a streaming answer is ready: nghttp2 asks ``Events.read_answer`` again
+        (after it answered ERR_DEFERRED; a stream not deferred is left as it is)."""
+        if self.ptr is not None:
+            self.lib.nghttp2_session_resume_data(self.ptr, stream_id)
+
     def reset(self, stream_id: int, code: int) -> None:
         if self.ptr is not None:
             self.lib.nghttp2_submit_rst_stream(self.ptr, 0, stream_id, code)
