@@ -18,7 +18,14 @@ real ``appliance serve`` on a loopback port, the clients are threads reading SSE
 schema (llguidance's mask every step) against free text at 1 and 8 streams, and the time to
 first token with each.
 
+``--issue45``: litert-torch conversions of one 4-layer d=256 TinyLlama with a 512-position cache
+(tests/support/litert_dual.py): ``d256_b1`` (decode batch 1 only), ``d256_dual`` (a batch-4
+decode with a batch-1 one beside it: each step on whichever its load measured cheaper) and
+``d256_b4`` (batch 4 only, how issue 45 found batching losing), each against ``d256_b1`` at
+1/4/8/16 streams of mixed prompt lengths, paired as ``--issue35``'s.
+
 Target (issue 10): at 16 streams, step batching >= 3x the total tokens/s of batching off.
+Target (issue 45): ``d256_dual`` >= 1.0x ``d256_b1`` at every level, TTFT at 1 stream within 10 %.
 """
 
 from __future__ import annotations
@@ -226,16 +233,61 @@ def issue35(seconds: float, work: Path, rounds: int = 5) -> None:
         server.stop()
 
 
+# -- issue 45: a batch-1 decode beside the batched one, chosen per step by measured cost ---------------
+ISSUE45_LEVELS = (1, 4, 8, 16)
+
+
+def issue45(seconds: float, work: Path, rounds: int = 5) -> None:
+    """Both batched conversions against the batch-1 one, paired (``paired``), one server."""
+    import os
+
+    from tests.support import litert_dual
+
+    cache = litert_dual.models(litert_dual.BENCH_MODELS)
+    base = work / "models"
+    for name in litert_dual.BENCH_MODELS:
+        shutil.copytree(cache / name, base / name)
+    config = work / "gen.toml"
+    config.write_text("[generation]\nmax_streams = 64\n")
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    server = launch(["--models", str(base), "--config", str(config)], work)
+    try:
+        url = {m: f"{server.url}/v1/models/{m}:generate" for m in litert_dual.BENCH_MODELS}
+        for model in litert_dual.BENCH_MODELS:
+            one_stream(url[model], {"input_ids": litert_llm.prompt(12)})  # warm-up
+        for version in server.status()["generation"].get("versions", []):
+            print(f"{version['model']}: decode ms {version.get('decode_ms')}, batched from "
+                  f"{version.get('batched_from')}", flush=True)
+        print(f"\nmodel      streams  batch-1 tok/s  model tok/s  ratio  TTFT p50 b1 / model (ms)   (mixed prompt "
+              f"lengths, {NEW_TOKENS} new tokens, {rounds} paired rounds of {seconds} s)")
+        for other in ("d256_dual", "d256_b4"):
+            for streams in ISSUE45_LEVELS:
+                got = paired(lambda t: mixed_level(url["d256_b1"], streams, t),
+                             lambda t, o=other: mixed_level(url[o], streams, t), rounds, seconds)
+                print(f"{other:9s} {streams:7d} {got[0]:14.0f} {got[1]:12.0f} {got[2]:6.2f}  "
+                      f"{got[3]:.1f} / {got[4]:.1f}", flush=True)
+    finally:
+        server.stop()
+    print(f"load average after: {os.getloadavg()}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gen_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=4.0, help="duration of each level")
     ap.add_argument("--models", default="gen_savedmodel,gen_tflite")
     ap.add_argument("--issue35", action="store_true", help="batch-1 vs batch-4 (mask) conversions of the same "
                     "weights at 1/4/8 mixed-length streams, and JSON-schema against free streams at 1 and 8")
+    ap.add_argument("--issue45", action="store_true", help="a batch-4 conversion with a batch-1 decode beside it "
+                    "(and one without) against batch 1 only, 4 layers d=256 cache 512, at 1/4/8/16 streams")
+    ap.add_argument("--rounds", type=int, default=5, help="paired rounds (--issue35, --issue45)")
     a = ap.parse_args(argv)
+    if a.issue45:
+        with tempfile.TemporaryDirectory() as tmp:
+            issue45(a.seconds, Path(tmp), a.rounds)
+        return 0
     if a.issue35:
         with tempfile.TemporaryDirectory() as tmp:
-            issue35(a.seconds, Path(tmp))
+            issue35(a.seconds, Path(tmp), a.rounds)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         rows = run(a.models.split(","), a.seconds, Path(tmp))
