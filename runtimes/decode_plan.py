@@ -7,7 +7,11 @@ batch-1 ``decode`` beside ``decode_<B>``, runtimes/generative.py) runs each step
 rows at one position on whichever is cheaper for that many rows: ``m`` batch-1 calls cost
 ``m * single_ms``, one batched call ``batched_ms``. The two costs are measured per version when
 it loads (its warm-up, as backends are timed at load: runtimes/select.py), on the version's own
-signatures and cache, in alternating rounds so a drift of the machine's load falls on both.
+signatures and cache, in alternating rounds so a drift of the machine's load falls on both, each
+side's fastest round kept (a busy machine only ever adds time). Then every call served refines
+the estimate of its side (``observe``: a moving average), so a load-time figure taken while
+other versions loaded beside it does not hold the choice for good: a side chosen wrongly is
+timed as it runs and given up when it shows slower.
 
 ``batched_from``: the smallest group that runs on the batched signature (``batch + 1``: never,
 a full batch costing more than its rows one by one). This module imports numpy only.
@@ -21,14 +25,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-ROUNDS = 7  # alternating timed calls of each signature, after one untimed call each
+ROUNDS = 10  # alternating timed calls of each signature, after one untimed call each
+ALPHA = 0.1  # weight of one served call in its side's moving average
 
 
 @dataclass
 class DecodePlan:
     batch: int  # rows of the batched signature
-    single_ms: float | None = None  # one batch-1 call, median
-    batched_ms: float | None = None  # one batched call, median
+    single_ms: float | None = None  # one batch-1 call: measured at load, then a moving average
+    batched_ms: float | None = None  # one batched call: likewise
     batched_from: int = 1  # before a measurement: every group on the batched signature
 
     @property
@@ -43,6 +48,16 @@ class DecodePlan:
         self.single_ms, self.batched_ms = single_ms, batched_ms
         self.batched_from = next((m for m in range(1, self.batch + 1) if batched_ms < m * single_ms), self.batch + 1)
 
+    def observe(self, batched: bool, ms_per_call: float) -> None:
+        """One served call of a side: its moving average, and the choice again."""
+        if self.single_ms is None or self.batched_ms is None:
+            return
+        if batched:
+            self.batched_ms += ALPHA * (ms_per_call - self.batched_ms)
+        else:
+            self.single_ms += ALPHA * (ms_per_call - self.single_ms)
+        self.decide(self.single_ms, self.batched_ms)
+
     def describe(self) -> dict[str, Any]:
         if not self.measured:
             return {"decode_ms": None, "batched_from": None}
@@ -51,7 +66,7 @@ class DecodePlan:
 
 
 def measure(single: Callable[[], object], batched: Callable[[], object], rounds: int = ROUNDS) -> tuple[float, float]:
-    """Median milliseconds of ``single()`` and ``batched()``, timed in alternating rounds."""
+    """The fastest of ``rounds`` alternating timed calls of ``single()`` and ``batched()``, in ms."""
     single(), batched()  # the first call of a signature allocates: not counted
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(rounds):
@@ -59,7 +74,7 @@ def measure(single: Callable[[], object], batched: Callable[[], object], rounds:
             start = time.perf_counter()
             call()
             into.append((time.perf_counter() - start) * 1000)
-    return float(np.median(times[0])), float(np.median(times[1]))
+    return float(np.min(times[0])), float(np.min(times[1]))
 
 
 __all__ = ["DecodePlan", "measure"]
