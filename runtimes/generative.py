@@ -71,6 +71,21 @@ class Slots:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     history: list[list[int]] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # rows of each model call of the last decode
+    # Rows whose cache a batch-1 decode returned, held as it came ([1, ...] per name) instead of
+    # copied back into ``arrays`` (that copy cost a lone stream ~1.7x a batch-1 conversion's token
+    # on a 4 MB cache); ``settle`` puts them back before anything reads ``arrays`` whole.
+    own: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+
+    def row(self, name: str, row: int) -> np.ndarray:
+        """Row ``row`` of cache ``name`` as [1, ...]: where it is held."""
+        held = self.own.get(row)
+        return held[name] if held is not None else self.arrays[name][row:row + 1]
+
+    def settle(self, *rows: int) -> None:
+        """Copy the given rows (default: all) held apart back into ``arrays``."""
+        for row in rows or list(self.own):
+            for name, array in self.own.pop(row, {}).items():
+                self.arrays[name][row] = array[0]
 
 
 class Driver:
@@ -103,6 +118,8 @@ class Driver:
     def copy_row(self, src: Slots, src_row: int, dst: Slots, dst_row: int) -> None:
         """Copy one sequence's cache into another row (of the same or another ``Slots``):
         n choices of one prompt share its prefill."""
+        src.settle(src_row)
+        dst.own.pop(dst_row, None)
         for name, array in src.arrays.items():
             dst.arrays[name][dst_row] = array[src_row]
         if src.history:
@@ -110,6 +127,8 @@ class Driver:
 
     def move(self, slots: Slots, src: int, dst: int) -> None:
         """Copy one sequence's cache to another row (keeps a dynamic batch packed)."""
+        slots.settle(src)
+        slots.own.pop(dst, None)
         for array in slots.arrays.values():
             array[dst] = array[src]
         if slots.history:
@@ -253,6 +272,7 @@ class LiteRTLLM(Driver):
     def prefill(self, slots: Slots, row: int, prompt: Sequence[int], start: int = 0) -> None:
         tokens = list(prompt[:-1])
         first, done = np.array([start]), 0
+        slots.own.pop(row, None)  # what a finished stream left there: overwritten, or masked before start
         while done < len(tokens):
             at = start + done
             step = self.window(at, len(tokens) - done)
@@ -277,12 +297,11 @@ class LiteRTLLM(Driver):
     def _decode_single(self, slots: Slots, row: int, token: int, pos: int, start: int) -> np.ndarray:
         """One row through the batch-1 decode, on its own cache row: next-token logits [vocab]."""
         feeds = {"tokens": np.array([[token]], np.int32), "input_pos": np.array([pos], np.int32),
-                 **{k: slots.arrays[k][row:row + 1] for k in self.kv_names}}
+                 **{k: slots.row(k, row) for k in self.kv_names}}
         if self.has_mask:
             feeds["mask"] = self._mask(1, np.array([pos]), np.array([start]))
         out = self._run(self.single_sig or self.decode_sig, feeds)
-        for k in self.kv_names:
-            slots.arrays[k][row] = out[k][0]
+        slots.own[row] = {k: _own(out[k]) for k in self.kv_names}
         return _last_logits(out["logits"], 1)[0]
 
     def _decode_alone(self, slots: Slots, row: int, token: int, pos: int, start: int = 0) -> None:
@@ -294,7 +313,7 @@ class LiteRTLLM(Driver):
         n = self._rows(1)
         scratch = {k: np.zeros((n, *self.row_shapes[k]), self.dtypes[k]) for k in self.kv_names}
         for k in self.kv_names:
-            scratch[k][0] = slots.arrays[k][row]
+            scratch[k][0] = slots.row(k, row)[0]
         tokens = np.zeros((n, 1), np.int32)
         tokens[0, 0] = token
         positions = np.full(n, pos, np.int32)
@@ -337,6 +356,7 @@ class LiteRTLLM(Driver):
         n = self._rows(len(rows))
         if self.batch_size is None and rows != list(range(len(rows))):
             raise ValueError(f"a dynamic decode batch runs rows 0..{len(rows) - 1}, got {rows}")
+        slots.settle()
         feed_tokens = np.zeros((n, 1), np.int32)
         feed_pos = np.zeros(n, np.int32)
         feed_tokens[rows, 0] = tokens

@@ -203,11 +203,20 @@ class HFTokenizer:
         return -(-len(text.encode("utf-8")) // self.longest)
 
     def grammar_tokenizer(self) -> Any:
-        """llguidance's view of the same tokenizer: it reads tokenizer.json itself."""
-        from appliance.core.constraints import llguidance_module
+        """llguidance's view of the same tokenizer: it reads tokenizer.json itself, or, where it
+        cannot tell the decoder's kind (it knows ByteLevel and SentencePiece's byte fallback, not
+        e.g. the ``Fuse`` decoder of a character vocabulary: scripts/tiny_chat_model.py's), every
+        token's bytes as this tokenizer decodes them, text encoded by this tokenizer."""
+        from appliance.core.constraints import llguidance_module, tokenizer_of_bytes
 
         stops = sorted(self.stop_ids) or None
-        return llguidance_module().LLTokenizer(self.json, n_vocab=self.size, eos_token=stops)
+        try:
+            return llguidance_module().LLTokenizer(self.json, n_vocab=self.size, eos_token=stops)
+        except ValueError as exc:
+            if "decoder type" not in str(exc):
+                raise
+        tokens = [self.token_bytes(i) for i in range(self.size)]
+        return tokenizer_of_bytes(tokens, self.eos_id, self.special_ids, lambda text: self.encode(text, special=False))
 
 
 def _stops(config: dict[str, Any], generation: dict[str, Any], lookup: Any) -> tuple[int | None, frozenset[int]]:
