@@ -8,10 +8,10 @@ rows at one position on whichever is cheaper for that many rows: ``m`` batch-1 c
 ``m * single_ms``, one batched call ``batched_ms``. The two costs are measured per version when
 it loads (its warm-up, as backends are timed at load: runtimes/select.py), on the version's own
 signatures and cache, in alternating rounds so a drift of the machine's load falls on both, each
-side's fastest round kept (a busy machine only ever adds time). Then every call served refines
-the estimate of its side (``observe``: a moving average), so a load-time figure taken while
-other versions loaded beside it does not hold the choice for good: a side chosen wrongly is
-timed as it runs and given up when it shows slower.
+side's fastest round kept (a busy machine only ever adds time). Not refined from the calls
+served: only the chosen side is timed there, under whatever load the machine has then, and set
+against the other side's quiet figure it made a lone stream flip onto the batched call under
+load (measured: 0.63x of batch 1 in bench/RESULTS.md's first issue-45 run).
 
 ``batched_from``: the smallest group that runs on the batched signature (``batch + 1``: never,
 a full batch costing more than its rows one by one). This module imports numpy only.
@@ -26,14 +26,13 @@ from typing import Any, Callable
 import numpy as np
 
 ROUNDS = 10  # alternating timed calls of each signature, after one untimed call each
-ALPHA = 0.1  # weight of one served call in its side's moving average
 
 
 @dataclass
 class DecodePlan:
     batch: int  # rows of the batched signature
-    single_ms: float | None = None  # one batch-1 call: measured at load, then a moving average
-    batched_ms: float | None = None  # one batched call: likewise
+    single_ms: float | None = None  # one batch-1 call, the fastest of the rounds
+    batched_ms: float | None = None  # one batched call, likewise
     batched_from: int = 1  # before a measurement: every group on the batched signature
 
     @property
@@ -47,16 +46,6 @@ class DecodePlan:
         """Set both costs and the smallest group the batched call is cheaper for (module docstring)."""
         self.single_ms, self.batched_ms = single_ms, batched_ms
         self.batched_from = next((m for m in range(1, self.batch + 1) if batched_ms < m * single_ms), self.batch + 1)
-
-    def observe(self, batched: bool, ms_per_call: float) -> None:
-        """One served call of a side: its moving average, and the choice again."""
-        if self.single_ms is None or self.batched_ms is None:
-            return
-        if batched:
-            self.batched_ms += ALPHA * (ms_per_call - self.batched_ms)
-        else:
-            self.single_ms += ALPHA * (ms_per_call - self.single_ms)
-        self.decide(self.single_ms, self.batched_ms)
 
     def describe(self) -> dict[str, Any]:
         if not self.measured:

@@ -44,7 +44,6 @@ keeps one driver per servable, so what the warm-up measured is what the decode l
 from __future__ import annotations
 
 import re
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -335,14 +334,11 @@ class LiteRTLLM(Driver):
         for position, members in groups.items():
             group = [rows[i] for i in members]
             batched = self.single_sig is None or self.plan.use_batched(len(members))
-            started = time.perf_counter()
             logits[members] = self._decode_group(slots, group, [tokens[i] for i in members],
                                                  [positions[i] for i in members],
                                                  [starts[i] for i in members] if starts else None,
                                                  partial=position is not None and len(members) < len(rows),
                                                  batched=batched)
-            if self.single_sig is not None:  # served calls refine the measured costs (decode_plan.py)
-                self.plan.observe(batched, (time.perf_counter() - started) * 1000 / (1 if batched else len(members)))
             slots.calls.extend([len(members)] if batched else [1] * len(members))
         return logits
 

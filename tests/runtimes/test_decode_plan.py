@@ -36,12 +36,6 @@ def test_the_plan_runs_batched_from_the_first_group_it_pays_for() -> None:
     assert plan.describe()["batched_from"] == "never"
     plan.decide(single_ms=1.0, batched_ms=0.5)
     assert plan.use_batched(1)
-    for _ in range(30):  # served batched calls that show slower than the load measured: given up
-        plan.observe(batched=True, ms_per_call=6.0)
-    assert not plan.use_batched(4) and plan.batched_ms is not None and plan.batched_ms > 4.0
-    for _ in range(30):  # and batch-1 calls that turn slow bring batching back
-        plan.observe(batched=False, ms_per_call=3.0)
-    assert plan.use_batched(2)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +146,6 @@ def test_both_paths_give_the_same_greedy_answers(load: Any) -> None:
     driver = generative.detect(load())
     prompts = [litert_llm.prompt(12, seed) for seed in range(4)]
     answers = {}
-    # costs far from what either side takes here: the served calls' averages keep the choice
     for single_ms, batched_ms, name in ((1000.0, 1.0, "batched"), (1.0, 1000.0, "batch-1")):
         driver.plan.decide(single_ms, batched_ms)
         answers[name] = _greedy(driver, prompts, 16)
