@@ -271,6 +271,51 @@ def issue45(seconds: float, work: Path, rounds: int = 5) -> None:
     print(f"load average after: {os.getloadavg()}", flush=True)
 
 
+def issue45_steps(rounds: int = 6, steps: int = 24) -> None:
+    """The same comparison without the server, HTTP or threads: the drivers stepped in process,
+    CPU seconds per generated token (a busy box adds waiting, which wall time counts and CPU time
+    mostly does not). ``n`` streams at one position: the batch-1 conversion one call per stream,
+    the dual one by its measured plan, and the dual one forced onto its batch-4 call."""
+    import time
+
+    from runtimes import generative
+    from runtimes.tflite import TFLiteBackend
+    from tests.support import litert_dual
+
+    cache = litert_dual.models(litert_dual.BENCH_MODELS)
+    opts = {"num_threads": 1, "pool_size": 1}
+    b1, dual = (generative.detect(TFLiteBackend().load(str(cache / m / "1"), opts)) for m in ("d256_b1", "d256_dual"))
+    assert isinstance(b1, generative.LiteRTLLM) and isinstance(dual, generative.LiteRTLLM)
+    b1.warm_up()
+    dual.warm_up()
+    plan = dual.plan.batched_from
+    print(f"dual: decode ms {dual.plan.describe()}")
+
+    def per_token(driver: Any, n: int, batched_from: int) -> float:
+        driver.plan.batched_from = batched_from
+        lanes = [driver.new_slots(driver.batch_size or 1) for _ in range(0, n, driver.batch_size or 1)]
+        width = driver.batch_size or 1
+        for i in range(n):
+            driver.prefill(lanes[i // width], i % width, litert_llm.prompt(12, seed=i))
+        started = time.process_time()
+        for step in range(steps):
+            for j, slots in enumerate(lanes):
+                rows = list(range(min(width, n - j * width)))
+                driver.decode(slots, rows, [5] * len(rows), [11 + step] * len(rows), [0] * len(rows) if driver.aligned else None)
+        return (time.process_time() - started) * 1000 / (steps * n)
+
+    print("streams  batch-1 CPU ms/token  dual (plan)  dual (batch 4 forced)   median of", rounds, "alternating rounds")
+    for n in ISSUE45_LEVELS:
+        got: dict[str, list[float]] = {"b1": [], "plan": [], "b4": []}
+        for _ in range(rounds):
+            got["b1"].append(per_token(b1, n, 1))
+            got["plan"].append(per_token(dual, n, plan))
+            got["b4"].append(per_token(dual, n, 1))
+        med = {k: statistics.median(v) for k, v in got.items()}
+        print(f"{n:7d} {med['b1']:21.2f} {med['plan']:12.2f} {med['b4']:22.2f}", flush=True)
+    dual.plan.batched_from = plan
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gen_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=4.0, help="duration of each level")
@@ -279,8 +324,13 @@ def main(argv: list[str] | None = None) -> int:
                     "weights at 1/4/8 mixed-length streams, and JSON-schema against free streams at 1 and 8")
     ap.add_argument("--issue45", action="store_true", help="a batch-4 conversion with a batch-1 decode beside it "
                     "(and one without) against batch 1 only, 4 layers d=256 cache 512, at 1/4/8/16 streams")
+    ap.add_argument("--issue45-steps", action="store_true", help="--issue45's models stepped in process (no server): "
+                    "CPU ms per token at 1/4/8/16 streams, batch 1 against the dual conversion's plan and forced batch 4")
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds (--issue35, --issue45)")
     a = ap.parse_args(argv)
+    if a.issue45_steps:
+        issue45_steps(a.rounds)
+        return 0
     if a.issue45:
         with tempfile.TemporaryDirectory() as tmp:
             issue45(a.seconds, Path(tmp), a.rounds)
