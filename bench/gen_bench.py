@@ -18,7 +18,14 @@ real ``appliance serve`` on a loopback port, the clients are threads reading SSE
 schema (llguidance's mask every step) against free text at 1 and 8 streams, and the time to
 first token with each.
 
+``--issue45``: litert-torch conversions of one 4-layer d=256 TinyLlama with a 512-position cache
+(tests/support/litert_dual.py): ``d256_b1`` (decode batch 1 only), ``d256_dual`` (a batch-4
+decode with a batch-1 one beside it: each step on whichever its load measured cheaper) and
+``d256_b4`` (batch 4 only, how issue 45 found batching losing), each against ``d256_b1`` at
+1/4/8/16 streams of mixed prompt lengths, paired as ``--issue35``'s.
+
 Target (issue 10): at 16 streams, step batching >= 3x the total tokens/s of batching off.
+Target (issue 45): ``d256_dual`` >= 1.0x ``d256_b1`` at every level, TTFT at 1 stream within 10 %.
 """
 
 from __future__ import annotations
@@ -226,16 +233,111 @@ def issue35(seconds: float, work: Path, rounds: int = 5) -> None:
         server.stop()
 
 
+# -- issue 45: a batch-1 decode beside the batched one, chosen per step by measured cost ---------------
+ISSUE45_LEVELS = (1, 4, 8, 16)
+
+
+def issue45(seconds: float, work: Path, rounds: int = 5) -> None:
+    """Both batched conversions against the batch-1 one, paired (``paired``), one server."""
+    import os
+
+    from tests.support import litert_dual
+
+    cache = litert_dual.models(litert_dual.BENCH_MODELS)
+    base = work / "models"
+    for name in litert_dual.BENCH_MODELS:
+        shutil.copytree(cache / name, base / name)
+    config = work / "gen.toml"
+    config.write_text("[generation]\nmax_streams = 64\n")
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    server = launch(["--models", str(base), "--config", str(config)], work)
+    try:
+        url = {m: f"{server.url}/v1/models/{m}:generate" for m in litert_dual.BENCH_MODELS}
+        for model in litert_dual.BENCH_MODELS:
+            one_stream(url[model], {"input_ids": litert_llm.prompt(12)})  # warm-up
+        for version in server.status()["generation"].get("versions", []):
+            print(f"{version['model']}: decode ms {version.get('decode_ms')}, batched from "
+                  f"{version.get('batched_from')}", flush=True)
+        print(f"\nmodel      streams  batch-1 tok/s  model tok/s  ratio  TTFT p50 b1 / model (ms)   (mixed prompt "
+              f"lengths, {NEW_TOKENS} new tokens, {rounds} paired rounds of {seconds} s)")
+        for other in ("d256_dual", "d256_b4"):
+            for streams in ISSUE45_LEVELS:
+                got = paired(lambda t: mixed_level(url["d256_b1"], streams, t),
+                             lambda t, o=other: mixed_level(url[o], streams, t), rounds, seconds)
+                print(f"{other:9s} {streams:7d} {got[0]:14.0f} {got[1]:12.0f} {got[2]:6.2f}  "
+                      f"{got[3]:.1f} / {got[4]:.1f}", flush=True)
+    finally:
+        server.stop()
+    print(f"load average after: {os.getloadavg()}", flush=True)
+
+
+def issue45_steps(rounds: int = 6, steps: int = 24) -> None:
+    """The same comparison without the server, HTTP or threads: the drivers stepped in process,
+    CPU seconds per generated token (a busy box adds waiting, which wall time counts and CPU time
+    mostly does not). ``n`` streams at one position: the batch-1 conversion one call per stream,
+    the dual one by its measured plan, and the dual one forced onto its batch-4 call."""
+    import time
+
+    from runtimes import generative
+    from runtimes.tflite import TFLiteBackend
+    from tests.support import litert_dual
+
+    cache = litert_dual.models(litert_dual.BENCH_MODELS)
+    opts = {"num_threads": 1, "pool_size": 1}
+    b1, dual = (generative.detect(TFLiteBackend().load(str(cache / m / "1"), opts)) for m in ("d256_b1", "d256_dual"))
+    assert isinstance(b1, generative.LiteRTLLM) and isinstance(dual, generative.LiteRTLLM)
+    b1.warm_up()
+    dual.warm_up()
+    plan = dual.plan.batched_from
+    print(f"dual: decode ms {dual.plan.describe()}")
+
+    def per_token(driver: Any, n: int, batched_from: int) -> float:
+        driver.plan.batched_from = batched_from
+        lanes = [driver.new_slots(driver.batch_size or 1) for _ in range(0, n, driver.batch_size or 1)]
+        width = driver.batch_size or 1
+        for i in range(n):
+            driver.prefill(lanes[i // width], i % width, litert_llm.prompt(12, seed=i))
+        started = time.process_time()
+        for step in range(steps):
+            for j, slots in enumerate(lanes):
+                rows = list(range(min(width, n - j * width)))
+                driver.decode(slots, rows, [5] * len(rows), [11 + step] * len(rows), [0] * len(rows) if driver.aligned else None)
+        return (time.process_time() - started) * 1000 / (steps * n)
+
+    print("streams  batch-1 CPU ms/token  dual (plan)  dual (batch 4 forced)   median of", rounds, "alternating rounds")
+    for n in ISSUE45_LEVELS:
+        got: dict[str, list[float]] = {"b1": [], "plan": [], "b4": []}
+        for _ in range(rounds):
+            got["b1"].append(per_token(b1, n, 1))
+            got["plan"].append(per_token(dual, n, plan))
+            got["b4"].append(per_token(dual, n, 1))
+        med = {k: statistics.median(v) for k, v in got.items()}
+        print(f"{n:7d} {med['b1']:21.2f} {med['plan']:12.2f} {med['b4']:22.2f}", flush=True)
+    dual.plan.batched_from = plan
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gen_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=4.0, help="duration of each level")
     ap.add_argument("--models", default="gen_savedmodel,gen_tflite")
     ap.add_argument("--issue35", action="store_true", help="batch-1 vs batch-4 (mask) conversions of the same "
                     "weights at 1/4/8 mixed-length streams, and JSON-schema against free streams at 1 and 8")
+    ap.add_argument("--issue45", action="store_true", help="a batch-4 conversion with a batch-1 decode beside it "
+                    "(and one without) against batch 1 only, 4 layers d=256 cache 512, at 1/4/8/16 streams")
+    ap.add_argument("--issue45-steps", action="store_true", help="--issue45's models stepped in process (no server): "
+                    "CPU ms per token at 1/4/8/16 streams, batch 1 against the dual conversion's plan and forced batch 4")
+    ap.add_argument("--rounds", type=int, default=5, help="paired rounds (--issue35, --issue45)")
     a = ap.parse_args(argv)
+    if a.issue45_steps:
+        issue45_steps(a.rounds)
+        return 0
+    if a.issue45:
+        with tempfile.TemporaryDirectory() as tmp:
+            issue45(a.seconds, Path(tmp), a.rounds)
+        return 0
     if a.issue35:
         with tempfile.TemporaryDirectory() as tmp:
-            issue35(a.seconds, Path(tmp))
+            issue35(a.seconds, Path(tmp), a.rounds)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         rows = run(a.models.split(","), a.seconds, Path(tmp))

@@ -31,111 +31,32 @@ fixed batch B runs all B rows every call (streams are packed into the rows, empt
 compute and are ignored); a dynamic batch runs rows ``0..n-1`` (the caller keeps active
 rows packed at the front with ``move``). Drivers are not thread-safe: one decode loop
 drives one ``Slots``. This module imports numpy only.
+
+**Two decode batches.** A version may carry a batch-1 decode beside its batched one:
+signatures ``decode`` and ``decode_<B>`` (any of them named ``decode``), with the same cache
+inputs and both with or both without the mask. The batched one sets the lanes (``batch_size``);
+each step, a group of rows at one position runs as one batched call or as one batch-1 call per
+row, whichever the costs measured at load say is cheaper for that many rows
+(runtimes/decode_plan.py): a lone stream no longer pays for the batch's empty rows. ``detect``
+keeps one driver per servable, so what the warm-up measured is what the decode loop uses.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+import weakref
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .base import LoadFailure, Servable, SignatureInfo
+from .decode_base import Driver, Shapes, Slots, _batch, _last_logits, _own
+from .decode_plan import DecodePlan, measure
+from .kv_layout import DEFAULT_LAYOUT, KV_PREFIX, TRANSPOSED_LAYOUT, cache_layout
 
-KV_PREFIX = "kv_cache_"
 PREFILL_RE = re.compile(r"prefill(?:_(\d+))?")
+DECODE_RE = re.compile(r"decode(?:_(\d+))?")
 MASKED = float(np.finfo(np.float32).min)  # additive mask value for positions a query must not see
-
-Shapes = Mapping[str, Mapping[str, tuple[int, ...] | None]]
-
-
-@dataclass
-class Slots:
-    """The cache of up to ``capacity`` sequences: ``arrays`` (name -> [capacity, ...]) for
-    models with a cache, ``history`` (token ids per row) for a generate_step without one."""
-
-    capacity: int
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    history: list[list[int]] = field(default_factory=list)
-    calls: list[int] = field(default_factory=list)  # rows of each model call of the last decode
-
-
-class Driver:
-    """Common part of both conventions (see module docstring)."""
-
-    kind = ""
-    batch_size: int | None = None  # fixed decode batch; None: any number of rows
-    context_length: int | None = None  # positions the cache holds; None: unknown
-    vocab_size = 0
-
-    def __init__(self, servable: Servable):
-        self.servable = servable
-
-    def new_slots(self, capacity: int) -> Slots:
-        raise NotImplementedError
-
-    aligned = False  # rows at different positions may share a call (module docstring)
-
-    def prefill(self, slots: Slots, row: int, prompt: Sequence[int], start: int = 0) -> None:
-        """Make ``row`` hold ``prompt[:-1]`` from position ``start`` (0 unless ``aligned``);
-        ``prompt[-1]`` is the row's first decode token, at ``start + len(prompt) - 1``."""
-        raise NotImplementedError
-
-    def decode(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
-               starts: Sequence[int] | None = None) -> np.ndarray:
-        """One step of the given rows: next-token logits [len(rows), vocab]. ``starts``: each
-        row's first position (``aligned`` drivers; else all 0). Sets ``slots.calls``."""
-        raise NotImplementedError
-
-    def copy_row(self, src: Slots, src_row: int, dst: Slots, dst_row: int) -> None:
-        """Copy one sequence's cache into another row (of the same or another ``Slots``):
-        n choices of one prompt share its prefill."""
-        for name, array in src.arrays.items():
-            dst.arrays[name][dst_row] = array[src_row]
-        if src.history:
-            dst.history[dst_row] = list(src.history[src_row])
-
-    def move(self, slots: Slots, src: int, dst: int) -> None:
-        """Copy one sequence's cache to another row (keeps a dynamic batch packed)."""
-        for array in slots.arrays.values():
-            array[dst] = array[src]
-        if slots.history:
-            slots.history[dst] = slots.history[src]
-
-    def warm_up(self) -> None:
-        """One short prompt and one step: allocates what the first request would."""
-        slots = self.new_slots(self.batch_size or 1)
-        self.prefill(slots, 0, [0, 0])
-        self.decode(slots, [0], [0], [1])
-
-    def _rows(self, n: int) -> int:
-        """Rows one call feeds: the fixed batch, else exactly ``n``."""
-        return self.batch_size or n
-
-    def _run(self, signature: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.servable.run(signature, feeds)
-
-    def describe(self) -> dict[str, Any]:
-        return {"convention": self.kind, "decode_batch": self.batch_size or "dynamic",
-                "context_length": self.context_length, "vocab_size": self.vocab_size, **self._details()}
-
-    def _details(self) -> dict[str, Any]:
-        return {}
-
-
-def _batch(shape: tuple[int, ...] | None) -> int | None:
-    return shape[0] if shape and shape[0] > 0 else None
-
-
-def _own(array: np.ndarray) -> np.ndarray:
-    """A backend's output kept as the next step's cache: used as is when writable."""
-    return array if array.flags.writeable else array.copy()
-
-
-def _last_logits(logits: np.ndarray, rows: int) -> np.ndarray:
-    return logits.reshape(rows, -1, logits.shape[-1])[:, -1]
-
 
 class LiteRTLLM(Driver):
     """The prefill/decode convention of ai-edge-torch's generative converter."""
@@ -150,7 +71,8 @@ class LiteRTLLM(Driver):
                                for name in sigs if PREFILL_RE.fullmatch(name))
         if self.prefills[0][0] == 0:
             self.prefills = self.prefills[:1]
-        dec, shapes = sigs["decode"], declared["decode"]
+        self.decode_sig, single = _decode_signatures(declared)
+        dec, shapes = sigs[self.decode_sig], declared[self.decode_sig]
         self.kv_names = sorted(n for n in dec.inputs if n.startswith(KV_PREFIX))
         missing = [n for n in ("tokens", "input_pos") if n not in dec.inputs] + \
                   ["logits"] * ("logits" not in dec.outputs) + ["kv_cache_* inputs"] * (not self.kv_names)
@@ -167,10 +89,46 @@ class LiteRTLLM(Driver):
         self.vocab_size = int((dec.outputs["logits"].shape or (0,))[-1])
         self.row_shapes = {n: tuple(shapes[n] or ())[1:] for n in self.kv_names}
         self.dtypes = {n: dec.inputs[n].dtype for n in self.kv_names}
+        self.single_sig, self.single_note = self._single(single, sigs, declared)
+        self.plan = DecodePlan(self.batch_size or 1)
+
+    def _single(self, name: str | None, sigs: Mapping[str, SignatureInfo],
+                declared: Shapes) -> tuple[str | None, str]:
+        """The batch-1 decode beside the batched one, if its inputs match (module docstring);
+        else None and why it is not used."""
+        if name is None or not (self.batch_size and self.batch_size > 1):  # a dynamic batch sizes itself
+            return None, ""
+        sig, shapes = sigs[name], declared[name]
+        kv = sorted(n for n in sig.inputs if n.startswith(KV_PREFIX))
+        differs = ("its cache inputs differ" if kv != self.kv_names or
+                   any(tuple(shapes[n] or ())[1:] != self.row_shapes[n] for n in kv) else
+                   "one has the mask input and the other not" if ("mask" in sig.inputs) != self.has_mask else
+                   "it lacks input_pos or logits" if "input_pos" not in sig.inputs or "logits" not in sig.outputs
+                   else "")
+        return (None, f"{name} not used: {differs}") if differs else (name, "")
 
     def _details(self) -> dict[str, Any]:
-        return {"prefill_windows": [n or "dynamic" for n, _ in self.prefills], "kv_layout": self.kv_layout,
-                "mask_input": self.has_mask, "shared_position": self.shared_position, "aligned_rows": self.aligned}
+        out = {"prefill_windows": [n or "dynamic" for n, _ in self.prefills], "kv_layout": self.kv_layout,
+               "mask_input": self.has_mask, "shared_position": self.shared_position, "aligned_rows": self.aligned,
+               "decode_signature": self.decode_sig}
+        if self.single_sig is not None:
+            out.update(batch1_signature=self.single_sig, **self.plan.describe())
+        elif self.single_note:
+            out["batch1_signature"] = self.single_note
+        return out
+
+    def warm_up(self) -> None:
+        super().warm_up()
+        self.measure()
+
+    def measure(self) -> None:
+        """Time one batch-1 and one batched decode call on scratch rows and decide, per group
+        size, which runs (runtimes/decode_plan.py). Without a batch-1 decode: nothing to decide."""
+        if self.single_sig is None:
+            return
+        slots = self.new_slots(self.batch_size or 1)
+        self.plan.decide(*measure(lambda: self._decode_single(slots, 0, 0, 1, 0),
+                                  lambda: self._decode_group(slots, [0], [0], [1], [0], partial=False, batched=True)))
 
     def new_slots(self, capacity: int) -> Slots:
         rows = self.batch_size or capacity
@@ -204,6 +162,7 @@ class LiteRTLLM(Driver):
     def prefill(self, slots: Slots, row: int, prompt: Sequence[int], start: int = 0) -> None:
         tokens = list(prompt[:-1])
         first, done = np.array([start]), 0
+        slots.own.pop(row, None)  # what a finished stream left there: overwritten, or masked before start
         while done < len(tokens):
             at = start + done
             step = self.window(at, len(tokens) - done)
@@ -225,20 +184,33 @@ class LiteRTLLM(Driver):
                 slots.arrays[n][row] = out[n][0]
             done += take
 
+    def _decode_single(self, slots: Slots, row: int, token: int, pos: int, start: int) -> np.ndarray:
+        """One row through the batch-1 decode, on its own cache row: next-token logits [vocab]."""
+        feeds = {"tokens": np.array([[token]], np.int32), "input_pos": np.array([pos], np.int32),
+                 **{k: slots.row(k, row) for k in self.kv_names}}
+        if self.has_mask:
+            feeds["mask"] = self._mask(1, np.array([pos]), np.array([start]))
+        out = self._run(self.single_sig or self.decode_sig, feeds)
+        slots.own[row] = {k: _own(out[k]) for k in self.kv_names}
+        return _last_logits(out["logits"], 1)[0]
+
     def _decode_alone(self, slots: Slots, row: int, token: int, pos: int, start: int = 0) -> None:
         """One prompt token of one row through ``decode``, in a scratch batch: the other rows
         of ``slots`` (other streams, at other positions) must not take this call's writes."""
+        if self.single_sig is not None:  # a batch-1 decode writes its one row only
+            self._decode_single(slots, row, token, pos, start)
+            return
         n = self._rows(1)
         scratch = {k: np.zeros((n, *self.row_shapes[k]), self.dtypes[k]) for k in self.kv_names}
         for k in self.kv_names:
-            scratch[k][0] = slots.arrays[k][row]
+            scratch[k][0] = slots.row(k, row)[0]
         tokens = np.zeros((n, 1), np.int32)
         tokens[0, 0] = token
         positions = np.full(n, pos, np.int32)
         feeds = {"tokens": tokens, "input_pos": positions[:self.pos_rows or n], **scratch}
         if self.has_mask:
             feeds["mask"] = self._mask(n, positions, np.full(n, start))
-        out = self._run("decode", feeds)
+        out = self._run(self.decode_sig, feeds)
         for k in self.kv_names:
             slots.arrays[k][row] = out[k][0]
 
@@ -248,19 +220,30 @@ class LiteRTLLM(Driver):
         groups = {p: [i for i, q in enumerate(positions) if q == p] for p in positions} if self.shared_position \
             else {None: list(range(len(rows)))}
         slots.calls = []
+        if self.single_sig is not None and not self.plan.measured:
+            self.measure()  # a version warmed up by its own requests file was not measured at load
         for position, members in groups.items():
-            logits[members] = self._decode_group(slots, [rows[i] for i in members], [tokens[i] for i in members],
+            group = [rows[i] for i in members]
+            batched = self.single_sig is None or self.plan.use_batched(len(members))
+            logits[members] = self._decode_group(slots, group, [tokens[i] for i in members],
                                                  [positions[i] for i in members],
                                                  [starts[i] for i in members] if starts else None,
-                                                 partial=position is not None and len(members) < len(rows))
-            slots.calls.append(len(members))
+                                                 partial=position is not None and len(members) < len(rows),
+                                                 batched=batched)
+            slots.calls.extend([len(members)] if batched else [1] * len(members))
         return logits
 
     def _decode_group(self, slots: Slots, rows: list[int], tokens: list[int], positions: list[int],
-                      starts: list[int] | None, partial: bool) -> np.ndarray:
+                      starts: list[int] | None, partial: bool, batched: bool) -> np.ndarray:
+        """One step of ``rows``: one call of the batched decode, or (``batched`` False) one call
+        of the batch-1 decode per row."""
+        if not batched:
+            return np.stack([self._decode_single(slots, row, token, pos, starts[i] if starts else 0)
+                             for i, (row, token, pos) in enumerate(zip(rows, tokens, positions))])
         n = self._rows(len(rows))
         if self.batch_size is None and rows != list(range(len(rows))):
             raise ValueError(f"a dynamic decode batch runs rows 0..{len(rows) - 1}, got {rows}")
+        slots.settle()
         feed_tokens = np.zeros((n, 1), np.int32)
         feed_pos = np.zeros(n, np.int32)
         feed_tokens[rows, 0] = tokens
@@ -275,7 +258,7 @@ class LiteRTLLM(Driver):
             if self.shared_position:  # every row's query is at the shared position
                 feed_pos[:] = positions[0]
             feeds["mask"] = self._mask(n, feed_pos, feed_start)
-        out = self._run("decode", feeds)
+        out = self._run(self.decode_sig, feeds)
         for k in self.kv_names:
             if partial:  # a shared position: other rows' caches must not take this call's writes
                 slots.arrays[k][rows] = out[k][rows]
@@ -290,47 +273,15 @@ def _dim(shape: tuple[int, ...] | None, i: int) -> int | None:
     return shape[i] if shape and len(shape) > i and shape[i] > 0 else None
 
 
-# litert-torch's two KV cache layouts (litert_torch.generative.layers.kv_cache): the
-# default BTNH for K and V, and KV_LAYOUT_TRANSPOSED: K BNTH, V BNHT. The context length L
-# sits at a different place in each.
-DEFAULT_LAYOUT, TRANSPOSED_LAYOUT = "BTNH/BTNH", "BNTH/BNHT"
-
-
-def cache_layout(shapes: Mapping[str, tuple[int, ...] | None], kv_names: Sequence[str],
-                 mask_length: int | None) -> tuple[str, int]:
-    """(layout, context length) from the declared shapes of every K and V pair (and the
-    mask's L when there is one). Refuses (``LoadFailure``) what no layout fits, and shapes
-    that two layouts fit with different lengths: served with the wrong one, a model would
-    load and then refuse or garble every prompt."""
-    found: set[tuple[str, int]] = set()
-    for k in (n for n in kv_names if n.startswith(KV_PREFIX + "k_")):
-        v = KV_PREFIX + "v_" + k[len(KV_PREFIX + "k_"):]
-        if v not in kv_names:
-            raise LoadFailure(f"the decode signature has {k} but no {v}")
-        kshape, vshape = tuple(shapes[k] or ()), tuple(shapes[v] or ())
-        fits = {}
-        if len(kshape) == 4 and kshape == vshape:
-            fits[DEFAULT_LAYOUT] = kshape[1]  # [B, L, heads, dim] both
-        if len(kshape) == 4 and len(vshape) == 4 and vshape == (*kshape[:2], kshape[3], kshape[2]):
-            fits[TRANSPOSED_LAYOUT] = kshape[2]  # K [B, heads, L, dim], V [B, heads, dim, L]
-        if mask_length:
-            fits = {layout: length for layout, length in fits.items() if length == mask_length}
-        where = f"{k} {list(kshape)} and {v} {list(vshape)}" + \
-            (f" with a mask of length {mask_length}" if mask_length else "")
-        if not fits:
-            raise LoadFailure(f"the KV cache layout cannot be decided: {where} match neither litert-torch layout "
-                              f"(K and V [B, L, heads, dim], or K [B, heads, L, dim] with V [B, heads, dim, L])")
-        if len(set(fits.values())) > 1:
-            raise LoadFailure(f"the KV cache layout cannot be decided: {where} fit both the default layout "
-                              f"(context {fits[DEFAULT_LAYOUT]}) and the transposed one (context "
-                              f"{fits[TRANSPOSED_LAYOUT]}); a 'mask' input [B, 1, 1, L] would tell them apart")
-        # both fitting with one length (L = heads = dim): the layout does not matter to us
-        layout = next(iter(fits)) if len(fits) == 1 else f"{DEFAULT_LAYOUT} or {TRANSPOSED_LAYOUT}"
-        found.add((layout, next(iter(fits.values()))))
-    lengths = {length for _, length in found}
-    if len(lengths) != 1 or next(iter(lengths)) <= 0:
-        raise LoadFailure(f"the KV caches of the decode signature disagree on the context length: {sorted(found)}")
-    return sorted(found)[0][0], lengths.pop()
+def _decode_signatures(declared: Shapes) -> tuple[str, str | None]:
+    """(the decode that sets the lanes: the largest batch, a dynamic one largest of all; a
+    batch-1 decode beside it, or None). ``decode`` itself always counts, even malformed, so that
+    what it lacks is named."""
+    found = {name: _batch(shapes.get("tokens")) for name, shapes in declared.items()
+             if DECODE_RE.fullmatch(name) and ("tokens" in shapes or name == "decode")}
+    batched = max(found, key=lambda n: (found[n] is None, found[n] or 0, n == "decode"))
+    single = next((n for n, b in sorted(found.items()) if b == 1 and n != batched), None)
+    return batched, single
 
 
 class GenerateStep(Driver):
@@ -432,17 +383,33 @@ def convention(signatures: Mapping[str, SignatureInfo]) -> str | None:
     return None
 
 
+_DRIVERS: "weakref.WeakKeyDictionary[Servable, Driver]" = weakref.WeakKeyDictionary()
+
+
 def detect(servable: Servable) -> Driver | None:
-    """The driver for a servable's generation signatures; None when it has none.
+    """The driver for a servable's generation signatures; None when it has none. One driver per
+    servable: what its warm-up measured (``LiteRTLLM.measure``) stays with it.
     Raises ``LoadFailure`` naming what is wrong when the signatures are there but malformed."""
+    try:
+        known = _DRIVERS.get(servable)
+    except TypeError:  # a servable that cannot be weakly referenced: a driver each time
+        known = None
+    if known is not None:
+        return known
     kind = convention(servable.signatures)
     if kind is None:
         return None
     try:
         declared = declared_shapes(servable)
-        return LiteRTLLM(servable, declared) if kind == LiteRTLLM.kind else GenerateStep(servable, declared)
+        driver = LiteRTLLM(servable, declared) if kind == LiteRTLLM.kind else GenerateStep(servable, declared)
     except (KeyError, IndexError, TypeError) as exc:
         raise LoadFailure(f"{kind} signatures are malformed: {type(exc).__name__}: {exc}") from exc
+    try:
+        _DRIVERS[servable] = driver
+    except TypeError:
+        pass
+    return driver
 
 
-__all__ = ["Driver", "GenerateStep", "LiteRTLLM", "Slots", "convention", "declared_shapes", "detect"]
+__all__ = ["DEFAULT_LAYOUT", "KV_PREFIX", "TRANSPOSED_LAYOUT", "Driver", "GenerateStep", "LiteRTLLM", "Slots", "cache_layout",
+           "convention", "declared_shapes", "detect"]

@@ -11,6 +11,10 @@ step: the fixed decode batch of a LiteRT LLM, else ``max_streams_per_step`` (def
 model's ``batching.max_batch_size``); ``step_batching = false`` makes every lane one row
 (one call per stream per step, the bench's baseline). Which row a stream takes, and at
 which offset (a shared-position conversion aligns streams of any length): appliance/core/lanes.py.
+A version with a batch-1 decode beside its batched one runs a lane's step as one batched call
+or one batch-1 call per stream, whichever its load measured cheaper for that many streams
+(runtimes/decode_plan.py): batching never costs a lone stream; ``/api/status`` ->
+``generation.versions`` shows the measured costs.
 
 Each step of a stream chooses its token in appliance/core/sampling.py: a constrained stream
 (``Stream.constraint``: OpenAI's ``response_format``, forced tool calls;
@@ -389,5 +393,9 @@ class Generation:
                       if self.limits.waiting else 0.0,
                       "loops": [{"model": lp.model, "version": lp.slot.version, "lane_size": lp.lane_size,
                                  **lp.driver.describe()} for lp in loops],
+                      # what each version generates with, as its load measured it (decode costs)
+                      "versions": [{"model": slot.model, "version": slot.version, **read["driver"][0].describe()}
+                                   for slot, read in self._versions.values()
+                                   if isinstance(read.get("driver", (None,))[0], generative.Driver)],
                       "text_streams": self.text.status()}
         self.status = status

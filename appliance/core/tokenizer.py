@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 from appliance.core.errors import InvalidArgument
 
@@ -203,19 +203,21 @@ class HFTokenizer:
         return -(-len(text.encode("utf-8")) // self.longest)
 
     def grammar_tokenizer(self) -> Any:
-        """llguidance's view of the same tokenizer: it reads tokenizer.json itself when it knows
-        the decoder (byte-level, Metaspace/byte-fallback); for another decoder (a character
-        vocabulary's bare ``Fuse``: the README's tiny chat model) it is given every token's bytes
-        and this tokenizer's own encoder, as for SentencePiece."""
+        """llguidance's view of the same tokenizer: it reads tokenizer.json itself, or, where it
+        cannot tell the decoder's kind (it knows ByteLevel and SentencePiece's byte fallback, not
+        e.g. the ``Fuse`` decoder of a character vocabulary: scripts/tiny_chat_model.py's), every
+        token's bytes as this tokenizer decodes them, text encoded by this tokenizer."""
         from appliance.core.constraints import llguidance_module, tokenizer_of_bytes
 
         stops = sorted(self.stop_ids) or None
         try:
             return llguidance_module().LLTokenizer(self.json, n_vocab=self.size, eos_token=stops)
-        except ValueError:  # "can't determine decoder type"
-            tokens = [self.token_bytes(i) for i in range(self.size)]
-            return tokenizer_of_bytes(tokens, self.eos_id, self.special_ids | self.stop_ids,
-                                      lambda text: self.encode(text, special=False))
+        except ValueError as exc:
+            if "decoder type" not in str(exc):
+                raise
+        tokens = [self.token_bytes(i) for i in range(self.size)]
+        return tokenizer_of_bytes(tokens, self.eos_id, self.special_ids | self.stop_ids,
+                                  lambda text: self.encode(text, special=False))
 
 
 def _stops(config: dict[str, Any], generation: dict[str, Any], lookup: Any) -> tuple[int | None, frozenset[int]]:
@@ -228,7 +230,7 @@ def _stops(config: dict[str, Any], generation: dict[str, Any], lookup: Any) -> t
     return eos, frozenset(([eos] if eos is not None else []) + more)
 
 
-def _byte_decoder(decoder: object) -> Callable[[str], bytes]:
+def _byte_decoder(decoder: Any) -> Any:
     """piece -> bytes for one token, by the tokenizer's decoder: byte-level (GPT-2's map of bytes
     to printable characters) or Metaspace/byte-fallback (``▁`` a space, ``<0xAB>`` a byte)."""
     kinds = {d.get("type") for d in (decoder.get("decoders") or [decoder])} if isinstance(decoder, dict) else set()

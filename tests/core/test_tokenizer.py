@@ -106,3 +106,21 @@ def test_added_tokens_only_the_config_lists_are_added(bpe: Path, tmp_path: Path)
     tok = T.load(str(tmp_path))
     assert tok is not None and tok.size == 2001 and tok.eos_id == 2000 and 2000 in tok.special_ids
     assert tok.encode("a<|eot|>b")[1] == 2000 and tok.decode_all(tok.encode("a<|eot|>b")) == "ab"
+
+
+def test_a_decoder_the_grammar_engine_cannot_classify_still_constrains() -> None:
+    """scripts/tiny_chat's tokenizer.json (a character vocabulary with the ``Fuse`` decoder, which
+    llguidance cannot classify: every response_format was a 500): the grammar's vocabulary comes
+    from the tokens' bytes, and a JSON document in it is walked to its end token by token."""
+    from appliance.core.constraints import Constraint, Grammar, TokenTable
+
+    vocab = T.load(str(Path(__file__).resolve().parents[2] / "scripts" / "tiny_chat"))
+    assert isinstance(vocab, T.HFTokenizer) and '"decoder":{"type":"Fuse"' in vocab.json.replace(" ", "")
+    table = TokenTable.of(vocab)
+    grammar = Grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                                   "additionalProperties": False}, "test").check(table)
+    constraint = Constraint(grammar, table)
+    for token in vocab.encode('{"a":42}', special=False):
+        assert constraint.allowed()[token], chr(token)
+        constraint.advance(token)
+    assert not constraint.allowed()[ord("x")] and (constraint.finished or constraint.stop_allowed())
