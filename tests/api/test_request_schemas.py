@@ -31,6 +31,9 @@ SAMPLES = {"model": "m", "version": "1", "label": "l", "action": "promote"}  # p
 NOT_DESCRIBED = ("/static/<path:filename>", "/ui/static/<path:filename>")  # files of the page, no API
 WRONG = ({"wrong": ["type"]}, "wrong-type", 12345, 0.5, True, [["wrong"]])
 PREBUILT = ROOT / "scripts" / "tiny_chat"  # the README's tiny chat model: token-level, a chat template
+# Its tokenizer.json (a "Fuse" decoder) is one llguidance cannot read yet, so response_format
+# json and a forced tool call answer 500 with it: values that need no grammar here (the
+# grammars are tests/api/test_openai_structured.py's, on a model whose tokenizer it reads).
 
 
 # -- every route is described ------------------------------------------------------------------
@@ -81,7 +84,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}}, "strict": False}}
 SAMPLING = {"max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "stop": ["zz"], "seed": 3, "n": 2, "stream": True,
-            "stream_options": {"include_usage": True}, "user": "u", "response_format": {"type": "json_object"},
+            "stream_options": {"include_usage": True}, "user": "u", "response_format": {"type": "text"},
             "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"5": 1.5}, "top_k": 5, "min_p": 0.1,
             "repetition_penalty": 1.1, "echo": False, "best_of": 1, "suffix": "", "store": False, "metadata": {},
             "service_tier": "auto"}
@@ -97,7 +100,7 @@ CASES: dict[str, dict[str, Any]] = {
                             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                         {"role": "tool", "content": "s", "tool_call_id": "c"}],
                         "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 2, "tools": [TOOL],
-                        "tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": True},
+                        "tool_choice": "auto", "parallel_tool_calls": True},
                     "needs": {"top_logprobs": {"logprobs": True}, "tool_choice": {"tools": [TOOL]}},
                     "taken": (200,)},
     "CompletionRequest": {"path": "/v1/completions", "base": {"model": "chat", "prompt": "hi", "max_tokens": 2},
