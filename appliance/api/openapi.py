@@ -169,7 +169,7 @@ def spec(version: str) -> dict[str, Any]:
 
 # every declared body; a path refers to one as #/components/schemas/<its class name>
 DECLARED = (*openai_bodies.REQUESTS, *openai_bodies.ANSWERS, generate_bodies.GenerateRequest,
-            generate_bodies.GenerateError, tfserving_bodies.PredictRequest, tfserving_bodies.ExamplesRequest,
+            generate_bodies.Generated, generate_bodies.GenerateError, tfserving_bodies.PredictRequest, tfserving_bodies.ExamplesRequest,
             kserve_bodies.InferRequest)
 _TENSOR_INFO = {"type": "object", "required": ["dtype", "tensor_shape", "name"], "properties": {
     "dtype": {"type": "string"}, "name": {"type": "string"},

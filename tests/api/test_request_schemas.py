@@ -10,6 +10,7 @@ invalid (jsonschema, with the served components), so the test follows the declar
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,7 +93,8 @@ SAMPLING = {"max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "stop": ["zz"], "
 # fields a value needs beside it, and the statuses that mean "taken" (404: the body passed
 # its checks and the model was looked up)
 CASES: dict[str, dict[str, Any]] = {
-    "ChatRequest": {"path": "/v1/chat/completions", "base": {"model": "chat", "messages": MESSAGES, "max_tokens": 2},
+    "ChatRequest": {"path": "/v1/chat/completions",
+                    "base": {"model": "chat", "messages": MESSAGES, "max_tokens": 2},
                     "values": {**SAMPLING, "model": "chat:1", "messages": [
                         {"role": "system", "content": [{"type": "text", "text": "b"}]},
                         {"role": "user", "content": "w", "name": "a"},
@@ -168,6 +170,17 @@ def _named(answer: Any, field: str) -> bool:
     return error.get("param") == field if isinstance(error, dict) else f"'{field}'" in error
 
 
+def _answer_is_described(case: dict[str, Any], answer: Any) -> None:
+    """A JSON answer is valid against the schema /openapi.json gives it (the declared answers)."""
+    if not answer.headers.get("Content-Type", "").startswith("application/json"):
+        return  # server-sent events: described as text
+    template = next(t for t in SPEC["paths"] if re.fullmatch(re.sub(r"\{\w+\}", "[^/:]+", t), case["path"]))
+    responses = SPEC["paths"][template]["post"]["responses"]
+    schema = responses[str(answer.status_code)]["content"]["application/json"]["schema"]
+    root = {**schema, "components": SPEC["components"]}
+    jsonschema.validate(answer.json(), root, cls=jsonschema.Draft202012Validator)
+
+
 @pytest.mark.parametrize("name", [*CASES, "InferRequest"])
 def test_every_declared_field_is_taken_and_a_wrong_type_refused(server: Any, name: str) -> None:
     case = CASES[name] if name != "InferRequest" else _infer_case(server)
@@ -179,6 +192,7 @@ def test_every_declared_field_is_taken_and_a_wrong_type_refused(server: Any, nam
         assert _valid(name, body), (name, field, body)
         taken = _post(server, case, body)
         assert taken.status_code in case["taken"], (name, field, taken.status_code, taken.text[:400])
+        _answer_is_described(case, taken)
         wrong = _wrong(name, body, field)
         if wrong is None:  # declared as any JSON value (a tensor's data, TF Serving's inputs)
             continue

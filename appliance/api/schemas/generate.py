@@ -32,8 +32,24 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     stream: Annotated[bool, error("must be true or false")] | UnsetType = UNSET
 
 
+class Generated(msgspec.Struct):
+    """The answer without ``stream``: the tokens (None from a text-level bundle), their text
+    (None without a tokenizer) and the stream's summary (appliance/core/streams.py)."""
+
+    tokens: list[int] | None
+    text: str | None
+    finish_reason: str
+    model_name: str
+    model_version: str
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float | None
+    tokens_per_s: float | None
+    elapsed_ms: float
+
+
 class GenerateError(msgspec.Struct):
     error: str
 
 
-__all__ = ["GenerateError", "GenerateRequest"]
+__all__ = ["GenerateError", "GenerateRequest", "Generated"]

@@ -170,17 +170,117 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     user: str | None = None
 
 
-# -- answers -----------------------------------------------------------------------------------
+# -- answers (no defaults: every field is always written, so /openapi.json lists each as required)
 class Model(msgspec.Struct):
     id: str
     created: int
     owned_by: str
-    object: Literal["model"] = "model"
+    object: Literal["model"]
 
 
 class ModelList(msgspec.Struct):
     data: list[Model]
-    object: Literal["list"] = "list"
+    object: Literal["list"]
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's own bytes (a character split across tokens too)
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+    refusal: None
+
+
+class FunctionCalled(msgspec.Struct):
+    name: str
+    arguments: str  # the arguments object's text, as the model generated it
+
+
+class ToolCallMade(msgspec.Struct):
+    id: str
+    function: FunctionCalled
+    type: Literal["function"]
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    content: str | None
+    refusal: None
+    role: Literal["assistant"]
+    tool_calls: list[ToolCallMade] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+
+
+class ChatCompletion(msgspec.Struct):
+    """The answer of ``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    created: int
+    model: str  # the version that answered, name:<version>
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class TextCompletion(msgspec.Struct):
+    """The answer of ``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    object: Literal["text_completion"]
+
+
+class Embedding(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32 (encoding_format base64)
+    object: Literal["embedding"]
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object: Literal["list"]
 
 
 class OpenAIErrorObject(msgspec.Struct):
@@ -197,8 +297,8 @@ class OpenAIError(msgspec.Struct):
 
 
 REQUESTS = (ChatRequest, CompletionRequest, EmbeddingRequest)
-ANSWERS = (ModelList, OpenAIError)
+ANSWERS = (ChatCompletion, TextCompletion, EmbeddingList, ModelList, OpenAIError)
 
-__all__ = ["ANSWERS", "ChatRequest", "CompletionRequest", "EmbeddingRequest", "MAX_CHOICES",
-           "MAX_COMPLETION_LOGPROBS", "MAX_LOGIT_BIAS", "MAX_STOPS", "Message", "ModelList", "OpenAIError", "REQUESTS",
-           "Tool"]
+__all__ = ["ANSWERS", "ChatCompletion", "ChatRequest", "CompletionRequest", "EmbeddingList", "EmbeddingRequest",
+           "MAX_CHOICES", "MAX_COMPLETION_LOGPROBS", "MAX_LOGIT_BIAS", "MAX_STOPS", "Message", "ModelList", "OpenAIError",
+           "REQUESTS", "TextCompletion", "Tool"]

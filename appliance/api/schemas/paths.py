@@ -8,8 +8,9 @@ from typing import Any
 import msgspec
 
 from appliance.api.schemas import ref
-from appliance.api.schemas.generate import GenerateError, GenerateRequest
-from appliance.api.schemas.openai import ChatRequest, CompletionRequest, EmbeddingRequest, ModelList, OpenAIError
+from appliance.api.schemas.generate import GenerateError, GenerateRequest, Generated
+from appliance.api.schemas.openai import (ChatCompletion, ChatRequest, CompletionRequest, EmbeddingList,
+                                          EmbeddingRequest, ModelList, OpenAIError, TextCompletion)
 
 JSON, SSE = "application/json", "text/event-stream"
 # OpenAI's other API families: answered with OpenAI's 404, never TF Serving's "Malformed request"
@@ -40,13 +41,14 @@ def openai() -> dict[str, Any]:
     def post(summary: str, kind: type[msgspec.Struct], done: dict[str, Any]) -> dict[str, Any]:
         return {"post": {"summary": summary, "requestBody": body(kind), "responses": {"200": done, **errors}}}
 
-    completion = answer("the completion (JSON), or server-sent events ending with data: [DONE]", stream=True)
+    said = "the completion (JSON), or server-sent events ending with data: [DONE]"
     return {
         "/v1/chat/completions": post("OpenAI chat completion (the version's chat template), streamed with "
-                                     "stream=true", ChatRequest, completion),
-        "/v1/completions": post("OpenAI text completion, streamed with stream=true", CompletionRequest, completion),
+                                     "stream=true", ChatRequest, answer(said, ChatCompletion, stream=True)),
+        "/v1/completions": post("OpenAI text completion, streamed with stream=true", CompletionRequest,
+                                answer(said, TextCompletion, stream=True)),
         "/v1/embeddings": post("OpenAI embeddings of an encoder version", EmbeddingRequest,
-                               answer("the embeddings in OpenAI's list shape")),
+                               answer("the embeddings in OpenAI's list shape", EmbeddingList)),
         **{family: {"post": {"summary": "an OpenAI API family this server does not serve (any method, any path "
                                         "below it): OpenAI's 404", "responses": {"404": errors["404"]}}}
            for family in NOT_SERVED},
@@ -65,7 +67,7 @@ def generate() -> dict[str, Any]:
             "summary": "Generate tokens; step-batched with other streams of the version. "
                        "stream=true: server-sent events, one per token, then event 'done'",
             "parameters": params, "requestBody": body(GenerateRequest),
-            "responses": {"200": answer("the generated tokens", stream=True),
+            "responses": {"200": answer("the generated tokens", Generated, stream=True),
                           **{code: error for code in ("400", "404", "413", "503")}}}}
     return out
 
