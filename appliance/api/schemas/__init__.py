@@ -17,6 +17,8 @@ handler's whole read of the body went from 132-154 us (hand-written checks) to 6
 Declaring the Structs adds 0.8 MiB RSS (0.7 MiB USS) to an interpreter that already holds
 msgspec, numpy and the core (as a front worker does: appliance/fronts/messages.py);
 importing pydantic and declaring the same chat request adds 10.3 MiB RSS (7.2 MiB USS).
+A front worker loads only this module and the KServe bodies (through
+appliance/api/kserve/rest.py): +0.3 MiB.
 """
 
 from __future__ import annotations
