@@ -28,6 +28,7 @@ from appliance.version import __version__
 from tests.support.servers import ROOT
 
 SPEC = openapi.spec(__version__)
+ONE_MESSAGE = [{"role": "user", "content": "x"}]
 SAMPLES = {"model": "m", "version": "1", "label": "l", "action": "promote"}  # path parameters
 NOT_DESCRIBED = ("/static/<path:filename>", "/ui/static/<path:filename>")  # files of the page, no API
 WRONG = ({"wrong": ["type"]}, "wrong-type", 12345, 0.5, True, [["wrong"]])
@@ -78,6 +79,27 @@ def test_declared_components_do_not_shadow_the_written_ones() -> None:
     assert not set(declared) & set(openapi.SCHEMAS)
     for kind in openapi.DECLARED:
         assert SPEC["components"]["schemas"][kind.__name__] == declared[kind.__name__]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"messages": ONE_MESSAGE}, "model", "field 'model' is required and must be the name of a model"),
+    ({"model": "m", "messages": ONE_MESSAGE, "n": 9}, "n", "field 'n' must be an integer from 1 to 8 (Expected `int`"),
+    ({"model": "m", "messages": [{"content": "x"}]}, "messages", "missing required field `role` - at `$.messages[0]`"),
+    ({"model": "m", "messages": [{"role": "u", "content": [{"type": "image_url"}]}]}, "messages", "text only"),
+    ({"model": "m", "messages": ONE_MESSAGE, "stream_options": {"x": 1}}, "stream_options", "takes only include_usage"),
+    ({"model": "m", "messages": ONE_MESSAGE, "logit_bias": {"x": 1}}, "logit_bias", "token ids to biases"),
+    ({"model": "m", "messages": ONE_MESSAGE, "best_of": 2}, "best_of", "compare their logprobs"),
+    ({"model": "m", "messages": ONE_MESSAGE, "top_k": 1.5}, "top_k", "got `float`"),
+    ({"model": "m", "messages": ONE_MESSAGE, "frequency_penalty": "1"}, "frequency_penalty", "got `str`"),
+    ({"model": "m", "messages": ONE_MESSAGE, "stream": 1}, "stream", "must be true or false"),
+    ({"model": "m", "messages": ONE_MESSAGE, "nope": 1}, "nope", "Unrecognized request argument supplied: nope"),
+])
+def test_a_refusal_names_the_field_and_says_what_it_must_be(body: dict[str, Any], param: str, words: str) -> None:
+    from appliance.api.schemas.openai import ChatRequest
+
+    with pytest.raises(schemas.FieldError) as refused:
+        schemas.check(body, ChatRequest, lambda key: f"Unrecognized request argument supplied: {key}")
+    assert refused.value.param == param and words in refused.value.message, refused.value.message
 
 
 # -- every declared field is taken, a wrong type refused ---------------------------------------
