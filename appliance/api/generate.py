@@ -35,13 +35,16 @@ from appliance.api.errors import render, render_error, status_line
 from appliance.api.kserve.rest import json_object
 from appliance.api.mounts import INFERENCE, Mount, raw_path
 from appliance.api.sse import StreamBody
+from appliance.api import schemas
+from appliance.api.schemas import paths as openapi_paths
+from appliance.api.schemas.generate import GenerateRequest
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
 
 
 PATH_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:generate")
-FIELDS = ("input_ids", "text", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stream")
+FIELDS = schemas.names(GenerateRequest)
 JSON = "application/json"
 SSE = "text/event-stream"
 
@@ -145,13 +148,14 @@ class _EventStream(StreamBody):
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
+    """The body, checked against its declaration (appliance/api/schemas/generate.py)."""
     body = json_object(raw, "generate request")
-    unknown = sorted(set(body) - set(FIELDS))
-    if unknown:
-        raise InvalidArgument(f"unknown field {unknown[0]!r}; a generate request takes {', '.join(FIELDS)}")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise InvalidArgument("field 'stream' must be true or false")
+    schemas.check(body, GenerateRequest, _unknown)
     return body
+
+
+def _unknown(key: str) -> str:
+    return f"unknown field {key!r}; a generate request takes {', '.join(FIELDS)}"
 
 
 def _ids(value: Any, name: str, vocab_size: int, allow_empty: bool) -> list[int]:
@@ -202,33 +206,7 @@ def _params(body: dict[str, Any], config: Any) -> Params:
         stop=frozenset(stop))
 
 
-def _openapi_paths() -> dict[str, Any]:
-    error = {"description": "error", "content": {JSON: {"schema": {"type": "object", "properties": {
-        "error": {"type": "string"}}, "required": ["error"]}}}}
-    model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
-    version = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
-    label = {"name": "label", "in": "path", "required": True, "schema": {"type": "string"}}
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
-    request = {"type": "object", "properties": {
-        "input_ids": ids, "text": {"type": "string"}, "max_new_tokens": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number", "minimum": 0}, "top_k": {"type": "integer", "minimum": 0},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "seed": {"type": "integer"},
-        "stop": ids, "stream": {"type": "boolean"}}}
-    paths = {}
-    for suffix, params in (("", [model]), ("/versions/{version}", [model, version]),
-                           ("/labels/{label}", [model, label])):
-        paths["/v1/models/{model}" + suffix + ":generate"] = {"post": {
-            "summary": "Generate tokens; step-batched with other streams of the version. "
-                       "stream=true: server-sent events, one per token, then event 'done'",
-            "parameters": params,
-            "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
-            "responses": {"200": {"description": "the generated tokens", "content": {
-                JSON: {"schema": {"type": "object"}}, SSE: {"schema": {"type": "string"}}}},
-                "400": error, "404": error, "413": error, "503": error}}}
-    return paths
-
-
-OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
+OPENAPI_PATHS: dict[str, Any] = openapi_paths.generate()  # the body: appliance/api/schemas/generate.py
 
 
 def mounts(core: "Appliance") -> list[Mount]:

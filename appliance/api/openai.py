@@ -57,10 +57,10 @@ from appliance.api import openai_fields as fields
 from appliance.api.body import read_raw, route_key
 from appliance.api.errors import as_error, status_line, wsgi_answer
 from appliance.api.openai_answer import Answer
-from appliance.api.openai_fields import CHAT, COMPLETIONS, MAX_STOPS, FieldError, ModelNotFound
+from appliance.api.openai_fields import CHAT, COMPLETIONS, FieldError, ModelNotFound
 from appliance.api.openai_tools import Tools, read_tools, response_grammar
+from appliance.api.schemas import paths as openapi_paths
 from appliance.api import openai_embeddings as embeddings
-from appliance.api.kserve.rest import json_object
 from appliance.api.mounts import INFERENCE, Mount, raw_path
 from appliance.api.sse import StreamBody, client_gone
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
@@ -77,10 +77,7 @@ OWNER = "edge-appliance"
 SSE = "text/event-stream"
 MODELS = "/v1/models"
 EMBEDDINGS = "/v1/embeddings"
-# OpenAI's other API families: answered with OpenAI's error, never TF Serving's "Malformed request"
-NOT_SERVED = ("/v1/responses", "/v1/audio", "/v1/images", "/v1/files", "/v1/moderations", "/v1/batches",
-              "/v1/assistants", "/v1/threads", "/v1/fine_tuning", "/v1/uploads", "/v1/vector_stores",
-              "/v1/realtime", "/v1/conversations")
+NOT_SERVED = openapi_paths.NOT_SERVED  # OpenAI's other API families: OpenAI's 404 (not TF Serving's 400)
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
          429: "rate_limit_error"}
@@ -301,12 +298,7 @@ class OpenAIAPI:
         try:
             if environ.get("REQUEST_METHOD") != "POST":
                 raise MethodNotAllowed(f"{EMBEDDINGS} takes POST")
-            body = json_object(read_raw(environ, self.core.config.server.max_body_bytes), "request")
-            unknown = sorted(set(body) - {"model", "input", "encoding_format", "dimensions", "user"})
-            if unknown:
-                raise FieldError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
-            if not isinstance(body.get("model"), str):
-                raise FieldError("field 'model' is required", "model")
+            body = fields.read(read_raw(environ, self.core.config.server.max_body_bytes), EMBEDDINGS)
             name = fields.model_id(body["model"])[0]
             out = self._embed(environ, body)
         except Exception as exc:
@@ -378,74 +370,8 @@ class _EventStream(StreamBody):
         yield b"data: [DONE]\n\n"
 
 
-# -- the route table's mounts and /openapi.json ------------------------------------------------
-def _openapi_paths() -> dict[str, Any]:
-    openai_error = {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}
-    # the layers in front of every API (HTTP limits, gzip bodies) answer the service's plain shape
-    error = {"description": "OpenAI's error object (or the service's {\"error\": \"...\"} from the HTTP "
-                            "server's limits and the gzip layer)", "content": {JSON: {"schema": {
-                                "type": "object", "required": ["error"], "properties": {
-                                    "error": {"anyOf": [openai_error, {"type": "string"}]}}}}}}
-    stop = {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOPS, "items": {"type": "string"}}]}
-    common = {"model": {"type": "string", "description": "name, name:<version> or name:<label>"},
-              "max_tokens": {"type": "integer", "minimum": 1},
-              "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-              "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "stop": stop,
-              "seed": {"type": "integer"}, "n": {"type": "integer", "minimum": 1, "maximum": fields.MAX_CHOICES},
-              "stream": {"type": "boolean"},
-              "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-              "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-              "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                                         "maximum": 100}},
-              "top_k": {"type": "integer", "minimum": -1}, "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-              "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
-              "response_format": {"type": "object", "required": ["type"], "properties": {
-                  "type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {"type": "object"}}},
-              "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-              "user": {"type": "string"}}
-    message = {"type": "object", "required": ["role"], "properties": {"role": {"type": "string"},
-                                                                         "content": {"type": "string"}}}
-    model = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
-        "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-        "owned_by": {"type": "string"}}}
-    answer = {"description": "the completion (JSON), or server-sent events ending with data: [DONE]", "content": {
-        JSON: {"schema": {"type": "object"}}, SSE: {"schema": {"type": "string"}}}}
-    errors = {code: error for code in ("400", "404", "413", "503")}
-
-    def post(summary: str, required: str, extra: dict[str, Any]) -> dict[str, Any]:
-        schema = {"type": "object", "required": ["model", required], "properties": {**common, **extra}}
-        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {JSON: {"schema": schema}}},
-                         "responses": {"200": answer, **errors}}}
-
-    return {
-        CHAT: post("OpenAI chat completion (the version's chat template), streamed with stream=true", "messages",
-                   {"messages": {"type": "array", "minItems": 1, "items": message},
-                    "max_completion_tokens": {"type": "integer", "minimum": 1},
-                    "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-                    "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"]}},
-                    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
-                    "parallel_tool_calls": {"type": "boolean"}}),
-        COMPLETIONS: post("OpenAI text completion, streamed with stream=true", "prompt",
-                          {"prompt": {"type": "string"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 5}}),
-        EMBEDDINGS: {"post": {"summary": "OpenAI embeddings of an encoder version", "requestBody": {
-            "required": True, "content": {JSON: {"schema": {"type": "object", "required": ["model", "input"],
-                                                            "properties": {
-                "model": {"type": "string"}, "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
-                "encoding_format": {"enum": ["float", "base64"]}, "dimensions": {"type": "integer"},
-                "user": {"type": "string"}}}}}},
-            "responses": {"200": {"description": "the embeddings in OpenAI's list shape", "content": {
-                JSON: {"schema": {"type": "object"}}}}, **errors}}},
-        MODELS: {"get": {"summary": "the model ids that generate now, in OpenAI's list shape (TF Serving "
-                                    "answers this path 400 'Missing model name')", "responses": {"200": {
-            "description": "the list", "content": {JSON: {"schema": {
-                "type": "object", "required": ["object", "data"], "properties": {
-                    "object": {"const": "list"}, "data": {"type": "array", "items": model}}}}}}}}},
-    }
-
-
-OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
+# -- the route table's mounts and /openapi.json (bodies declared in appliance/api/schemas/openai.py)
+OPENAPI_PATHS: dict[str, Any] = openapi_paths.openai()
 
 
 def mounts(core: "Appliance") -> list[Mount]:

@@ -1,4 +1,10 @@
-"""The OpenAPI description served at /openapi.json (hand-written: the API is TF Serving's).
+"""The OpenAPI description served at /openapi.json.
+
+Request bodies (and the answers that have a declared shape) are msgspec Structs
+(appliance/api/schemas/), the same declarations that check requests; their JSON Schemas
+are ``components/schemas`` here. The paths and their statuses are written here and in
+each API family's module (``OPENAPI_PATHS``); the answers TF Serving defines (model
+status, metadata, predict results) are written below as TF Serving's REST doc gives them.
 
 Every path the service answers is here, each with every status it can answer and the
 body that comes with it; tests/api/test_openapi_contract.py runs schemathesis against a live
@@ -15,7 +21,12 @@ import importlib
 import importlib.util
 from typing import Any
 
+from appliance.api import schemas
 from appliance.api.families import API_MOUNTS
+from appliance.api.schemas import generate as generate_bodies
+from appliance.api.schemas import kserve as kserve_bodies
+from appliance.api.schemas import openai as openai_bodies
+from appliance.api.schemas import tfserving as tfserving_bodies
 from appliance.core.problems import KIND_ORDER
 
 JSON = "application/json"
@@ -64,7 +75,7 @@ def _operation(summary: str, responses: dict[str, Any], params: list[dict[str, A
 
 
 def _json_body(schema: str, required: bool = True) -> dict[str, Any]:
-    return {"required": required, "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
+    return {"required": required, "content": {JSON: {"schema": {"$ref": schemas.REF.format(name=schema)}}}}
 
 
 def _tf_serving_paths() -> dict[str, Any]:
@@ -111,6 +122,13 @@ def _service_paths() -> dict[str, Any]:
                 "200": _ok({"type": "object", "required": ["model", "pinned"]}), "400": _BAD,
                 "404": _error("no such resource (a model name the path cannot hold)"), "409": conflict},
             [_MODEL], admin_body)},
+        "/api/models/{model}/rollout/{action}": {"post": _operation(
+            "admin: promote or abort the model's rollout candidate now (appliance/core/rollout.py)", {
+                "200": _ok({"type": "object", "required": ["model"]}),
+                "404": _error("no such action (promote, abort) or rollouts are off"),
+                "409": _error("the model has no rollout candidate")},
+            [_MODEL, {"name": "action", "in": "path", "required": True,
+                      "schema": {"type": "string", "enum": ["promote", "abort"]}}])},
     }
     if importlib.util.find_spec("ui") is not None:
         paths["/"] = {"get": _operation("the status page", {"200": _ok({"type": "string"}, media="text/html")})}
@@ -144,11 +162,15 @@ def spec(version: str) -> dict[str, Any]:
                                 "endpoints and the API layers this install has (KServe v2, ...). "
                                 "Errors are {\"error\": \"...\"}."},
         "paths": paths,
-        "components": {"schemas": SCHEMAS,
+        "components": {"schemas": {**SCHEMAS, **schemas.components(DECLARED)},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
 
 
+# every declared body; a path refers to one as #/components/schemas/<its class name>
+DECLARED = (*openai_bodies.REQUESTS, *openai_bodies.ANSWERS, generate_bodies.GenerateRequest,
+            generate_bodies.Generated, generate_bodies.GenerateError, tfserving_bodies.PredictRequest, tfserving_bodies.ExamplesRequest,
+            kserve_bodies.InferRequest)
 _TENSOR_INFO = {"type": "object", "required": ["dtype", "tensor_shape", "name"], "properties": {
     "dtype": {"type": "string"}, "name": {"type": "string"},
     "tensor_shape": {"type": "object", "required": ["dim", "unknown_rank"], "properties": {
@@ -157,11 +179,6 @@ _TENSOR_INFO = {"type": "object", "required": ["dtype", "tensor_shape", "name"],
         "unknown_rank": {"type": "boolean"}}}}}
 SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]},
-    "PredictRequest": {"type": "object", "properties": {
-        "signature_name": {"type": "string"}, "instances": {"type": "array"}, "inputs": {}}},
-    "ExamplesRequest": {"type": "object", "properties": {
-        "signature_name": {"type": "string"}, "context": {"type": "object"},
-        "examples": {"type": "array", "items": {"type": "object"}}}, "required": ["examples"]},
     "PredictResponse": {"type": "object", "minProperties": 1, "maxProperties": 1,
                         "properties": {"predictions": {}, "outputs": {}}, "additionalProperties": False},
     "ClassifyResponse": {"type": "object", "required": ["results"], "properties": {"results": {
@@ -201,6 +218,7 @@ SCHEMAS: dict[str, Any] = {
         "message": {"type": "string"}, "severity": {"type": "string", "enum": ["error", "warning"]},
         "model": {"type": "string"}, "version": {"type": "integer"}, "part": {"type": "string"},
         "error_code": {"type": "string"}, "since": {"type": "number", "description": "epoch seconds"}}},
+    # appliance/parts/sync_loop.py's rollback reads these two by hand (parts/, outside the API's bodies)
     "RollbackRequest": {"type": "object", "properties": {
         "version": {"type": "integer", "minimum": 0}, "clear": {"type": "boolean"}}},
 }

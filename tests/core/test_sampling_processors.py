@@ -7,9 +7,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import orjson
 import pytest
 
-from appliance.api.openai_fields import FieldError, params, processors_asked
+from appliance.api.openai_fields import CHAT, FieldError, params, processors_asked, read
 from appliance.core.sampling import choose, process, sample
 from appliance.core.streams import Params
 
@@ -49,11 +50,16 @@ def test_the_fields_set_them_and_refuse_bad_values_by_name() -> None:
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias, p.top_k, p.min_p, p.repetition_penalty) == \
         (1.0, -0.5, ((7, -100.0),), 5, 0.1, 1.3)
     assert processors_asked(body) == "presence_penalty" and processors_asked({"top_k": 3, "min_p": 0}) is None
-    for bad in ({"logit_bias": {"99": 1}}, {"logit_bias": {"1": 101}}, {"presence_penalty": 3}, {"min_p": 2},
-                {"repetition_penalty": 0}):
+    with pytest.raises(FieldError) as outside:  # the model's vocabulary: known to params() only
+        params({"logit_bias": {"99": 1}}, CONFIG, chat=True, room=100, vocab_size=32)
+    assert outside.value.param == "logit_bias" and "0..31" in outside.value.message
+    # the bounds are declared (appliance/api/schemas/openai.py): read() refuses them by name
+    for bad in ({"logit_bias": {"1": 101}}, {"logit_bias": {"x": 1}}, {"presence_penalty": 3}, {"min_p": 2},
+                {"repetition_penalty": 0}, {"frequency_penalty": "1"}, {"top_k": 1.5}):
         with pytest.raises(FieldError) as refused:
-            params(bad, CONFIG, chat=True, room=100, vocab_size=32)
-        assert refused.value.param == next(iter(bad))
+            read(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], **bad}), CHAT)
+        assert refused.value.param == next(iter(bad)), bad
+        assert refused.value.message.startswith(f"field '{next(iter(bad))}' must be "), refused.value.message
 
 
 def test_max_tokens_defaults_to_and_is_capped_by_the_rest_of_the_context() -> None:

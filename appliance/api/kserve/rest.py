@@ -34,6 +34,8 @@ from appliance.api.errors import render_error, status_line
 from appliance.api.family import Answer, AsyncFamily
 from appliance.api.kserve.extensions import V2Extensions
 from appliance.api.mounts import ADMIN, INFERENCE, OPEN, Mount, raw_path
+from appliance.api.schemas import ref
+from appliance.api.schemas import kserve as bodies
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -423,10 +425,7 @@ def _openapi_paths() -> dict[str, Any]:
                                      "schema": {"type": "integer", "minimum": 1},
                                      "description": "size of the JSON header when binary tensors follow it"}],
             "requestBody": {"required": True, "content": {
-                JSON: {"schema": {"type": "object", "required": ["inputs"], "properties": {
-                    "id": {"type": "string"}, "parameters": {"type": "object"},
-                    "inputs": {"type": "array", "items": {"type": "object", "required": ["name", "shape", "datatype"]}},
-                    "outputs": {"type": "array", "items": {"type": "object", "required": ["name"]}}}}},
+                JSON: {"schema": ref(bodies.InferRequest)},  # declared in appliance/api/schemas/kserve.py
                 OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
             "responses": {"200": {"description": "outputs", "content": {
                 JSON: {"schema": {"type": "object"}}, OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
