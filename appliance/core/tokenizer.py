@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from appliance.core.errors import InvalidArgument
 
@@ -230,7 +230,7 @@ def _stops(config: dict[str, Any], generation: dict[str, Any], lookup: Any) -> t
     return eos, frozenset(([eos] if eos is not None else []) + more)
 
 
-def _byte_decoder(decoder: Any) -> Any:
+def _byte_decoder(decoder: object) -> Callable[[str], bytes]:
     """piece -> bytes for one token, by the tokenizer's decoder: byte-level (GPT-2's map of bytes
     to printable characters) or Metaspace/byte-fallback (``▁`` a space, ``<0xAB>`` a byte)."""
     kinds = {d.get("type") for d in (decoder.get("decoders") or [decoder])} if isinstance(decoder, dict) else set()
