@@ -152,8 +152,11 @@ def build(out: Path) -> None:
     model, config = _model()
     final = train(model, config)
     assert final < 0.02, f"the example answers were not learnt (loss {final:.3f})"
-    with torch.no_grad():  # sharper still: sampled at temperature 1 (the examples' default), it keeps its answer
-        model.lm_head.weight.mul_(3.0)
+    # Sharper still: the examples sample at temperature 1 (their default) and the tests read exact
+    # text. Logits x10 raise the odds against the learnt token to the 10th power: a token learnt at
+    # p = 0.9 (odds 1:9 against) is then missed once in ~3e9 draws, where x3 left ~1 in 730 (a flake).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
     version = out / "1"
     version.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
