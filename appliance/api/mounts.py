@@ -31,6 +31,10 @@ OPEN: str | None = None
 ADMIN, INFERENCE, READ = "admin", "inference", "read"
 SCOPES = (ADMIN, INFERENCE, READ)
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# Probes the HTTP server never sheds under overload (a liveness probe answered 503 gets a busy
+# service restarted): ours, and the Open Inference Protocol's server health that KServe's and
+# Triton's probes and clients call (Triton never sheds them either).
+PROBE_PATHS = OPEN_PATHS | {"/v2/health/live", "/v2/health/ready"}
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 ROUTE_KEY = "appliance.route"  # environ key: the (handler, scope) resolve found, for the layers inside
 

@@ -26,7 +26,7 @@ from appliance.api.auth import TokenHolder, authorize
 from appliance.api.body import content_encoding, inflate, read_raw
 from appliance.api.errors import error_body, render_error, status_line
 from appliance.api.family import Answer, AsyncFamily
-from appliance.api.mounts import OPEN_PATHS, Mount, Mounts, normal, raw_path
+from appliance.api.mounts import PROBE_PATHS, Mount, Mounts, normal, raw_path
 from appliance.api.sse import client_gone
 from appliance.core.errors import ApplianceError
 from appliance.core.seams import ServingCore
@@ -198,7 +198,7 @@ def facing(alone_var: "contextvars.ContextVar[Any] | None" = None) -> AppFacing:
     """What the HTTP server needs to know of this app: probes are never shed, the errors it
     writes itself are ``{"error": ...}``, and (in the process that batches) how a lone call is
     told apart."""
-    return AppFacing(frozenset(p.encode() for p in OPEN_PATHS), error_body, alone_var)
+    return AppFacing(frozenset(p.encode() for p in PROBE_PATHS), error_body, alone_var)
 
 
 def serving_front(core: "Appliance", app: WSGIApp) -> FrontApp:

@@ -199,13 +199,14 @@ def test_requests_that_waited_too_long_for_a_worker_are_shed_with_retry_after() 
         first = threading.Thread(target=call, args=("/work",))
         first.start()
         poll_until(lambda: ran, 10, "the first request to occupy the worker")
-        queued = [threading.Thread(target=call, args=(p,)) for p in ["/work"] * 4 + ["/healthz"]]
+        probes = ["/healthz", "/v2/health/live", "/v2/health/ready"]
+        queued = [threading.Thread(target=call, args=(p,)) for p in ["/work"] * 4 + probes]
         for t in queued:
             t.start()
         for t in [first, *queued]:
             t.join(30)
         by_status = sorted((r.status_code, r.url.rsplit("/", 1)[1]) for r in replies)
-        assert (200, "healthz") in by_status
+        assert {(200, "healthz"), (200, "live"), (200, "ready")} <= set(by_status)
         shed = [r for r in replies if r.status_code == 503]
         assert shed and all(r.headers["Retry-After"] == "1" and "max_queue_wait_s" in r.json()["error"] for r in shed)
         assert ran.count("/work") == 5 - len(shed)  # a shed request never reached the app
