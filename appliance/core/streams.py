@@ -4,17 +4,22 @@ its reader takes (``Stream``), and the metrics every stream reports into
 streams of LiteRT-LM bundles (appliance/core/text_streams.py) both drive streams; neither
 needs the other for it.
 
+A request answered on an event loop reads its events from a ``LoopQueue``: the decode loop's
+``put`` wakes the reader's loop, so a stream costs the reader no thread and no poll.
+
 Thread-safety: a ``Stream`` is written by the one thread that drives it; ``cancel`` and
-reading ``events`` may happen on any thread.
+reading ``events`` may happen on any thread (a ``LoopQueue``'s only on its loop).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
@@ -115,10 +120,50 @@ class Stream:
                 else None, "elapsed_ms": round(elapsed * 1000, 3)}
 
 
+Event = tuple[int, str, Any]  # (choice index, kind, value): "token" id, "text" piece, "done" summary, "error" text
+
+
+class EventSink(Protocol):
+    """Where a request's tagged events go: a ``queue.SimpleQueue`` (a reader thread) or a ``LoopQueue``."""
+
+    def put(self, item: Event) -> None: ...
+
+
+class LoopQueue:
+    """A request's events for a reader on an event loop (module docstring): ``put`` from any
+    thread, ``get`` awaited on ``loop``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: collections.deque[Event] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Event) -> None:
+        self._items.append(item)
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop closed: no one reads any more
+            pass
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Event:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class Tagged:
     """A stream's ``events`` put on its request's one queue with the choice's index."""
 
-    def __init__(self, merged: "queue.SimpleQueue[tuple[int, str, Any]]", index: int):
+    def __init__(self, merged: EventSink, index: int):
         self.merged, self.index = merged, index
 
     def put(self, item: tuple[str, Any]) -> None:
@@ -160,4 +205,4 @@ class GenerationMetrics:
         self.queue_wait.labels(model).observe(seconds)
 
 
-__all__ = ["GenerationMetrics", "Params", "Stream", "Tagged"]
+__all__ = ["Event", "EventSink", "GenerationMetrics", "LoopQueue", "Params", "Stream", "Tagged"]

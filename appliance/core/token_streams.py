@@ -1,0 +1,88 @@
+"""Token streams on an event loop: the shape of vLLM's ``EngineClient.generate``.
+
+``generate(generation, handle, request)`` is awaited on the caller's loop: the request waits
+for room in its model's queue without a thread (``StreamLimits.reserve``:
+appliance/core/stream_limits.py), its streams start on the handle's version
+(``Generation.start_choices``), and it returns a ``TokenStream``: an async iterator of the
+request's events, ``(choice index, kind, value)`` as appliance/core/streams.py names them,
+woken by the decode loop (``LoopQueue``), never polled. ``abort()`` (a client that went away)
+cancels every choice: the decode loop drops them at its next step and releases the version.
+The reader pays no thread for the stream's whole life; the decode loop (one thread per
+version, shared by all its streams) is the generation's own.
+
+Thread-safety: one reader per ``TokenStream``, on the loop that called ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from appliance.core.constraints import Grammar
+from appliance.core.stream_limits import ADMITTED
+from appliance.core.streams import Event, LoopQueue, Params, Stream
+
+if TYPE_CHECKING:
+    from appliance.core.generation import Generation
+
+ENDS = ("done", "error")  # the kinds that end a choice
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """What to generate: the prompt's ids (``text``: as text, for a text-level servable), its
+    parameters, ``n`` choices, an optional grammar; ``model``: the name its queue is kept by."""
+
+    prompt: list[int]
+    params: Params
+    model: str
+    text: str | None = None
+    n: int = 1
+    grammar: Grammar | None = None
+
+
+class TokenStream:
+    """A request's streams, as an async iterator of their events (module docstring)."""
+
+    def __init__(self, streams: list[Stream], events: LoopQueue):
+        self.streams, self._events = streams, events
+        self.open = len(streams)
+
+    def __aiter__(self) -> "TokenStream":
+        return self
+
+    async def __anext__(self) -> Event:
+        if not self.open:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        if event[1] in ENDS:
+            self.open -= 1
+        return event
+
+    def abort(self, reason: str = "cancelled") -> None:
+        """Cancel every choice still running (their "done" events follow)."""
+        for stream in self.streams:
+            stream.cancel(reason)
+
+
+async def generate(generation: "Generation", handle: Any, request: TokenRequest) -> TokenStream:
+    """Queue, admit and start ``request`` on ``handle``'s version (module docstring). The handle
+    is the generation's once this returns; on an error (a full queue, a wait past its deadline,
+    a cancelled request) the caller still holds it and releases it."""
+    limits = generation.limits
+    if generation.config.reserved_streams_per_model > 0:  # which models generate: read off the loop
+        await asyncio.get_running_loop().run_in_executor(None, limits.refresh)
+    ticket = await limits.reserve(request.model, request.n)
+    events = LoopQueue(asyncio.get_running_loop())
+    token = ADMITTED.set(ticket)
+    try:
+        streams = generation.start_choices(request.prompt, request.params, handle, request.model, text=request.text,
+                                           n=request.n, grammar=request.grammar, events=events)
+    finally:
+        ADMITTED.reset(token)
+        limits.give_back(ticket)  # nothing when the streams took it
+    return TokenStream(streams, events)
+
+
+__all__ = ["TokenRequest", "TokenStream", "generate"]
