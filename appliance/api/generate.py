@@ -86,7 +86,11 @@ class GenerateAPI(AsyncFamily):
         if plan.streaming:
             return "200 OK", [("Content-Type", SSE), ("Cache-Control", "no-cache"),
                               ("X-Accel-Buffering", "no")], self._events(tokens, plan.vocab, started)
-        status, headers, body = await self._collect(tokens, plan.vocab, client_gone(environ))
+        try:
+            status, headers, body = await self._collect(tokens, plan.vocab, client_gone(environ))
+        except BaseException:  # cancelled (a front worker's client went away): the stream stops too
+            tokens.abort()
+            raise
         self.core.metrics.observe_request(name, "generate", status, time.perf_counter() - started)
         return status_line(status), headers, body
 

@@ -320,7 +320,11 @@ class OpenAIAPI(AsyncFamily):
 
     @staticmethod
     async def _collect(answer: Answer) -> tuple[int, list[tuple[str, str]], bytes]:
-        whole = await answer.completion()
+        try:
+            whole = await answer.completion()
+        except BaseException:  # cancelled (a front worker's client went away): the streams stop too
+            answer.cancel()
+            raise
         if answer.error is not None:
             return render(ApplianceError(f"the model failed while generating: {answer.error}"))
         body = orjson.dumps(whole)

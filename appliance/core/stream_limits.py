@@ -117,8 +117,10 @@ class StreamLimits:
             self._leave_queue(me)
         self._count_in(model, count)
 
-    async def reserve(self, model: str, count: int = 1) -> Ticket:
-        """(an event loop, outside the lock) ``admit`` awaited: no thread waits (module docstring)."""
+    async def reserve(self, model: str, count: int = 1, changed: Callable[[], None] = lambda: None) -> Ticket:
+        """(an event loop, outside the lock) ``admit`` awaited: no thread waits (module docstring).
+        ``changed()`` (outside the lock) when the request joins the queue and when it leaves it:
+        the status shows the queue as it is."""
         loop = asyncio.get_running_loop()
         woken = asyncio.Event()
 
@@ -132,6 +134,7 @@ class StreamLimits:
             me = self._enter(model, count, config, wake)
         if me is None:
             return Ticket(model, count)
+        changed()
         try:
             while True:
                 woken.clear()
@@ -149,6 +152,7 @@ class StreamLimits:
         finally:
             with self._ready:
                 self._leave_queue(me)
+            changed()
 
     def give_back(self, ticket: Ticket) -> None:
         """(outside the lock) Count out a ticket's streams that never started."""

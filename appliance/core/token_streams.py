@@ -73,7 +73,7 @@ async def generate(generation: "Generation", handle: Any, request: TokenRequest)
     limits = generation.limits
     if generation.config.reserved_streams_per_model > 0:  # which models generate: read off the loop
         await asyncio.get_running_loop().run_in_executor(None, limits.refresh)
-    ticket = await limits.reserve(request.model, request.n)
+    ticket = await limits.reserve(request.model, request.n, generation.publish)
     events = LoopQueue(asyncio.get_running_loop())
     token = ADMITTED.set(ticket)
     try:
