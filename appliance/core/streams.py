@@ -18,6 +18,7 @@ import collections
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -129,23 +130,58 @@ class EventSink(Protocol):
     def put(self, item: Event) -> None: ...
 
 
+class LoopWaker:
+    """Wakes the readers of one event loop's ``LoopQueue``s: one ``call_soon_threadsafe`` (a
+    write to the loop's self-pipe) per batch of puts, not one per token, so a decode step of 24
+    streams wakes the loop once. ``for_loop`` gives each loop its one waker."""
+
+    _of: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.ready: collections.deque[LoopQueue] = collections.deque()
+        self.scheduled = False
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "LoopWaker":
+        """(the loop's thread) Its waker."""
+        waker = cls._of.get(loop)
+        if waker is None:
+            waker = cls._of[loop] = cls(loop)
+        return waker
+
+    def notify(self, queue: "LoopQueue") -> None:
+        """(any thread) ``queue`` has a new item."""
+        self.ready.append(queue)
+        if not self.scheduled:  # a wake already scheduled will see this queue: it drains ``ready`` after clearing the flag
+            self.scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._run)
+            except RuntimeError:  # the loop closed: no one reads any more
+                pass
+
+    def _run(self) -> None:
+        self.scheduled = False
+        while self.ready:
+            self.ready.popleft().wake()
+
+
 class LoopQueue:
     """A request's events for a reader on an event loop (module docstring): ``put`` from any
-    thread, ``get`` awaited on ``loop``."""
+    thread, ``get`` awaited on ``loop`` (made on that loop's thread)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
+        self._waker = LoopWaker.for_loop(loop)
         self._items: collections.deque[Event] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: Event) -> None:
         self._items.append(item)
-        try:
-            self._loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:  # the loop closed: no one reads any more
-            pass
+        self._waker.notify(self)
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """(the loop) Its reader, if it waits, looks again."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -205,4 +241,4 @@ class GenerationMetrics:
         self.queue_wait.labels(model).observe(seconds)
 
 
-__all__ = ["Event", "EventSink", "GenerationMetrics", "LoopQueue", "Params", "Stream", "Tagged"]
+__all__ = ["Event", "EventSink", "GenerationMetrics", "LoopQueue", "LoopWaker", "Params", "Stream", "Tagged"]
