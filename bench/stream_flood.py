@@ -2,13 +2,13 @@
 memory stays bounded and ``/healthz`` keeps answering in < 100 ms throughout.
 
     PYTHONPATH=. .venv/bin/python -m bench.stream_flood [--streams 1000] [--workers N]
-        [--max-streams N] [--max-queued N] [--max-tokens 64] [--json OUT]
+        [--max-streams N] [--max-queued N] [--max-tokens 64] [--json OUT] [--tree DIR]
 
 The model is the prebuilt tiny chat model (scripts/tiny_chat: a LiteRT LLM with a real
 tokenizer.json), served from a temporary state directory. After a warm-up answer, ``--streams``
 clients each open a connection and send a streamed ``/v1/completions`` request, all at once, and
-read their answers to ``data: [DONE]``. Meanwhile one client asks ``/healthz`` on a keep-alive
-connection back to back, and the service tree's RSS and PSS (every process: serving, zygote,
+read their answers to ``data: [DONE]``. Meanwhile a client in a process of its own asks
+``/healthz`` on a keep-alive connection back to back (10 ms apart), and the service tree's RSS and PSS (every process: serving, zygote,
 front workers; /proc/PID/smaps_rollup) and ``/api/status`` ``generation`` are sampled every
 100 ms. Reported: the answers by status (a stream over ``generation.max_streams`` waits in its
 model's queue, past ``generation.max_queued_per_model`` it is refused 503 + Retry-After), the
@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
 import platform
 import shutil
 import socket
@@ -37,6 +39,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CHAT = ROOT / "scripts" / "tiny_chat"
+WHY: set[tuple[int, str]] = set()  # the refusals' bodies, each kind once
 
 
 def free_port() -> int:
@@ -88,7 +91,9 @@ def start(tmp: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[by
     if args.workers is not None:
         cmd += ["--workers", str(args.workers)]
     log = open(tmp / "server.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    tree = args.tree.resolve()  # the service's source tree: this one, or another commit's for a before/after pair
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -116,6 +121,9 @@ async def one_stream(port: int, body: bytes) -> tuple[int, int]:
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
+        if status != 200:  # why, in the service's words
+            WHY.add((status, (await reader.read(400)).decode(errors="replace")[:160]))
+            return status, 0
         events = 0
         while True:
             line = await reader.readline()
@@ -131,8 +139,24 @@ async def one_stream(port: int, body: bytes) -> tuple[int, int]:
         writer.close()
 
 
+def probe_health(url: str, stop: Any, out: Any) -> None:
+    """(a process of its own, so the flood's clients never slow the probe) ``/healthz`` back to
+    back on a keep-alive connection, 10 ms apart; the latencies (None: failed) to ``out``."""
+    session = requests.Session()
+    latencies: list[float | None] = []
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            ok = session.get(url + "/healthz", timeout=10).status_code == 200
+        except requests.RequestException:
+            ok = False
+        latencies.append(time.perf_counter() - t if ok else None)
+        time.sleep(0.01)
+    out.put(latencies)
+
+
 class Sampler(threading.Thread):
-    """/healthz back to back, and the tree's memory and the generation status every 100 ms."""
+    """The tree's memory and the generation status every 100 ms; ``/healthz`` in a child process."""
 
     def __init__(self, url: str, pid: int):
         super().__init__(daemon=True)
@@ -142,22 +166,24 @@ class Sampler(threading.Thread):
         self.failed = 0
         self.memory: list[tuple[float, float]] = []
         self.running = self.waiting = 0
-        self.memory_thread = threading.Thread(target=self._memory, daemon=True)
+        ctx = multiprocessing.get_context("spawn")
+        self.probe_stop, self.probe_out = ctx.Event(), ctx.Queue()
+        self.probe = ctx.Process(target=probe_health, args=(url, self.probe_stop, self.probe_out), daemon=True)
+
+    def start(self) -> None:
+        self.probe.start()
+        super().start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.probe_stop.set()
+        latencies = self.probe_out.get(timeout=60)
+        self.probe.join(30)
+        self.join()
+        self.health = [x for x in latencies if x is not None]
+        self.failed = sum(x is None for x in latencies)
 
     def run(self) -> None:
-        self.memory_thread.start()
-        session = requests.Session()
-        while not self.stop.is_set():
-            t = time.perf_counter()
-            try:
-                ok = session.get(self.url + "/healthz", timeout=10).status_code == 200
-            except requests.RequestException:
-                ok = False
-            self.health.append(time.perf_counter() - t)
-            self.failed += not ok
-            time.sleep(0.01)
-
-    def _memory(self) -> None:
         session = requests.Session()
         while not self.stop.is_set():
             rss, pss, _ = tree_memory(self.pid)
@@ -185,6 +211,8 @@ def main() -> None:
     ap.add_argument("--max-queued", type=int, default=0, help="generation.max_queued_per_model (0: the default)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--tree", type=Path, default=ROOT,
+                    help="the service's source tree (default: this one; e.g. `git archive` of an older commit)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="edge-flood-"))
     port = free_port()
@@ -200,9 +228,7 @@ def main() -> None:
         started = time.monotonic()
         answers = asyncio.run(flood(port, args.streams, args.max_tokens))
         seconds = time.monotonic() - started
-        sampler.stop.set()
-        sampler.join()
-        sampler.memory_thread.join()
+        sampler.finish()
         after = tree_memory(proc.pid)
         status = requests.get(url + "/api/status", timeout=10).json()
     finally:
@@ -224,7 +250,8 @@ def report(args: argparse.Namespace, answers: list[tuple[int, int]], seconds: fl
     peak_rss = max((m[0] for m in sampler.memory), default=0.0)
     peak_pss = max((m[1] for m in sampler.memory), default=0.0)
     return {
-        "machine": f"{platform.node()} {platform.machine()}, {__import__('os').cpu_count()} CPUs",
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+        "tree": str(args.tree),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "streams": args.streams, "workers": len(status.get("workers", [])) or 1,
         "max_tokens": args.max_tokens, "seconds": round(seconds, 2), "answers_by_status": by_status,
@@ -235,6 +262,7 @@ def report(args: argparse.Namespace, answers: list[tuple[int, int]], seconds: fl
         "tree_mib": {"before_rss": round(before[0], 1), "before_pss": round(before[1], 1),
                      "peak_rss": round(peak_rss, 1), "peak_pss": round(peak_pss, 1),
                      "after_rss": round(after[0], 1), "after_pss": round(after[1], 1), "processes": after[2]},
+        "refusals": sorted({f"{code}: {text.split(':', 2)[-1][:90]}" for code, text in WHY})[:6],
         "generation": {k: status.get("generation", {}).get(k) for k in ("streams_started", "streams_cancelled",
                                                                       "requests_waiting", "active_streams")},
     }

@@ -29,9 +29,9 @@ import orjson
 
 from appliance.core.errors import ApplianceError, InvalidArgument
 from appliance.core.generation import Generation
-from appliance.core import token_streams
+from appliance.core.seams import TokenEvents, TokenStreams
 from appliance.core.streams import Params
-from appliance.core.token_streams import TokenRequest, TokenStream
+from appliance.core.token_streams import LocalTokenStreams, TokenRequest
 from appliance.core.tokenizer import Detokenizer, Tokenizer
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
@@ -62,6 +62,11 @@ class GenerateAPI(AsyncFamily):
         self.core = core
 
     @property
+    def tokens(self) -> TokenStreams:
+        """Token streams on this loop (appliance/core/seams.py ``TokenStreams``)."""
+        return LocalTokenStreams(self.generation)
+
+    @property
     def generation(self) -> Generation:
         """The core's one (built on first use; shared with the OpenAI API)."""
         return Generation.of(self.core)
@@ -74,7 +79,7 @@ class GenerateAPI(AsyncFamily):
         try:
             plan = await off_loop(lambda: self._plan(environ, match), lambda p: p.handle.release())
             try:
-                tokens = await token_streams.generate(self.generation, plan.handle, plan.request)
+                tokens = await self.tokens.generate(plan.handle, plan.request)
             except BaseException:
                 plan.handle.release()
                 raise
@@ -117,7 +122,7 @@ class GenerateAPI(AsyncFamily):
         return _Plan(handle, TokenRequest(prompt, params, name, text=text), vocab, bool(body.get("stream", False)))
 
     @staticmethod
-    async def _collect(tokens: TokenStream, vocab: Tokenizer | None,
+    async def _collect(tokens: TokenEvents, vocab: Tokenizer | None,
                        gone: Callable[[], bool]) -> tuple[int, list[tuple[str, str]], bytes]:
         stream = tokens.streams[0]
         look_at = time.monotonic() + GONE_POLL_S
@@ -135,7 +140,7 @@ class GenerateAPI(AsyncFamily):
                 return render(500, value)
         return render(500, "the stream ended without its end")
 
-    async def _events(self, tokens: TokenStream, vocab: Tokenizer | None, started: float) -> AsyncIterator[bytes]:
+    async def _events(self, tokens: TokenEvents, vocab: Tokenizer | None, started: float) -> AsyncIterator[bytes]:
         """The SSE body (module docstring); closed early (the client went away), the stream is cancelled."""
         stream = tokens.streams[0]
         # the text of each token as it can be shown: a character split across tokens comes whole

@@ -70,8 +70,8 @@ from appliance.api.families import completion_mounts
 from appliance.api.family import Answer as FamilyAnswer
 from appliance.api.family import AsyncFamily, Streamed
 from appliance.api.sse import client_gone, off_loop
-from appliance.core import token_streams
-from appliance.core.token_streams import TokenRequest
+from appliance.core.seams import TokenStreams
+from appliance.core.token_streams import LocalTokenStreams, TokenRequest
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.generation import Generation
 from appliance.core.tokenizer import load as load_tokenizer
@@ -145,6 +145,11 @@ class OpenAIAPI(AsyncFamily):
 
     def __init__(self, core: "Appliance"):
         self.core = core
+
+    @property
+    def tokens(self) -> TokenStreams:
+        """Token streams on this loop (appliance/core/seams.py ``TokenStreams``)."""
+        return LocalTokenStreams(self.generation)
 
     @property
     def generation(self) -> Generation:
@@ -240,7 +245,7 @@ class OpenAIAPI(AsyncFamily):
             raise ApplianceError("the service is not started")
         plan = await off_loop(lambda: self._plan(manager, environ, body, chat), lambda p: p.handle.release())
         try:
-            tokens = await token_streams.generate(self.generation, plan.handle, plan.request)
+            tokens = await self.tokens.generate(plan.handle, plan.request)
         except BaseException:
             plan.handle.release()
             raise

@@ -21,7 +21,7 @@ import orjson
 
 from appliance.api.openai_tools import Tools
 from appliance.core.streams import Stream
-from appliance.core.token_streams import TokenStream
+from appliance.core.seams import TokenEvents
 from appliance.core.sampling import TokenLogprob
 from appliance.core.text import StopText
 from appliance.core.tokenizer import Detokenizer
@@ -78,7 +78,7 @@ class Choice:
 class Answer:
     """The request's choices (module docstring)."""
 
-    def __init__(self, tokens: TokenStream, vocab: Any, body: dict[str, Any], chat: bool, prompt_tokens: int,
+    def __init__(self, tokens: TokenEvents, vocab: Any, body: dict[str, Any], chat: bool, prompt_tokens: int,
                  stops: list[str], tools: Tools | None, gone: Callable[[], bool]):
         streams = self.streams = tokens.streams
         self.tokens, self.vocab, self.chat, self.tools = tokens, vocab, chat, tools

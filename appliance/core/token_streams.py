@@ -85,4 +85,14 @@ async def generate(generation: "Generation", handle: Any, request: TokenRequest)
     return TokenStream(streams, events)
 
 
-__all__ = ["TokenRequest", "TokenStream", "generate"]
+class LocalTokenStreams:
+    """``TokenStreams`` (appliance/core/seams.py) of the process that generates."""
+
+    def __init__(self, generation: "Generation"):
+        self.generation = generation
+
+    async def generate(self, handle: Any, request: TokenRequest) -> TokenStream:
+        return await generate(self.generation, handle, request)
+
+
+__all__ = ["LocalTokenStreams", "TokenRequest", "TokenStream", "generate"]

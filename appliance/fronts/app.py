@@ -23,8 +23,11 @@ import asyncio
 import contextvars
 import io
 import queue
+
+import orjson
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Protocol
 
+from appliance.version import __version__
 from appliance.api.auth import TokenHolder, authorize
 from appliance.api.body import content_encoding, inflate, read_raw
 from appliance.api.errors import error_body, render_error, status_line
@@ -179,9 +182,10 @@ async def forward_whole(link: Link, environ: dict[str, Any]) -> Answer:
 class FrontApp:
     """The front path (module docstring): the HTTP server's WSGI app and its ``FastRoutes``.
 
-    ``regions_elsewhere``: how a v2 infer naming shared-memory regions is answered by the
-    process that holds them (appliance/api/kserve/shared_memory.py): in a worker, forwarded
-    whole; None in the serving process, whose families read the regions themselves."""
+    ``regions_elsewhere``: how a request only the serving process may answer is answered there
+    (in a worker, forwarded whole and awaited on the loop; None in the serving process): a v2
+    infer naming shared-memory regions (appliance/api/kserve/shared_memory.py), which only it
+    holds, and ``GET /healthz``, whose answer says it is alive."""
 
     def __init__(self, core: FrontCore, hot: list[Mount], fallback: WSGIApp,
                  regions_elsewhere: Callable[[dict[str, Any]], Awaitable[Answer]] | None = None):
@@ -198,6 +202,8 @@ class FrontApp:
         """(the HTTP server's ``FastRoutes``) The coroutine of a hot request whose token passes;
         None: the fallback answers it (a refusal with the serving app's headers and counters)."""
         raw = raw_path(environ).partition("?")[0]
+        if raw == "/healthz" and environ.get("REQUEST_METHOD") == "GET":  # liveness: never behind a thread
+            return self.regions_elsewhere or _alive
         mount = self.hot.match(environ.get("REQUEST_METHOD", "GET"), raw)
         family = mount.handler if mount is not None else None
         if mount is None or not isinstance(family, AsyncFamily) or not normal(raw):
@@ -226,6 +232,14 @@ class FrontApp:
             environ["CONTENT_LENGTH"] = str(len(body))
             environ["wsgi.input"] = io.BytesIO(body)
         environ.pop("HTTP_CONTENT_ENCODING", None)
+
+
+async def _alive(environ: dict[str, Any]) -> Answer:
+    """``GET /healthz`` on the loop of the process that holds the versions (the Flask route's
+    body): a probe answered behind no thread, and through a worker forwarded here and awaited
+    (``regions_elsewhere``), so it still says the serving process is alive."""
+    body = orjson.dumps({"status": "alive", "version": __version__})
+    return "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body
 
 
 def _names_a_region(environ: dict[str, Any]) -> bool:
