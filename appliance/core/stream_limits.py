@@ -246,10 +246,15 @@ class StreamLimits:
     def _generative(self) -> frozenset[str]:
         return self._models[1]
 
+    @property
+    def stale(self) -> bool:
+        """Whether ``refresh`` would read the models again now."""
+        return time.monotonic() - self._models[0] >= MODELS_TTL_S
+
     def refresh(self) -> None:
         """Read which models can generate, at most every MODELS_TTL_S. Call *outside* the
         lock: reading them takes handles on the manager."""
-        if time.monotonic() - self._models[0] >= MODELS_TTL_S:
+        if self.stale:
             self._models = (time.monotonic(), frozenset(self._models_of()))
 
 

@@ -71,7 +71,7 @@ async def generate(generation: "Generation", handle: Any, request: TokenRequest)
     is the generation's once this returns; on an error (a full queue, a wait past its deadline,
     a cancelled request) the caller still holds it and releases it."""
     limits = generation.limits
-    if generation.config.reserved_streams_per_model > 0:  # which models generate: read off the loop
+    if limits.stale:  # which models generate (it may load a tokenizer): read off the loop, not in start_choices
         await asyncio.get_running_loop().run_in_executor(None, limits.refresh)
     ticket = await limits.reserve(request.model, request.n, generation.publish)
     events = LoopQueue(asyncio.get_running_loop())
