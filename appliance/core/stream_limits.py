@@ -186,10 +186,17 @@ class StreamLimits:
             self._observer.waited(me.model, time.monotonic() - me.since)
 
     def _notify(self) -> None:
+        """(lock) Room may have freed: threads look again; of the awaiting waiters only the next
+        in line is woken (it wakes the one after when it goes), not every one of a long queue."""
         self._ready.notify_all()
-        for waiter in self.waiting:
-            if waiter.wake is not None:
-                waiter.wake()
+        if not self.waiting:
+            return
+        config = self._config()
+        fitting = [w for w in self.waiting if self._refusal(w.model, w.count, config) is None]
+        if fitting:
+            first = min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq))
+            if first.wake is not None:
+                first.wake()
 
     def _timed_out(self, model: str, count: int, config: Any) -> Unavailable:
         return Unavailable(f"waited {config.queue_timeout_s:g} s (generation.queue_timeout_s) for a stream of model "

@@ -69,8 +69,10 @@ def test_reserve_waits_without_a_thread_and_is_admitted_when_a_stream_ends() -> 
         second.cancel()  # a client gone while it waits: it leaves the queue
         await asyncio.gather(second, return_exceptions=True)
         assert len(limits.waiting) == 1
-        threading.Thread(target=_leave, args=(limits, lock, "m")).start()  # a stream ends on the decode thread
+        ender = threading.Thread(target=_leave, args=(limits, lock, "m"))  # a stream ends on the decode thread
+        ender.start()
         ticket = await asyncio.wait_for(waiting, WAIT_S)
+        ender.join()
         assert limits.running == {"m": 1} and not limits.waiting and observer.depth == {"m": 0}
         token = ADMITTED.set(ticket)  # the generation's admit takes the reserved stream without counting it again
         try:
@@ -100,3 +102,35 @@ def test_reserve_refuses_once_its_deadline_passes() -> None:
 def _leave(limits: StreamLimits, lock: Any, model: str) -> None:
     with lock:
         limits.leave(model)
+
+
+def test_a_long_queue_is_admitted_in_order_one_wake_at_a_time() -> None:
+    """20 awaiting requests, one stream allowed: as each stream ends (on another thread), the
+    next in line is admitted, oldest first; only it is woken, and it wakes the next when it goes."""
+    limits, lock, observer = _limits(Config(max_streams=1, max_queued_per_model=20))
+
+    async def main() -> list[int]:
+        await limits.reserve("m")
+        order: list[int] = []
+        enders: list[threading.Thread] = []
+
+        def end_one() -> None:  # a stream ends, on another thread (the decode loop's)
+            enders.append(threading.Thread(target=_leave, args=(limits, lock, "m")))
+            enders[-1].start()
+
+        async def wait(i: int) -> None:
+            await limits.reserve("m")
+            order.append(i)
+            end_one()
+        tasks = []
+        for i in range(20):
+            tasks.append(asyncio.ensure_future(wait(i)))
+            while len(limits.waiting) <= i:  # queued in this order
+                await asyncio.sleep(0)
+        end_one()
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+        for ender in enders:
+            ender.join()
+        return order
+    assert asyncio.run(main()) == list(range(20))
+    assert not limits.waiting and observer.depth == {"m": 0}
