@@ -228,6 +228,7 @@ class HTTPServer:
         self.max_connections = connection_cap(limits.max_connections)
         self.scheme = "https" if ssl_context else "http"
         self.tracker = InFlight()
+        self.streaming: set[asyncio.Task[None]] = set()  # streamed fast answers being written (loop)
         self.pool = WorkerPool(threads)
         self.queue_delay = QueueDelay(limits.max_queue_wait_s) if limits.max_queue_wait_s else None
         self.sock = sock or listen(host, port)
@@ -486,7 +487,9 @@ class HTTPServer:
             conn.worker_done(self.error_response(500, "internal error: see the service log", close=True), True)
             return
         if not isinstance(body, bytes):  # counted in flight until its last chunk
-            self.loop.create_task(self._fast_stream(conn, request, responder, body))
+            writer = self.loop.create_task(self._fast_stream(conn, request, responder, body))
+            self.streaming.add(writer)  # held: the loop keeps only a weak reference to a task
+            writer.add_done_callback(self.streaming.discard)
             return
         self.tracker.leave()
         head, _ = responder.head(len(body))
