@@ -40,7 +40,7 @@ from appliance.api.kserve.rest import json_object
 from appliance.api.families import GENERATE_RE, generate_mount
 from appliance.api.mounts import Mount, raw_path
 from appliance.api.family import Answer, AsyncFamily, Streamed
-from appliance.api.sse import client_gone, off_loop
+from appliance.api.sse import client_gone, off_loop, waiting_gone
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
@@ -79,7 +79,7 @@ class GenerateAPI(AsyncFamily):
         try:
             plan = await off_loop(lambda: self._plan(environ, match), lambda p: p.handle.release())
             try:
-                tokens = await self.tokens.generate(plan.handle, plan.request)
+                tokens = await self.tokens.generate(plan.handle, plan.request, waiting_gone(environ))
             except BaseException:
                 plan.handle.release()
                 raise

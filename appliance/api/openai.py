@@ -69,7 +69,7 @@ from appliance.api.mounts import INFERENCE, Mount, raw_path
 from appliance.api.families import completion_mounts
 from appliance.api.family import Answer as FamilyAnswer
 from appliance.api.family import AsyncFamily, Streamed
-from appliance.api.sse import client_gone, off_loop
+from appliance.api.sse import client_gone, off_loop, waiting_gone
 from appliance.core.seams import TokenStreams
 from appliance.core.token_streams import LocalTokenStreams, TokenRequest
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
@@ -245,7 +245,7 @@ class OpenAIAPI(AsyncFamily):
             raise ApplianceError("the service is not started")
         plan = await off_loop(lambda: self._plan(manager, environ, body, chat), lambda p: p.handle.release())
         try:
-            tokens = await self.tokens.generate(plan.handle, plan.request)
+            tokens = await self.tokens.generate(plan.handle, plan.request, waiting_gone(environ))
         except BaseException:
             plan.handle.release()
             raise

@@ -25,6 +25,14 @@ def client_gone(environ: dict[str, Any]) -> Callable[[], bool]:
     return gone if callable(gone) else (lambda: False)
 
 
+def waiting_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
+    """What a request waiting for a stream looks at to leave the queue when its client went
+    away: the socket, where this process holds it; None for a request a front worker forwarded
+    (the worker looks and cancels it)."""
+    gone = environ.get(GONE_KEY)
+    return gone if callable(gone) else None
+
+
 async def off_loop(fn: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
     """``fn()`` on the running loop's executor (module docstring). When the awaiting request is
     cancelled meanwhile (its client went away), ``undo(result)`` runs once ``fn`` returns: a
@@ -43,4 +51,4 @@ def _undo(done: "asyncio.Future[T]", undo: Callable[[T], None]) -> None:
         undo(done.result())
 
 
-__all__ = ["GONE_KEY", "client_gone", "off_loop"]
+__all__ = ["GONE_KEY", "client_gone", "off_loop", "waiting_gone"]

@@ -164,5 +164,6 @@ class TokenEvents(Protocol):
 class TokenStreams(Protocol):
     """Token generation on a loop (module docstring)."""
 
-    async def generate(self, handle: Any, request: "TokenRequest") -> TokenEvents:
-        """``handle``: the manager's handle of the version (the generation's once this returns)."""
+    async def generate(self, handle: Any, request: "TokenRequest", gone: Callable[[], bool] | None = None) -> TokenEvents:
+        """``handle``: the manager's handle of the version (the generation's once this returns);
+        ``gone``: whether the client went away, looked at while the request waits in the queue."""

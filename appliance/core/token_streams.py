@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from appliance.core.constraints import Grammar
-from appliance.core.stream_limits import ADMITTED
+from appliance.core.stream_limits import ADMITTED, Ticket
 from appliance.core.streams import Event, LoopQueue, Params, Stream
 
 if TYPE_CHECKING:
     from appliance.core.generation import Generation
 
 ENDS = ("done", "error")  # the kinds that end a choice
+GONE_POLL_S = 0.25  # how often a waiting request looks whether its client went away (one process)
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,17 @@ class TokenStream:
             stream.cancel(reason)
 
 
-async def generate(generation: "Generation", handle: Any, request: TokenRequest) -> TokenStream:
+async def generate(generation: "Generation", handle: Any, request: TokenRequest,
+                   gone: Callable[[], bool] | None = None) -> TokenStream:
     """Queue, admit and start ``request`` on ``handle``'s version (module docstring). The handle
     is the generation's once this returns; on an error (a full queue, a wait past its deadline,
-    a cancelled request) the caller still holds it and releases it."""
+    a cancelled request) the caller still holds it and releases it. ``gone``: whether the
+    client went away, looked at every ``GONE_POLL_S`` while the request waits in the queue
+    (it is then cancelled: ``CancelledError``)."""
     limits = generation.limits
     if limits.stale:  # which models generate (it may load a tokenizer): read off the loop, not in start_choices
         await asyncio.get_running_loop().run_in_executor(None, limits.refresh)
-    ticket = await limits.reserve(request.model, request.n, generation.publish)
+    ticket = await _reserve(generation, request, gone)
     events = LoopQueue(asyncio.get_running_loop())
     token = ADMITTED.set(ticket)
     try:
@@ -85,14 +89,33 @@ async def generate(generation: "Generation", handle: Any, request: TokenRequest)
     return TokenStream(streams, events)
 
 
+async def _reserve(generation: "Generation", request: TokenRequest, gone: Callable[[], bool] | None) -> Ticket:
+    reserving = asyncio.ensure_future(generation.limits.reserve(request.model, request.n, generation.publish))
+    if gone is None:
+        return await reserving
+    try:
+        while True:
+            done, _ = await asyncio.wait({reserving}, timeout=GONE_POLL_S)
+            if done:
+                return reserving.result()
+            if gone():  # no one will read the answer: leave the queue
+                raise asyncio.CancelledError()
+    except BaseException:
+        reserving.cancel()
+        await asyncio.gather(reserving, return_exceptions=True)  # it left the queue (or gave its streams back)
+        if reserving.done() and not reserving.cancelled() and reserving.exception() is None:
+            generation.limits.give_back(reserving.result())
+        raise
+
+
 class LocalTokenStreams:
     """``TokenStreams`` (appliance/core/seams.py) of the process that generates."""
 
     def __init__(self, generation: "Generation"):
         self.generation = generation
 
-    async def generate(self, handle: Any, request: TokenRequest) -> TokenStream:
-        return await generate(self.generation, handle, request)
+    async def generate(self, handle: Any, request: TokenRequest, gone: Callable[[], bool] | None = None) -> TokenStream:
+        return await generate(self.generation, handle, request, gone)
 
 
 __all__ = ["LocalTokenStreams", "TokenRequest", "TokenStream", "generate"]

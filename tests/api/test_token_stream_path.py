@@ -129,14 +129,17 @@ def test_a_client_gone_mid_stream_stops_its_generation(start_server: Any, slow_m
         == 1.0
 
 
-def test_a_client_gone_while_queued_leaves_the_queue(start_server: Any, slow_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["2", "1"])
+def test_a_client_gone_while_queued_leaves_the_queue(start_server: Any, slow_model: Path, tmp_path: Path,
+                                                     workers: str) -> None:
     """With one stream allowed, a second request waits in the model's queue (shown in
     ``/api/status`` and Prometheus); its client leaving takes it out of the queue at once (the
-    front worker's ``Cancel`` cancels the awaited reservation), long before the running stream
-    ends; the running stream is untouched."""
+    front worker's ``Cancel`` cancels the awaited reservation; in one process the waiting
+    request looks at its socket), long before the running stream ends; the running stream is
+    untouched."""
     config = tmp_path / "appliance.toml"
     config.write_text(f'models_dir = "{slow_model}"\n[generation]\nmax_streams = 1\n')
-    srv = start_server("--config", str(config), "--workers", "2")  # the worker watches a waiting client's socket
+    srv = start_server("--config", str(config), "--workers", workers)
     running = _stream(srv)
     events = _events(running)
     next(events)

@@ -476,6 +476,10 @@ class HTTPServer:
 
     def _fast_done(self, conn: Connection, request: Request, task: "asyncio.Task[Answer | Streamed]") -> None:
         """(loop) A fast route's answer, framed as a WSGI app's would be."""
+        if task.cancelled():  # its client went away while it waited: nothing to write
+            self.tracker.leave()
+            conn.worker_done(b"", True)
+            return
         responder = Responder(conn, request)
         try:
             status, headers, body = task.result()
