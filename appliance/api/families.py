@@ -9,15 +9,41 @@ Rollouts are the core's: every family's handle is routed and judged there
 from __future__ import annotations
 
 import importlib
+import re
 from typing import TYPE_CHECKING
 
-from appliance.api.mounts import Mount
+from appliance.api.mounts import INFERENCE, Mount, WSGIApp
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
 
 API_MOUNTS = ("appliance.api.tfserving.rest:mounts", "appliance.api.kserve.rest:mounts",
               "appliance.api.generate:mounts", "appliance.api.openai:mounts")
+
+
+# The token-stream paths, here so a front worker can mount them without importing their families
+GENERATE_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:generate")
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def generate_mount(handler: WSGIApp) -> Mount:
+    """``POST /v1/models/{m}[/versions/{v}|/labels/{l}]:generate``, ahead of TF Serving's ``/v1``."""
+    return Mount("generate", "/v1/", INFERENCE, handler, methods=frozenset({"POST"}), suffix=":generate",
+                 pattern=GENERATE_RE, summary="token generation")
+
+
+def completion_mounts(handler: WSGIApp) -> list[Mount]:
+    """OpenAI's ``/v1/chat/completions`` and ``/v1/completions``."""
+    return [Mount("openai", "/v1/chat/", INFERENCE, handler, pattern=re.compile(re.escape(CHAT)),
+                  summary="OpenAI chat completions"),
+            Mount("openai", "/v1/completions/", INFERENCE, handler, pattern=re.compile(re.escape(COMPLETIONS)),
+                  summary="OpenAI completions")]
+
+
+def token_mounts(generate: WSGIApp, completions: WSGIApp) -> list[Mount]:
+    """Every token-stream path: answered by the families in the serving process, forwarded to it
+    (on the worker's loop) in a front worker (appliance/fronts/app.py)."""
+    return [generate_mount(generate), *completion_mounts(completions)]
 
 
 def mounts_of(core: "Appliance") -> list[Mount]:

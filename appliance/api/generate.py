@@ -10,8 +10,9 @@ The WSGI handler of the ``POST /v1/...:generate`` mount of the route table
 Without ``stream`` the answer is one JSON object (tokens, text, finish reason, counts).
 With ``"stream": true`` it is server-sent events: one ``data: {"token": id, "text": ...}``
 per token, then ``event: done`` with the finish reason and counts (``event: error`` if the
-model failed). A client that disconnects is noticed at the next token written and its
-stream is cancelled at the next step. Errors before the first byte are TF Serving's
+model failed). A client that disconnects is noticed at the next token written (a whole
+answer: at its next token, by the socket) and its stream is cancelled at the next step. Answered
+on the front path's event loop (an ``AsyncFamily``): no thread waits or streams. Errors before the first byte are TF Serving's
 ``{"error": ...}`` with 400 (bad field, named), 404 (unknown model/version) or 503.
 """
 
@@ -20,21 +21,26 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from urllib.parse import unquote
 
 import orjson
 
 from appliance.core.errors import ApplianceError, InvalidArgument
 from appliance.core.generation import Generation
-from appliance.core.streams import Params, Stream
+from appliance.core.seams import TokenEvents, TokenStreams
+from appliance.core.streams import Params
+from appliance.core.token_streams import LocalTokenStreams, TokenRequest
 from appliance.core.tokenizer import Detokenizer, Tokenizer
 from appliance.api.body import read_raw as _read_body
 from appliance.api.body import route_key
 from appliance.api.errors import render, render_error, status_line
 from appliance.api.kserve.rest import json_object
-from appliance.api.mounts import INFERENCE, Mount, raw_path
-from appliance.api.sse import StreamBody
+from appliance.api.families import GENERATE_RE, generate_mount
+from appliance.api.mounts import Mount, raw_path
+from appliance.api.family import Answer, AsyncFamily, Streamed
+from appliance.api.sse import client_gone, off_loop, waiting_gone
 from appliance.api import schemas
 from appliance.api.schemas import paths as openapi_paths
 from appliance.api.schemas.generate import GenerateRequest
@@ -43,45 +49,61 @@ if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
 
 
-PATH_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:generate")
+PATH_RE = GENERATE_RE
 FIELDS = schemas.names(GenerateRequest)
 JSON = "application/json"
 SSE = "text/event-stream"
+GONE_POLL_S = 0.25  # at most how often a whole answer looks whether its client went away
 
 
-class GenerateAPI:
-    """See module docstring. ``generation`` (the step scheduler) is built on first use."""
+class GenerateAPI(AsyncFamily):
+    """See module docstring. ``generation`` (the step scheduler) is built on first use. An
+    ``AsyncFamily``: answered on the front path's loop, waiting and streaming without a thread
+    (appliance/core/token_streams.py)."""
 
     def __init__(self, core: "Appliance"):
         self.core = core
+
+    @property
+    def tokens(self) -> TokenStreams:
+        """Token streams on this loop (appliance/core/seams.py ``TokenStreams``)."""
+        return LocalTokenStreams(self.generation)
 
     @property
     def generation(self) -> Generation:
         """The core's one (built on first use; shared with the OpenAI API)."""
         return Generation.of(self.core)
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+    async def answer(self, environ: dict[str, Any]) -> Answer | Streamed:
         match = PATH_RE.fullmatch(raw_path(environ).partition("?")[0])
         assert match is not None, "the mount's pattern is PATH_RE"
         started = time.perf_counter()
         name = unquote(match.group(1))
         try:
-            stream, vocab, streaming = self._start(environ, match)
+            plan = await off_loop(lambda: self._plan(environ, match), lambda p: p.handle.release())
+            try:
+                tokens = await self.tokens.generate(plan.handle, plan.request, waiting_gone(environ))
+            except BaseException:
+                plan.handle.release()
+                raise
         except Exception as exc:  # before the first byte: a plain {"error": ...} answer
             status, headers, body = render_error(exc, "the generate API")
             self.core.metrics.observe_request(name, "generate", status, time.perf_counter() - started)
-            start_response(status_line(status), headers)
-            return [body]
-        if streaming:
-            start_response("200 OK", [("Content-Type", SSE), ("Cache-Control", "no-cache"),
-                                      ("X-Accel-Buffering", "no")])
-            return _EventStream(self, stream, vocab, started)
-        status, headers, body = self._collect(stream, vocab)
+            return status_line(status), headers, body
+        stream = tokens.streams[0]
+        if plan.streaming:
+            return "200 OK", [("Content-Type", SSE), ("Cache-Control", "no-cache"),
+                              ("X-Accel-Buffering", "no")], self._events(tokens, plan.vocab, started)
+        try:
+            status, headers, body = await self._collect(tokens, plan.vocab, client_gone(environ))
+        except BaseException:  # cancelled (a front worker's client went away): the stream stops too
+            tokens.abort()
+            raise
         self.core.metrics.observe_request(name, "generate", status, time.perf_counter() - started)
-        start_response(status_line(status), headers)
-        return [body]
+        return status_line(status), headers, body
 
-    def _start(self, environ: dict[str, Any], match: re.Match[str]) -> tuple[Stream, Tokenizer | None, bool]:
+    def _plan(self, environ: dict[str, Any], match: re.Match[str]) -> "_Plan":
+        """(an executor thread) The handle and what to generate on it."""
         if self.core.manager is None:
             raise ApplianceError("the service is not started")
         name, version, label = unquote(match.group(1)), match.group(2), match.group(3)
@@ -97,16 +119,21 @@ class GenerateAPI:
                 raise InvalidArgument(f"field 'input_ids': the prompt has {len(prompt)} tokens; this model's context "
                                       f"holds {context}, so a prompt may have at most {context - 1}")
             text = body.get("text") if isinstance(body.get("text"), str) else None
-            stream = self.generation.start(prompt, params, handle, name, text=text)
         except BaseException:
             handle.release()
             raise
-        return stream, vocab, bool(body.get("stream", False))
+        return _Plan(handle, TokenRequest(prompt, params, name, text=text), vocab, bool(body.get("stream", False)))
 
     @staticmethod
-    def _collect(stream: Stream, vocab: Tokenizer | None) -> tuple[int, list[tuple[str, str]], bytes]:
-        while True:
-            kind, value = stream.events.get()
+    async def _collect(tokens: TokenEvents, vocab: Tokenizer | None,
+                       gone: Callable[[], bool]) -> tuple[int, list[tuple[str, str]], bytes]:
+        stream = tokens.streams[0]
+        look_at = time.monotonic() + GONE_POLL_S
+        async for _, kind, value in tokens:
+            if time.monotonic() >= look_at:  # nothing is written until the end: only the socket says it
+                look_at = time.monotonic() + GONE_POLL_S
+                if gone():
+                    tokens.abort()
             if kind == "done":
                 text = "".join(stream.pieces) if stream.text_level else \
                     Detokenizer(vocab, stream.prompt).text(stream.tokens) if vocab else None
@@ -114,37 +141,40 @@ class GenerateAPI:
                 return 200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
             if kind == "error":  # the model failed mid-way
                 return render(500, value)
+        return render(500, "the stream ended without its end")
 
-
-class _EventStream(StreamBody):
-    """The SSE body (module docstring)."""
-
-    def __init__(self, api: GenerateAPI, stream: Stream, vocab: Tokenizer | None, started: float):
-        self.api, self.vocab, self.started = api, vocab, started
+    async def _events(self, tokens: TokenEvents, vocab: Tokenizer | None, started: float) -> AsyncIterator[bytes]:
+        """The SSE body (module docstring); closed early (the client went away), the stream is cancelled."""
+        stream = tokens.streams[0]
         # the text of each token as it can be shown: a character split across tokens comes whole
-        self.detokenizer = Detokenizer(vocab, stream.prompt) if vocab is not None and not stream.text_level else None
-        super().__init__(stream)
+        detokenizer = Detokenizer(vocab, stream.prompt) if vocab is not None and not stream.text_level else None
+        try:
+            async for _, kind, value in tokens:
+                if kind == "token":
+                    text = detokenizer.feed(value) if detokenizer is not None else None
+                    yield b"data: " + orjson.dumps({"token": value, "text": text}) + b"\n\n"
+                    continue
+                if kind == "text":  # a text-level servable (LiteRT-LM): pieces, no ids
+                    yield b"data: " + orjson.dumps({"token": None, "text": value}) + b"\n\n"
+                    continue
+                rest = detokenizer.flush() if detokenizer is not None else ""
+                if rest:  # the end of a character that never completed: shown as U+FFFD, as in the whole text
+                    yield b"data: " + orjson.dumps({"token": None, "text": rest}) + b"\n\n"
+                status = 200 if kind == "done" else 500
+                self.core.metrics.observe_request(stream.model, "generate", status, time.perf_counter() - started)
+                payload = value if kind == "done" else {"error": value}
+                yield f"event: {'done' if kind == 'done' else 'error'}\ndata: ".encode() + orjson.dumps(payload) + b"\n\n"
+        finally:
+            if tokens.open:
+                tokens.abort()
 
-    def events(self) -> Iterator[bytes]:
-        while True:
-            kind, value = self.stream.events.get()
-            if kind == "token":
-                text = self.detokenizer.feed(value) if self.detokenizer is not None else None
-                yield b"data: " + orjson.dumps({"token": value, "text": text}) + b"\n\n"
-                continue
-            if kind == "text":  # a text-level servable (LiteRT-LM): pieces, no ids
-                yield b"data: " + orjson.dumps({"token": None, "text": value}) + b"\n\n"
-                continue
-            self.finished = True
-            rest = self.detokenizer.flush() if self.detokenizer is not None else ""
-            if rest:  # the end of a character that never completed: shown as U+FFFD, as in the whole text
-                yield b"data: " + orjson.dumps({"token": None, "text": rest}) + b"\n\n"
-            status = 200 if kind == "done" else 500
-            self.api.core.metrics.observe_request(self.stream.model, "generate", status,
-                                                  time.perf_counter() - self.started)
-            payload = value if kind == "done" else {"error": value}
-            yield f"event: {'done' if kind == 'done' else 'error'}\ndata: ".encode() + orjson.dumps(payload) + b"\n\n"
-            return
+
+@dataclass(frozen=True)
+class _Plan:
+    handle: Any
+    request: TokenRequest
+    vocab: Tokenizer | None
+    streaming: bool
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
@@ -211,7 +241,6 @@ OPENAPI_PATHS: dict[str, Any] = openapi_paths.generate()  # the body: appliance/
 
 def mounts(core: "Appliance") -> list[Mount]:
     """``POST /v1/models/{m}[/versions/{v}|/labels/{l}]:generate``, ahead of TF Serving's ``/v1``."""
-    return [Mount("generate", "/v1/", INFERENCE, GenerateAPI(core), methods=frozenset({"POST"}),
-                  suffix=":generate", pattern=PATH_RE, summary="token generation")]
+    return [generate_mount(GenerateAPI(core))]
 
 __all__ = ["GenerateAPI", "OPENAPI_PATHS", "mounts"]

@@ -39,7 +39,10 @@ Text: a token-level version needs its tokenizer (``tokenizer.json``, ``tokenizer
 ``assets/vocab.json``: appliance/core/tokenizer.py); a LiteRT-LM bundle has its own. Chat
 messages become one prompt through the version's chat template, stop strings are cut here
 (appliance/core/text.py); the stream then ends at its next step.
-Thread-safety: none needed, every request has its own objects.
+Completions are answered on the front path's event loop (``OpenAIAPI.answer``: an
+``AsyncFamily``, appliance/api/family.py): a request waits for a stream in its model's queue and
+streams without holding a thread (appliance/core/token_streams.py). Thread-safety: none
+needed, every request has its own objects.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ import asyncio
 import math
 import re
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
 from urllib.parse import unquote
 
 import orjson
@@ -57,12 +61,17 @@ from appliance.api import openai_fields as fields
 from appliance.api.body import read_raw, route_key
 from appliance.api.errors import as_error, status_line, wsgi_answer
 from appliance.api.openai_answer import Answer
-from appliance.api.openai_fields import CHAT, COMPLETIONS, FieldError, ModelNotFound
+from appliance.api.openai_fields import CHAT, FieldError, ModelNotFound
 from appliance.api.openai_tools import Tools, read_tools, response_grammar
 from appliance.api.schemas import paths as openapi_paths
 from appliance.api import openai_embeddings as embeddings
 from appliance.api.mounts import INFERENCE, Mount, raw_path
-from appliance.api.sse import StreamBody, client_gone
+from appliance.api.families import completion_mounts
+from appliance.api.family import Answer as FamilyAnswer
+from appliance.api.family import AsyncFamily, Streamed
+from appliance.api.sse import client_gone, off_loop, waiting_gone
+from appliance.core.seams import TokenStreams
+from appliance.core.token_streams import LocalTokenStreams, TokenRequest
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.generation import Generation
 from appliance.core.tokenizer import load as load_tokenizer
@@ -116,11 +125,28 @@ def _json_answer(start_response: Callable[..., Any], obj: Any, method: str = "PO
                        method)
 
 
-class OpenAIAPI:
-    """The paths (module docstring); a WSGI app per path family, one core."""
+@dataclass(frozen=True)
+class _Plan:
+    """A completion request made ready to generate: its handle, what to generate, how to read it."""
+
+    handle: "Handle"
+    request: TokenRequest
+    vocab: Any
+    prompt_tokens: int
+    tools: Tools | None
+
+
+class OpenAIAPI(AsyncFamily):
+    """The paths (module docstring): completions an ``AsyncFamily`` (on the front path's loop),
+    the rest WSGI apps; one core."""
 
     def __init__(self, core: "Appliance"):
         self.core = core
+
+    @property
+    def tokens(self) -> TokenStreams:
+        """Token streams on this loop (appliance/core/seams.py ``TokenStreams``)."""
+        return LocalTokenStreams(self.generation)
 
     @property
     def generation(self) -> Generation:
@@ -185,7 +211,10 @@ class OpenAIAPI:
                 return embeddings.serves(handle)
 
     # -- POST /v1/chat/completions, /v1/completions --------------------------------------------
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    async def answer(self, environ: dict[str, Any]) -> FamilyAnswer | Streamed:
+        """(the front path's loop) The request whole, or its SSE chunks: tokenizing, templates and
+        grammars run on the loop's executor, the wait for a stream and the stream itself on the
+        loop (appliance/core/token_streams.py): no thread is held while it waits or streams."""
         path = raw_path(environ).partition("?")[0]
         api = "chat_completions" if path == CHAT else "completions"
         started = time.perf_counter()
@@ -193,35 +222,43 @@ class OpenAIAPI:
         try:
             if environ.get("REQUEST_METHOD") != "POST":
                 raise MethodNotAllowed(f"{path} takes POST")
-            body = fields.read(read_raw(environ, self.core.config.server.max_body_bytes), path)
+            body = await off_loop(lambda: fields.read(read_raw(environ, self.core.config.server.max_body_bytes), path))
             name = fields.model_id(body["model"])[0]
-            answer = self._start(environ, body, path == CHAT)
+            answer = await self._start(environ, body, path == CHAT)
         except Exception as exc:  # before the first byte
             status, headers, out = render(exc)
             self.core.metrics.observe_request(name, api, status, time.perf_counter() - started)
-            start_response(status_line(status), headers)
-            return [out]
+            return status_line(status), headers, out
         if answer.streaming:
-            start_response("200 OK", [("Content-Type", SSE), ("Cache-Control", "no-cache"),
-                                      ("X-Accel-Buffering", "no")])
-            return _EventStream(self, answer, api, started)
-        status, headers, out = self._collect(answer)
+            return "200 OK", [("Content-Type", SSE), ("Cache-Control", "no-cache"),
+                              ("X-Accel-Buffering", "no")], self._events(answer, api, started)
+        status, headers, out = await self._collect(answer)
         self.core.metrics.observe_request(name, api, status, time.perf_counter() - started)
-        start_response(status_line(status), headers)
-        return [out]
+        return status_line(status), headers, out
 
-    def _start(self, environ: dict[str, Any], body: dict[str, Any], chat: bool) -> Answer:
+    async def _start(self, environ: dict[str, Any], body: dict[str, Any], chat: bool) -> Answer:
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
+        plan = await off_loop(lambda: self._plan(manager, environ, body, chat), lambda p: p.handle.release())
+        try:
+            tokens = await self.tokens.generate(plan.handle, plan.request, waiting_gone(environ))
+        except BaseException:
+            plan.handle.release()
+            raise
+        return Answer(tokens, plan.vocab, body, chat, plan.prompt_tokens, fields.stops(body), plan.tools,
+                      client_gone(environ))
+
+    def _plan(self, manager: "Manager", environ: dict[str, Any], body: dict[str, Any], chat: bool) -> "_Plan":
+        """(an executor thread) The handle and what to generate on it."""
         handle = _handle(manager, environ, body["model"])
         try:
-            return self._stream(handle, body, chat, client_gone(environ))
+            return self._stream(handle, body, chat)
         except BaseException:
             handle.release()
             raise
 
-    def _stream(self, handle: "Handle", body: dict[str, Any], chat: bool, gone: Callable[[], bool]) -> Answer:
+    def _stream(self, handle: "Handle", body: dict[str, Any], chat: bool) -> "_Plan":
         where = "messages" if chat else "prompt"
         try:
             driver, vocab = self.generation.prepare(handle)
@@ -255,10 +292,9 @@ class OpenAIAPI:
                              "response_format" if grammar is not None else "logprobs")
         if grammar is not None:
             grammar.check(self.generation.token_table(handle))
-        streams = self.generation.start_choices(prompt, params, handle, handle.model, text=text,
-                                                n=fields.choices(body), grammar=grammar)
+        request = TokenRequest(prompt, params, handle.model, text=text, n=fields.choices(body), grammar=grammar)
         overhead = getattr(driver.servable, "prompt_overhead", 0) if text_level else 0
-        return Answer(streams, vocab, body, chat, len(prompt) + overhead, fields.stops(body), tools, gone)
+        return _Plan(handle, request, vocab, len(prompt) + overhead, tools)
 
     @staticmethod
     def _tokens(vocab: Any, text: str, driver: Any, where: str, chat: bool) -> list[int]:
@@ -285,12 +321,33 @@ class OpenAIAPI:
         return prompt  # type: ignore[no-any-return]  # the tokenizer (the version's own) is typed Any; a list of ids
 
     @staticmethod
-    def _collect(answer: Answer) -> tuple[int, list[tuple[str, str]], bytes]:
-        whole = answer.completion()
+    async def _collect(answer: Answer) -> tuple[int, list[tuple[str, str]], bytes]:
+        try:
+            whole = await answer.completion()
+        except BaseException:  # cancelled (a front worker's client went away): the streams stop too
+            answer.cancel()
+            raise
         if answer.error is not None:
             return render(ApplianceError(f"the model failed while generating: {answer.error}"))
         body = orjson.dumps(whole)
         return 200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
+
+    async def _events(self, answer: Answer, api: str, started: float) -> AsyncIterator[bytes]:
+        """The SSE body (OpenAI's: ``data:`` chunks, then ``data: [DONE]``); closed early (the
+        client went away), its streams are cancelled."""
+        try:
+            async for chunk in answer.chunks():
+                yield chunk
+            status = 200
+            if answer.error is not None:
+                error, body = error_body(ApplianceError(f"the model failed while generating: {answer.error}"))
+                status = error.http_status
+                yield b"data: " + body + b"\n\n"
+            self.core.metrics.observe_request(answer.streams[0].model, api, status, time.perf_counter() - started)
+            yield b"data: [DONE]\n\n"
+        finally:
+            if answer.tokens.open:
+                answer.cancel()
 
     # -- POST /v1/embeddings ------------------------------------------------------------------
     def embeddings(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -349,27 +406,6 @@ def _too_long(context: int, tokens: int, where: str, at_least: bool = False) -> 
                       f"{said} tokens. Please reduce the length of the {what}.", where, "context_length_exceeded")
 
 
-class _EventStream(StreamBody):
-    """The SSE body (OpenAI's: ``data:`` chunks, then ``data: [DONE]``)."""
-
-    def __init__(self, api: OpenAIAPI, answer: Answer, name: str, started: float):
-        self.api, self.answer, self.name, self.started = api, answer, name, started
-        super().__init__(answer)
-
-    def events(self) -> Iterator[bytes]:
-        answer = self.answer
-        yield from answer.chunks()
-        self.finished = True
-        status = 200
-        if answer.error is not None:
-            error, body = error_body(ApplianceError(f"the model failed while generating: {answer.error}"))
-            status = error.http_status
-            yield b"data: " + body + b"\n\n"
-        self.api.core.metrics.observe_request(answer.streams[0].model, self.name, status,
-                                              time.perf_counter() - self.started)
-        yield b"data: [DONE]\n\n"
-
-
 # -- the route table's mounts and /openapi.json (bodies declared in appliance/api/schemas/openai.py)
 OPENAPI_PATHS: dict[str, Any] = openapi_paths.openai()
 
@@ -379,10 +415,7 @@ def mounts(core: "Appliance") -> list[Mount]:
     ``:predict`` pays no pattern of these."""
     api = OpenAIAPI(core)
     gone = "|".join(re.escape(p) for p in NOT_SERVED)
-    return [Mount("openai", "/v1/chat/", INFERENCE, api, pattern=re.compile(re.escape(CHAT)),
-                  summary="OpenAI chat completions"),
-            Mount("openai", "/v1/completions/", INFERENCE, api, pattern=re.compile(re.escape(COMPLETIONS)),
-                  summary="OpenAI completions"),
+    return [*completion_mounts(api),
             Mount("openai-embeddings", "/v1/embeddings/", INFERENCE, api.embeddings,
                   pattern=re.compile(re.escape(EMBEDDINGS)), summary="OpenAI embeddings"),
             Mount("openai-models", "/v1/models/", INFERENCE, api.models, methods=frozenset({"GET", "HEAD"}),

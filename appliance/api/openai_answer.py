@@ -2,7 +2,8 @@
 logprobs, tool calls, finish reasons, usage; whole (``completion``) or as SSE chunks
 (``chunks``). appliance/api/openai.py starts the streams; this module only reads them.
 
-Events come tagged with their choice's index on one queue (``Generation.start_choices``).
+Events come tagged with their choice's index from one ``TokenStream`` (appliance/core/token_streams.py),
+awaited on the request's event loop.
 Logprobs are one entry per generated token, OpenAI's shapes: chat ``{"content": [{"token",
 "logprob", "bytes", "top_logprobs"}]}``, completions ``{"tokens", "token_logprobs",
 "top_logprobs", "text_offset"}``. An answer that may be a tool call (``Tools.reads_calls``)
@@ -12,20 +13,20 @@ arguments) or streamed as text as soon as it cannot be one. Not thread-safe: one
 
 from __future__ import annotations
 
-import queue
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import orjson
 
 from appliance.api.openai_tools import Tools
 from appliance.core.streams import Stream
+from appliance.core.seams import TokenEvents
 from appliance.core.sampling import TokenLogprob
 from appliance.core.text import StopText
 from appliance.core.tokenizer import Detokenizer
 
-POLL_S = 0.25  # how often a whole answer's reader looks whether its client is still there
+POLL_S = 0.25  # at most how often a whole answer's reader looks whether its client is still there
 
 
 class Choice:
@@ -77,10 +78,10 @@ class Choice:
 class Answer:
     """The request's choices (module docstring)."""
 
-    def __init__(self, streams: list[Stream], vocab: Any, body: dict[str, Any], chat: bool, prompt_tokens: int,
+    def __init__(self, tokens: TokenEvents, vocab: Any, body: dict[str, Any], chat: bool, prompt_tokens: int,
                  stops: list[str], tools: Tools | None, gone: Callable[[], bool]):
-        self.streams, self.vocab, self.chat, self.tools = streams, vocab, chat, tools
-        self.events = streams[0].choice_events
+        streams = self.streams = tokens.streams
+        self.tokens, self.vocab, self.chat, self.tools = tokens, vocab, chat, tools
         self.choices = [Choice(s, stops, vocab) for s in streams]
         self.streaming = bool(body.get("stream", False))
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
@@ -91,39 +92,30 @@ class Answer:
         self.logprobs = streams[0].params.logprobs
         self.gone = gone
         self._look_at = time.monotonic() + POLL_S  # when to look next whether the client is gone
-        self.open = len(streams)
 
     @property
     def error(self) -> str | None:
         return next((c.error for c in self.choices if c.error is not None), None)
 
     def cancel(self) -> None:
-        for stream in self.streams:
-            stream.cancel()
+        self.tokens.abort()
 
-    def next_event(self) -> tuple[Choice, str, list[TokenLogprob]] | None:
+    async def next_event(self) -> tuple[Choice, str, list[TokenLogprob]] | None:
         """The next event of any choice as (choice, text, logprobs); None when all ended."""
-        while self.open:
-            index, kind, value = self._get()
-            choice = self.choices[index]
-            if kind in ("done", "error"):
-                self.open -= 1
-            return (choice, *choice.feed(kind, value))
-        return None
+        if not self.tokens.open:
+            return None
+        index, kind, value = await anext(self.tokens)
+        if not self.streaming:  # a whole answer writes nothing until its end: look whether its client left
+            self._look()
+        choice = self.choices[index]
+        return (choice, *choice.feed(kind, value))
 
-    def _get(self) -> tuple[int, str, Any]:
-        if self.streaming:  # the SSE writer notices a client that went away
-            return self.events.get()  # type: ignore[no-any-return]  # a SimpleQueue of the stream's events, typed where it is made
-        while True:  # a whole answer: look whether its client is still there every POLL_S
-            now = time.monotonic()
-            if now >= self._look_at:
-                self._look_at = now + POLL_S
-                if self.gone():
-                    self.cancel()  # the streams end at their next step; their "done" events follow
-            try:
-                return self.events.get(timeout=POLL_S)  # type: ignore[no-any-return]  # as above
-            except queue.Empty:
-                pass
+    def _look(self) -> None:
+        now = time.monotonic()
+        if now >= self._look_at:
+            self._look_at = now + POLL_S
+            if self.gone():
+                self.cancel()  # the streams end at their next step; their "done" events follow
 
     def usage(self) -> dict[str, int]:
         done = sum(c.tokens for c in self.choices)
@@ -134,8 +126,8 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.answered_by}
 
     # -- the whole answer ----------------------------------------------------------------------
-    def completion(self) -> dict[str, Any]:
-        while self.next_event() is not None:
+    async def completion(self) -> dict[str, Any]:
+        while await self.next_event() is not None:
             pass
         return {**self.head("chat.completion" if self.chat else "text_completion"),
                 "choices": [self._whole(c) for c in self.choices], "usage": self.usage()}
@@ -184,7 +176,7 @@ class Answer:
         return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
 
     # -- server-sent chunks --------------------------------------------------------------------
-    def chunks(self) -> Iterator[bytes]:
+    async def chunks(self) -> AsyncIterator[bytes]:
         """Every chunk but the error event and [DONE] (the caller writes those). With tools, a
         choice's text is held only while it may still be a call (OpenAI streams content until a
         call starts): text that cannot begin one is flushed and streamed from then on; a call is
@@ -196,7 +188,7 @@ class Answer:
             for choice in self.choices:
                 yield self.chunk(choice.index, {"role": "assistant", "content": ""})
         offsets = [0] * len(self.choices)
-        while (event := self.next_event()) is not None:
+        while (event := await self.next_event()) is not None:
             choice, text, logprobs = event
             i = choice.index
             if holding[i] and tools is not None:
@@ -213,11 +205,12 @@ class Answer:
         if self.error is not None:
             return
         for choice in self.choices:
-            yield from self._ending(choice, holding[choice.index])
+            for chunk in self._ending(choice, holding[choice.index]):
+                yield chunk
         if self.include_usage:
             yield _event({**self.head(self._kind), "choices": [], "usage": self.usage()})
 
-    def _ending(self, choice: Choice, held: bool) -> Iterator[bytes]:
+    def _ending(self, choice: Choice, held: bool) -> Iterator[bytes]:  # (sync: it waits for nothing)
         finish = choice.finish_reason
         if held:
             text = "".join(choice.text)

@@ -69,7 +69,7 @@ class KServeConfig:
 class GenerationConfig:
     """Token streaming from generative models (``:generate``, appliance/core/generation.py)."""
 
-    max_streams: int = 24  # streams at once, all models (each holds an HTTP thread); more wait in a queue
+    max_streams: int = 24  # streams running at once, all models (each holds a cache row, no thread); more wait in a queue
     max_streams_per_model: int = 0  # streams at once of one model; 0: no cap of its own (appliance/core/stream_limits.py)
     reserved_streams_per_model: int = 0  # kept in the pool for each other generative model that holds fewer (0: off)
     max_queued_per_model: int = 256  # requests of one model waiting for a stream; more: 503 + Retry-After

@@ -60,7 +60,7 @@ from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
 from appliance.core.lanes import Lane, place
 from appliance.core.sampling import choose
 from appliance.core.stream_limits import SharedHandle, StreamLimits
-from appliance.core.streams import GenerationMetrics, Params, Stream, Tagged
+from appliance.core.streams import EventSink, GenerationMetrics, Params, Stream, Tagged
 from appliance.core.text import ChatTemplate
 from appliance.core.tokenizer import load as load_tokenizer
 from appliance.core.text_streams import TextDriver, TextStreams, TextVocabulary
@@ -289,12 +289,13 @@ class Generation:
         return self.start_choices(prompt, params, handle, model, text, tagged=False)[0]
 
     def start_choices(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None,
-                      n: int = 1, grammar: Grammar | None = None, tagged: bool = True) -> list[Stream]:
+                      n: int = 1, grammar: Grammar | None = None, tagged: bool = True,
+                      events: EventSink | None = None) -> list[Stream]:
         """``n`` streams of one prompt (OpenAI's choices), sharing its prefill and the handle
         (released with the last of them); each constrained by ``grammar`` when given.
         Admitted together or refused together (``Unavailable`` over the limits). ``tagged``:
         every stream's events go to one queue, ``streams[0].choice_events``, as (index, kind,
-        value)."""
+        value), or to ``events`` when given."""
         driver, vocab = self.prepare(handle)
         text_level = isinstance(driver, TextDriver)
         if text_level and params.stop:
@@ -304,7 +305,7 @@ class Generation:
         prompt_text = (text if text is not None else vocab.decode_all(prompt)) if text_level else ""
         shared = SharedHandle(handle, n) if n > 1 else handle
         streams = [Stream(prompt, params, shared, model) for _ in range(n)]
-        merged: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
+        merged: EventSink = events if events is not None else queue.SimpleQueue()  # a LoopQueue: read on a loop
         for i, stream in enumerate(streams):
             stream.text_level, stream.index = text_level, i
             if i and params.seed is not None:  # each choice samples its own, reproducibly

@@ -27,11 +27,19 @@ Contracts:
   version that answered once ``run`` returned (a rollout or a swap may have chosen it).
 - ``RequestMetrics.observe_request`` may be called from any thread or loop, and is counted
   before a scrape that follows the answer (a worker sends it before its answer leaves).
+- ``TokenStreams.generate`` (the shape of vLLM's ``EngineClient.generate``) is awaited on the
+  caller's loop with a handle of a version that generates: the request waits in its model's
+  queue without a thread, then its choices' events come as an async iterator (``TokenEvents``),
+  woken by the decode loop, never polled; ``abort()`` (a client gone) cancels them at the next
+  step. Refusals are the core's (``QueueFull``/``Unavailable`` 503 + Retry-After: the queue is
+  full or the wait passed ``generation.queue_timeout_s``). Implemented in the serving process
+  (appliance/core/token_streams.py); a front worker forwards the whole HTTP exchange of a token
+  stream to it and streams the answer back on its loop (appliance/fronts/app.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -39,6 +47,10 @@ from runtimes import SignatureInfo
 
 from appliance.core.config import Config
 from appliance.core.policy import State
+
+if TYPE_CHECKING:
+    from appliance.core.streams import Event, Stream
+    from appliance.core.token_streams import TokenRequest
 
 RouteKey = Callable[[str], "str | None"]  # a request's header (REST) or metadata (gRPC) by name
 
@@ -130,3 +142,28 @@ class ServingCore(Protocol):
 
     @property
     def handles(self) -> HandleSource: ...
+
+
+class TokenEvents(Protocol):
+    """One request's token streams: ``(choice index, kind, value)`` events until every choice ended."""
+
+    @property
+    def streams(self) -> "list[Stream]": ...
+
+    @property
+    def open(self) -> int:
+        """Choices not ended yet."""
+
+    def __aiter__(self) -> "TokenEvents": ...
+
+    async def __anext__(self) -> "Event": ...
+
+    def abort(self, reason: str = "cancelled") -> None: ...
+
+
+class TokenStreams(Protocol):
+    """Token generation on a loop (module docstring)."""
+
+    async def generate(self, handle: Any, request: "TokenRequest", gone: Callable[[], bool] | None = None) -> TokenEvents:
+        """``handle``: the manager's handle of the version (the generation's once this returns);
+        ``gone``: whether the client went away, looked at while the request waits in the queue."""

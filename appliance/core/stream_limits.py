@@ -15,12 +15,21 @@ reservations**: when room frees, the waiting request of the model with the fewes
 streams goes first (oldest first among equals): an idle model's first request overtakes a busy
 model's queue, and a model alone may use the whole pool, whatever the number of models.
 
+**Waiting without a thread**: ``reserve`` is ``admit`` for a request answered on an event loop
+(appliance/api/openai.py, generate.py): the same queue, order, deadline and refusals, awaited,
+so a queued request holds no thread. It counts the streams in and returns a ``Ticket``; set in
+``ADMITTED`` while the streams start, the ticket makes ``admit`` take them without counting
+them twice; ``give_back`` counts them out if they never start.
+
 Thread-safety: ``admit``/``leave`` run under the caller's lock (the generation's own), which
-``admit`` releases while it waits (a ``threading.Condition`` on it).
+``admit`` releases while it waits (a ``threading.Condition`` on it); ``reserve`` and
+``give_back`` take the lock themselves (call them outside it), briefly, on the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import itertools
 import threading
 import time
@@ -46,6 +55,19 @@ class Waiter:
     count: int
     seq: int
     since: float = field(default_factory=time.monotonic)
+    wake: Callable[[], None] | None = None  # an awaiting waiter's (``reserve``): called when room may have freed
+
+
+@dataclass
+class Ticket:
+    """Streams ``reserve`` counted in (module docstring); ``used`` once ``admit`` took them."""
+
+    model: str
+    count: int
+    used: bool = False
+
+
+ADMITTED: "contextvars.ContextVar[Ticket | None]" = contextvars.ContextVar("admitted", default=None)
 
 
 class StreamLimits:
@@ -76,33 +98,109 @@ class StreamLimits:
     def admit(self, model: str, count: int = 1) -> None:
         """Count ``count`` new streams of ``model`` in, waiting for room in the model's queue;
         ``Unavailable`` naming why when the queue is full or the wait ran out."""
-        config = self._config()
-        self._check_size(model, count, config)
-        if not self.waiting and self._refusal(model, count, config) is None:
-            self._count_in(model, count)
+        ticket = ADMITTED.get()
+        if ticket is not None and not ticket.used and (ticket.model, ticket.count) == (model, count):
+            ticket.used = True  # counted in by ``reserve`` already
             return
-        if sum(w.model == model for w in self.waiting) >= config.max_queued_per_model:
-            raise QueueFull(f"{config.max_queued_per_model} requests of model '{model}' are waiting for a stream, "
-                            "the limit is generation.max_queued_per_model; retry later")
-        me = Waiter(model, count, next(self._seq))
-        self.waiting.append(me)
-        if self._observer is not None:
-            self._observer.queued(model, 1)
+        config = self._config()
+        me = self._enter(model, count, config)
+        if me is None:
+            return
         deadline = me.since + config.queue_timeout_s
         try:
             while not self._my_turn(me, config):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Unavailable(f"waited {config.queue_timeout_s:g} s (generation.queue_timeout_s) for a "
-                                      f"stream of model '{model}': {self._refusal(model, count, config)} retry later")
+                    raise self._timed_out(model, count, config)
                 self._ready.wait(left)
         finally:
-            self.waiting.remove(me)
-            self._ready.notify_all()  # the next in line may fit now
-            if self._observer is not None:
-                self._observer.queued(model, -1)
-                self._observer.waited(model, time.monotonic() - me.since)
+            self._leave_queue(me)
         self._count_in(model, count)
+
+    async def reserve(self, model: str, count: int = 1, changed: Callable[[], None] = lambda: None) -> Ticket:
+        """(an event loop, outside the lock) ``admit`` awaited: no thread waits (module docstring).
+        ``changed()`` (outside the lock) when the request joins the queue and when it leaves it:
+        the status shows the queue as it is."""
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+
+        def wake() -> None:  # (any thread, under the lock)
+            try:
+                loop.call_soon_threadsafe(woken.set)
+            except RuntimeError:  # the loop closed: its request is gone
+                pass
+        config = self._config()
+        with self._ready:
+            me = self._enter(model, count, config, wake)
+        if me is None:
+            return Ticket(model, count)
+        changed()
+        try:
+            while True:
+                woken.clear()
+                with self._ready:
+                    if self._my_turn(me, config):
+                        self._count_in(model, count)
+                        return Ticket(model, count)
+                    left = me.since + config.queue_timeout_s - time.monotonic()
+                    if left <= 0:
+                        raise self._timed_out(model, count, config)
+                try:
+                    await asyncio.wait_for(woken.wait(), left)
+                except TimeoutError:
+                    pass
+        finally:
+            with self._ready:
+                self._leave_queue(me)
+            changed()
+
+    def give_back(self, ticket: Ticket) -> None:
+        """(outside the lock) Count out a ticket's streams that never started."""
+        with self._ready:
+            if not ticket.used:
+                ticket.used = True
+                for _ in range(ticket.count):
+                    self.leave(ticket.model)
+
+    def _enter(self, model: str, count: int, config: Any, wake: Callable[[], None] | None = None) -> Waiter | None:
+        """(lock) Count the streams in now (None), or queue them (their ``Waiter``); the refusals."""
+        self._check_size(model, count, config)
+        if not self.waiting and self._refusal(model, count, config) is None:
+            self._count_in(model, count)
+            return None
+        if sum(w.model == model for w in self.waiting) >= config.max_queued_per_model:
+            raise QueueFull(f"{config.max_queued_per_model} requests of model '{model}' are waiting for a stream, "
+                            "the limit is generation.max_queued_per_model; retry later")
+        me = Waiter(model, count, next(self._seq), wake=wake)
+        self.waiting.append(me)
+        if self._observer is not None:
+            self._observer.queued(model, 1)
+        return me
+
+    def _leave_queue(self, me: Waiter) -> None:
+        """(lock) ``me`` is admitted or gave up: the next in line may fit now."""
+        self.waiting.remove(me)
+        self._notify()
+        if self._observer is not None:
+            self._observer.queued(me.model, -1)
+            self._observer.waited(me.model, time.monotonic() - me.since)
+
+    def _notify(self) -> None:
+        """(lock) Room may have freed: threads look again; of the awaiting waiters only the next
+        in line is woken (it wakes the one after when it goes), not every one of a long queue."""
+        self._ready.notify_all()
+        if not self.waiting:
+            return
+        config = self._config()
+        fitting = [w for w in self.waiting if self._refusal(w.model, w.count, config) is None]
+        if fitting:
+            first = min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq))
+            if first.wake is not None:
+                first.wake()
+
+    def _timed_out(self, model: str, count: int, config: Any) -> Unavailable:
+        return Unavailable(f"waited {config.queue_timeout_s:g} s (generation.queue_timeout_s) for a stream of model "
+                           f"'{model}': {self._refusal(model, count, config)} retry later")
 
     def _check_size(self, model: str, count: int, config: Any) -> None:
         """A request no amount of waiting can admit is refused at once."""
@@ -145,7 +243,7 @@ class StreamLimits:
         else:
             self.running.pop(model, None)
         if self.waiting:
-            self._ready.notify_all()
+            self._notify()
 
     def _kept_for_others(self, model: str, reserve: int) -> int:
         if reserve <= 0:
@@ -155,10 +253,15 @@ class StreamLimits:
     def _generative(self) -> frozenset[str]:
         return self._models[1]
 
+    @property
+    def stale(self) -> bool:
+        """Whether ``refresh`` would read the models again now."""
+        return time.monotonic() - self._models[0] >= MODELS_TTL_S
+
     def refresh(self) -> None:
         """Read which models can generate, at most every MODELS_TTL_S. Call *outside* the
         lock: reading them takes handles on the manager."""
-        if time.monotonic() - self._models[0] >= MODELS_TTL_S:
+        if self.stale:
             self._models = (time.monotonic(), frozenset(self._models_of()))
 
 
@@ -186,4 +289,4 @@ class SharedHandle:
         self.handle.release()
 
 
-__all__ = ["QueueObserver", "SharedHandle", "StreamLimits"]
+__all__ = ["ADMITTED", "QueueObserver", "SharedHandle", "StreamLimits", "Ticket"]

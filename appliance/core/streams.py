@@ -4,17 +4,23 @@ its reader takes (``Stream``), and the metrics every stream reports into
 streams of LiteRT-LM bundles (appliance/core/text_streams.py) both drive streams; neither
 needs the other for it.
 
+A request answered on an event loop reads its events from a ``LoopQueue``: the decode loop's
+``put`` wakes the reader's loop, so a stream costs the reader no thread and no poll.
+
 Thread-safety: a ``Stream`` is written by the one thread that drives it; ``cancel`` and
-reading ``events`` may happen on any thread.
+reading ``events`` may happen on any thread (a ``LoopQueue``'s only on its loop).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
@@ -115,10 +121,85 @@ class Stream:
                 else None, "elapsed_ms": round(elapsed * 1000, 3)}
 
 
+Event = tuple[int, str, Any]  # (choice index, kind, value): "token" id, "text" piece, "done" summary, "error" text
+
+
+class EventSink(Protocol):
+    """Where a request's tagged events go: a ``queue.SimpleQueue`` (a reader thread) or a ``LoopQueue``."""
+
+    def put(self, item: Event) -> None: ...
+
+
+class LoopWaker:
+    """Wakes the readers of one event loop's ``LoopQueue``s: one ``call_soon_threadsafe`` (a
+    write to the loop's self-pipe) per batch of puts, not one per token, so a decode step of 24
+    streams wakes the loop once. ``for_loop`` gives each loop its one waker."""
+
+    _of: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.ready: collections.deque[LoopQueue] = collections.deque()
+        self.scheduled = False
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "LoopWaker":
+        """(the loop's thread) Its waker."""
+        waker = cls._of.get(loop)
+        if waker is None:
+            waker = cls._of[loop] = cls(loop)
+        return waker
+
+    def notify(self, queue: "LoopQueue") -> None:
+        """(any thread) ``queue`` has a new item."""
+        self.ready.append(queue)
+        if not self.scheduled:  # a wake already scheduled will see this queue: it drains ``ready`` after clearing the flag
+            self.scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._run)
+            except RuntimeError:  # the loop closed: no one reads any more
+                pass
+
+    def _run(self) -> None:
+        self.scheduled = False
+        while self.ready:
+            self.ready.popleft().wake()
+
+
+class LoopQueue:
+    """A request's events for a reader on an event loop (module docstring): ``put`` from any
+    thread, ``get`` awaited on ``loop`` (made on that loop's thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._waker = LoopWaker.for_loop(loop)
+        self._items: collections.deque[Event] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Event) -> None:
+        self._items.append(item)
+        self._waker.notify(self)
+
+    def wake(self) -> None:
+        """(the loop) Its reader, if it waits, looks again."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Event:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class Tagged:
     """A stream's ``events`` put on its request's one queue with the choice's index."""
 
-    def __init__(self, merged: "queue.SimpleQueue[tuple[int, str, Any]]", index: int):
+    def __init__(self, merged: EventSink, index: int):
         self.merged, self.index = merged, index
 
     def put(self, item: tuple[str, Any]) -> None:
@@ -160,4 +241,4 @@ class GenerationMetrics:
         self.queue_wait.labels(model).observe(seconds)
 
 
-__all__ = ["GenerationMetrics", "Params", "Stream", "Tagged"]
+__all__ = ["Event", "EventSink", "GenerationMetrics", "LoopQueue", "LoopWaker", "Params", "Stream", "Tagged"]

@@ -8,8 +8,11 @@ by the API families' own coroutines (appliance/api/family.py) over the core's se
 worker (appliance/fronts/remote.py). No thread hand-off, no Flask, no second copy of any API.
 
 Matching and the token check are the serving app's own (appliance/api/mounts.py ``Mounts``,
-appliance/api/auth.py ``authorize``); a request they refuse, and every other request (status,
-the page, admin, metrics, health, token streams) goes to ``fallback``, a WSGI app: the
+appliance/api/auth.py ``authorize``). Token streams (``:generate``, OpenAI's completions) are
+answered on the loop too: by their families in the serving process, and in a worker forwarded
+to it, awaited and streamed on the worker's loop (``ForwardedStreams``): no thread per stream
+on either side. A request they refuse, and every other request (status,
+the page, admin, metrics, health) goes to ``fallback``, a WSGI app: the
 serving process's Flask app in one process, or in a worker ``Forwarder`` (the same app, in
 the serving process), which answers and counts it exactly as it would alone.
 """
@@ -20,12 +23,16 @@ import asyncio
 import contextvars
 import io
 import queue
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Iterator, Protocol
 
+import orjson
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Protocol
+
+from appliance.version import __version__
 from appliance.api.auth import TokenHolder, authorize
 from appliance.api.body import content_encoding, inflate, read_raw
 from appliance.api.errors import error_body, render_error, status_line
-from appliance.api.family import Answer, AsyncFamily
+from appliance.api.families import token_mounts
+from appliance.api.family import Answer, AsyncFamily, Streamed
 from appliance.api.mounts import PROBE_PATHS, Mount, Mounts, normal, raw_path
 from appliance.api.sse import client_gone
 from appliance.core.errors import ApplianceError
@@ -39,7 +46,7 @@ if TYPE_CHECKING:
     from appliance.core.shared_memory import SharedMemory
 
 WSGIApp = Callable[..., Iterable[bytes]]
-GONE_POLL_S = 0.25  # how often a forwarded request's thread looks whether its client is still there
+GONE_POLL_S = 0.25  # how often a forwarded whole answer looks whether its client is still there
 
 
 class FrontCore(ServingCore, TokenHolder, Protocol):
@@ -107,6 +114,59 @@ class _Stream:
             self.link.close_stream(self.ident)
 
 
+class ForwardedStreams(AsyncFamily):
+    """(a front worker) A token-stream request (``:generate``, OpenAI's completions) answered by
+    the serving process, awaited on the worker's loop: whole, or chunk by chunk as the serving
+    process sends them (``Start``, ``Chunk``..., ``End``). No thread waits for it. A client gone
+    cancels it there (``Cancel``): a stream when its chunks are closed early (the HTTP server
+    does it), a whole answer when the socket says so (looked at every ``GONE_POLL_S``)."""
+
+    def __init__(self, link: Link):
+        self.link = link
+
+    async def answer(self, environ: dict[str, Any]) -> Answer | Streamed:
+        body = environ["wsgi.input"].read()
+        ident = self.link.next_id()
+        replies = self.link.open_here(m.Forward(ident, m.plain_environ(environ), body))
+        reply = await _first(replies, client_gone(environ))
+        if reply is None:  # the client went away: the serving process is told to stop
+            self.link.close_stream(ident)
+            return "499 Client Closed Request", [], b""  # nginx's code; no one reads it
+        if isinstance(reply, m.Answer):
+            return reply.status, reply.headers, reply.body
+        if isinstance(reply, m.Start):
+            return reply.status, reply.headers, self._chunks(ident, replies)
+        status_code, error_headers, error_body = render_error(m.unexpected(reply), "the front worker")
+        return status_line(status_code), error_headers, error_body
+
+    async def _chunks(self, ident: int, replies: "asyncio.Queue[m.Reply]") -> AsyncIterator[bytes]:
+        ended = False
+        try:
+            while True:
+                reply = await replies.get()
+                if isinstance(reply, m.Chunk):
+                    yield reply.data
+                    continue
+                ended = True
+                if not isinstance(reply, m.End):  # the serving process went away mid-stream: cut the answer
+                    raise ConnectionAbortedError(m.unexpected(reply).message)
+                return
+        finally:
+            if not ended:
+                self.link.close_stream(ident)
+
+
+async def _first(replies: "asyncio.Queue[m.Reply]", gone: Callable[[], bool]) -> m.Reply | None:
+    """The serving process's first reply; None once the client is gone first (a whole answer
+    would run on for no one)."""
+    while True:
+        try:
+            return await asyncio.wait_for(replies.get(), GONE_POLL_S)
+        except TimeoutError:
+            if gone():
+                return None
+
+
 async def forward_whole(link: Link, environ: dict[str, Any]) -> Answer:
     """A request the serving process answers whole (its own token check included), awaited on
     the worker's loop: no thread of the worker waits for it. For answers that are one message
@@ -122,9 +182,10 @@ async def forward_whole(link: Link, environ: dict[str, Any]) -> Answer:
 class FrontApp:
     """The front path (module docstring): the HTTP server's WSGI app and its ``FastRoutes``.
 
-    ``regions_elsewhere``: how a v2 infer naming shared-memory regions is answered by the
-    process that holds them (appliance/api/kserve/shared_memory.py): in a worker, forwarded
-    whole; None in the serving process, whose families read the regions themselves."""
+    ``regions_elsewhere``: how a request only the serving process may answer is answered there
+    (in a worker, forwarded whole and awaited on the loop; None in the serving process): a v2
+    infer naming shared-memory regions (appliance/api/kserve/shared_memory.py), which only it
+    holds, and ``GET /healthz``, whose answer says it is alive."""
 
     def __init__(self, core: FrontCore, hot: list[Mount], fallback: WSGIApp,
                  regions_elsewhere: Callable[[dict[str, Any]], Awaitable[Answer]] | None = None):
@@ -137,10 +198,12 @@ class FrontApp:
         """(a worker thread) What the loop did not take: the fallback answers it."""
         return self.fallback(environ, start_response)
 
-    def route(self, environ: dict[str, Any]) -> Callable[[dict[str, Any]], Awaitable[Answer]] | None:
+    def route(self, environ: dict[str, Any]) -> Callable[[dict[str, Any]], Awaitable[Answer | Streamed]] | None:
         """(the HTTP server's ``FastRoutes``) The coroutine of a hot request whose token passes;
         None: the fallback answers it (a refusal with the serving app's headers and counters)."""
         raw = raw_path(environ).partition("?")[0]
+        if raw == "/healthz" and environ.get("REQUEST_METHOD") == "GET":  # liveness: never behind a thread
+            return self.regions_elsewhere or _alive
         mount = self.hot.match(environ.get("REQUEST_METHOD", "GET"), raw)
         family = mount.handler if mount is not None else None
         if mount is None or not isinstance(family, AsyncFamily) or not normal(raw):
@@ -151,7 +214,7 @@ class FrontApp:
             return None
         return lambda env: self._answer(family, env)
 
-    async def _answer(self, family: AsyncFamily, environ: dict[str, Any]) -> Answer:
+    async def _answer(self, family: AsyncFamily, environ: dict[str, Any]) -> Answer | Streamed:
         if environ.get("HTTP_CONTENT_ENCODING"):
             try:  # inflated off the loop: a large body takes milliseconds
                 await asyncio.get_running_loop().run_in_executor(None, self._inflate, environ)
@@ -171,6 +234,14 @@ class FrontApp:
         environ.pop("HTTP_CONTENT_ENCODING", None)
 
 
+async def _alive(environ: dict[str, Any]) -> Answer:
+    """``GET /healthz`` on the loop of the process that holds the versions (the Flask route's
+    body): a probe answered behind no thread, and through a worker forwarded here and awaited
+    (``regions_elsewhere``), so it still says the serving process is alive."""
+    body = orjson.dumps({"status": "alive", "version": __version__})
+    return "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body
+
+
 def _names_a_region(environ: dict[str, Any]) -> bool:
     from appliance.api.kserve.shared_memory import uses_shared_memory
 
@@ -188,10 +259,22 @@ def hot_mounts(core: ServingCore, regions: "SharedMemory | None" = None) -> list
     from appliance.api.mounts import INFERENCE
     from appliance.api.tfserving.rest import POST_RE, V1API
 
+    from appliance.fronts.remote import RemoteCore
+
     return [Mount("tfserving-infer", "/v1/", INFERENCE, V1API(core), methods=frozenset({"POST"}), pattern=POST_RE),
             Mount("kserve-infer", "/v2/models/", INFERENCE, V2API(V2Service(core, regions=regions)),
                   methods=frozenset({"POST"}),
-                  suffix="/infer")]
+                  suffix="/infer"),
+            *(token_mounts(ForwardedStreams(core.link), ForwardedStreams(core.link)) if isinstance(core, RemoteCore)
+              else [])]
+
+
+def serving_token_mounts(core: "Appliance") -> list[Mount]:
+    """The token-stream families on the core itself (the process that generates)."""
+    from appliance.api.generate import GenerateAPI
+    from appliance.api.openai import OpenAIAPI
+
+    return token_mounts(GenerateAPI(core), OpenAIAPI(core))
 
 
 def facing(alone_var: "contextvars.ContextVar[Any] | None" = None) -> AppFacing:
@@ -205,4 +288,4 @@ def serving_front(core: "Appliance", app: WSGIApp) -> FrontApp:
     """The front path in the process that holds the versions (one process, or its REST Unix
     socket): the families on the core's own seams, the regions read here, ``app`` (the Flask app)
     for everything else."""
-    return FrontApp(core, hot_mounts(core, core.shared_memory), app)
+    return FrontApp(core, hot_mounts(core, core.shared_memory) + serving_token_mounts(core), app)

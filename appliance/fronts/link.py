@@ -1,7 +1,8 @@
 """A front worker's conversation with the serving process, on the worker's event loop.
 
 Requests with one reply (``call``, awaited on any loop), requests whose replies stream
-(``open``, from a thread: replies arrive on a queue), messages with no reply (``send``, any
+(``open``, from a thread: replies arrive on a queue; ``open_here``, on the loop: an
+``asyncio.Queue``), messages with no reply (``send``, any
 thread), and pushes (the serving view, a new config, drain), handed to ``on_push``. The channel itself (appliance/transport/channel.py's ``ChannelProtocol``) is
 made by the worker on its loop and given to ``attach``; its callbacks are ``on_message``
 and ``on_lost``. Messages are the structs of appliance/fronts/messages.py: a request
@@ -55,7 +56,7 @@ class Link:
         self.channel: Channel | None = None
         self.gone = False
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[Reply] | queue.SimpleQueue[Reply]] = {}
+        self._waiting: dict[int, asyncio.Future[Reply] | queue.SimpleQueue[Reply] | asyncio.Queue[Reply]] = {}
         self._attached = threading.Event()
 
     def attach(self, loop: asyncio.AbstractEventLoop, channel: Channel) -> None:
@@ -78,7 +79,10 @@ class Link:
             elif waiter is not None:
                 if isinstance(message, m.LAST_REPLIES):
                     del self._waiting[ident]
-                waiter.put(message)
+                if isinstance(waiter, asyncio.Queue):
+                    waiter.put_nowait(message)
+                else:
+                    waiter.put(message)
         except Exception:  # one bad message must not end the conversation
             log.exception("front worker: a %s message failed", type(message).__name__)
 
@@ -89,6 +93,8 @@ class Link:
             if isinstance(waiter, asyncio.Future):
                 if not waiter.done():
                     waiter.set_result(_gone(ident))
+            elif isinstance(waiter, asyncio.Queue):
+                waiter.put_nowait(_gone(ident))
             else:
                 waiter.put(_gone(ident))
         self.on_push(m.Eof())
@@ -136,6 +142,17 @@ class Link:
             self.loop.call_soon_threadsafe(register)
         except RuntimeError:
             replies.put(_gone(ident))
+        return replies
+
+    def open_here(self, request: Request) -> "asyncio.Queue[Reply]":
+        """(the link's loop) Send a request whose replies stream: the queue they arrive on,
+        awaited on the loop (no thread waits for them)."""
+        replies: asyncio.Queue[Reply] = asyncio.Queue()
+        if self.gone or self.channel is None:
+            replies.put_nowait(_gone(request.id))
+            return replies
+        self._waiting[request.id] = replies
+        self.channel.send(request)
         return replies
 
     def close_stream(self, ident: int) -> None:

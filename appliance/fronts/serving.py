@@ -45,10 +45,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 
+from appliance.api.family import close_chunks
 from appliance.api.sse import GONE_KEY
 from appliance.fronts import messages as m
 from appliance.fronts.app import serving_front
@@ -92,6 +93,7 @@ class FrontService:
         self.stats: dict[int, m.Stats] = {}  # worker index -> its last figures
         self.view = ServingView(0, {})
         self._streams: dict[tuple[int, int], threading.Event] = {}  # (worker, id) -> cancelled
+        self._tasks: dict[tuple[int, int], asyncio.Task[None]] = {}  # (worker, id) -> a request answered on the loop
         self._loop: LoopThread | None = None
         self._grpc_handlers: list[Any] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -166,6 +168,9 @@ class FrontService:
             flag = self._streams.get((proto.index, message.stream))
             if flag is not None:
                 flag.set()
+            task = self._tasks.get((proto.index, message.stream))
+            if task is not None:  # a token stream (or its whole answer) on this loop: it stops now
+                task.cancel()
         elif isinstance(message, m.Observe):
             observe = self.core.metrics.observe_request
             for o in message.observations:
@@ -182,7 +187,9 @@ class FrontService:
         fast = self.front.route(environ)
         if fast is not None:  # no thread hand-off, no Flask: the loop's own answer
             self._runs += 1
-            asyncio.get_running_loop().create_task(self._fast(proto, ident, fast, environ))
+            key = (proto.index, ident)
+            task = self._tasks[key] = asyncio.get_running_loop().create_task(self._fast(proto, ident, fast, environ))
+            task.add_done_callback(lambda _: self._tasks.pop(key, None))
             return
         cancelled = self._streams[(proto.index, ident)] = threading.Event()
         assert self._pool is not None
@@ -196,6 +203,9 @@ class FrontService:
         for (worker, _), flag in list(self._streams.items()):
             if worker == index:
                 flag.set()
+        for (worker, _), task in list(self._tasks.items()):
+            if worker == index:
+                task.cancel()
 
     async def _run(self, proto: Channel, request: m.Run) -> None:
         LONE_CALL.set(self._alone)  # this task's own context
@@ -293,16 +303,24 @@ class FrontService:
 
     async def _fast(self, proto: Channel, ident: int, answer: Callable[[dict[str, Any]], Any],
                     environ: dict[str, Any]) -> None:
-        """(loop) A forwarded request the front path answers here, whole."""
+        """(loop) A forwarded request the front path answers here, whole or streamed (a token
+        stream: ``Start``, a ``Chunk`` per chunk, ``End``); the worker's ``Cancel`` cancels it."""
         LONE_CALL.set(self._alone)
+        counted = True
         try:
             status, headers, body = await answer(environ)
-            proto.send(m.Answer(ident, status, headers, body))
+            if isinstance(body, bytes):
+                proto.send(m.Answer(ident, status, headers, body))
+                return
+            self._runs, counted = self._runs - 1, False  # a stream is no call in flight: batches need not wait for it
+            proto.send(m.Start(ident, status, headers))
+            await _send_chunks(proto, ident, body)
         except Exception as exc:  # the families answer their own errors; this is a bug of ours
             log.exception("forwarded %s %s failed", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
             proto.send(m.failed(ident, exc))
         finally:
-            self._runs -= 1
+            if counted:
+                self._runs -= 1
 
     def _wsgi(self, proto: Channel, ident: int, environ: dict[str, Any], cancelled: threading.Event) -> None:
         environ[GONE_KEY] = cancelled.is_set  # the worker's CANCEL: its client went away
@@ -383,6 +401,21 @@ class FrontService:
             values = [r.get(key, value) for r in reported]
             merged[key] = any(values) if isinstance(value, bool) else sum(values)
         return merged
+
+
+async def _send_chunks(proto: Channel, ident: int, chunks: AsyncIterator[bytes]) -> None:
+    """A streamed answer's chunks to the worker, then ``End``; stopped early (the worker's
+    ``Cancel``), the chunks are closed, which cancels their token stream."""
+    ended = False
+    try:
+        async for chunk in chunks:
+            if chunk:
+                proto.send(m.Chunk(ident, chunk))
+        ended = True
+        proto.send(m.End(ident))
+    finally:
+        if not ended:
+            await close_chunks(chunks)
 
 
 def _view_of(held: "Handle") -> serving_view.VersionView:

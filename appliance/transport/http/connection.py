@@ -88,7 +88,7 @@ class Connection(asyncio.Protocol):
 
     __slots__ = ("server", "transport", "parser", "request", "started", "headers_done", "head_bytes",
                  "busy", "pipeline", "last_active", "closing", "lingering_since", "lost", "paused", "peer",
-                 "held", "deferred", "fd")
+                 "held", "deferred", "fd", "drained")
 
     def __init__(self, server: Any):
         self.server = server
@@ -109,6 +109,7 @@ class Connection(asyncio.Protocol):
         self.held = 0  # request body bytes counted against limits.max_buffered_bytes
         self.deferred: Reject | None = None  # an error in pipelined bytes, answered after the worker's answer
         self.fd = -1  # the socket's descriptor, for client_gone
+        self.drained: asyncio.Future[None] | None = None  # a loop writer waits on it while paused (``wait_drained``)
 
     # -- asyncio callbacks ---------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
@@ -121,6 +122,7 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.paused = False
+        self._wake_writer()
         self.release()
         self.server.connection_lost(self)
 
@@ -142,6 +144,27 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused = False
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        waiter, self.drained = self.drained, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait_drained(self) -> None:
+        """(loop) Until the client has read enough of what was written (or is gone): a writer on
+        the loop bounds what is buffered by it, as ``stream_write`` does for a worker thread."""
+        while self.paused and not self.lost:
+            if self.drained is None:
+                self.drained = asyncio.get_running_loop().create_future()
+            await self.drained
+
+    def loop_write(self, data: bytes) -> bool:
+        """(loop) Send part of a streamed answer; False once the connection is gone."""
+        if self.lost:
+            return False
+        self.transport.write(data)
+        return True
 
     def data_received(self, data: bytes) -> None:
         if self.closing:

@@ -55,7 +55,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from appliance.transport.http.connection import (LINGER_S, Connection, ErrorBody, Reject, Request, error_response,
                                                  plain_error)
@@ -68,7 +68,8 @@ log = logging.getLogger("appliance.http")
 
 
 Answer = tuple[str, list[tuple[str, str]], bytes]  # status line, headers, body: a whole answer
-FastHandler = Callable[[dict[str, Any]], Awaitable[Answer]]
+Streamed = tuple[str, list[tuple[str, str]], AsyncIterator[bytes]]  # status line, headers, the chunks as they come
+FastHandler = Callable[[dict[str, Any]], Awaitable["Answer | Streamed"]]
 
 
 class FastRoutes(Protocol):
@@ -77,7 +78,9 @@ class FastRoutes(Protocol):
     an app whose work per request is mostly waiting on another process (a front worker,
     appliance/fronts/): no thread hand-off in and out of the loop per request. The
     coroutine must not block: what it computes it computes quickly, what it waits for it
-    awaits."""
+    awaits. Its answer is whole, or streamed: an async iterator of chunks (server-sent
+    events), written as they come at the client's pace and closed (``aclose``) when the
+    client is gone, so what produces them stops; no thread is held while it streams."""
 
     def route(self, environ: dict[str, Any]) -> FastHandler | None: ...
 
@@ -225,6 +228,7 @@ class HTTPServer:
         self.max_connections = connection_cap(limits.max_connections)
         self.scheme = "https" if ssl_context else "http"
         self.tracker = InFlight()
+        self.streaming: set[asyncio.Task[None]] = set()  # streamed fast answers being written (loop)
         self.pool = WorkerPool(threads)
         self.queue_delay = QueueDelay(limits.max_queue_wait_s) if limits.max_queue_wait_s else None
         self.sock = sock or listen(host, port)
@@ -470,20 +474,55 @@ class HTTPServer:
                 return
         self.pool.submit(partial(self._serve, conn, request))
 
-    def _fast_done(self, conn: Connection, request: Request, task: "asyncio.Task[Answer]") -> None:
+    def _fast_done(self, conn: Connection, request: Request, task: "asyncio.Task[Answer | Streamed]") -> None:
         """(loop) A fast route's answer, framed as a WSGI app's would be."""
-        self.tracker.leave()
+        if task.cancelled():  # its client went away while it waited: nothing to write
+            self.tracker.leave()
+            conn.worker_done(b"", True)
+            return
         responder = Responder(conn, request)
         try:
             status, headers, body = task.result()
             responder.start_response(status, headers)
         except Exception:
+            self.tracker.leave()
             log.exception("the fast route failed on %s %s", request.method.decode("latin-1"),
                           request.url.decode("latin-1"))
             conn.worker_done(self.error_response(500, "internal error: see the service log", close=True), True)
             return
+        if not isinstance(body, bytes):  # counted in flight until its last chunk
+            writer = self.loop.create_task(self._fast_stream(conn, request, responder, body))
+            self.streaming.add(writer)  # held: the loop keeps only a weak reference to a task
+            writer.add_done_callback(self.streaming.discard)
+            return
+        self.tracker.leave()
         head, _ = responder.head(len(body))
         conn.worker_done(head + (b"" if request.method == b"HEAD" else body), responder.close)
+
+    async def _fast_stream(self, conn: Connection, request: Request, responder: Responder,
+                           chunks: AsyncIterator[bytes]) -> None:
+        """(loop) A streamed fast answer, chunk by chunk (``FastRoutes``)."""
+        head, chunked = responder.head(None)
+        ended = False
+        try:
+            async for chunk in chunks:
+                if not chunk:
+                    continue
+                if not conn.loop_write(head + (b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)):
+                    return  # the client is gone: closing the chunks stops what makes them
+                head = b""
+                if conn.paused:
+                    await conn.wait_drained()
+            ended = True
+        except Exception:
+            log.exception("the streamed answer to %s %s failed", request.method.decode("latin-1"),
+                          request.url.decode("latin-1"))
+        finally:
+            closer = getattr(chunks, "aclose", None)
+            if not ended and closer is not None:
+                await closer()
+            self.tracker.leave()
+            conn.worker_done(head + (b"0\r\n\r\n" if chunked else b"") if ended else b"", responder.close or not ended)
 
     # -- a worker thread -----------------------------------------------------------------------
     def _serve(self, conn: Connection, request: Request, queued_at: float) -> None:
