@@ -67,6 +67,20 @@ from appliance.core.text_streams import TextDriver, TextStreams, TextVocabulary
 
 log = logging.getLogger("appliance.generation")
 
+# Test hook (EDGE_APPLIANCE_TEST_HOOKS=1, SIGUSR1: appliance/service): while cleared, every decode
+# loop waits before its next step, as a wedged backend would, so a test can hold a stream running
+# for as long as it needs instead of racing its length. Always set on a device.
+STEPPING = threading.Event()
+STEPPING.set()
+
+
+def freeze_steps(frozen: bool) -> None:
+    """Hold (``frozen``) or release every decode loop before its next step (the test hook)."""
+    if frozen:
+        STEPPING.clear()
+    else:
+        STEPPING.set()
+
 class DecodeLoop:
     """The loop of one model version (module docstring)."""
 
@@ -91,6 +105,7 @@ class DecodeLoop:
     def _run(self) -> None:
         try:
             while self._admit():
+                STEPPING.wait()
                 self._step()
         except Exception as exc:  # a backend failure ends this version's streams, never the service
             log.exception("decode loop of %s version %s failed", self.model, self.slot.version)

@@ -13,7 +13,8 @@ database closed: the process exits next). A part attached after ``start()`` chec
 ``service.server`` itself instead of waiting for "started".
 
 Test-only hook, off by default: with ``EDGE_APPLIANCE_TEST_HOOKS=1`` in the environment,
-SIGUSR1 toggles ``manager.freeze_batchers`` (a wedged backend, for the watchdog tests).
+SIGUSR1 toggles ``manager.freeze_batchers`` and the decode loops' steps (a wedged backend, for the
+watchdog tests; a stream held running for as long as a test needs).
 Never set it on a device.
 """
 
@@ -142,10 +143,13 @@ class Service:
         return self.shutdown()
 
     def _freeze(self, frozen: bool) -> None:
-        """Test hook: stop (or resume) every batcher taking batches."""
+        """Test hook: stop (or resume) every batcher taking batches and every decode loop stepping."""
+        from appliance.core.generation import freeze_steps
+
         self._frozen = frozen
         if self.core.manager is not None:
             self.core.manager.freeze_batchers(frozen)
+        freeze_steps(frozen)
         log.warning("test hook: batchers %s", "frozen" if frozen else "running again")
 
     def reload(self) -> None:

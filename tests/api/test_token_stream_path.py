@@ -135,14 +135,15 @@ def test_a_client_gone_while_queued_leaves_the_queue(start_server: Any, slow_mod
     """With one stream allowed, a second request waits in the model's queue (shown in
     ``/api/status`` and Prometheus); its client leaving takes it out of the queue at once (the
     front worker's ``Cancel`` cancels the awaited reservation; in one process the waiting
-    request looks at its socket), long before the running stream ends; the running stream is
-    untouched."""
+    request looks at its socket), while the running stream is held (the test hook freezes the
+    decode loops: its length never races the check); the running stream is untouched."""
     config = tmp_path / "appliance.toml"
     config.write_text(f'models_dir = "{slow_model}"\n[generation]\nmax_streams = 1\n')
-    srv = start_server("--config", str(config), "--workers", workers)
+    srv = start_server("--config", str(config), "--workers", workers, env={"EDGE_APPLIANCE_TEST_HOOKS": "1"})
     running = _stream(srv)
     events = _events(running)
     next(events)
+    _toggle_freeze(srv, "frozen")  # the running stream stays running until released below
     queued = _stream_pending(srv)
     srv.wait_for(lambda: _generation(srv)["requests_waiting"] == 1, 60, "the second request to wait in the queue")
     assert _metric(srv, 'edge_appliance_generation_requests_waiting{model_name="gen_slow"}') == 1.0
@@ -151,8 +152,18 @@ def test_a_client_gone_while_queued_leaves_the_queue(start_server: Any, slow_mod
     srv.wait_for(lambda: _generation(srv)["requests_waiting"] == 0, 60, "the gone request to leave the queue")
     status = _generation(srv)
     assert status["active_streams"] == 1 and status["streams_started"] == 1, status  # never admitted
+    _toggle_freeze(srv, "running again")
     running.close()
     srv.wait_for(lambda: _generation(srv)["active_streams"] == 0, 60, "the running stream to end")
+
+
+def _toggle_freeze(server: Any, state: str) -> None:
+    """SIGUSR1 (EDGE_APPLIANCE_TEST_HOOKS): decode loops held before their next step, or released."""
+    import signal
+
+    before = server.log_text().count(f"batchers {state}")
+    server.proc.send_signal(signal.SIGUSR1)  # handled asynchronously: wait for its log line
+    server.wait_for(lambda: server.log_text().count(f"batchers {state}") > before, 30, f"the decode loops {state}")
 
 
 def _stream_pending(server: Any) -> Any:
