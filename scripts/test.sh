@@ -67,6 +67,11 @@ export EDGE_TEST_ARTIFACTS="${EDGE_TEST_ARTIFACTS:-$PWD/test-artifacts}"
 workers="${EDGE_TEST_WORKERS:-$(n=$(nproc); [ "$n" -lt 2 ] && n=2; [ "$n" -gt 4 ] && n=4; echo "$n")}"
 xdist=()
 [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadfile)
+# Each run writes where its time went (test-artifacts/durations.txt, tests/support/durations.py);
+# with it, the files are collected heaviest first and handed out in that order (xdist's own
+# reorder, by number of tests, would put a long file of few tests last, one worker idle while
+# the other finishes it). Without it (a first run) xdist's order stands.
+[ "$workers" != 0 ] && [ -f "$EDGE_TEST_ARTIFACTS/durations.txt" ] && xdist+=(--no-loadscope-reorder)
 # Timeouts and waits stretch with the load (tests/support/load.py); the header says by how much.
 echo "test.sh: running the suite ($workers workers; load average $(cut -d' ' -f1-3 /proc/loadavg)); the first run builds the test models before the first test" >&2
 if [ "${ARM64:-0}" = 1 ]; then
