@@ -17,7 +17,8 @@
 # The base: EDGE_IMAGE_BASE=debian (the default where apt-get exists) builds Python 3.11 base
 # images from Debian bookworm's own packages with mmdebstrap and imports them
 # (localhost/edge-appliance-base, -builder), so no image registry is needed; =official uses
-# docker.io/library/python:3.11-slim-bookworm, as deploy/Containerfile does by itself.
+# docker.io/library/python:3.11-slim-bookworm, as deploy/Containerfile does by itself (written,
+# not built by the tests: they run where no registry answers, on the debian base).
 #
 # Caches, all outside the checkout so that a CI run on a clean checkout of the same machine
 # reuses them: the base images (tagged by a hash of their recipe; rebuilt when it changes, or
