@@ -2,8 +2,8 @@
 
 Each test's setup, call and teardown durations are added up per file (a module fixture's
 start lands in its file's first test, its stop in the last) and, at the session's end, written
-to ``$EDGE_TEST_ARTIFACTS/durations.txt`` (scripts/test.sh sets it): the files heaviest first,
-then the slowest tests. Under xdist the controller receives every worker's reports, so one
+to ``$EDGE_TEST_ARTIFACTS/durations.txt`` (scripts/test.sh sets it): the files heaviest first
+(a file this run did not run keeps its last figure), then this run's slowest tests. Under xdist the controller receives every worker's reports, so one
 file covers the whole run.
 
 The next run reads that file back and collects the heaviest files first. scripts/test.sh
@@ -53,7 +53,8 @@ class Recorder:
         lines = [f"# {len(self.tests)} tests, {sum(self.files.values()):.0f} s of test time in {wall:.0f} s of wall time; "
                  f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end",
                  "# seconds  file (setup + call + teardown of all its tests)"]
-        lines += [f"{s:9.1f}  {f}" for f, s in sorted(self.files.items(), key=lambda kv: -kv[1])]
+        files = {**previous(), **self.files}  # a run of some files keeps the others' last figures
+        lines += [f"{s:9.1f}  {f}" for f, s in sorted(files.items(), key=lambda kv: -kv[1])]
         lines.append(f"# the {SLOWEST} slowest tests")
         lines += [f"{s:9.1f}  {t}" for t, s in sorted(self.tests.items(), key=lambda kv: -kv[1])[:SLOWEST]]
         (folder / NAME).write_text("\n".join(lines) + "\n")
