@@ -4,7 +4,7 @@
 # chromium renders the status page, systemd-analyze checks the unit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-venv.sh tf,tflite,s3,test
+scripts/setup-venv.sh tf,tflite,s3,llm,test
 
 need=()
 command -v chromium >/dev/null || need+=(chromium)
