@@ -48,7 +48,9 @@ def pytest_configure(config: pytest.Config) -> None:
         # SIGTERM (a CI's cancel, `timeout`, a kill by PID) as Ctrl-C: pytest then tears the
         # fixtures down, stopping the servers they started, instead of dying and orphaning them.
         signal.signal(signal.SIGTERM, _interrupt)
-    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) sees every report
+    # The controller (or a run without xdist) sees every report; a nested session on another
+    # root (tests/support/test_reaper.py's) must not write its files into this suite's record.
+    if not hasattr(config, "workerinput") and config.rootpath == Path(__file__).resolve().parent.parent:
         config.pluginmanager.register(durations.Recorder(), "edge-durations")
 
 
