@@ -8,7 +8,7 @@
 #                                    # tf-cpu and tflite, probe) with the venv at hand
 #
 # Steps: GPU gate (nvidia-smi lists a GPU and /dev/nvidia* exist) -> install (.venv by
-# scripts/setup-venv.sh tf,tflite,test, plus tensorflow[and-cuda] at the installed TF version:
+# scripts/setup-venv.sh tf,tflite,llm,test, plus tensorflow[and-cuda] at the installed TF version:
 # the tf-gpu runtime needs the CUDA/cuDNN wheels) -> build the bench CNN (tests/support/modelgen.py)
 # -> `appliance probe --json --models` (what `auto` chooses, with its timings) -> pytest -m
 # gpu -> samples/s of tf-gpu, tf-cpu, tflite on the CNN -> TF-TRT FP16 and FP32 through the
@@ -66,8 +66,8 @@ py="$VENV/bin/python"
 if [ "$dry" = 1 ] && [ -x "$py" ]; then
   step "install: dry run, using the venv at $VENV as it is"
 else
-  step "install: $VENV with tf,tflite,test"
-  if [ "$VENV" = .venv ]; then scripts/setup-venv.sh tf,tflite,test; fi
+  step "install: $VENV with tf,tflite,llm,test"
+  if [ "$VENV" = .venv ]; then scripts/setup-venv.sh tf,tflite,llm,test; fi
   [ -x "$py" ] || die "no python in $VENV"
   if [ "$dry" = 0 ]; then
     tfv=$("$py" -c 'import importlib.metadata as m; print(m.version("tensorflow"))') || die "TensorFlow is not installed in $VENV"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The OCI image (issue 32): build it, look at it.
 #
-#   scripts/image.sh build lite|full [--arch amd64|arm64]  # localhost/edge-appliance:lite (LiteRT only) or :full (+ TensorFlow)
+#   scripts/image.sh build lite|full [--arch amd64|arm64]  # localhost/edge-appliance:lite (LiteRT only) or :full (+ TensorFlow, + the llm extra)
 #   scripts/image.sh base [--arch A]                       # only the Debian base images (cached)
 #   scripts/image.sh layers [IMAGE]                        # size, largest layers and what made each
 #   scripts/image.sh podman-args                           # the `podman run` options this machine needs (see below)
@@ -17,7 +17,8 @@
 # The base: EDGE_IMAGE_BASE=debian (the default where apt-get exists) builds Python 3.11 base
 # images from Debian bookworm's own packages with mmdebstrap and imports them
 # (localhost/edge-appliance-base, -builder), so no image registry is needed; =official uses
-# docker.io/library/python:3.11-slim-bookworm, as deploy/Containerfile does by itself.
+# docker.io/library/python:3.11-slim-bookworm, as deploy/Containerfile does by itself (written,
+# not built by the tests: they run where no registry answers, on the debian base).
 #
 # Caches, all outside the checkout so that a CI run on a clean checkout of the same machine
 # reuses them: the base images (tagged by a hash of their recipe; rebuilt when it changes, or
@@ -158,7 +159,7 @@ cmd_build() {
       *) usage;;
     esac
   done
-  case "$flavor" in lite) extras=tflite;; full) extras=tf,tflite;; *) usage;; esac
+  case "$flavor" in lite) extras=tflite;; full) extras=tf,tflite,llm;; *) usage;; esac
   case "$arch" in amd64|x86_64) arch=amd64;; arm64|aarch64) arch=arm64;; *) die "unsupported --arch $arch (amd64 or arm64)";; esac
   tag=$REPO:$flavor; [ "$arch" = "$(host_arch)" ] || tag=$REPO:$flavor-$arch
   base=docker.io/library/python:3.11-slim-bookworm; builder=$base

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtualenv in .venv with the given extras.
 #   scripts/setup-venv.sh tf,tflite          # full device install
-#   scripts/setup-venv.sh tf,tflite,s3,test  # everything the test suite needs
+#   scripts/setup-venv.sh tf,tflite,s3,llm,test  # everything the test suite needs
 # Re-running is cheap: pip skips what is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,7 +19,8 @@
 #                  delegate of LiteRT through /dev/dri: Intel, Mali, Adreno),
 #                  edgetpu (PCIe/M.2 Coral, /dev/apex_0), coral-usb (USB Coral)
 # --extras LIST    the package's extras to install (default: tflite; a GPU or
-#                  SavedModel box: tf,tflite; an S3 bucket: add s3)
+#                  SavedModel box: tf,tflite; an S3 bucket: add s3; text models
+#                  for the OpenAI API: add llm)
 # --package SPEC   what pip installs into the venv (default: this checkout with --extras)
 # --root DIR       stage every file under DIR instead of / (packaging, tests): no user
 #                  is created, nothing is chowned, systemctl is not run (add --no-venv:

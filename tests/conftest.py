@@ -11,7 +11,9 @@ An autouse fixture fails any test that leaves threads or child processes behind;
 session's end ``nothing_left_running`` fails the session (after ending them) if any process
 it started, however deep, still runs (tests/support/reaper.py). Timeouts, pytest's and the
 waits', stretch with the machine's load (tests/support/load.py), and the cached test models
-the collected tests need are built before the first test (tests/support/cache.py). A
+the collected tests need are built before the first test (tests/support/cache.py); each
+run writes where its time went to ``$EDGE_TEST_ARTIFACTS/durations.txt`` and the next one
+collects the heaviest files first (tests/support/durations.py). A
 session-wide one (``private_home``) points ``HOME``, ``STATE_DIRECTORY`` and the XDG folders
 at a temporary folder: no test reads or writes the user's home (an admin token a real
 service left in ``~/.local/state/edge-appliance`` is never picked up), and a service started
@@ -32,7 +34,7 @@ import pytest
 if TYPE_CHECKING:
     import pytest_timeout
 
-from tests.support import load, reaper
+from tests.support import durations, load, reaper
 from tests.support.cache import AHEAD, ahead_of_tests, built_once
 from tests.support.servers import Server, launch, modelgen_digest
 
@@ -46,6 +48,10 @@ def pytest_configure(config: pytest.Config) -> None:
         # SIGTERM (a CI's cancel, `timeout`, a kill by PID) as Ctrl-C: pytest then tears the
         # fixtures down, stopping the servers they started, instead of dying and orphaning them.
         signal.signal(signal.SIGTERM, _interrupt)
+    # The controller (or a run without xdist) sees every report; a nested session on another
+    # root (tests/support/test_reaper.py's) must not write its files into this suite's record.
+    if not hasattr(config, "workerinput") and config.rootpath == Path(__file__).resolve().parent.parent:
+        config.pluginmanager.register(durations.Recorder(), "edge-durations")
 
 
 def _interrupt(signum: int, frame: types.FrameType | None) -> None:
@@ -63,6 +69,12 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: "pytest_timeout.Settin
     import pytest_timeout
 
     return bool(pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=load.scaled(settings.timeout))))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The last run's heaviest files first (tests/support/durations.py): two workers then end
+    together instead of one finishing a long file alone."""
+    durations.heaviest_first(items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,8 +1,9 @@
 """The README's tiny chat model needs no torch (issue 49): ``scripts/tiny_chat_model.py`` copies
 the prebuilt model it ships, and a LiteRT-only service answers the official ``openai`` client
 with it, in processes that can find neither TensorFlow nor torch nor litert-torch
-(tests/support/litert_only, as in the venv scripts/run.sh makes). Its ``tokenizer.json`` is a
-real Hugging Face tokenizer that encodes as its ``vocab.json`` does.
+(tests/support/litert_only, as in the venv `EXTRAS=tflite,llm scripts/run.sh` makes: the llm
+extra reads its tokenizer). Its ``tokenizer.json`` is a real Hugging Face tokenizer that
+encodes as its ``vocab.json`` does.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.cache import built_once
+from tests.support.load import scaled
 from tests.support.servers import free_port
 from tests.support.sync_support import OFFSETS
 
@@ -59,7 +60,10 @@ def lite_device(start_server: Any, tmp: Path, bucket: str, env: dict[str, str] |
     state = tmp / f"state-{port}"
     settings = {"bucket": bucket, "channel": "stable", "poll_interval_s": 0.5, "jitter": 0.1,
                 "max_backoff_s": 2.0, "report_interval_s": 3600.0, **sync}
-    lines = [f'models_dir = "{state}/models"', "poll_interval_s = 1.0", "[sync]"]
+    # limits.max_queue_wait_s stretched by the load, as in sync_scenario.device_config: the swap
+    # tests' steady load threads must not be shed as an overload on a busy machine.
+    lines = [f'models_dir = "{state}/models"', "poll_interval_s = 1.0",
+             "[limits]", f"max_queue_wait_s = {scaled(2.0):.1f}", "[sync]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
     config = tmp / f"device-{port}.toml"
     config.write_text("\n".join(lines) + "\n")

@@ -16,8 +16,9 @@ import sys
 from importlib.machinery import PathFinder
 from typing import Any
 
-# What scripts/run.sh's venv lacks and the test venv has: TensorFlow and what comes with it, and
-# the test extra's torch and litert-torch (scripts/tiny_chat_model.py's converter)
+# What scripts/run.sh's venv lacks (with or without its llm extra) and the test venv has:
+# TensorFlow and what comes with it, and the test extra's torch and litert-torch
+# (scripts/tiny_chat_model.py's converter)
 HIDDEN = ("tensorflow", "tensorflow_serving", "tf_keras", "keras", "torch", "litert_torch")
 
 
