@@ -37,6 +37,8 @@ from typing import Any
 
 import requests
 
+from bench.footprint import smaps as footprint_smaps
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CHAT = ROOT / "scripts" / "tiny_chat"
 WHY: set[tuple[int, str]] = set()  # the refusals' bodies, each kind once
@@ -50,14 +52,8 @@ def free_port() -> int:
 
 def smaps(pid: int) -> tuple[float, float]:
     """(RSS, PSS) of ``pid`` in MiB."""
-    fields: dict[str, int] = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            value = rest.split()
-            if len(value) == 2 and value[1] == "kB":
-                fields[name] = int(value[0])
-    return fields["Rss"] / 1024, fields["Pss"] / 1024
+    figures = footprint_smaps(pid)
+    return figures["rss"], figures["pss"]
 
 
 def tree_memory(pid: int) -> tuple[float, float, int]:

@@ -57,7 +57,7 @@ from appliance.fronts.keeper import Keeper
 from appliance.core.config import Config
 from appliance.fronts.health import RestartCounters, process_memory, serving_report
 from appliance.fronts.serving import FrontService
-from appliance.transport.http.server import connection_cap, initial_stats, reserve_port
+from appliance.transport.http.server import bound_beside, connection_cap, initial_stats, reserve_port
 from appliance.fronts.backoff import QUICK_EXIT_S
 from appliance.fronts.supervisor import Exit, Supervisor
 
@@ -75,15 +75,7 @@ def bound(host: str, port: int) -> socket.socket:
     """A worker's REST listener: bound to the port beside the others (SO_REUSEPORT), not yet
     listening; its worker starts it listening once it can serve (appliance/fronts/worker.py), so
     one that fails at start-up never has connections queued for it."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    return bound_beside(host, port)
 
 
 def crash_looping(ended: Exit) -> bool:

@@ -175,6 +175,11 @@ def reserve_port(host: str, port: int) -> socket.socket:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # however it joined the port
         probe.bind((host, port))
         port = probe.getsockname()[1]
+    return bound_beside(host, port)
+
+
+def bound_beside(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` beside the port's other SO_REUSEPORT sockets, not listening."""
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
