@@ -106,17 +106,17 @@ class Driver:
         return {}
 
 
-def _batch(shape: tuple[int, ...] | None) -> int | None:
+def batch_of(shape: tuple[int, ...] | None) -> int | None:
     return shape[0] if shape and shape[0] > 0 else None
 
 
-def _own(array: np.ndarray) -> np.ndarray:
+def owned(array: np.ndarray) -> np.ndarray:
     """A backend's output kept as the next step's cache: used as is when writable."""
     return array if array.flags.writeable else array.copy()
 
 
-def _last_logits(logits: np.ndarray, rows: int) -> np.ndarray:
+def last_logits(logits: np.ndarray, rows: int) -> np.ndarray:
     return logits.reshape(rows, -1, logits.shape[-1])[:, -1]
 
 
-__all__ = ["Driver", "Shapes", "Slots"]
+__all__ = ["Driver", "Shapes", "Slots", "batch_of", "last_logits", "owned"]

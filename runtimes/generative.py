@@ -50,7 +50,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .base import LoadFailure, Servable, SignatureInfo
-from .decode_base import Driver, Shapes, Slots, _batch, _last_logits, _own
+from .decode_base import Driver, Shapes, Slots, batch_of, last_logits, owned
 from .decode_plan import DecodePlan, measure
 from .kv_layout import DEFAULT_LAYOUT, KV_PREFIX, TRANSPOSED_LAYOUT, cache_layout
 
@@ -79,8 +79,8 @@ class LiteRTLLM(Driver):
         if missing:
             raise LoadFailure(f"the decode signature does not follow the LiteRT LLM convention: it lacks "
                               f"{', '.join(missing)}")
-        self.batch_size = _batch(shapes["tokens"])
-        self.pos_rows = _batch(shapes["input_pos"])
+        self.batch_size = batch_of(shapes["tokens"])
+        self.pos_rows = batch_of(shapes["input_pos"])
         self.shared_position = bool(self.batch_size and self.batch_size > 1 and self.pos_rows == 1)
         self.has_mask = "mask" in dec.inputs
         self.aligned = self.shared_position and self.has_mask
@@ -191,8 +191,8 @@ class LiteRTLLM(Driver):
         if self.has_mask:
             feeds["mask"] = self._mask(1, np.array([pos]), np.array([start]))
         out = self._run(self.single_sig or self.decode_sig, feeds)
-        slots.own[row] = {k: _own(out[k]) for k in self.kv_names}
-        return _last_logits(out["logits"], 1)[0]
+        slots.own[row] = {k: owned(out[k]) for k in self.kv_names}
+        return last_logits(out["logits"], 1)[0]
 
     def _decode_alone(self, slots: Slots, row: int, token: int, pos: int, start: int = 0) -> None:
         """One prompt token of one row through ``decode``, in a scratch batch: the other rows
@@ -263,10 +263,10 @@ class LiteRTLLM(Driver):
             if partial:  # a shared position: other rows' caches must not take this call's writes
                 slots.arrays[k][rows] = out[k][rows]
             elif n == slots.capacity:
-                slots.arrays[k] = _own(out[k])
+                slots.arrays[k] = owned(out[k])
             else:
                 slots.arrays[k][:n] = out[k]
-        return _last_logits(out["logits"], n)[rows]
+        return last_logits(out["logits"], n)[rows]
 
 
 def _dim(shape: tuple[int, ...] | None, i: int) -> int | None:
@@ -277,7 +277,7 @@ def _decode_signatures(declared: Shapes) -> tuple[str, str | None]:
     """(the decode that sets the lanes: the largest batch, a dynamic one largest of all; a
     batch-1 decode beside it, or None). ``decode`` itself always counts, even malformed, so that
     what it lacks is named."""
-    found = {name: _batch(shapes.get("tokens")) for name, shapes in declared.items()
+    found = {name: batch_of(shapes.get("tokens")) for name, shapes in declared.items()
              if DECODE_RE.fullmatch(name) and ("tokens" in shapes or name == "decode")}
     batched = max(found, key=lambda n: (found[n] is None, found[n] or 0, n == "decode"))
     single = next((n for n, b in sorted(found.items()) if b == 1 and n != batched), None)
@@ -300,7 +300,7 @@ class GenerateStep(Driver):
         self.has_cache = "cache" in sig.inputs
         if self.has_cache and ("input_pos" not in sig.inputs or "cache" not in sig.outputs):
             raise LoadFailure("a generate_step with a 'cache' input must also take 'input_pos' and return 'cache'")
-        self.batch_size = _batch(shapes[self.ids])
+        self.batch_size = batch_of(shapes[self.ids])
         self.id_dtype = sig.inputs[self.ids].dtype
         self.vocab_size = int((sig.outputs["logits"].shape or (0,))[-1])
         if self.has_cache:
@@ -343,10 +343,10 @@ class GenerateStep(Driver):
         pos[list(rows)] = positions
         out = self._run(self.SIGNATURE, {self.ids: ids, "input_pos": pos, "cache": slots.arrays["cache"][:n]})
         if n == slots.capacity:
-            slots.arrays["cache"] = _own(out["cache"])
+            slots.arrays["cache"] = owned(out["cache"])
         else:
             slots.arrays["cache"][:n] = out["cache"]
-        return _last_logits(out["logits"], n)[list(rows)]
+        return last_logits(out["logits"], n)[list(rows)]
 
     def _decode_history(self, slots: Slots, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """No cache: the whole history each step; rows of equal length share a call."""
@@ -364,7 +364,7 @@ class GenerateStep(Driver):
                 ids = np.zeros((self._rows(len(part)), length), self.id_dtype)
                 ids[:len(part)] = [slots.history[rows[i]] for i in part]
                 out = self._run(self.SIGNATURE, {self.ids: ids})
-                logits[part] = _last_logits(out["logits"], ids.shape[0])[:len(part)]
+                logits[part] = last_logits(out["logits"], ids.shape[0])[:len(part)]
         return logits
 
 
