@@ -20,7 +20,9 @@ Messages are the structs of appliance/fronts/messages.py.
   through the service's own app on a thread of ``threads`` (``server.threads``), answered
   whole, or streamed chunk by chunk. The
   worker's ``Cancel`` (its client went away) ends a stream, and turns the request's
-  ``appliance.client_gone`` true for an answer that is whole only at its end.
+  ``appliance.client_gone`` true for an answer that is whole only at its end; a ``Cancel`` of
+  a ``Run`` or ``GrpcCall`` cancels its task (still queued, it leaves the batcher unrun), so a
+  client that sends calls and goes away does not keep the model busy (issue 47, item 3).
 - ``GrpcCall``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
   and KServe v2's, on this process's core) with a context of the lean server's kind.
 - ``Observe``: the workers' request metrics join the core's (one registry, one page).
@@ -45,7 +47,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 import grpc
 
@@ -92,6 +94,7 @@ class FrontService:
         self.stats: dict[int, m.Stats] = {}  # worker index -> its last figures
         self.view = ServingView(0, {})
         self._streams: dict[tuple[int, int], threading.Event] = {}  # (worker, id) -> cancelled
+        self._calls: dict[tuple[int, int], asyncio.Task[None]] = {}  # (worker, id) -> its Run or GrpcCall
         self._loop: LoopThread | None = None
         self._grpc_handlers: list[Any] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -154,18 +157,21 @@ class FrontService:
     def _on_message(self, proto: Channel, message: m.ToServing) -> None:
         if isinstance(message, m.Run):
             self._runs += 1  # counted on arrival: of a burst read at once, none is alone
-            asyncio.get_running_loop().create_task(self._run(proto, message))
+            self._cancellable(proto, message.id, self._run(proto, message))
         elif isinstance(message, m.Resolve):
             proto.send(self._resolve(message))
         elif isinstance(message, m.Forward):
             self._forward(proto, message)
         elif isinstance(message, m.GrpcCall):
             self._runs += 1
-            asyncio.get_running_loop().create_task(self._grpc(proto, message))
+            self._cancellable(proto, message.id, self._grpc(proto, message))
         elif isinstance(message, m.Cancel):
             flag = self._streams.get((proto.index, message.stream))
             if flag is not None:
                 flag.set()
+            task = self._calls.get((proto.index, message.stream))
+            if task is not None:  # its client went away: queued, it leaves the batcher's queue unrun
+                task.cancel()
         elif isinstance(message, m.Observe):
             observe = self.core.metrics.observe_request
             for o in message.observations:
@@ -188,6 +194,13 @@ class FrontService:
         assert self._pool is not None
         self._pool.submit(self._wsgi, proto, ident, environ, cancelled)
 
+    def _cancellable(self, proto: Channel, ident: int, work: Coroutine[Any, Any, None]) -> None:
+        """Run a worker's call as a task its ``Cancel`` ends (a gRPC client that went away:
+        appliance/fronts/link.py), so an abandoned call is not computed to the end."""
+        key = (proto.index, ident)
+        task = self._calls[key] = asyncio.get_running_loop().create_task(work)
+        task.add_done_callback(lambda _: self._calls.pop(key, None))
+
     def _on_lost(self, proto: Channel) -> None:
         index = proto.index
         if self.links.get(index) is proto:
@@ -196,6 +209,9 @@ class FrontService:
         for (worker, _), flag in list(self._streams.items()):
             if worker == index:
                 flag.set()
+        for (worker, _), task in list(self._calls.items()):
+            if worker == index:  # nobody is left to answer
+                task.cancel()
 
     async def _run(self, proto: Channel, request: m.Run) -> None:
         LONE_CALL.set(self._alone)  # this task's own context
