@@ -48,6 +48,7 @@ from appliance.transport.grpc import nghttp2 as ng
 from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort, CallDetails, Context, Refused,
                                             Request, declared_size, message_of, status_trailers)
 from appliance.transport.grpc.limits import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, TokenBucket
+from appliance.transport.grpc.peers import Guard
 from appliance.transport.grpc.server_side import ServerSide
 from appliance.transport.grpc.session import Session, SessionError
 
@@ -83,7 +84,9 @@ class Stream:
 class Connection(asyncio.Protocol):
     """One HTTP/2 connection: nghttp2's events in, calls out, answers back as they complete."""
 
-    def __init__(self, server: ServerSide):
+    def __init__(self, server: ServerSide, accepted: float | None = None):
+        """``accepted``: when the socket was accepted (a TLS handshake came first: the
+        preface is due within ``handshake_timeout_s`` of the accept, not of its end)."""
         self.server, self.limits = server, server.limits
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
@@ -91,6 +94,8 @@ class Connection(asyncio.Protocol):
         self.ended: list[Stream] = []  # requests complete in the read under way: dispatched after it
         self.stop_after_send: list[int] = []  # answered while still arriving: RST_STREAM once the answer is out
         self.opened = self.last_active = time.monotonic()
+        if accepted is not None:
+            self.opened = accepted
         self.paused_since = 0.0
         self.handshaken = self.going_away = self.paused = self.write_soon = self.failed = False
         self.held = 0  # request messages in methods + answers not yet written
@@ -100,6 +105,7 @@ class Connection(asyncio.Protocol):
         self.waiting = 0  # streams whose size is known, not admitted yet
         self.resets = TokenBucket(RESET_BURST, RESET_RATE)
         self.control = TokenBucket(CONTROL_BURST, CONTROL_RATE)
+        self.guard: Guard | None = None  # its peer address's budgets, over all its connections (peers.py)
         self.peer = "unknown"
 
     @property
@@ -116,6 +122,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # a stream's transport: asyncio types the argument as its base
         peer = transport.get_extra_info("peername")
         self.peer = f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else f"unix:{peer or ''}"
+        self.guard = self.server.peers.guard(peer)
         self.server.connection_made(self)
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None and ssl_object.selected_alpn_protocol() not in (None, "h2"):
@@ -132,6 +139,9 @@ class Connection(asyncio.Protocol):
         self.write_out()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.guard is not None:  # calls left running or unread by a client that went away count
+            self.guard.abandoned(0 if self.failed or self.server.closing else len(self.streams))
+            self.guard.closed()
         for stream in list(self.streams.values()):
             self.done(stream)
         self.ended.clear()
@@ -252,6 +262,8 @@ class Connection(asyncio.Protocol):
         elif not self.server.resets.take():
             self.server.count("reset_budget_refusals")
             self.fail(ng.ENHANCE_YOUR_CALM, "too many streams reset by clients on this server (rapid reset)")
+        elif self.guard is not None and (reason := self.guard.abandoned()):
+            self.over_budget(reason)
 
     def on_stream_closed(self, stream_id: int) -> None:
         stream = self.streams.get(stream_id)
@@ -262,11 +274,32 @@ class Connection(asyncio.Protocol):
         self.handshaken = True
         if not self.control.take():
             self.fail(ng.ENHANCE_YOUR_CALM, "too many SETTINGS frames")
+        else:
+            self.peer_control()
 
     def on_ping(self) -> None:
         self.server.count("pings")
         if not self.control.take():  # nghttp2 has queued its answer; this one is the last
             self.fail(ng.ENHANCE_YOUR_CALM, "too many PING frames")
+        else:
+            self.peer_control()
+
+    def on_window_update(self) -> None:
+        """Credit with no answer of ours waiting for it is a control frame for nothing."""
+        if not any(stream.pending is not None for stream in self.streams.values()):
+            if not self.control.take():
+                self.fail(ng.ENHANCE_YOUR_CALM, "too many WINDOW_UPDATE frames")
+            else:
+                self.peer_control()
+
+    def peer_control(self) -> None:
+        if self.guard is not None and not self.failed and (reason := self.guard.control_frame()):
+            self.over_budget(reason)
+
+    def over_budget(self, reason: str) -> None:
+        """Its peer address is past a budget (peers.py): GOAWAY ENHANCE_YOUR_CALM, closed."""
+        self.server.count("peer_budget_refusals")
+        self.fail(ng.ENHANCE_YOUR_CALM, reason)
 
     def on_goaway(self) -> None:
         """The client will open no more streams; those in flight are still answered."""
@@ -427,6 +460,8 @@ class Connection(asyncio.Protocol):
         if self.streams.get(stream.id) is not stream or self.session is None:
             return  # reset or expired meanwhile
         self.control.give()  # a call answered earns a PING back (see limits.py)
+        if self.guard is not None:
+            self.guard.answered()
         data = b"\x00" + len(payload).to_bytes(4, "big") + payload
         if not self.may_hold(len(data)):  # what the windows let out at once is never held
             room = 0 if self.paused else self.session.stream_window(stream.id)

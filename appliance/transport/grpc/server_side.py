@@ -15,6 +15,7 @@ import contextvars
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from appliance.transport.grpc.limits import Limits, TokenBucket
+from appliance.transport.grpc.peers import Peers
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -33,6 +34,7 @@ class ServerSide(Protocol):
     in_flight: int  # calls dispatched and not finished, every connection
     held: int  # bytes held for calls, every connection
     resets: TokenBucket  # client resets, over the whole server
+    peers: Peers  # control frames and abandoned streams per peer address, every connection (peers.py)
     alone_var: "contextvars.ContextVar[Any] | None"  # set to ``alone`` in each call's context
     lookup: "Callable[[CallDetails], Any]"  # awaitable: the method handler for a call, or None
 
