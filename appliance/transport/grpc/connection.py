@@ -323,9 +323,13 @@ class Connection(asyncio.Protocol):
                 continue
             if self.committed and self.committed + stream.need > budget:
                 continue
+            if not self.room_for(stream.need):  # credit withheld until the worker holds less (readmit)
+                self.server.held_back = True
+                continue
             stream.admitted = True
             self.waiting -= 1
             self.committed += stream.need
+            self.hold(stream.need)  # what it sends is held from now: the worker's bytes count it
             if stream.need > stream.granted:
                 increment = stream.need + GRANT_SLACK - stream.granted
                 assert self.session is not None
@@ -343,6 +347,7 @@ class Connection(asyncio.Protocol):
         if stream.admitted:
             stream.admitted = False
             self.committed -= need or 0
+            self.hold(-(need or 0))
             self.admit()
         elif need is not None and need >= 0:
             self.waiting -= 1
@@ -359,8 +364,9 @@ class Connection(asyncio.Protocol):
             self.finish(stream, grpc.StatusCode.INVALID_ARGUMENT, request.problem)
             return
         body, server = stream.body, self.server
-        reserve = server.max_receive if body[:1] == b"\x01" else len(body)  # inflation's worst case
-        if not self.may_hold(reserve):
+        # inflation's worst case; a plain message admitted was held as it arrived, and its copy replaces it
+        reserve = server.max_receive if body[:1] == b"\x01" else 0 if stream.admitted else len(body)
+        if reserve and not self.may_hold(reserve):
             self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self.full_message())
             return
         if body[:1] == b"\x00" and declared_size(body) == len(body) - 5:  # the common case: one plain message
@@ -400,12 +406,13 @@ class Connection(asyncio.Protocol):
                 self.finish(stream, grpc.StatusCode.INTERNAL, "Exception deserializing request!")
                 return
             del message
-            self.unhold_message(stream)
             fn = handler.unary_unary
             if server.is_coroutine(fn):
                 response = await fn(request, context)
             else:
                 response = await server.loop.run_in_executor(server.pool, fn, request, context)
+            del request
+            self.unhold_message(stream)  # its decoded tensors lived as long as the method ran
             if context.code not in (None, grpc.StatusCode.OK):
                 self.finish(stream, context.code, context.details, context.trailing)
                 return
@@ -445,9 +452,17 @@ class Connection(asyncio.Protocol):
                 f"{self.server.held} ([grpc] max_connection_buffer_bytes = {self.limits.max_connection_buffer_bytes}, "
                 f"max_buffer_bytes = {self.limits.max_buffer_bytes}): read the answers, or retry later")
 
+    def room_for(self, size: int) -> bool:
+        """Whether a request of ``size`` may be sent to us now: it fits what this connection
+        and the worker may hold; when the worker holds nothing, one always may (requests
+        larger than the budget take turns)."""
+        return self.server.held == 0 or self.may_hold(size)
+
     def hold(self, size: int) -> None:
         self.held += size
         self.server.held += size
+        if size < 0 and self.server.held_back:
+            self.server.readmit_soon()  # streams held back for the worker's bytes may be admitted now
 
     def unhold_message(self, stream: Stream) -> None:
         if stream.message_bytes:
@@ -564,7 +579,8 @@ class Connection(asyncio.Protocol):
             self.abort()
             return
         for stream in list(self.streams.values()):
-            moving = stream.pending is not None or not stream.dispatched
+            # a request held back for the worker's bytes (admit) is waiting for us, not stalled
+            moving = stream.pending is not None or (not stream.dispatched and (stream.admitted or stream.need is None))
             if moving and now - stream.last > limits.stall_timeout_s:
                 self.reset(stream, ng.CANCEL)
                 self.server.count("stalled_streams")

@@ -83,6 +83,8 @@ class LeanServer(LoopThread):
         self.accepting = False
         self.closing = False
         self.held = 0  # bytes held for calls, every connection together (connection.py)
+        self.held_back = False  # some stream waits for ``held`` to fall (connection.py ``admit``)
+        self._readmitting = False
         self.in_flight = 0  # calls dispatched and not finished (their tasks), on every connection
         self.open_streams = 0  # streams open on every connection (Limits.max_open_streams)
         self.resets = TokenBucket(SERVER_RESET_BURST, SERVER_RESET_RATE)  # client resets, all connections
@@ -279,6 +281,19 @@ class LeanServer(LoopThread):
         self.accepting = True
         for sock in self.listeners:
             self.loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def readmit_soon(self) -> None:
+        """(ServerSide) Once this turn of the loop is over, admit what was held back."""
+        if not self._readmitting:
+            self._readmitting = True
+            self.loop.call_soon(self._readmit)
+
+    def _readmit(self) -> None:
+        self._readmitting = self.held_back = False
+        for connection in list(self.connections):  # admit() sets held_back again for what still waits
+            if connection.waiting and connection.session is not None:
+                connection.admit()
+                connection.write_later()
 
     def connection_made(self, connection: Connection) -> None:
         self.connections.add(connection)
