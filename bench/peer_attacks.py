@@ -302,8 +302,10 @@ def run(kind: str, seconds: float, work: Path, models: Path) -> None:
         tls, verify, root = (cert, key), str(cert), cert.read_bytes()
     config = work / f"{kind}.toml"
     config.write_text(config_text(models, grpc_port, "max_connections = 64" if kind == "tls" else "", tls))
-    srv = launch(["--config", str(config), "--grpc-port", str(grpc_port)], work, port=port)
+    srv = launch(["--config", str(config), "--grpc-port", str(grpc_port)], work, port=port, ready=tls is None)
     scheme = "https" if tls else "http"
+    srv.wait_for(lambda: requests.get(f"{scheme}://127.0.0.1:{port}/readyz", verify=verify, timeout=2).ok, 120,
+                 "the service to be ready")
     rest, rpc = rest_probe(f"{scheme}://127.0.0.1:{port}", verify), grpc_probe(grpc_port, root)
     try:
         for _ in range(10):

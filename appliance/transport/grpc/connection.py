@@ -5,8 +5,9 @@ gets credit, the bytes held for calls, and the bounds on what a hostile client c
 
 Flow control, receiving: a new stream may send the initial window (64 KiB); once its
 message's length prefix is in, the stream is *admitted* (oldest first) while the messages
-admitted on the connection fit a budget (the largest message + ``CONNECTION_WINDOW``), and
-gets credit for its whole message at once. The oldest waiting stream is always admitted when
+admitted on the connection fit a budget (the largest message + ``CONNECTION_WINDOW``) and
+the held bytes below allow, and gets credit for its whole message at once (a stream that
+does not fit waits without credit; the server looks at it again as held bytes fall). The oldest waiting stream is always admitted when
 none is, so requests that together exceed the budget take turns. The connection window is
 given back as bytes arrive: the streams' credit is what bounds memory. Sending: an answer goes
 out as far as the peer's windows allow and the socket takes it; the rest waits for
@@ -15,16 +16,19 @@ WINDOW_UPDATE or for the socket to drain (``pause_writing``), counted as held.
 Calls are dispatched once the bytes of a read are all processed: a stream opened and reset
 in one read (rapid reset, CVE-2023-44487) never becomes a call.
 
-Held bytes (``Limits.max_connection_buffer_bytes``, ``max_buffer_bytes``): request messages
-handed to methods plus answers not yet written. A call that would pass either bound is
-answered RESOURCE_EXHAUSTED instead (gzip requests count as the largest message until
-inflated). Open streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
+Held bytes (``Limits.max_connection_buffer_bytes``, ``max_buffer_bytes``): a request from
+its admission (its bytes arriving) until its method returns (its decoded form lives that
+long), plus answers not yet written: everything a connection keeps for calls, in one account
+that ``held_bytes`` shows. Admission waits on it; an answer, or a gzip request (the largest
+message until inflated), that would pass either bound is answered RESOURCE_EXHAUSTED. Open streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
 the whole server (``Limits.max_open_streams``, refused with REFUSED_STREAM past it), so a
 client that never opens its window (zero-window stalls) holds a bounded number of answers, and
 a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed.
 
-Client resets are rate-limited per connection and over the whole server (limits.py), so an
-attacker that reconnects before a connection's budget runs out still meets one; a connection
+Client resets are rate-limited per connection and over the whole server (limits.py), and
+control frames and abandoned streams per peer address over all its connections (peers.py:
+the ``guard``), so an attacker that reconnects before a connection's budget runs out still
+meets one; a connection
 refused for it is closed at once, and what it had sent but we had not read is dropped by the
 kernel, not processed.
 
@@ -271,29 +275,23 @@ class Connection(asyncio.Protocol):
             self.done(stream)  # its call is cancelled; a drain waiting on it is told
 
     def on_settings(self) -> None:
-        self.handshaken = True
-        if not self.control.take():
-            self.fail(ng.ENHANCE_YOUR_CALM, "too many SETTINGS frames")
-        else:
-            self.peer_control()
+        first, self.handshaken = not self.handshaken, True
+        self.control_frame("SETTINGS", peer=not first)  # the preface's SETTINGS is every connection's due
 
     def on_ping(self) -> None:
         self.server.count("pings")
-        if not self.control.take():  # nghttp2 has queued its answer; this one is the last
-            self.fail(ng.ENHANCE_YOUR_CALM, "too many PING frames")
-        else:
-            self.peer_control()
+        self.control_frame("PING")  # nghttp2 has queued its answer; past a budget, it is the last
 
     def on_window_update(self) -> None:
         """Credit with no answer of ours waiting for it is a control frame for nothing."""
         if not any(stream.pending is not None for stream in self.streams.values()):
-            if not self.control.take():
-                self.fail(ng.ENHANCE_YOUR_CALM, "too many WINDOW_UPDATE frames")
-            else:
-                self.peer_control()
+            self.control_frame("WINDOW_UPDATE")
 
-    def peer_control(self) -> None:
-        if self.guard is not None and not self.failed and (reason := self.guard.control_frame()):
+    def control_frame(self, what: str, peer: bool = True) -> None:
+        """Against the connection's budget, then (``peer``) its peer address's (peers.py)."""
+        if not self.control.take():
+            self.fail(ng.ENHANCE_YOUR_CALM, f"too many {what} frames")
+        elif peer and self.guard is not None and not self.failed and (reason := self.guard.control_frame()):
             self.over_budget(reason)
 
     def over_budget(self, reason: str) -> None:

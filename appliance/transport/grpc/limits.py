@@ -26,8 +26,9 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class Limits:
     """Per server. ``max_connection_buffer_bytes`` and ``max_buffer_bytes`` bound the bytes a
-    connection, and all of them together, hold for calls: request messages handed to methods
-    and answers not yet taken by the client (its window closed, or its socket not read)."""
+    connection, and all of them together, hold for calls: requests from the credit given for
+    them until their methods return, and answers not yet taken by the client (its window
+    closed, or its socket not read)."""
 
     max_concurrent_streams: int = 100  # SETTINGS_MAX_CONCURRENT_STREAMS (grpc.max_concurrent_streams)
     max_metadata_size: int = 16 * 1024  # SETTINGS_MAX_HEADER_LIST_SIZE (grpc.max_metadata_size)
