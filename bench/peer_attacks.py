@@ -3,8 +3,8 @@ with two front workers serving the MLP on LiteRT, while a REST and a gRPC probe 
 0.5 s from another loopback address (5 s deadline each):
 
 - ``abandon`` (item 3): connect, send 100 gRPC Predicts, close without reading, again;
-- ``ping`` / ``settings`` (item 4): 190 PINGs (or SETTINGS) a connection, just under the
-  per-connection burst, then a new connection;
+- ``ping`` / ``settings`` / ``window_update`` (item 4): 190 PINGs (or SETTINGS, or
+  WINDOW_UPDATEs) a connection, just under the per-connection burst, then a new connection;
 - ``tls`` (item 6): slow TLS clients, each trickling its ClientHello 1 byte every 2 s and
   reconnecting when closed, on the gRPC TLS port (``[grpc] max_connections`` lowered so a few
   hundred fill it, as 2,000 fill the default).
@@ -74,7 +74,7 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
 
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-SETTINGS, PING = 0x4, 0x6
+SETTINGS, PING, WINDOW_UPDATE = 0x4, 0x6, 0x8
 
 
 def abandon_burst(port: int, calls: int = 100) -> bytes:
@@ -91,8 +91,10 @@ def abandon_burst(port: int, calls: int = 100) -> bytes:
 
 
 def control_burst(kind: str, frames: int = 190) -> bytes:
-    """The preface, then ``frames`` PINGs (or empty SETTINGS): just under the per-connection 200."""
-    one = frame(PING, 0, 0, b"\0" * 8) if kind == "ping" else frame(SETTINGS, 0, 0)
+    """The preface, then ``frames`` PINGs (or empty SETTINGS, or connection WINDOW_UPDATEs of 1
+    with nothing to send them for): just under the per-connection 200."""
+    one = {"ping": frame(PING, 0, 0, b"\0" * 8), "settings": frame(SETTINGS, 0, 0),
+           "window_update": frame(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big"))}[kind]
     return PREFACE + frame(SETTINGS, 0, 0) + one * frames
 
 
@@ -364,7 +366,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attack", default="abandon,ping,settings,tls", help="which, comma-separated")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each attack runs")
-    parser.add_argument("--client", help="be the attacker only (abandon, ping, settings or tls) against --port")
+    parser.add_argument("--client", help="be the attacker only (abandon, ping, settings, window_update or tls) against --port")
     parser.add_argument("--port", type=int, help="the gRPC port on 127.0.0.1 the --client attacks")
     parser.add_argument("--clients", type=int, default=300, help="slow TLS clients (--client tls)")
     args = parser.parse_args()

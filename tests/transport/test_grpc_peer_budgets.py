@@ -7,7 +7,7 @@ attack clients; it prints the same figures over longer runs):
   attacker's address passes its budget of abandoned streams and is refused (its connections
   closed before a byte of them is read), and the calls it left are cancelled, not computed:
   the model answers far fewer Predicts than were sent;
-- **PING and SETTINGS floods** of 190 frames a connection (under the per-connection 200),
+- **PING, SETTINGS and WINDOW_UPDATE floods** of 190 frames a connection (under the per-connection 200),
   reconnecting: the address's control-frame budget refuses it;
 - **slow TLS handshakes** (a ClientHello trickled 1 byte / 2 s, reconnecting when closed) on
   the gRPC TLS port filled past ``[grpc] max_connections``: the handshake under way longest
@@ -128,7 +128,7 @@ def test_calls_abandoned_from_one_address_are_refused_and_cancelled(service: Any
                                   "were computed: abandoned calls are not cancelled or refused")
 
 
-@pytest.mark.parametrize("kind", ["ping", "settings"])
+@pytest.mark.parametrize("kind", ["ping", "settings", "window_update"])
 def test_control_floods_that_reconnect_are_refused(service: Any, kind: str) -> None:
     attack, probes = under_attack(service, kind)
     figures = grpc_figures(service)
