@@ -7,8 +7,9 @@ Flow control, receiving: a new stream may send the initial window (64 KiB); once
 message's length prefix is in, the stream is *admitted* (oldest first) while the messages
 admitted on the connection fit a budget (the largest message + ``CONNECTION_WINDOW``) and
 the held bytes below allow, and gets credit for its whole message at once (a stream that
-does not fit waits without credit; the server looks at it again as held bytes fall). The oldest waiting stream is always admitted when
-none is, so requests that together exceed the budget take turns. The connection window is
+does not fit waits without credit; the server looks at it again as held bytes fall). The
+oldest waiting stream is always admitted when none is and the worker holds nothing, so
+requests that together exceed the budgets take turns. The connection window is
 given back as bytes arrive: the streams' credit is what bounds memory. Sending: an answer goes
 out as far as the peer's windows allow and the socket takes it; the rest waits for
 WINDOW_UPDATE or for the socket to drain (``pause_writing``), counted as held.
@@ -20,7 +21,8 @@ Held bytes (``Limits.max_connection_buffer_bytes``, ``max_buffer_bytes``): a req
 its admission (its bytes arriving) until its method returns (its decoded form lives that
 long), plus answers not yet written: everything a connection keeps for calls, in one account
 that ``held_bytes`` shows. Admission waits on it; an answer, or a gzip request (the largest
-message until inflated), that would pass either bound is answered RESOURCE_EXHAUSTED. Open streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
+message until inflated), that would pass either bound is answered RESOURCE_EXHAUSTED. Open
+streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
 the whole server (``Limits.max_open_streams``, refused with REFUSED_STREAM past it), so a
 client that never opens its window (zero-window stalls) holds a bounded number of answers, and
 a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed.
@@ -28,9 +30,8 @@ a request or answer that moves no byte for ``stall_timeout_s`` is reset and free
 Client resets are rate-limited per connection and over the whole server (limits.py), and
 control frames and abandoned streams per peer address over all its connections (peers.py:
 the ``guard``), so an attacker that reconnects before a connection's budget runs out still
-meets one; a connection
-refused for it is closed at once, and what it had sent but we had not read is dropped by the
-kernel, not processed.
+meets one; a connection refused for it is closed at once, and what it had sent but we had
+not read is dropped by the kernel, not processed.
 
 Lifetime: ``connection_lost`` frees the nghttp2 session and drops every reference the
 connection holds (streams, transport, its handle), so nothing waits for the cyclic collector.
@@ -102,7 +103,7 @@ class Connection(asyncio.Protocol):
             self.opened = accepted
         self.paused_since = 0.0
         self.handshaken = self.going_away = self.paused = self.write_soon = self.failed = False
-        self.held = 0  # request messages in methods + answers not yet written
+        self.held = 0  # requests admitted until their methods return + answers not yet written
         self.calls = 0  # calls dispatched on this connection and not finished
         self.committed = 0  # the sizes of the admitted requests still arriving
         self.unconsumed = 0  # DATA bytes taken but not yet given back to the connection window
