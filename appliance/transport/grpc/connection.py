@@ -52,7 +52,8 @@ import grpc
 from appliance.transport.grpc import nghttp2 as ng
 from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort, CallDetails, Context, Refused,
                                             Request, declared_size, message_of, status_trailers)
-from appliance.transport.grpc.limits import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, TokenBucket
+from appliance.transport.grpc.limits import (ANSWER_EARNS, CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE,
+                                             TokenBucket)
 from appliance.transport.grpc.peers import Guard
 from appliance.transport.grpc.server_side import ServerSide
 from appliance.transport.grpc.session import Session, SessionError
@@ -473,7 +474,7 @@ class Connection(asyncio.Protocol):
         """Headers, the length-prefixed message and the trailers, as far as the windows allow."""
         if self.streams.get(stream.id) is not stream or self.session is None:
             return  # reset or expired meanwhile
-        self.control.give()  # a call answered earns a PING back (see limits.py)
+        self.control.give(ANSWER_EARNS)  # a call answered earns its pings and credit back (limits.py)
         if self.guard is not None:
             self.guard.answered()
         data = b"\x00" + len(payload).to_bytes(4, "big") + payload

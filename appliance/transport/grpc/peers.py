@@ -4,7 +4,7 @@ items 3 and 4): what a per-connection bound misses when the client reconnects ju
 Two budgets per address (the host, never the port: a reconnect keeps the host):
 
 - **control frames** it makes us answer or read for nothing: PING, SETTINGS, and WINDOW_UPDATE
-  while none of its answers is being sent. A call answered gives one back (as the
+  while none of its answers is being sent. A call answered gives four back (as the
   per-connection bucket does, limits.py), so grpcio's BDP and keepalive pings with calls
   never drain it;
 - **abandoned streams**: streams it resets itself, and streams still open (a call running or
@@ -32,6 +32,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+
+from appliance.transport.grpc.limits import ANSWER_EARNS
 
 log = logging.getLogger("appliance.grpc")
 
@@ -67,8 +69,8 @@ class Budget:
         self.tokens = max(-self.burst, self.tokens - n)
         return enough
 
-    def give(self) -> None:
-        self.tokens = min(self.burst, self.tokens + 1)
+    def give(self, n: int = 1) -> None:
+        self.tokens = min(self.burst, self.tokens + n)
 
     def short(self) -> bool:
         self._refill()
@@ -116,8 +118,8 @@ class Guard:
         return self.peer.refused() or "too many control frames from this address"
 
     def answered(self) -> None:
-        """A call answered earns a control frame back (limits.py CONTROL_BURST's reasoning)."""
-        self.peer.control.give()
+        """A call answered earns its control frames back (limits.py ANSWER_EARNS)."""
+        self.peer.control.give(ANSWER_EARNS)
 
     def abandoned(self, streams: int = 1) -> str:
         """``streams`` reset by the client, or left open when it closed the connection."""
