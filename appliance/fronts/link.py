@@ -121,7 +121,12 @@ class Link:
         future: asyncio.Future[Reply] = self.loop.create_future()
         self._waiting[request.id] = future
         self.channel.send(request)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # the caller's client went away: the serving process stops the work
+            if self._waiting.pop(request.id, None) is not None and not self.gone and self.channel is not None:
+                self.channel.send(m.Cancel(request.id))
+            raise
 
     def open(self, request: Request) -> queue.SimpleQueue[Reply]:
         """(any thread but the loop's) Send a request whose replies stream: the queue they

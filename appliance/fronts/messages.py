@@ -146,7 +146,7 @@ class GrpcCall(Message, tag="grpc"):
 
 
 class Cancel(Message, tag="cancel"):
-    stream: int  # the ``Forward``'s id
+    stream: int  # the id of the ``Forward``, ``Run`` or ``GrpcCall`` whose client went away
 
 
 class Observe(Message, tag="observe"):

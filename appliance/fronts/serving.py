@@ -20,7 +20,9 @@ Messages are the structs of appliance/fronts/messages.py.
   through the service's own app on a thread of ``threads`` (``server.threads``), answered
   whole, or streamed chunk by chunk. The
   worker's ``Cancel`` (its client went away) ends a stream, and turns the request's
-  ``appliance.client_gone`` true for an answer that is whole only at its end.
+  ``appliance.client_gone`` true for an answer that is whole only at its end; a ``Cancel`` of
+  a ``Run`` or ``GrpcCall`` cancels its task (still queued, it leaves the batcher unrun), so a
+  client that sends calls and goes away does not keep the model busy (issue 47, item 3).
 - ``GrpcCall``: a forwarded gRPC call runs through the service's own gRPC handlers (TF Serving's
   and KServe v2's, on this process's core) with a context of the lean server's kind.
 - ``Observe``: the workers' request metrics join the core's (one registry, one page).
@@ -45,7 +47,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine
 
 import grpc
 
@@ -93,7 +95,8 @@ class FrontService:
         self.stats: dict[int, m.Stats] = {}  # worker index -> its last figures
         self.view = ServingView(0, {})
         self._streams: dict[tuple[int, int], threading.Event] = {}  # (worker, id) -> cancelled
-        self._tasks: dict[tuple[int, int], asyncio.Task[None]] = {}  # (worker, id) -> a request answered on the loop
+        # (worker, id) -> a request answered on the loop: a token stream, a whole answer, a Run or GrpcCall
+        self._tasks: dict[tuple[int, int], asyncio.Task[None]] = {}
         self._loop: LoopThread | None = None
         self._grpc_handlers: list[Any] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -156,20 +159,20 @@ class FrontService:
     def _on_message(self, proto: Channel, message: m.ToServing) -> None:
         if isinstance(message, m.Run):
             self._runs += 1  # counted on arrival: of a burst read at once, none is alone
-            asyncio.get_running_loop().create_task(self._run(proto, message))
+            self._cancellable(proto, message.id, self._run(proto, message))
         elif isinstance(message, m.Resolve):
             proto.send(self._resolve(message))
         elif isinstance(message, m.Forward):
             self._forward(proto, message)
         elif isinstance(message, m.GrpcCall):
             self._runs += 1
-            asyncio.get_running_loop().create_task(self._grpc(proto, message))
+            self._cancellable(proto, message.id, self._grpc(proto, message))
         elif isinstance(message, m.Cancel):
             flag = self._streams.get((proto.index, message.stream))
             if flag is not None:
                 flag.set()
             task = self._tasks.get((proto.index, message.stream))
-            if task is not None:  # a token stream (or its whole answer) on this loop: it stops now
+            if task is not None:  # its client went away: a stream stops, a queued call leaves the batcher unrun
                 task.cancel()
         elif isinstance(message, m.Observe):
             observe = self.core.metrics.observe_request
@@ -187,13 +190,18 @@ class FrontService:
         fast = self.front.route(environ)
         if fast is not None:  # no thread hand-off, no Flask: the loop's own answer
             self._runs += 1
-            key = (proto.index, ident)
-            task = self._tasks[key] = asyncio.get_running_loop().create_task(self._fast(proto, ident, fast, environ))
-            task.add_done_callback(lambda _: self._tasks.pop(key, None))
+            self._cancellable(proto, ident, self._fast(proto, ident, fast, environ))
             return
         cancelled = self._streams[(proto.index, ident)] = threading.Event()
         assert self._pool is not None
         self._pool.submit(self._wsgi, proto, ident, environ, cancelled)
+
+    def _cancellable(self, proto: Channel, ident: int, work: Coroutine[Any, Any, None]) -> None:
+        """Run a worker's call as a task its ``Cancel`` ends (a gRPC client that went away:
+        appliance/fronts/link.py), so an abandoned call is not computed to the end."""
+        key = (proto.index, ident)
+        task = self._tasks[key] = asyncio.get_running_loop().create_task(work)
+        task.add_done_callback(lambda _: self._tasks.pop(key, None))
 
     def _on_lost(self, proto: Channel) -> None:
         index = proto.index
@@ -204,7 +212,7 @@ class FrontService:
             if worker == index:
                 flag.set()
         for (worker, _), task in list(self._tasks.items()):
-            if worker == index:
+            if worker == index:  # nobody is left to answer
                 task.cancel()
 
     async def _run(self, proto: Channel, request: m.Run) -> None:

@@ -58,6 +58,10 @@ NAMED_MODULES = ("numpy", "uvloop", "httptools", "orjson", "simdjson", "rapidjso
                  "google.protobuf", "flask", "werkzeug", "jinja2", "tensorflow", "ai_edge_litert", "tflite_runtime",
                  "litert_lm", "sqlite_utils", "prometheus_client", "zeroconf", "boto3", "cryptography", "psutil")
 HEARTBEAT_S = 1.0  # HTTP figures and memory to the serving process, from the loop: the heartbeat
+# Once gRPC calls held at least this much and then nothing, the freed heap goes back to the OS
+# (malloc_trim): glibc serves buffers under its raised mmap threshold (up to 32 MiB) from the
+# heap and keeps them after a burst of big calls (issue 47 item 5: bench/big_calls.py).
+TRIM_AFTER_BYTES = 8 << 20
 PARENT_CHECK_S = 1.0
 LISTEN_BACKLOG = 1024  # as appliance/transport/http/server.py's listen: bursts wait in the kernel
 
@@ -77,6 +81,7 @@ class Worker:
         self.server: HTTPServer | None = None
         self.done = threading.Event()
         self.exit_code = 0
+        self.held_peak = 0  # the most gRPC bytes held seen at a heartbeat since the heap was last trimmed
 
     def run(self) -> int:
         first = read_one(self.sock, self.codec)
@@ -145,7 +150,16 @@ class Worker:
         """(the loop) The figures now, and again in HEARTBEAT_S (module docstring)."""
         if not self.done.is_set():
             self.send_stats()
+            self.trim_after_burst()
             loop.call_later(HEARTBEAT_S, self.beat, loop)
+
+    def trim_after_burst(self) -> None:
+        """(the loop) Big gRPC calls all done: their freed memory back to the OS."""
+        held = self.grpc.held if self.grpc is not None else 0
+        self.held_peak = max(self.held_peak, held)
+        if not held and self.held_peak >= TRIM_AFTER_BYTES:
+            self.held_peak = 0
+            memory.trim_heap()
 
     def on_push(self, message: m.Push) -> None:
         """(the loop) What the serving process says unasked."""

@@ -8,6 +8,7 @@ against a real ``appliance serve`` with the default front workers, the MLP on Li
 - **zero-window stalls**: connections that set SETTINGS_INITIAL_WINDOW_SIZE 0 and never open
   it, each with every stream it may holding a Predict whose answer can never be sent.
 
+The attacker connects from 127.0.0.2 and the probes from 127.0.0.1, as two clients would.
 Each test bounds itself so it cannot take a shared machine down: the service's process tree
 RSS is sampled while the attack runs, and past ``HARD_CAP`` over its start the attack stops
 and the service is killed (the test then fails). What must hold: the tree's RSS stays within
@@ -38,6 +39,9 @@ BOUND = 192 * MIB  # what the attacks may add to the service's tree RSS
 HARD_CAP = 1024 * MIB  # past this the attack stops and the service is killed: the machine is shared
 RECOVERY_S = 15.0  # REST and gRPC both answer within this of the attack's end (the issue measured 173 s)
 ATTACK_S = 8.0
+# The attacker's own loopback address: the probes (127.0.0.1) are another client, which the
+# server's per-address budgets (appliance/transport/grpc/peers.py) must not refuse for it.
+ATTACKER = "127.0.0.2"
 
 
 @pytest.fixture()
@@ -148,7 +152,7 @@ def test_rapid_reset_that_reconnects_is_bounded_and_recovered_from(service: Any)
     burst = reset_burst(service.grpc_port)
 
     def connection() -> None:
-        with socket.create_connection(("127.0.0.1", service.grpc_port), timeout=5) as sock:
+        with socket.create_connection(("127.0.0.1", service.grpc_port), timeout=5, source_address=(ATTACKER, 0)) as sock:
             w.send_quietly(sock, burst)  # 900 reset streams, under the per-connection budget; then anew
     watch = Watch(service)
     try:
@@ -179,7 +183,7 @@ def test_zero_window_stalls_are_bounded_and_recovered_from(service: Any) -> None
     lock = threading.Lock()
 
     def connection() -> None:
-        sock = socket.create_connection(("127.0.0.1", service.grpc_port), timeout=5)
+        sock = socket.create_connection(("127.0.0.1", service.grpc_port), timeout=5, source_address=(ATTACKER, 0))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # never read: the answers stay with the server
         with lock:
             held.append(sock)

@@ -5,9 +5,11 @@ gets credit, the bytes held for calls, and the bounds on what a hostile client c
 
 Flow control, receiving: a new stream may send the initial window (64 KiB); once its
 message's length prefix is in, the stream is *admitted* (oldest first) while the messages
-admitted on the connection fit a budget (the largest message + ``CONNECTION_WINDOW``), and
-gets credit for its whole message at once. The oldest waiting stream is always admitted when
-none is, so requests that together exceed the budget take turns. The connection window is
+admitted on the connection fit a budget (the largest message + ``CONNECTION_WINDOW``) and
+the held bytes below allow, and gets credit for its whole message at once (a stream that
+does not fit waits without credit; the server looks at it again as held bytes fall). The
+oldest waiting stream is always admitted when none is and the worker holds nothing, so
+requests that together exceed the budgets take turns. The connection window is
 given back as bytes arrive: the streams' credit is what bounds memory. Sending: an answer goes
 out as far as the peer's windows allow and the socket takes it; the rest waits for
 WINDOW_UPDATE or for the socket to drain (``pause_writing``), counted as held.
@@ -15,18 +17,21 @@ WINDOW_UPDATE or for the socket to drain (``pause_writing``), counted as held.
 Calls are dispatched once the bytes of a read are all processed: a stream opened and reset
 in one read (rapid reset, CVE-2023-44487) never becomes a call.
 
-Held bytes (``Limits.max_connection_buffer_bytes``, ``max_buffer_bytes``): request messages
-handed to methods plus answers not yet written. A call that would pass either bound is
-answered RESOURCE_EXHAUSTED instead (gzip requests count as the largest message until
-inflated). Open streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
+Held bytes (``Limits.max_connection_buffer_bytes``, ``max_buffer_bytes``): a request from
+its admission (its bytes arriving) until its method returns (its decoded form lives that
+long), plus answers not yet written: everything a connection keeps for calls, in one account
+that ``held_bytes`` shows. Admission waits on it; an answer, or a gzip request (the largest
+message until inflated), that would pass either bound is answered RESOURCE_EXHAUSTED. Open
+streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
 the whole server (``Limits.max_open_streams``, refused with REFUSED_STREAM past it), so a
 client that never opens its window (zero-window stalls) holds a bounded number of answers, and
 a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed.
 
-Client resets are rate-limited per connection and over the whole server (limits.py), so an
-attacker that reconnects before a connection's budget runs out still meets one; a connection
-refused for it is closed at once, and what it had sent but we had not read is dropped by the
-kernel, not processed.
+Client resets are rate-limited per connection and over the whole server (limits.py), and
+control frames and abandoned streams per peer address over all its connections (peers.py:
+the ``guard``), so an attacker that reconnects before a connection's budget runs out still
+meets one; a connection refused for it is closed at once, and what it had sent but we had
+not read is dropped by the kernel, not processed.
 
 Lifetime: ``connection_lost`` frees the nghttp2 session and drops every reference the
 connection holds (streams, transport, its handle), so nothing waits for the cyclic collector.
@@ -48,7 +53,9 @@ from appliance.transport.grpc import nghttp2 as ng
 from appliance.transport.grpc import streams
 from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort, CallDetails, Context, Refused,
                                             Request, declared_size, message_of, status_trailers)
-from appliance.transport.grpc.limits import CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE, TokenBucket
+from appliance.transport.grpc.limits import (ANSWER_EARNS, CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE,
+                                             TokenBucket)
+from appliance.transport.grpc.peers import Guard
 from appliance.transport.grpc.server_side import ServerSide
 from appliance.transport.grpc.session import Session, SessionError
 
@@ -85,7 +92,9 @@ class Stream:
 class Connection(asyncio.Protocol):
     """One HTTP/2 connection: nghttp2's events in, calls out, answers back as they complete."""
 
-    def __init__(self, server: ServerSide):
+    def __init__(self, server: ServerSide, accepted: float | None = None):
+        """``accepted``: when the socket was accepted (a TLS handshake came first: the
+        preface is due within ``handshake_timeout_s`` of the accept, not of its end)."""
         self.server, self.limits = server, server.limits
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
@@ -93,15 +102,18 @@ class Connection(asyncio.Protocol):
         self.ended: list[Stream] = []  # requests complete in the read under way: dispatched after it
         self.stop_after_send: list[int] = []  # answered while still arriving: RST_STREAM once the answer is out
         self.opened = self.last_active = time.monotonic()
+        if accepted is not None:
+            self.opened = accepted
         self.paused_since = 0.0
         self.handshaken = self.going_away = self.paused = self.write_soon = self.failed = False
-        self.held = 0  # request messages in methods + answers not yet written
+        self.held = 0  # requests admitted until their methods return + answers not yet written
         self.calls = 0  # calls dispatched on this connection and not finished
         self.committed = 0  # the sizes of the admitted requests still arriving
         self.unconsumed = 0  # DATA bytes taken but not yet given back to the connection window
         self.waiting = 0  # streams whose size is known, not admitted yet
         self.resets = TokenBucket(RESET_BURST, RESET_RATE)
         self.control = TokenBucket(CONTROL_BURST, CONTROL_RATE)
+        self.guard: Guard | None = None  # its peer address's budgets, over all its connections (peers.py)
         self.peer = "unknown"
 
     @property
@@ -118,6 +130,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # a stream's transport: asyncio types the argument as its base
         peer = transport.get_extra_info("peername")
         self.peer = f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else f"unix:{peer or ''}"
+        self.guard = self.server.peers.guard(peer)
         self.server.connection_made(self)
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None and ssl_object.selected_alpn_protocol() not in (None, "h2"):
@@ -134,6 +147,9 @@ class Connection(asyncio.Protocol):
         self.write_out()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.guard is not None:  # calls left running or unread by a client that went away count
+            self.guard.abandoned(0 if self.failed or self.server.closing else len(self.streams))
+            self.guard.closed()
         for stream in list(self.streams.values()):
             self.done(stream)
         self.ended.clear()
@@ -264,6 +280,8 @@ class Connection(asyncio.Protocol):
         elif not self.server.resets.take():
             self.server.count("reset_budget_refusals")
             self.fail(ng.ENHANCE_YOUR_CALM, "too many streams reset by clients on this server (rapid reset)")
+        elif self.guard is not None and (reason := self.guard.abandoned()):
+            self.over_budget(reason)
 
     def on_stream_closed(self, stream_id: int) -> None:
         stream = self.streams.get(stream_id)
@@ -271,14 +289,29 @@ class Connection(asyncio.Protocol):
             self.done(stream)  # its call is cancelled; a drain waiting on it is told
 
     def on_settings(self) -> None:
-        self.handshaken = True
-        if not self.control.take():
-            self.fail(ng.ENHANCE_YOUR_CALM, "too many SETTINGS frames")
+        first, self.handshaken = not self.handshaken, True
+        self.control_frame("SETTINGS", peer=not first)  # the preface's SETTINGS is every connection's due
 
     def on_ping(self) -> None:
         self.server.count("pings")
-        if not self.control.take():  # nghttp2 has queued its answer; this one is the last
-            self.fail(ng.ENHANCE_YOUR_CALM, "too many PING frames")
+        self.control_frame("PING")  # nghttp2 has queued its answer; past a budget, it is the last
+
+    def on_window_update(self) -> None:
+        """Credit with no answer of ours waiting for it is a control frame for nothing."""
+        if not any(stream.pending is not None for stream in self.streams.values()):
+            self.control_frame("WINDOW_UPDATE")
+
+    def control_frame(self, what: str, peer: bool = True) -> None:
+        """Against the connection's budget, then (``peer``) its peer address's (peers.py)."""
+        if not self.control.take():
+            self.fail(ng.ENHANCE_YOUR_CALM, f"too many {what} frames")
+        elif peer and self.guard is not None and not self.failed and (reason := self.guard.control_frame()):
+            self.over_budget(reason)
+
+    def over_budget(self, reason: str) -> None:
+        """Its peer address is past a budget (peers.py): GOAWAY ENHANCE_YOUR_CALM, closed."""
+        self.server.count("peer_budget_refusals")
+        self.fail(ng.ENHANCE_YOUR_CALM, reason)
 
     def on_goaway(self) -> None:
         """The client will open no more streams; those in flight are still answered."""
@@ -302,9 +335,13 @@ class Connection(asyncio.Protocol):
                 continue
             if self.committed and self.committed + stream.need > budget:
                 continue
+            if not self.room_for(stream.need):  # credit withheld until the worker holds less (readmit)
+                self.server.held_back = True
+                continue
             stream.admitted = True
             self.waiting -= 1
             self.committed += stream.need
+            self.hold(stream.need)  # what it sends is held from now: the worker's bytes count it
             if stream.need > stream.granted:
                 increment = stream.need + GRANT_SLACK - stream.granted
                 assert self.session is not None
@@ -322,6 +359,7 @@ class Connection(asyncio.Protocol):
         if stream.admitted:
             stream.admitted = False
             self.committed -= need or 0
+            self.hold(-(need or 0))
             self.admit()
         elif need is not None and need >= 0:
             self.waiting -= 1
@@ -341,8 +379,9 @@ class Connection(asyncio.Protocol):
             self.start_streaming(stream, stream.streaming, request)
             return
         body, server = stream.body, self.server
-        reserve = server.max_receive if body[:1] == b"\x01" else len(body)  # inflation's worst case
-        if not self.may_hold(reserve):
+        # inflation's worst case; a plain message admitted was held as it arrived, and its copy replaces it
+        reserve = server.max_receive if body[:1] == b"\x01" else 0 if stream.admitted else len(body)
+        if reserve and not self.may_hold(reserve):
             self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self.full_message())
             return
         if body[:1] == b"\x00" and declared_size(body) == len(body) - 5:  # the common case: one plain message
@@ -398,12 +437,13 @@ class Connection(asyncio.Protocol):
                 self.finish(stream, grpc.StatusCode.INTERNAL, "Exception deserializing request!")
                 return
             del message
-            self.unhold_message(stream)
             fn = handler.unary_unary
             if server.is_coroutine(fn):
                 response = await fn(request, context)
             else:
                 response = await server.loop.run_in_executor(server.pool, fn, request, context)
+            del request
+            self.unhold_message(stream)  # its decoded tensors lived as long as the method ran
             if context.code not in (None, grpc.StatusCode.OK):
                 self.finish(stream, context.code, context.details, context.trailing)
                 return
@@ -443,9 +483,17 @@ class Connection(asyncio.Protocol):
                 f"{self.server.held} ([grpc] max_connection_buffer_bytes = {self.limits.max_connection_buffer_bytes}, "
                 f"max_buffer_bytes = {self.limits.max_buffer_bytes}): read the answers, or retry later")
 
+    def room_for(self, size: int) -> bool:
+        """Whether a request of ``size`` may be sent to us now: it fits what this connection
+        and the worker may hold; when the worker holds nothing, one always may (requests
+        larger than the budget take turns)."""
+        return self.server.held == 0 or self.may_hold(size)
+
     def hold(self, size: int) -> None:
         self.held += size
         self.server.held += size
+        if size < 0 and self.server.held_back:
+            self.server.readmit_soon()  # streams held back for the worker's bytes may be admitted now
 
     def unhold_message(self, stream: Stream) -> None:
         if stream.message_bytes:
@@ -457,7 +505,9 @@ class Connection(asyncio.Protocol):
         """Headers, the length-prefixed message and the trailers, as far as the windows allow."""
         if self.streams.get(stream.id) is not stream or self.session is None:
             return  # reset or expired meanwhile
-        self.control.give()  # a call answered earns a PING back (see limits.py)
+        self.control.give(ANSWER_EARNS)  # a call answered earns its pings and credit back (limits.py)
+        if self.guard is not None:
+            self.guard.answered()
         data = b"\x00" + len(payload).to_bytes(4, "big") + payload
         if not self.may_hold(len(data)):  # what the windows let out at once is never held
             room = 0 if self.paused else self.session.stream_window(stream.id)
@@ -564,8 +614,9 @@ class Connection(asyncio.Protocol):
             self.abort()
             return
         for stream in list(self.streams.values()):
-            moving = stream.pending is not None or not stream.dispatched or (
-                stream.streaming is not None and stream.streaming.moving(stream))
+            # a request held back for the worker's bytes (admit) is waiting for us, not stalled
+            moving = stream.pending is not None or (not stream.dispatched and (stream.admitted or stream.need is None)) \
+                or (stream.streaming is not None and stream.streaming.moving(stream))
             if moving and now - stream.last > limits.stall_timeout_s:
                 self.reset(stream, ng.CANCEL)
                 self.server.count("stalled_streams")

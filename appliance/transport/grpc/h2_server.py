@@ -14,12 +14,14 @@ do not know which server runs them (``[grpc] transport``: "lean", the default, o
 It knows nothing of models and holds no global state: it can run in any process.
 
 What it does: TCP or Unix socket listeners, plaintext or TLS (``ssl_context``: ALPN h2, and
-client certificates when the context requires them; the handshake bounded by
-``handshake_timeout_s``); at most ``Limits.max_connections`` connections (at the cap the
-connection idle longest makes room for a new one that is waiting; with none idle, new ones
-wait in the kernel's queue, so the descriptors gRPC takes are bounded and REST keeps its own);
-at most ``Limits.max_open_streams`` streams on all of them; a server-wide budget of client
-resets (limits.py); a handshake deadline; ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip and
+client certificates when the context requires them; the TLS handshake and the HTTP/2 preface
+together bounded by ``handshake_timeout_s`` from the accept, as a plaintext connection's
+preface is); at most ``Limits.max_connections`` connections (at the cap the TLS handshake
+under way longest, else the connection idle longest, makes room for a new one that is
+waiting; with none, new ones wait in the kernel's queue, so the descriptors gRPC takes are
+bounded and REST keeps its own); at most ``Limits.max_open_streams`` streams on all of them;
+a server-wide budget of client resets (limits.py); budgets per peer address over all its
+connections for control frames and abandoned calls (peers.py); ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip and
 deflate requests, the maximum message size both ways (RESOURCE_EXHAUSTED); graceful drain
 (GOAWAY, then in-flight calls finish within the grace). Bidirectional-streaming calls
 (Triton's ModelStreamInfer) run through streams.py; client- and server-streaming ones and
@@ -48,6 +50,7 @@ import grpc
 from appliance.transport.grpc.calls import CallDetails
 from appliance.transport.grpc.connection import Connection
 from appliance.transport.grpc.limits import SERVER_RESET_BURST, SERVER_RESET_RATE, Limits, TokenBucket
+from appliance.transport.grpc.peers import Peers
 from appliance.transport.loop_thread import LoopThread, new_event_loop
 
 log = logging.getLogger("appliance.grpc")
@@ -78,12 +81,16 @@ class LeanServer(LoopThread):
         self.unix_paths: list[str] = []
         self.connections: set[Connection] = set()
         self.opening = 0  # accepted, transport not made yet
+        self.handshakes: dict[asyncio.Task[Any], float] = {}  # TLS handshakes under way -> when accepted
         self.accepting = False
         self.closing = False
         self.held = 0  # bytes held for calls, every connection together (connection.py)
+        self.held_back = False  # some stream waits for ``held`` to fall (connection.py ``admit``)
+        self._readmitting = False
         self.in_flight = 0  # calls dispatched and not finished (their tasks), on every connection
         self.open_streams = 0  # streams open on every connection (Limits.max_open_streams)
         self.resets = TokenBucket(SERVER_RESET_BURST, SERVER_RESET_RATE)  # client resets, all connections
+        self.peers = Peers()  # per peer address, all its connections: control frames, abandoned calls
         self.tls: dict[socket.socket, ssl.SSLContext] = {}  # the listeners that speak TLS
         self.stats: dict[str, int] = {}
         self._all_closed: asyncio.Event | None = None
@@ -193,14 +200,15 @@ class LeanServer(LoopThread):
     # -- connections (loop thread) ---------------------------------------------------------
     def _accept(self, listener: socket.socket) -> None:
         while self.accepting:
-            if len(self.connections) + self.opening >= self.limits.max_connections:
+            at_cap = len(self.connections) + self.opening >= self.limits.max_connections
+            if at_cap:
                 if not select.select([listener], [], [], 0)[0]:
                     return  # nobody is waiting: evict no one
-                if not self._evict_idle():
+                if not self._evict_handshake() and not self._evict_idle():
                     self._pause_accepting()  # the kernel queues the rest until a connection closes
                     return
             try:
-                sock, _ = listener.accept()
+                sock, address = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of descriptors, say: wait for the sweep, never spin
@@ -209,20 +217,48 @@ class LeanServer(LoopThread):
                 self.count("accept_failed")
                 self._pause_accepting()
                 return
+            if self.peers.refuse(address):  # over its address's budget (peers.py): closed unread
+                self.count("peer_refused_connections")
+                sock.close()
+                continue
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.opening += 1
-            context = self.tls.get(listener)
-            connect = (self.loop.connect_accepted_socket(partial(Connection, self), sock) if context is None
-                       else self.loop.connect_accepted_socket(partial(Connection, self), sock, ssl=context,
+            context, accepted = self.tls.get(listener), time.monotonic()
+            made = partial(Connection, self, accepted)  # its first bytes are due within the deadline of the accept
+            connect = (self.loop.connect_accepted_socket(made, sock) if context is None
+                       else self.loop.connect_accepted_socket(made, sock, ssl=context,
                                                               ssl_handshake_timeout=self.limits.handshake_timeout_s))
             task = self.loop.create_task(connect)
+            if context is not None:
+                self.handshakes[task] = accepted
             task.add_done_callback(partial(self._opened, sock))
+            if at_cap:  # one eviction a turn of the loop: the evicted handshake's socket closes first
+                return
 
     def _opened(self, sock: socket.socket, task: asyncio.Task[Any]) -> None:
         self.opening -= 1
+        self.handshakes.pop(task, None)
         if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():  # timed out (a ClientHello trickled in) or refused
+                exc = task.exception()
+                self.count("tls_handshake_timeout" if isinstance(exc, (TimeoutError, asyncio.TimeoutError))
+                           else "tls_handshake_failed")
             sock.close()
+            self._resume_accepting()
+
+    def _evict_handshake(self) -> bool:
+        """At the cap with a connection waiting: end the TLS handshake under way longest (a
+        client that trickles its ClientHello, issue 47 item 6, holds a slot until the deadline
+        otherwise, and 2,000 of them kept every slot); False if none is under way. One that
+        is honest ends in milliseconds, so the oldest is almost always the slow one."""
+        oldest = min(self.handshakes, key=self.handshakes.__getitem__, default=None)
+        if oldest is None:
+            return False
+        del self.handshakes[oldest]
+        self.count("evicted_handshakes")
+        oldest.cancel()  # its transport is closed by asyncio; _opened frees the slot
+        return True
 
     def _evict_idle(self) -> bool:
         """At the cap with a connection waiting: close the one idle longest; False if none is."""
@@ -247,6 +283,19 @@ class LeanServer(LoopThread):
         self.accepting = True
         for sock in self.listeners:
             self.loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def readmit_soon(self) -> None:
+        """(ServerSide) Once this turn of the loop is over, admit what was held back."""
+        if not self._readmitting:
+            self._readmitting = True
+            self.loop.call_soon(self._readmit)
+
+    def _readmit(self) -> None:
+        self._readmitting = self.held_back = False
+        for connection in list(self.connections):  # admit() sets held_back again for what still waits
+            if connection.waiting and connection.session is not None:
+                connection.admit()
+                connection.write_later()
 
     def connection_made(self, connection: Connection) -> None:
         self.connections.add(connection)

@@ -26,8 +26,9 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class Limits:
     """Per server. ``max_connection_buffer_bytes`` and ``max_buffer_bytes`` bound the bytes a
-    connection, and all of them together, hold for calls: request messages handed to methods
-    and answers not yet taken by the client (its window closed, or its socket not read)."""
+    connection, and all of them together, hold for calls: requests from the credit given for
+    them until their methods return, and answers not yet taken by the client (its window
+    closed, or its socket not read)."""
 
     max_concurrent_streams: int = 100  # SETTINGS_MAX_CONCURRENT_STREAMS (grpc.max_concurrent_streams)
     max_metadata_size: int = 16 * 1024  # SETTINGS_MAX_HEADER_LIST_SIZE (grpc.max_metadata_size)
@@ -57,6 +58,10 @@ SERVER_RESET_BURST, SERVER_RESET_RATE = 2000, 200.0
 # that comes with calls earns its token back (as gRPC's own servers reset their ping strikes
 # when data flows), so only a flood drains the bucket.
 CONTROL_BURST, CONTROL_RATE = 200, 10.0
+# What an answered call earns back: the frames a client may send for it (grpcio: a BDP ping,
+# and WINDOW_UPDATEs for the stream and the connection after the answer's DATA, when no
+# other answer is left to send and so they count as control frames).
+ANSWER_EARNS = 4
 
 
 class TokenBucket:
@@ -77,8 +82,8 @@ class TokenBucket:
         self.tokens -= 1
         return True
 
-    def give(self) -> None:
-        self.tokens = min(self.burst, self.tokens + 1)
+    def give(self, n: int = 1) -> None:
+        self.tokens = min(self.burst, self.tokens + n)
 
 
 def connection_share(wanted: int, rest_connections: int) -> int:

@@ -15,6 +15,7 @@ import contextvars
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from appliance.transport.grpc.limits import Limits, TokenBucket
+from appliance.transport.grpc.peers import Peers
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -31,8 +32,10 @@ class ServerSide(Protocol):
     max_send: int  # the largest answer message, bytes
     open_streams: int  # on every connection together (Limits.max_open_streams)
     in_flight: int  # calls dispatched and not finished, every connection
-    held: int  # bytes held for calls, every connection
+    held: int  # bytes held for calls, every connection (requests arriving and in methods, answers unsent)
+    held_back: bool  # a stream waits for the worker's held bytes to fall (connection.py ``admit``)
     resets: TokenBucket  # client resets, over the whole server
+    peers: Peers  # control frames and abandoned streams per peer address, every connection (peers.py)
     alone_var: "contextvars.ContextVar[Any] | None"  # set to ``alone`` in each call's context
     lookup: "Callable[[CallDetails], Any]"  # awaitable: the method handler for a call, or None
 
@@ -48,6 +51,9 @@ class ServerSide(Protocol):
 
     def count(self, what: str) -> None:
         """Adds one to the server's counter ``what`` (shown in status)."""
+
+    def readmit_soon(self) -> None:
+        """Held bytes fell: streams held back on any connection are looked at again, soon."""
 
     def connection_made(self, connection: Any) -> None: ...
 
