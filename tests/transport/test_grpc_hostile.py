@@ -104,8 +104,15 @@ def assert_serving(service: Any) -> None:
     assert rest.status_code == 200 and len(rest.json()["predictions"][0]) == 10
 
 
+# The attacker's own address (loopback's 127.0.0.0/8): the service budgets control frames and
+# abandoned calls per peer address (appliance/transport/grpc/peers.py) and may refuse an
+# attacker's address for a while, so the probes, from 127.0.0.1, are another client, as they
+# would be in the field.
+ATTACKER = "127.0.0.2"
+
+
 def connect(port: int, *, window: int | None = None) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(ATTACKER, 0))
     sock.sendall(w.PREFACE + (w.settings(INITIAL_WINDOW_SIZE=window) if window is not None else w.settings()))
     return sock
 
@@ -222,7 +229,8 @@ def test_oversized_headers_refused_before_the_block_is_complete(attacked: Any) -
 
 
 def test_connections_without_a_preface_are_closed(attacked: Any) -> None:
-    socks = [socket.create_connection(("127.0.0.1", attacked.grpc_port), timeout=60) for _ in range(40)]
+    socks = [socket.create_connection(("127.0.0.1", attacked.grpc_port), timeout=60, source_address=(ATTACKER, 0))
+             for _ in range(40)]
     try:
         for sock in socks[::2]:
             sock.sendall(w.PREFACE[:10])  # a partial preface is no better

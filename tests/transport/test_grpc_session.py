@@ -65,7 +65,7 @@ class Recorder:
     def on_goaway(self) -> None:
         self.calls.append(("goaway",))
 
-    def on_window_update(self) -> None:
+    def on_window_update(self, stream_id: int) -> None:
         self.calls.append(("window_update",))
 
     def on_stream_closed(self, stream_id: int) -> None:

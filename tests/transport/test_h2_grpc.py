@@ -525,3 +525,29 @@ def test_our_settings_are_in_force(served: Any) -> None:
         fields = dict(hpack.Decoder().decode(b"".join(f[3] for f in frames if f[0] == h2_grpc.HEADERS)))
         assert fields.get("grpc-status") == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]), frames
         assert "SETTINGS_MAX_HEADER_LIST_SIZE" in fields["grpc-message"]
+
+
+def test_window_updates_a_client_owes_or_usually_sends_are_never_taken_for_a_flood(served: Any) -> None:
+    """grpc-core grows the window of every open stream at once as its bandwidth estimate moves,
+    and acknowledges what it read. 100 calls running (Sleep), each stream's window grown three
+    times before any answer: 300 WINDOW_UPDATEs, over the connection's control-frame burst
+    (limits.py CONTROL_BURST), with no answer of ours waiting. Then every answer acknowledged.
+    None of it is a flood: no GOAWAY (grpcio's own client got "too many WINDOW_UPDATE frames"
+    with 250 calls on one connection under load)."""
+    _, port, _ = served
+    encoder = hpack.Encoder()
+    ids = [2 * i + 1 for i in range(MAX_STREAMS)]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(h2_grpc.PREFACE + frame(h2_grpc.SETTINGS, 0, 0) + b"".join(
+            frame(h2_grpc.HEADERS, h2_grpc.END_HEADERS, sid, request_headers(encoder, port, "/t.Test/Sleep"))
+            + frame(h2_grpc.DATA, h2_grpc.END_STREAM, sid, h2_grpc.message(b"1")) for sid in ids))
+        grown = b"".join(frame(h2_grpc.WINDOW_UPDATE, 0, sid, (65535).to_bytes(4, "big")) for sid in ids)
+        frames = h2_grpc.frames_until_ping(sock, grown * 3)
+        assert h2_grpc.goaway_code(frames) is None
+        for sid in ids:
+            if not any(f[2] == sid and f[0] == h2_grpc.HEADERS and f[1] & h2_grpc.END_STREAM for f in frames):
+                frames += h2_grpc.stream_end(sock, sid)
+        data = [f for f in frames if f[0] == h2_grpc.DATA]
+        assert len(data) == MAX_STREAMS and h2_grpc.goaway_code(frames) is None
+        acks = b"".join(frame(h2_grpc.WINDOW_UPDATE, 0, 0, len(p).to_bytes(4, "big")) for _, _, _, p in data)
+        assert h2_grpc.goaway_code(h2_grpc.frames_until_ping(sock, acks * 2)) is None

@@ -62,6 +62,10 @@ from appliance.transport.grpc.session import Session, SessionError
 log = logging.getLogger("appliance.grpc")
 
 MAX_FRAME = 1 << 20  # advertised SETTINGS_MAX_FRAME_SIZE: large messages arrive in fewer frames
+# A stream's window grown while its call runs: grpc-core's BDP probing sends a WINDOW_UPDATE for
+# every open stream at once when its estimate moves. The first few a stream are free.
+STREAM_UPDATES_FREE = 8
+UPDATES_DUE_MAX = 4096  # WINDOW_UPDATEs owed for our DATA, at most (an idle connection's are not kept forever)
 STREAM_WINDOW = 65535  # the initial stream window, which we leave as it is
 CONNECTION_WINDOW = 16 << 20
 GRANT_SLACK = 16384  # over a message's own size: room for padding
@@ -70,7 +74,7 @@ CONSUME_BATCH = 1 << 20  # connection-level credit is given back in steps this l
 
 class Stream:
     __slots__ = ("id", "headers", "header_bytes", "body", "granted", "need", "admitted", "dispatched",
-                 "answered", "message_bytes", "pending", "trailers", "task", "timer", "last", "streaming")
+                 "answered", "message_bytes", "pending", "trailers", "task", "timer", "last", "streaming", "updates")
 
     def __init__(self, stream_id: int):
         self.id = stream_id
@@ -87,6 +91,7 @@ class Stream:
         self.timer: asyncio.TimerHandle | None = None
         self.last = time.monotonic()  # when a byte of it last moved
         self.streaming: streams.StreamCall | None = None  # a bidirectional-streaming call's messages
+        self.updates = 0  # WINDOW_UPDATEs the client sent for it (STREAM_UPDATES_FREE of them are free)
 
 
 class Connection(asyncio.Protocol):
@@ -113,6 +118,12 @@ class Connection(asyncio.Protocol):
         self.waiting = 0  # streams whose size is known, not admitted yet
         self.resets = TokenBucket(RESET_BURST, RESET_RATE)
         self.control = TokenBucket(CONTROL_BURST, CONTROL_RATE)
+        # WINDOW_UPDATE frames our own DATA has earned: a client acknowledges what it read (a
+        # stream's and the connection's window, so two a DATA frame). Those are owed and never
+        # charged; only credit beyond them is a control frame for nothing. Charging them all
+        # (an answer already handed to the kernel had no ``pending``) sent grpcio's own client
+        # GOAWAY "too many WINDOW_UPDATE frames" under load, with 250 calls on one connection.
+        self.updates_due = 0
         self.guard: Guard | None = None  # its peer address's budgets, over all its connections (peers.py)
         self.peer = "unknown"
 
@@ -296,9 +307,17 @@ class Connection(asyncio.Protocol):
         self.server.count("pings")
         self.control_frame("PING")  # nghttp2 has queued its answer; past a budget, it is the last
 
-    def on_window_update(self) -> None:
-        """Credit with no answer of ours waiting for it is a control frame for nothing."""
-        if not any(stream.pending is not None for stream in self.streams.values()):
+    def on_window_update(self, stream_id: int) -> None:
+        """Credit a client gives is free where it is owed or usual: a stream's first few
+        (its window grown while the call runs), and one a DATA frame of ours earned (read and
+        acknowledged). Beyond those, credit with no answer of ours waiting for it is a control
+        frame for nothing."""
+        stream = self.streams.get(stream_id) if stream_id else None
+        if stream is not None and stream.updates < STREAM_UPDATES_FREE:
+            stream.updates += 1
+        elif self.updates_due > 0:
+            self.updates_due -= 1
+        elif not any(stream.pending is not None for stream in self.streams.values()):
             self.control_frame("WINDOW_UPDATE")
 
     def control_frame(self, what: str, peer: bool = True) -> None:
@@ -527,6 +546,12 @@ class Connection(asyncio.Protocol):
         """(session.Events) Up to ``length`` bytes of the stream's answer into ``buf``; True
         with the last of them, once its trailers are submitted to follow. A stream we reset
         meanwhile is deferred: its RST_STREAM, already queued, ends it."""
+        n, last = self._read_answer(stream_id, buf, length)
+        if n > 0:  # one DATA frame: the client may acknowledge it on the stream and the connection
+            self.updates_due = min(self.updates_due + 2, UPDATES_DUE_MAX)
+        return n, last
+
+    def _read_answer(self, stream_id: int, buf: Any, length: int) -> tuple[int, bool]:
         stream = self.streams.get(stream_id)
         if stream is not None and stream.streaming is not None and self.session is not None:
             return stream.streaming.read(self, stream, buf, length)
