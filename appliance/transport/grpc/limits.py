@@ -73,10 +73,13 @@ class TokenBucket:
         self.tokens, self.burst, self.rate = float(burst), float(burst), rate
         self.last = time.monotonic()
 
-    def take(self) -> bool:
+    def _refill(self) -> None:
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
         self.last = now
+
+    def take(self) -> bool:
+        self._refill()
         if self.tokens < 1:
             return False
         self.tokens -= 1

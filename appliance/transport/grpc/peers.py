@@ -30,10 +30,9 @@ its own connections).
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 
-from appliance.transport.grpc.limits import ANSWER_EARNS
+from appliance.transport.grpc.limits import ANSWER_EARNS, TokenBucket
 
 log = logging.getLogger("appliance.grpc")
 
@@ -47,20 +46,11 @@ PEER_ABANDON_BURST, PEER_ABANDON_RATE = 256, 20.0
 MAX_PEERS = 4096
 
 
-class Budget:
+class Budget(TokenBucket):
     """A token bucket whose tokens may go into debt (down to ``-burst``): ``charge`` always
     counts; ``short`` says whether the bucket is below one token."""
 
-    __slots__ = ("tokens", "burst", "rate", "last")
-
-    def __init__(self, burst: int, rate: float):
-        self.tokens, self.burst, self.rate = float(burst), float(burst), rate
-        self.last = time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
-        self.last = now
+    __slots__ = ()
 
     def charge(self, n: int = 1) -> bool:
         """Take ``n``; False when the bucket was short of them (the peer is over its budget)."""
@@ -68,9 +58,6 @@ class Budget:
         enough = self.tokens >= n
         self.tokens = max(-self.burst, self.tokens - n)
         return enough
-
-    def give(self, n: int = 1) -> None:
-        self.tokens = min(self.burst, self.tokens + n)
 
     def short(self) -> bool:
         self._refill()
