@@ -106,7 +106,7 @@ def test_a_remote_caller_reaches_no_region_over_rest(objects: Objects) -> None:
     assert as_caller("127.0.0.1", shm.answer, regions, shm.SYSTEM, "r", "register", "POST", body)[0] == 200
     with pytest.raises(PermissionDenied):  # nor may it name a region a local app registered
         as_caller("192.0.2.7", shm.named_slice, regions, {shm.REGION: "r", shm.BYTE_SIZE: X.nbytes}, "input 'x'")
-    assert as_caller("", shm.named_slice, regions, {shm.REGION: "r", shm.BYTE_SIZE: X.nbytes}, "input 'x'")
+    assert as_caller("unix:", shm.named_slice, regions, {shm.REGION: "r", shm.BYTE_SIZE: X.nbytes}, "input 'x'")  # the Unix socket
     opened = registry(allow_remote=True)
     assert as_caller("192.0.2.7", shm.answer, opened, shm.SYSTEM, "r", "register", "POST", body)[0] == 200
     regions.unregister()
