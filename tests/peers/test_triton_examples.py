@@ -94,7 +94,7 @@ def server(module_server: Any, repository: Path, tmp_path_factory: pytest.TempPa
     grpc_port = free_port()
     # the default (lean) gRPC transport: ModelStreamInfer through appliance/transport/grpc/streams.py;
     # on a loaded machine a trial's deadline raised (six TensorFlow trials passed the default 60 s)
-    # and no shedding (a probe queued past 2 s would be answered 503)
+    # and no shedding: the examples check every inference they send (health probes are never shed)
     config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\n"
                       "[runtime]\nload_timeout_base_s = 600\n[limits]\nmax_queue_wait_s = 0\n"
                       "[discovery]\nenabled = false\n"

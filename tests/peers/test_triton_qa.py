@@ -104,7 +104,7 @@ def _start(module_server: Any, tmp: Path, repo: Path, names: tuple[str, ...], ks
     config = tmp / "appliance.toml"
     grpc_port = free_port()
     # On a loaded machine: a trial's deadline raised (nine TensorFlow trials pass the default 60 s),
-    # and no shedding (a /v2/health probe queued past 2 s would be answered 503, not "live").
+    # and no shedding: the qa files count every inference they send (health probes are never shed).
     config.write_text(f"poll_interval_s = 0.5\n[grpc]\nport = {grpc_port}\n[discovery]\nenabled = false\n"
                       "[runtime]\nload_timeout_base_s = 600\n[limits]\nmax_queue_wait_s = 0\n"
                       f'[kserve]\nserver_id = "triton"\n{kserve}')
