@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import itertools
 import os
 import resource
 import socket
@@ -104,15 +105,24 @@ def assert_serving(service: Any) -> None:
     assert rest.status_code == 200 and len(rest.json()["predictions"][0]) == 10
 
 
-# The attacker's own address (loopback's 127.0.0.0/8): the service budgets control frames and
-# abandoned calls per peer address (appliance/transport/grpc/peers.py) and may refuse an
-# attacker's address for a while, so the probes, from 127.0.0.1, are another client, as they
-# would be in the field.
-ATTACKER = "127.0.0.2"
+# The attackers' own addresses (loopback's 127.0.0.0/8): the service budgets control frames and
+# abandoned calls per peer address (appliance/transport/grpc/peers.py) and refuses an address
+# that went over for as long as its debt takes to refill (a rapid reset's thousands of streams:
+# many seconds). Each attack therefore comes from an address of its own, as separate attackers
+# would, so one test's debt never closes the next test's connection unread (CI saw that: the
+# CONTINUATION flood's connection after the rapid reset test got no frame at all). The probes,
+# from 127.0.0.1, are another client, as they would be in the field.
+_attackers = itertools.count(2)
 
 
-def connect(port: int, *, window: int | None = None) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(ATTACKER, 0))
+def attacker() -> str:
+    """A loopback address no earlier attack in this process used (127.0.0.2 to 127.0.255.254)."""
+    n = next(_attackers)
+    return f"127.0.{n // 254}.{n % 254 + 1}"
+
+
+def connect(port: int, *, window: int | None = None, source: str | None = None) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source or attacker(), 0))
     sock.sendall(w.PREFACE + (w.settings(INITIAL_WINDOW_SIZE=window) if window is not None else w.settings()))
     return sock
 
@@ -135,14 +145,16 @@ class Reader(threading.Thread):
     def __init__(self, sock: socket.socket):
         super().__init__(name="h2-reader", daemon=True)
         self.sock, self.frames = sock, []
+        self.ended = ""  # why reading stopped: waiting for more frames is pointless then
         self.start()
 
     def run(self) -> None:
         try:
             while (f := w.read_frame(self.sock)) is not None:
                 self.frames.append(f)
-        except OSError:  # the test closed the socket, or its read timed out: the test reports what is missing
-            pass
+            self.ended = f"the server closed the connection after {len(self.frames)} frames"
+        except OSError as exc:  # the test closed the socket, or its read timed out: the test reports what is missing
+            self.ended = f"reading stopped after {len(self.frames)} frames: {exc!r}"
 
     def stop(self) -> None:
         """Shut the socket (which wakes a blocked recv) and join."""
@@ -190,7 +202,8 @@ def test_empty_continuation_flood_gets_goaway(attacked: Any) -> None:
         w.send_quietly(sock, w.frame(w.CONTINUATION, w.END_HEADERS, 1, block[4:])
                        + w.frame(w.DATA, w.END_STREAM, 1, w.message(predict_request())))
         poll_until(lambda: w.goaway_code(reader.frames) is not None
-                   or reader.count(w.HEADERS, w.END_STREAM), 60, "a GOAWAY or the call's answer")
+                   or reader.count(w.HEADERS, w.END_STREAM), 60, "a GOAWAY or the call's answer",
+                   context=lambda: "--- server log (tail)\n" + attacked.log_text()[-3000:], alive=lambda: reader.ended)
         assert w.goaway_code(reader.frames) in (w.PROTOCOL_ERROR, w.ENHANCE_YOUR_CALM)
         assert not reader.count(w.HEADERS), "the request after 10,000 empty CONTINUATION frames was answered"
 
@@ -229,7 +242,8 @@ def test_oversized_headers_refused_before_the_block_is_complete(attacked: Any) -
 
 
 def test_connections_without_a_preface_are_closed(attacked: Any) -> None:
-    socks = [socket.create_connection(("127.0.0.1", attacked.grpc_port), timeout=60, source_address=(ATTACKER, 0))
+    source = attacker()  # one attacker, forty connections
+    socks = [socket.create_connection(("127.0.0.1", attacked.grpc_port), timeout=60, source_address=(source, 0))
              for _ in range(40)]
     try:
         for sock in socks[::2]:
