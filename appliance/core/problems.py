@@ -39,7 +39,13 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping, Union
+
+from appliance.core.json_read import int_or_none, obj, objs, str_or_none
+from appliance.core.json_types import JSONObject, JSONScalar, ReadJSONObject, ReadJSONValue
+
+# A problem's identity, and the key of the event that starts one: (kind, model, version, part) or a prefix.
+Key = tuple[Union[str, int, None], ...]
 
 ERROR, WARNING = "error", "warning"  # error: something configured does not serve; warning: it does, look anyway
 LOADING_GRACE_S = 600.0  # a version loading (TF-TRT conversions take minutes) is not yet a problem
@@ -73,33 +79,33 @@ class Problem:
     since: float | None = None
 
     @property
-    def key(self) -> tuple[Any, ...]:
+    def key(self) -> Key:
         return (self.kind, self.model, self.version, self.part)
 
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.pop("grace_s")
-        return {k: v for k, v in out.items() if v is not None}
+    def to_dict(self) -> JSONObject:
+        fields: dict[str, JSONScalar] = dataclasses.asdict(self)
+        fields.pop("grace_s")
+        return {k: v for k, v in fields.items() if v is not None}
 
 
 @dataclass
 class Inputs:
     """What ``find_problems`` reads: sections of ``/api/status`` as the service has them."""
 
-    models: Mapping[str, Any] = field(default_factory=dict)  # Manager.snapshot()
-    sync: Mapping[str, Any] | None = None  # the sync part's section (None: no bucket)
-    workers: list[Mapping[str, Any]] | None = None  # the front workers' section (None: one process)
+    models: ReadJSONObject = field(default_factory=dict)  # Manager.snapshot()
+    sync: ReadJSONObject | None = None  # the sync part's section (None: no bucket)
+    workers: list[ReadJSONObject] | None = None  # the front workers' section (None: one process)
     parts_down: Mapping[str, str] = field(default_factory=dict)  # part -> why
     critical: Iterable[str] = ()  # the parts among them without which the device is not ready
     database: Iterable[str] = ()  # the state database's problems
-    grpc: Mapping[str, Any] | None = None  # the gRPC port's section (None: no gRPC port)
+    grpc: ReadJSONObject | None = None  # the gRPC port's section (None: no gRPC port)
 
 
 def find_problems(inputs: Inputs) -> list[Problem]:
     """Every problem in ``inputs``, errors first (pure)."""
     found: list[Problem] = []
     for name, model in sorted(inputs.models.items()):
-        found += model_problems(name, model)
+        found += model_problems(name, obj(model))
     if inputs.sync is not None:
         found += target_problems(inputs.sync, inputs.models)
         found += sync_problems(inputs.sync)
@@ -111,9 +117,9 @@ def find_problems(inputs: Inputs) -> list[Problem]:
 
 
 # -- models ---------------------------------------------------------------------------------
-def model_problems(name: str, model: Mapping[str, Any]) -> list[Problem]:
+def model_problems(name: str, model: ReadJSONObject) -> list[Problem]:
     """Not serving, quarantined and degraded versions, and backends that failed a version."""
-    versions = list(model.get("versions") or [])
+    versions = objs(model.get("versions"))
     found = [*_quarantined(name, model), *_degraded(name, versions), *_backend_failures(name, versions)]
     if model.get("serving_version") is None:
         loading = [v for v in versions if str(v.get("state")) in LOADING_STATES]
@@ -125,13 +131,13 @@ def model_problems(name: str, model: Mapping[str, Any]) -> list[Problem]:
     return found
 
 
-def _quarantined(name: str, model: Mapping[str, Any]) -> list[Problem]:
+def _quarantined(name: str, model: ReadJSONObject) -> list[Problem]:
     """Each quarantined version with its reason, but one older than the version serving: a newer
     good version took its place, so nothing is left to act on (the page turned amber for as long
     as the old version's folder stayed on disk)."""
     out = []
     serving = _int(model.get("serving_version"))
-    for version, entry in sorted((model.get("quarantined") or {}).items(), key=lambda kv: _int(kv[0]) or 0):
+    for version, entry in sorted(obj(model.get("quarantined")).items(), key=lambda kv: _int(kv[0]) or 0):
         if serving is not None and (_int(version) or 0) < serving:
             continue
         reason, code = _reason(entry)
@@ -141,7 +147,7 @@ def _quarantined(name: str, model: Mapping[str, Any]) -> list[Problem]:
     return out
 
 
-def _degraded(name: str, versions: list[Mapping[str, Any]]) -> list[Problem]:
+def _degraded(name: str, versions: list[ReadJSONObject]) -> list[Problem]:
     out = []
     for v in versions:
         flag = v.get("degraded")
@@ -150,20 +156,20 @@ def _degraded(name: str, versions: list[Mapping[str, Any]]) -> list[Problem]:
         reason = flag if isinstance(flag, str) else _reason(flag)[0] if isinstance(flag, Mapping) else (
             v.get("error") or "part of what it ships failed to load")
         out.append(Problem("version_degraded", f"{name} version {v.get('version')} serves only in part: {reason}",
-                           WARNING, name, _int(v.get("version")), error_code=v.get("error_code")))
+                           WARNING, name, _int(v.get("version")), error_code=str_or_none(v.get("error_code"))))
     return out
 
 
-def _backend_failures(name: str, versions: list[Mapping[str, Any]]) -> list[Problem]:
+def _backend_failures(name: str, versions: list[ReadJSONObject]) -> list[Problem]:
     """A backend that failed on a version that serves anyway (on another backend): the
     artifact it failed on is broken or this device cannot run it, and what serves may lack
     signatures the failed one had."""
     out = []
     for v in versions:
-        decision = v.get("decision") or {}
+        decision = obj(v.get("decision"))
         if str(v.get("state")) != "AVAILABLE" or v.get("degraded"):  # a degraded one says so itself
             continue
-        for c in decision.get("considered") or []:
+        for c in objs(decision.get("considered")):
             if c.get("load_error"):
                 out.append(Problem("backend_failed", f"{name} version {v.get('version')}: {c.get('backend')} failed "
                                    f"to load it ({c['load_error']}); it serves on {decision.get('chosen') or '?'}.",
@@ -172,13 +178,13 @@ def _backend_failures(name: str, versions: list[Mapping[str, Any]]) -> list[Prob
 
 
 # -- the bucket -----------------------------------------------------------------------------
-def target_problems(sync: Mapping[str, Any], models: Mapping[str, Any]) -> list[Problem]:
+def target_problems(sync: ReadJSONObject, models: ReadJSONObject) -> list[Problem]:
     """A model whose bucket target (``sync.targets``; a pin replaces it) is not what serves."""
     out = []
-    pins = sync.get("pins") or {}
-    for name, target in sorted((sync.get("targets") or {}).items()):
+    pins = obj(sync.get("pins"))
+    for name, target in sorted(obj(sync.get("targets")).items()):
         target = pins.get(name, target)
-        model = models.get(name) or {}
+        model = obj(models.get(name))
         serving = model.get("serving_version")
         if serving == target or model.get("candidate_version") == target:  # reached, or being judged
             continue
@@ -191,12 +197,12 @@ def target_problems(sync: Mapping[str, Any], models: Mapping[str, Any]) -> list[
     return out
 
 
-def _why_not(model: Mapping[str, Any], target: Any) -> tuple[str, float]:
+def _why_not(model: ReadJSONObject, target: ReadJSONValue) -> tuple[str, float]:
     """Why ``target`` does not serve, and how long that may last by itself (0: it will not)."""
-    quarantined = model.get("quarantined") or {}
+    quarantined = obj(model.get("quarantined"))
     if str(target) in quarantined:  # its reason is said once, in its version_quarantined problem
         return f"version {target} failed and is quarantined (the reason is in its own problem)", 0.0
-    slot = next((v for v in model.get("versions") or [] if v.get("version") == target), None)
+    slot = next((v for v in objs(model.get("versions")) if v.get("version") == target), None)
     if slot is None:
         return f"version {target} is not loaded (not on disk, refused, or not picked up yet)", UNSEEN_GRACE_S
     state = str(slot.get("state"))
@@ -207,21 +213,21 @@ def _why_not(model: Mapping[str, Any], target: Any) -> tuple[str, float]:
     return f"version {target} is {state}", 0.0
 
 
-def sync_problems(sync: Mapping[str, Any]) -> list[Problem]:
+def sync_problems(sync: ReadJSONObject) -> list[Problem]:
     out = []
-    failures = int(sync.get("failures") or 0)
+    failures = _int(sync.get("failures") or 0) or 0
     if failures:
         out.append(Problem("sync_failing", f"The bucket {sync.get('bucket', '')} could not be polled "
                            f"({failures} failed polls in a row, backing off): {sync.get('last_error', '')}"))
     elif sync.get("last_error"):
         out.append(Problem("sync_refused", f"The bucket offers what this device refuses (what serves keeps "
                            f"serving): {sync['last_error']}"))
-    out += [Problem("store", f"Model store: {text}") for text in sync.get("problems") or []]
+    out += [Problem("store", f"Model store: {text}") for text in _seq(sync.get("problems"))]
     return out
 
 
 # -- the process ----------------------------------------------------------------------------
-def worker_problems(workers: list[Mapping[str, Any]]) -> list[Problem]:
+def worker_problems(workers: list[ReadJSONObject]) -> list[Problem]:
     """Fewer front workers up than configured (one entry per configured worker), and any
     that stopped reporting while its channel is open (stopped, or wedged)."""
     down = [w for w in workers if not w.get("up")]
@@ -245,7 +251,7 @@ def part_problems(parts: Mapping[str, str], critical: set[str]) -> list[Problem]
                     part=part_name(part)) for part, why in parts.items()]
 
 
-def fallback_problems(grpc: Mapping[str, Any] | None) -> list[Problem]:
+def fallback_problems(grpc: ReadJSONObject | None) -> list[Problem]:
     """gRPC answers, but on grpcio in the serving process instead of the lean server (in the
     front workers where there are some): slower, and only a log line said so before."""
     why = (grpc or {}).get("lean_unavailable")
@@ -261,24 +267,24 @@ def part_name(part: str) -> str:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _reason(entry: Any) -> tuple[str, str | None]:
+def _reason(entry: ReadJSONValue) -> tuple[str, str | None]:
     """(reason, error code) of a quarantine entry: a string, or a mapping that says more."""
     if isinstance(entry, Mapping):
         text = entry.get("reason") or entry.get("error") or entry.get("message") or ""
-        return str(text), entry.get("error_code")
+        return str(text), str_or_none(entry.get("error_code"))
     return str(entry), None
 
 
-def _version_code(model: Mapping[str, Any], version: Any) -> str | None:
-    slot = next((v for v in model.get("versions") or [] if str(v.get("version")) == str(version)), None)
-    return (slot or {}).get("error_code")
+def _version_code(model: ReadJSONObject, version: str) -> str | None:
+    slot = next((v for v in objs(model.get("versions")) if str(v.get("version")) == str(version)), None)
+    return str_or_none((slot or {}).get("error_code"))
 
 
-def _int(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
+_int = int_or_none
+
+
+def _seq(value: ReadJSONValue) -> list[ReadJSONValue]:
+    return list(value) if isinstance(value, (list, tuple)) else []
 
 
 # -- since when -----------------------------------------------------------------------------
@@ -292,15 +298,15 @@ class ProblemLog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._since: dict[tuple[Any, ...], float] = {}
-        self._hints: dict[tuple[Any, ...], float] = {}  # hint key -> time of the earliest event not yet used up
+        self._since: dict[Key, float] = {}
+        self._hints: dict[Key, float] = {}  # hint key -> time of the earliest event not yet used up
 
-    def on_event(self, row: Mapping[str, Any]) -> None:
+    def on_event(self, row: Mapping[str, object]) -> None:
         """``StateDB.subscribe`` callback (any thread): remember a failure event's time."""
         kind, ts = str(row.get("kind", "")), row.get("ts")
         if not isinstance(ts, (int, float)) or not any(word in kind for word in FAILURE_WORDS + ("exited",)):
             return
-        key = _event_key(kind, row.get("model") or None, row.get("version"))
+        key = _event_key(kind, str_or_none(row.get("model")) or None, row.get("version"))
         with self._lock:
             self._hints.setdefault(key, float(ts))
             if len(self._hints) > MAX_HINTS:  # bounded: a flood of failures drops the oldest
@@ -335,7 +341,7 @@ MAX_HINTS = 1000
 EVENT_AHEAD_S = 10.0  # an event written just before the state it reports changed (sync_error before failures)
 
 
-def _problem_key(problem: Problem) -> tuple[Any, ...]:
+def _problem_key(problem: Problem) -> Key:
     """The event key whose time starts ``problem``."""
     if problem.kind == "sync_failing":
         return ("sync_error",)
@@ -344,7 +350,7 @@ def _problem_key(problem: Problem) -> tuple[Any, ...]:
     return ("version", problem.model, problem.version)
 
 
-def _event_key(kind: str, model: str | None, version: Any) -> tuple[Any, ...]:
+def _event_key(kind: str, model: str | None, version: object) -> Key:
     if kind in ("sync_error", "worker_exited"):
         return (kind,)
     return ("version", model, _int(version))
