@@ -22,9 +22,11 @@ This module imports numpy only: heavy libraries are imported inside each backend
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Mapping, Protocol
 
 import numpy as np
+
+from .json_types import ReadJSONObject
 
 
 class RuntimeFailure(Exception):
@@ -112,7 +114,7 @@ class Availability:
 
     available: bool
     reason: str
-    details: Mapping[str, Any] = field(default_factory=dict)
+    details: ReadJSONObject = field(default_factory=dict)  # shown in the device report (JSON)
 
 
 class Servable(Protocol):
@@ -135,13 +137,13 @@ class Backend(Protocol):
 
     name: str
 
-    def probe(self, device: Mapping[str, Any]) -> Availability: ...
+    def probe(self, device: ReadJSONObject) -> Availability: ...  # the device report (core/device.py)
 
     def can_serve(self, version_dir: str) -> str | None:
         """Path of the artifact this backend would load from the directory, or None."""
         ...
 
-    def load(self, version_dir: str, options: Mapping[str, Any]) -> Servable: ...
+    def load(self, version_dir: str, options: ReadJSONObject) -> Servable: ...  # the backend's config section
 
 
 DEFAULT_SIGNATURE = "serving_default"

@@ -374,8 +374,8 @@ def declared_shapes(servable: Servable) -> dict[str, dict[str, tuple[int, ...] |
     return {name: {n: s.shape for n, s in sig.inputs.items()} for name, sig in servable.signatures.items()}
 
 
-def convention(signatures: Mapping[str, SignatureInfo]) -> str | None:
-    """Which convention the signatures follow, by name alone (cheap: no model calls)."""
+def convention(signatures: Mapping[str, object]) -> str | None:
+    """Which convention the signatures follow, by name alone (cheap: no model calls; the values unread)."""
     if "decode" in signatures and any(PREFILL_RE.fullmatch(n) for n in signatures):
         return LiteRTLLM.kind
     if GenerateStep.SIGNATURE in signatures:

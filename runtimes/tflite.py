@@ -46,7 +46,8 @@ import os
 import queue
 import struct
 import threading
-from typing import Any, Mapping
+from types import ModuleType
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -63,7 +64,9 @@ from .base import (
 from .tflite_examples import ExampleParser
 from .tflite_split import Split, SplitProgram, has_parse_ops
 from .tflite_split import split as split_parsing
-from .tflite_file import PREDICT, SignatureDefs, check_declared_sizes, dims_text, lite_signature_defs, refused
+from .json_types import JSONValue, ReadJSONObject, ReadJSONValue
+from .tflite_file import (PREDICT, Runner, SignatureDefs, TensorDetail, check_declared_sizes, dims_text,
+                          lite_signature_defs, refused)
 
 log = logging.getLogger("runtimes.tflite")
 
@@ -77,7 +80,7 @@ EDGETPU_DELEGATE_LIBS = ("libedgetpu.so.1", "libedgetpu.so.1.0")
 INSTALL_HINT = "pip install 'edge-appliance[tflite]' (ai-edge-litert) or tflite-runtime"
 
 
-def interpreter_module() -> Any:
+def interpreter_module() -> ModuleType:
     """The installed LiteRT interpreter module: ai_edge_litert, else tflite_runtime."""
     for name in ("ai_edge_litert.interpreter", "tflite_runtime.interpreter"):
         try:
@@ -110,12 +113,12 @@ class TFLiteBackend:
 
     name = NAME
 
-    def probe(self, device: Mapping[str, Any]) -> Availability:
+    def probe(self, device: ReadJSONObject) -> Availability:
         lib = _litert_installed()
         if lib is None:
             return Availability(False, f"LiteRT is not installed; {INSTALL_HINT}")
         delegates = device.get("delegates", {})
-        found = [k for k, v in delegates.items() if v]
+        found = [k for k, v in delegates.items() if v] if isinstance(delegates, Mapping) else []
         extra = f", delegate libraries found: {', '.join(found)}" if found else ", no delegate library found (XNNPACK on CPU)"
         version = litert_version(lib)
         return Availability(True, f"{lib} {version or '(version unknown)'} importable{extra}",
@@ -125,22 +128,27 @@ class TFLiteBackend:
         path = os.path.join(version_dir, ARTIFACT)
         return path if os.path.isfile(path) else None
 
-    def load(self, version_dir: str, options: Mapping[str, Any]) -> "TFLiteServable":
+    def load(self, version_dir: str, options: ReadJSONObject) -> "TFLiteServable":
         """Option ``max_tensor_bytes``: refuse (RESOURCE_EXHAUSTED) a model one of whose
         tensors declares more bytes than that, before LiteRT allocates anything."""
         path = self.can_serve(version_dir)
         if path is None:
             raise LoadFailure(f"no {ARTIFACT} in {version_dir}", "NOT_FOUND")
-        limit = options.get("max_tensor_bytes")
+        limit = _count(options.get("max_tensor_bytes"))
         if limit:
-            check_declared_sizes(path, int(limit))
+            check_declared_sizes(path, limit)
         return TFLiteServable(path, dict(options))
 
 
-def _load_delegate(module: Any, kind: str, options: Mapping[str, Any]) -> tuple[Any, str]:
+def _count(value: ReadJSONValue) -> int:
+    """An integer option (a number, or a numeric string as a config may write it); 0 when unset."""
+    return int(value) if isinstance(value, (int, float, str)) and value else 0
+
+
+def _load_delegate(module: ModuleType, kind: str, options: ReadJSONObject) -> tuple[object | None, str]:
     """Try the configured or well-known delegate libraries; (delegate or None, reason)."""
     configured = options.get(f"{kind}_delegate_path")
-    names = (configured,) if configured else (GPU_DELEGATE_LIBS if kind == "gpu" else EDGETPU_DELEGATE_LIBS)
+    names = (str(configured),) if configured else (GPU_DELEGATE_LIBS if kind == "gpu" else EDGETPU_DELEGATE_LIBS)
     errors = []
     for lib in names:
         # Open the library ourselves first: when dlopen fails inside LiteRT's Delegate
@@ -159,10 +167,46 @@ def _load_delegate(module: Any, kind: str, options: Mapping[str, Any]) -> tuple[
     return None, f"{kind} delegate not loaded ({'; '.join(errors)}); {hint}, or set tflite.{kind}_delegate_path"
 
 
+class _Wrapper(Protocol):
+    """LiteRT's C++ interpreter wrapper (``Interpreter._interpreter``): what ``_Program`` calls."""
+
+    def ResizeInputTensor(self, index: int, shape: np.ndarray, strict: bool, subgraph: int) -> None: ...
+    def TensorSize(self, index: int, subgraph: int) -> np.ndarray: ...
+    def TensorName(self, index: int, subgraph: int) -> str: ...
+    def AllocateTensors(self, subgraph: int) -> None: ...
+    def SetTensor(self, index: int, value: np.ndarray, subgraph: int) -> None: ...
+    def Invoke(self, subgraph: int) -> None: ...
+    def GetTensor(self, index: int, subgraph: int) -> np.ndarray: ...
+
+
+class _SignatureRunner(Protocol):
+    _subgraph_index: int
+
+    def get_input_details(self) -> dict[str, TensorDetail]: ...
+    def get_output_details(self) -> dict[str, TensorDetail]: ...
+
+
+class _Interpreter(Protocol):
+    """LiteRT's ``Interpreter``: what ``TFLiteServable._programs`` reads of it."""
+
+    _interpreter: _Wrapper
+
+    def get_signature_list(self) -> dict[str, dict[str, list[str]]]: ...
+    def allocate_tensors(self) -> None: ...
+    def get_signature_runner(self, key: str) -> _SignatureRunner: ...
+    def get_input_details(self) -> list[TensorDetail]: ...
+    def get_output_details(self) -> list[TensorDetail]: ...
+
+
+Programs = dict[str, Runner]  # signature key -> its runner, on one interpreter
+Signatures = dict[str, SignatureInfo]
+MakeProgram = Callable[[dict[str, int], dict[str, int]], Runner]  # ({alias: input index}, {alias: output index})
+
+
 class _Program:
     """One signature of one interpreter: tensor indices plus the shapes last allocated."""
 
-    def __init__(self, wrapper: Any, subgraph: int, inputs: dict[str, int], outputs: dict[str, int]):
+    def __init__(self, wrapper: _Wrapper, subgraph: int, inputs: dict[str, int], outputs: dict[str, int]):
         self.wrapper, self.subgraph = wrapper, subgraph
         self.inputs, self.outputs = inputs, outputs
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -228,7 +272,7 @@ def _clean_name(tensor_name: str) -> str:
     return name[len("serving_default_"):] if name.startswith("serving_default_") else name
 
 
-def _spec(name: str, detail: Mapping[str, Any], resizable: bool) -> TensorSpec:
+def _spec(name: str, detail: TensorDetail, resizable: bool) -> TensorSpec:
     shape = [int(d) for d in detail.get("shape_signature", detail["shape"])]
     dtype = np.dtype(object) if detail["dtype"] in (np.bytes_, np.str_, object) else np.dtype(detail["dtype"])
     if resizable and not shape:
@@ -240,11 +284,10 @@ def _spec(name: str, detail: Mapping[str, Any], resizable: bool) -> TensorSpec:
     return TensorSpec(name, dtype, tuple(shape), detail["name"])
 
 
-def _with_info(programs: dict[str, Any], info: dict[str, SignatureInfo]) -> dict[str, Any]:
+def _with_info(programs: Programs, info: Signatures) -> tuple[Programs, Signatures]:
     for key, sig in info.items():
         programs[key].declared = {n: spec.shape for n, spec in sig.inputs.items()}
-    programs["__info__"] = info
-    return programs
+    return programs, info
 
 
 class TFLiteServable:
@@ -255,30 +298,29 @@ class TFLiteServable:
     strict_shapes = False  # the interpreter is resized to the request and judges it, as TF Serving's session
     reads_examples = False  # no ParseExample op in LiteRT: True where a split model parses them here
 
-    def __init__(self, path: str, options: dict[str, Any]):
+    def __init__(self, path: str, options: dict[str, ReadJSONValue]):
         self.path = path
         self.options = options
         self.module = interpreter_module()
         self.delegate_reason = "XNNPACK on CPU"
         self._delegates = self._choose_delegates()
-        self._pool: queue.LifoQueue[dict[str, _Program]] = queue.LifoQueue()
+        self._pool: queue.LifoQueue[Programs] = queue.LifoQueue()
         self._created = 0
-        self._pool_size = max(1, int(options.get("pool_size") or os.cpu_count() or 1))
+        self._pool_size = max(1, _count(options.get("pool_size")) or os.cpu_count() or 1)
         self._lock = threading.Lock()
         self._sigdefs: SignatureDefs | None = None  # read once LiteRT has accepted the file
-        self._wide: dict[str, _Program] | None = None  # the lone batches' interpreter, once one has run
+        self._wide: Programs | None = None  # the lone batches' interpreter, once one has run
         self._wide_lock = threading.Lock()
         self._parser: ExampleParser | None = None
         self._split = self._parsing_split(path)  # classify/regress signatures that parse tf.Examples first
         self.reads_examples = self._split is not None
         try:
-            first = self._first_interpreter()
+            first, self.signatures = self._first_interpreter()
         except (RuntimeError, ValueError) as exc:  # allocating a signature-less model, say
             raise LoadFailure(f"LiteRT could not load {path}: {exc or _SILENT}", _load_code(str(exc))) from exc
-        self.signatures = first.pop("__info__")
         self._pool.put(first)
 
-    def _first_interpreter(self) -> dict[str, Any]:
+    def _first_interpreter(self) -> tuple[Programs, Signatures]:
         try:
             return self._new_interpreter()
         except (LoadFailure, RuntimeError, ValueError) as exc:
@@ -301,12 +343,12 @@ class TFLiteServable:
         except (struct.error, IndexError, ValueError, TypeError, AttributeError):
             return None
 
-    def _choose_delegates(self) -> list[Any]:
+    def _choose_delegates(self) -> list[object]:  # LiteRT's Delegate objects
         choice = self.options.get("delegate", "auto")
         if choice == "none":
             return []
         reasons = []
-        for kind in ("edgetpu", "gpu") if choice == "auto" else (choice,):
+        for kind in ("edgetpu", "gpu") if choice == "auto" else (str(choice),):
             if choice == "auto" and not self.options.get(f"{kind}_present", False):
                 continue
             delegate, reason = _load_delegate(self.module, kind, self.options)
@@ -318,14 +360,15 @@ class TFLiteServable:
             self.delegate_reason = "; ".join(reasons) + "; falling back to XNNPACK on CPU"
         return []
 
-    def _new_interpreter(self, threads: int | None = None) -> dict[str, Any]:
+    def _new_interpreter(self, threads: int | None = None) -> tuple[Programs, Signatures]:
         """A pooled interpreter (counted in ``_created``); with ``threads``, the wide one (not)."""
         pooled = threads is None
         if self._parser is not None:
             self._created += pooled
             return self._parser_programs()
         if pooled:
-            threads = self.options.get("num_threads")
+            configured = self.options.get("num_threads")
+            threads = None if configured is None else _count(configured)
         try:
             interp = self.module.Interpreter(
                 **self._model(), num_threads=threads, experimental_delegates=self._delegates or None
@@ -340,17 +383,17 @@ class TFLiteServable:
         self._created += pooled
         return self._programs(interp)
 
-    def _model(self) -> dict[str, Any]:
+    def _model(self) -> dict[str, str | bytes]:
         """The interpreter's model: the file, or the split model's bytes (held by LiteRT)."""
         return {"model_content": self._split.content} if self._split is not None else {"model_path": self.path}
 
-    def _programs(self, interp: Any) -> dict[str, Any]:
+    def _programs(self, interp: _Interpreter) -> tuple[Programs, Signatures]:
         sig_list = interp.get_signature_list()
         if not sig_list:
             interp.allocate_tensors()  # before we hold the wrapper: LiteRT refuses while it is referenced
         wrapper = interp._interpreter  # the C++ wrapper: lets us skip re-allocation per call
-        programs: dict[str, Any] = {}
-        info: dict[str, SignatureInfo] = {}
+        programs: Programs = {}
+        info: Signatures = {}
         if sig_list:
             # Generation signatures (prefill/decode, generate_step) keep the model's own shapes:
             # their fixed lengths (input_pos [N], a decode batch of B) are what a client and the
@@ -371,7 +414,7 @@ class TFLiteServable:
                                lambda ins, outs: _Program(wrapper, 0, ins, outs), programs, info)
         return _with_info(programs, info)
 
-    def _parsing(self, key: str, rest: _Program, info: SignatureInfo) -> tuple[SplitProgram, SignatureInfo]:
+    def _parsing(self, key: str, rest: Runner, info: SignatureInfo) -> tuple[SplitProgram, SignatureInfo]:
         """Signature ``key`` of a split model as TF Serving declares it: serialized tf.Examples in
         (a string vector), parsed here, the rest of the graph on LiteRT."""
         assert self._split is not None
@@ -385,16 +428,16 @@ class TFLiteServable:
             else info.method_name
         return SplitProgram(parser, rest, serialized), SignatureInfo(key, inputs, info.outputs, method)
 
-    def _parser_programs(self) -> dict[str, Any]:
+    def _parser_programs(self) -> tuple[Programs, Signatures]:
         """Signatures of a model served by ``ExampleParser``, found as LiteRT's would be."""
         assert self._parser is not None
-        programs: dict[str, Any] = {}
-        info: dict[str, SignatureInfo] = {}
+        programs: Programs = {}
+        info: Signatures = {}
         self._from_details(*self._parser.details, self._parser.program, programs, info)
         return _with_info(programs, info)
 
-    def _from_details(self, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]], program: Any,
-                      programs: dict[str, Any], info: dict[str, SignatureInfo]) -> None:
+    def _from_details(self, inputs: list[TensorDetail], outputs: list[TensorDetail], program: MakeProgram,
+                      programs: Programs, info: Signatures) -> None:
         """Signatures of a model without signature runners: its TF Serving SignatureDefs, else
         ``serving_default`` over its input and output tensors (``program(inputs, outputs)``
         makes one from {alias: tensor index} maps)."""
@@ -417,8 +460,8 @@ class TFLiteServable:
                 raise LoadFailure(f"Invalid SignatureDefs found in TfLite model: {exc}") from exc
         return self._sigdefs
 
-    def _from_sigdefs(self, tensors: dict[str, dict[str, Any]], program: Any, programs: dict[str, Any],
-                      info: dict[str, SignatureInfo]) -> None:
+    def _from_sigdefs(self, tensors: dict[str, TensorDetail], program: MakeProgram, programs: Programs,
+                      info: Signatures) -> None:
         """Signatures from the file's TF Serving SignatureDefs: aliases onto the tensors they
         name (``tflite_input:0`` or, as TF Serving's FixTfLiteTensorName, ``tflite_input``)."""
         for key, (ins, outs, method) in self._signature_defs().items():
@@ -434,7 +477,7 @@ class TFLiteServable:
             info[key] = SignatureInfo(key, {a: _spec(a, found[a], True) for a in ins},
                                       {a: _spec(a, found[a], True) for a in outs}, method or PREDICT)
 
-    def _acquire(self) -> dict[str, _Program]:
+    def _acquire(self) -> Programs:
         try:
             return self._pool.get_nowait()
         except queue.Empty:
@@ -442,9 +485,7 @@ class TFLiteServable:
         with self._lock:
             grow = self._created < self._pool_size
         if grow:
-            programs = self._new_interpreter()
-            programs.pop("__info__")
-            return programs
+            return self._new_interpreter()[0]
         return self._pool.get()
 
     def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -461,15 +502,13 @@ class TFLiteServable:
         """``run`` for a batch alone: on the interpreter of ``wide_threads`` (module docstring),
         made now if this is the first; as ``run`` without that option, with a delegate (it is
         not the CPU's threads that run the model), or while another lone batch holds it."""
-        wide = int(self.options.get("wide_threads") or 0)
+        wide = _count(self.options.get("wide_threads"))
         if wide <= 1 or self._delegates or self._parser is not None or not self._wide_lock.acquire(blocking=False):
             return self.run(signature, inputs)
         try:
             info = self._info(signature)
             if self._wide is None:
-                programs = self._new_interpreter(wide)
-                programs.pop("__info__")
-                self._wide = programs
+                self._wide = self._new_interpreter(wide)[0]
             try:
                 return self._invoke(self._wide, info, signature, inputs)
             finally:
@@ -485,7 +524,7 @@ class TFLiteServable:
         return info
 
     @staticmethod
-    def _invoke(programs: dict[str, _Program], info: SignatureInfo, signature: str,
+    def _invoke(programs: Programs, info: SignatureInfo, signature: str,
                 inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
             feeds = {n: np.asarray(a, dtype=info.inputs[n].dtype, order="C") for n, a in inputs.items()}
@@ -493,15 +532,13 @@ class TFLiteServable:
         except (ValueError, RuntimeError) as exc:
             raise InputFailure(f"LiteRT rejected the input: {exc}") from exc
 
-    def _replacement(self) -> dict[str, _Program]:
+    def _replacement(self) -> Programs:
         """A fresh interpreter for one whose resize or allocation failed: LiteRT leaves such an
         interpreter half-prepared, and the next resize of it can crash the process (a rank-38
         input after a refused [1] one does)."""
         with self._lock:
             self._created -= 1
-        programs = self._new_interpreter()
-        programs.pop("__info__")
-        return programs
+        return self._new_interpreter()[0]
 
     def close(self) -> None:
         self._wide = None

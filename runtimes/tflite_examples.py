@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .base import LoadFailure
-from .tflite_file import buffer_bytes, message_class, refused
+from .tflite_file import TensorDetail, buffer_bytes, message_class, refused
 
 def example_class() -> Any:
     """TensorFlow's tf.Example (tensorflow/core/example/example.proto, feature.proto), declared
@@ -67,7 +67,7 @@ class ExampleParser:
             self.rows = dims[0] if dims else 1  # rows per example in the output (kernel: original_size)
 
     def __init__(self, serialized: int, dense: list["ExampleParser._Dense"],
-                 details: tuple[list[dict[str, Any]], list[dict[str, Any]]]):
+                 details: tuple[list[TensorDetail], list[TensorDetail]]):
         self.serialized, self.dense, self.details = serialized, dense, details
         self.example = example_class()
 
@@ -93,7 +93,7 @@ class ExampleParser:
         serialized, dense = dense_features(model, data, graph, ops, path)
         inputs = [int(i) for i in graph.InputsAsNumpy()]
 
-        def detail(index: int) -> dict[str, Any]:
+        def detail(index: int) -> TensorDetail:
             tensor = graph.Tensors(index)
             shape = tensor.ShapeAsNumpy() if tensor.ShapeLength() else np.zeros(0, np.int32)
             signature = tensor.ShapeSignatureAsNumpy() if tensor.ShapeSignatureLength() else shape

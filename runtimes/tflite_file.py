@@ -15,13 +15,43 @@ from __future__ import annotations
 import logging
 import mmap
 import struct
-from typing import Any
+from typing import Any, Mapping, Protocol, TypedDict
+
+import numpy as np
+from numpy.typing import NDArray
 
 from .base import InputFailure, LoadFailure
 
 log = logging.getLogger("runtimes.tflite")
 
 # Bytes per element of TF Lite's TensorType (schema.fbs), by enum value; others count 4.
+class TensorDetail(TypedDict, total=False):
+    """One tensor as LiteRT's ``get_input_details()`` / ``get_output_details()`` describe it
+    (and ``ExampleParser`` writes them): the keys the servable reads."""
+
+    name: str
+    index: int
+    shape: NDArray[np.int32]
+    shape_signature: NDArray[np.int32]  # -1 where a dimension is resizable; absent in old LiteRT
+    dtype: "type | np.dtype[np.generic]"  # numpy's scalar type (np.float32, np.bytes_ ...) or a dtype
+
+
+class Runner(Protocol):
+    """One signature of one interpreter, as the servable runs it (runtimes/tflite.py's
+    ``_Program``, a split model's ``SplitProgram``, a parse-only model's ``ParseProgram``)."""
+
+    inputs: dict[str, int]  # alias -> tensor index
+    outputs: dict[str, int]
+    declared: dict[str, tuple[int, ...] | None]  # the signature's input shapes (error texts)
+
+    @property
+    def refused(self) -> bool:
+        """Whether the last run's resize or allocation failed (the interpreter is replaced)."""
+        ...
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
 _TYPE_BYTES = {0: 4, 1: 2, 2: 4, 3: 1, 4: 8, 6: 1, 7: 2, 8: 8, 9: 1, 10: 8, 11: 16, 12: 8, 15: 4, 16: 2}
 
 

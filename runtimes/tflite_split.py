@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .tflite_examples import ExampleParser, dense_features, is_parse_op
+from .tflite_file import Runner
 
 
 @dataclass
@@ -117,7 +118,7 @@ class SplitProgram:
     """One signature of a split model, with ``_Program``'s face (runtimes/tflite.py): the
     serialized tf.Examples parsed here, the parsed features fed to the rest on LiteRT."""
 
-    def __init__(self, parser: ExampleParser, rest: Any, serialized: str):
+    def __init__(self, parser: ExampleParser, rest: Runner, serialized: str):
         self.parser, self.rest, self.serialized = parser, rest, serialized
         self.inputs, self.outputs = {serialized: -1}, rest.outputs
         self.declared: dict[str, tuple[int, ...] | None] = {}
@@ -130,7 +131,7 @@ class SplitProgram:
         parsed = self.parser.run(feeds[self.serialized])
         others = {n: a for n, a in feeds.items() if n != self.serialized}
         names = {d.tensor: d.key for d in self.parser.dense}
-        result: dict[str, np.ndarray] = self.rest.run({**others, **{names[t]: v for t, v in parsed.items()}})
+        result = self.rest.run({**others, **{names[t]: v for t, v in parsed.items()}})
         return result
 
 
