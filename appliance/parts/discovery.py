@@ -34,10 +34,17 @@ import re
 import socket
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
+from appliance.core.config import Config
+from appliance.core.json_read import obj, objs
+from appliance.core.json_types import JSONValue, ReadJSONObject
 from appliance.version import __version__
 from appliance.parts.host import Host
+
+if TYPE_CHECKING:  # zeroconf is imported when discovery starts (module docstring)
+    from zeroconf import ServiceInfo, ServiceStateChange, Zeroconf
+    from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 log = logging.getLogger("appliance.discovery")
 
@@ -61,7 +68,7 @@ class Settings:
     recheck_interval_s: float = 30.0
 
 
-def settings_from(config: Any) -> Settings:
+def settings_from(config: Config) -> Settings:
     section = getattr(config, "discovery", None)
     defaults = Settings()
     interfaces = getattr(section, "interfaces", defaults.interfaces)
@@ -76,12 +83,12 @@ def settings_from(config: Any) -> Settings:
 
 
 # -- what is announced --------------------------------------------------------------------
-def model_summary(snapshot: Mapping[str, Any], budget: int = MODELS_BUDGET) -> str:
+def model_summary(snapshot: ReadJSONObject, budget: int = MODELS_BUDGET) -> str:
     """``name@serving_version`` per model (just ``name`` while none serves), sorted,
     comma-separated; past ``budget`` bytes the rest is counted as ``+N``."""
     entries = []
     for name in sorted(snapshot):
-        serving = snapshot[name].get("serving_version")
+        serving = obj(snapshot[name]).get("serving_version")
         entries.append(f"{name}@{serving}" if serving is not None else name)
     full = ",".join(entries)
     if len(full.encode()) <= budget:
@@ -93,14 +100,14 @@ def model_summary(snapshot: Mapping[str, Any], budget: int = MODELS_BUDGET) -> s
         kept.append(entry)
     return ",".join([*kept, f"+{len(entries) - len(kept)}"])
 
-def chosen_backends(snapshot: Mapping[str, Any]) -> str:
+def chosen_backends(snapshot: ReadJSONObject) -> str:
     """The backends that serve an AVAILABLE version, sorted, comma-separated."""
-    names = {v.get("backend") for m in snapshot.values() for v in m.get("versions", [])
+    names = {str(v.get("backend")) for m in snapshot.values() for v in objs(obj(m).get("versions"))
              if v.get("state") == "AVAILABLE" and v.get("backend")}
     return ",".join(sorted(names))
 
 
-def txt_record(device_id: str, snapshot: Mapping[str, Any]) -> dict[str, str]:
+def txt_record(device_id: str, snapshot: ReadJSONObject) -> dict[str, str]:
     """The TXT key/value pairs in announcement order (``txtvers`` first). Public facts only."""
     return {"txtvers": TXT_VERSION, "id": device_id, "ver": __version__, "api": "/v1", "path": "/",
             "backend": chosen_backends(snapshot), "models": model_summary(snapshot)}
@@ -156,18 +163,24 @@ class _Advertiser:
 
     def __init__(self, service: Host):
         self.service = service
-        self.status: dict[str, Any] = {"enabled": True, "announcing": False, "error": None, "name": None}
+        self.status: dict[str, JSONValue] = {"enabled": True, "announcing": False, "error": None, "name": None}
         self.settings = settings_from(service.config)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stop = threading.Event()
         self._restart = False
-        self._zc: Any = None
-        self._infos: list[Any] = []
+        self._zc: AsyncZeroconf | None = None
+        self._infos: list[AsyncServiceInfo] = []
         self._name = ""
         self._addresses: list[str] = []
         self._txt: dict[str, str] = {}
+
+    @property
+    def _live(self) -> AsyncZeroconf:
+        """The zeroconf instance, while the discovery thread runs one."""
+        assert self._zc is not None, "zeroconf is used only between its start and its close"
+        return self._zc
 
     # thread-safe entry points
     def start(self) -> None:
@@ -181,7 +194,7 @@ class _Advertiser:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def notify(self, event: Mapping[str, Any]) -> None:
+    def notify(self, event: Mapping[str, object]) -> None:
         """State-db listener: any model event may change the TXT record."""
         if event.get("model"):
             self._poke()
@@ -281,14 +294,14 @@ class _Advertiser:
             return False
         return True
 
-    async def _announce(self, info: Any) -> None:
-        await (await self._zc.async_register_service(info))
+    async def _announce(self, info: AsyncServiceInfo) -> None:
+        await (await self._live.async_register_service(info))
 
     async def _held_by_other(self, name: str, port: int) -> bool:
         """Ask the LAN whether anyone answers for ``name``. Only a record with our id, port
         and an address of ours is ourselves (devices cloned from one image share an id)."""
         own = self.service.core.device_id.encode()
-        holders = await asyncio.gather(*(self._zc.async_get_service_info(kind, f"{name}.{kind}", PROBE_MS)
+        holders = await asyncio.gather(*(self._live.async_get_service_info(kind, f"{name}.{kind}", PROBE_MS)
                                          for kind in (SERVICE_TYPE, HTTP_TYPE)))
         for holder in filter(None, holders):
             ours = (holder.properties.get(b"id") == own and holder.port == port
@@ -297,7 +310,7 @@ class _Advertiser:
                 return True
         return False
 
-    def _info(self, kind: str, name: str, port: int) -> Any:
+    def _info(self, kind: str, name: str, port: int) -> AsyncServiceInfo:
         from zeroconf.asyncio import AsyncServiceInfo
 
         server = host_label(socket.gethostname(), self.service.core.device_id)
@@ -329,7 +342,7 @@ class _Advertiser:
     async def _follow_interfaces(self, listen: list[str]) -> bool:
         """Move zeroconf's sockets to the new interface set; False when it needed a restart."""
         if listen and hasattr(self._zc, "async_update_interfaces"):
-            await self._zc.async_update_interfaces(listen)
+            await self._live.async_update_interfaces(listen)
             return True
         self._restart = True  # older zeroconf, or no address left: start over (and retry)
         return False
@@ -339,16 +352,16 @@ class _Advertiser:
         snapshot = manager.snapshot() if manager is not None else {}
         return txt_record(self.service.core.device_id, snapshot)
 
-    async def _reannounce(self, info: Any) -> None:
-        await (await self._zc.async_update_service(info))
+    async def _reannounce(self, info: AsyncServiceInfo) -> None:
+        await (await self._live.async_update_service(info))
 
     async def _unregister(self) -> None:
         await asyncio.gather(*(self._goodbye(info) for info in self._infos))
         self._infos = []
 
-    async def _goodbye(self, info: Any) -> None:
+    async def _goodbye(self, info: AsyncServiceInfo) -> None:
         try:
-            await (await self._zc.async_unregister_service(info))
+            await (await self._live.async_unregister_service(info))
         except Exception as exc:  # goodbyes are best effort (the interface may be gone)
             log.debug("goodbye for %s failed: %s", info.name, exc)
 
@@ -374,7 +387,7 @@ class _Advertiser:
             "enabled": True, "announcing": ok, "error": error,
             "name": self._name if ok else None, "types": [SERVICE_TYPE, HTTP_TYPE],
             "port": self._port(), "addresses": list(self._addresses),
-            "interfaces": self.settings.interfaces or "all", "txt": dict(self._txt) if ok else {},
+            "interfaces": list(self.settings.interfaces) or "all", "txt": dict(self._txt) if ok else {},
             # announced on loopback only (the service listens on 127.0.0.1): no other machine finds it
             "loopback_only": bool(self._addresses) and all(a.startswith("127.") for a in self._addresses),
         }
@@ -397,7 +410,24 @@ def attach(service: Host) -> _Advertiser | None:
 
 
 # -- browsing --------------------------------------------------------------------------------
-def browse(timeout: float = 3.0, interfaces: list[str] | None = None) -> list[dict[str, Any]]:
+class Found(TypedDict):
+    """One appliance that answered a browse (``describe``)."""
+
+    name: str
+    host: str
+    addresses: list[str]
+    port: int | None
+    url: str
+    id: str
+    version: str
+    api: str
+    backend: str
+    models: list[str]
+    versions: dict[str, int | None]
+    txt: dict[str, str]
+
+
+def browse(timeout: float = 3.0, interfaces: list[str] | None = None) -> list[Found]:
     """Every appliance that answers within ``timeout`` seconds, sorted by name.
 
     Blocking; from inside a running event loop use :func:`async_browse`. ``interfaces``:
@@ -407,7 +437,7 @@ def browse(timeout: float = 3.0, interfaces: list[str] | None = None) -> list[di
     return asyncio.run(async_browse(timeout, interfaces))
 
 
-async def async_browse(timeout: float = 3.0, interfaces: list[str] | None = None) -> list[dict[str, Any]]:
+async def async_browse(timeout: float = 3.0, interfaces: list[str] | None = None) -> list[Found]:
     from zeroconf import IPVersion, ServiceStateChange
     from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
@@ -418,7 +448,7 @@ async def async_browse(timeout: float = 3.0, interfaces: list[str] | None = None
         ip_version=IPVersion.V4Only)
     names: set[str] = set()
 
-    def on_change(zeroconf: Any, service_type: str, name: str, state_change: Any) -> None:
+    def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
         (names.discard if state_change is ServiceStateChange.Removed else names.add)(name)
 
     browser = AsyncServiceBrowser(aiozc.zeroconf, [SERVICE_TYPE], handlers=[on_change])
@@ -432,7 +462,7 @@ async def async_browse(timeout: float = 3.0, interfaces: list[str] | None = None
     return [describe(info) for info, ok in zip(infos, answered) if ok]
 
 
-def describe(info: Any) -> dict[str, Any]:
+def describe(info: ServiceInfo) -> Found:
     """One browse result from a resolved zeroconf ``ServiceInfo``."""
     txt = {k.decode(errors="replace"): (v or b"").decode(errors="replace") for k, v in info.properties.items()}
     addresses = info.parsed_addresses()
