@@ -28,22 +28,28 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
 from appliance.core.errors import InvalidArgument
+from appliance.core.json_types import JSONObject, ReadJSONObject
+
+if TYPE_CHECKING:  # llguidance is imported on first use (module docstring)
+    from llguidance import LLMatcher, LLTokenizer
 
 SPECIAL = b"\xff"  # llguidance's mark of a special token: never part of grammar text
 # Compact JSON (no whitespace between tokens): a small model cannot loop on spaces forever,
 # and the text is what json.dumps(..., separators=(",", ":")) writes.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 # JSON text of any object: what response_format json_object asks for
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+ANY_OBJECT: JSONObject = {"type": "object"}
 MATCHERS_KEPT = 32  # compiled grammars kept per vocabulary (TokenTable.matcher)
 
 
-def llguidance_module() -> Any:
+def llguidance_module() -> ModuleType:
+    """llguidance, or ``InvalidArgument`` saying how to install it (call before importing from it)."""
     try:
         import llguidance
     except ImportError as exc:  # a lean install without the grammar engine
@@ -53,31 +59,41 @@ def llguidance_module() -> Any:
 
 
 def tokenizer_of_bytes(tokens: Sequence[bytes], eos: int | None, special: frozenset[int],
-                       encode: Callable[[str], list[int]] | None = None) -> Any:
+                       encode: Callable[[str], list[int]] | None = None) -> LLTokenizer:
     """An llguidance tokenizer over token bytes (a vocabulary no library reads for it): the
     special tokens, EOS among them, marked so that no grammar text can use them; without an
     EOS, a virtual one past the end. ``encode``: the version's own encoder (else greedy
     longest match over the bytes, as appliance/core/text.py's Vocabulary encodes)."""
-    llg = llguidance_module()
+    llguidance_module()
+    from llguidance import LLTokenizer, TokenizerWrapper
+
     raw = [(SPECIAL + t) if i in special or i == eos else t for i, t in enumerate(tokens)]
     if eos is None:
         eos = len(raw)
         raw.append(SPECIAL + b"<eos>")
-    return llg.LLTokenizer(llg.TokenizerWrapper(_Wrapper(raw, eos, encode)))
+    return LLTokenizer(TokenizerWrapper(_Wrapper(raw, eos, encode)))
+
+
+class Vocab(Protocol):
+    """What ``TokenTable.of`` reads of a version's tokenizer (appliance/core/tokenizer.py's classes)."""
+
+    size: int
+
+    def grammar_tokenizer(self) -> LLTokenizer: ...
 
 
 class TokenTable:
     """A vocabulary as the grammar engine reads it (module docstring). Immutable."""
 
-    def __init__(self, tokenizer: Any, model_vocab: int):
+    def __init__(self, tokenizer: LLTokenizer, model_vocab: int):
         self.tokenizer = tokenizer
         self.model_vocab = model_vocab  # the version's tokens (a virtual EOS lies past them)
         self.size = self.tokenizer.vocab_size
         self.words = (self.size + 31) // 32
-        self._matchers: OrderedDict[str, Any] = OrderedDict()  # grammar source -> a fresh matcher, to copy
+        self._matchers: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar source -> a fresh matcher, to copy
         self._lock = threading.Lock()
 
-    def matcher(self, grammar: "Grammar") -> Any:
+    def matcher(self, grammar: "Grammar") -> LLMatcher:
         """A fresh matcher of ``grammar`` at its start. Building one compiles the grammar
         (~0.2-0.6 ms); a copy of a cached one costs ~0.5 us, so the matchers of the last
         MATCHERS_KEPT grammars (an app sends the same schema every time) are kept."""
@@ -86,7 +102,10 @@ class TokenTable:
             if proto is not None:
                 self._matchers.move_to_end(grammar.source)
                 return proto.deep_copy()
-        proto = llguidance_module().LLMatcher(self.tokenizer, grammar.source, log_level=0)
+        llguidance_module()
+        from llguidance import LLMatcher
+
+        proto = LLMatcher(self.tokenizer, grammar.source, log_level=0)
         if proto.is_error():
             raise InvalidArgument(f"{grammar.what}: {proto.get_error()}")
         with self._lock:
@@ -100,7 +119,7 @@ class TokenTable:
             return source in self._matchers
 
     @classmethod
-    def of(cls, vocab: Any) -> "TokenTable":
+    def of(cls, vocab: Vocab) -> "TokenTable":
         """The table of a version's tokenizer (appliance/core/tokenizer.py): built from the same
         tokenizer, by llguidance itself where it reads the format."""
         return cls(vocab.grammar_tokenizer(), vocab.size)
@@ -142,7 +161,7 @@ class Grammar:
     what: str  # for messages: "response_format json_schema", "tool_choice", ...
 
     @classmethod
-    def json_schema(cls, schema: Mapping[str, Any], what: str) -> "Grammar":
+    def json_schema(cls, schema: ReadJSONObject, what: str) -> "Grammar":
         llg = llguidance_module()
         try:
             source = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)

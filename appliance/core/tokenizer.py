@@ -31,9 +31,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from appliance.core.errors import InvalidArgument
+from appliance.core.json_types import JSONObject, ReadJSONObject, ReadJSONValue
+
+if TYPE_CHECKING:  # llguidance is imported when a grammar is first asked for (constraints.py)
+    from llguidance import LLTokenizer
 
 VOCAB_FILE = os.path.join("assets", "vocab.json")
 
@@ -67,7 +71,7 @@ class Tokenizer(Protocol):
 
     def fewest_tokens(self, text: str) -> int: ...
 
-    def grammar_tokenizer(self) -> Any: ...
+    def grammar_tokenizer(self) -> LLTokenizer: ...
 
 
 class Decodes(Protocol):
@@ -83,7 +87,7 @@ def find(version_dir: str, name: str) -> str | None:
     return None
 
 
-def read_json(version_dir: str, name: str) -> dict[str, Any]:
+def read_json(version_dir: str, name: str) -> JSONObject:
     """A JSON object file of the version ({} when it ships none); InvalidArgument when unreadable."""
     path = find(version_dir, name)
     if path is None:
@@ -96,20 +100,20 @@ def read_json(version_dir: str, name: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def token_text(token: Any) -> str:
+def token_text(token: ReadJSONValue) -> str:
     """A special token as Hugging Face's configs write it: a string or {"content": ...}."""
     if isinstance(token, dict):
         token = token.get("content")
     return token if isinstance(token, str) else ""
 
 
-def _ids(value: Any) -> list[int]:
+def _ids(value: ReadJSONValue) -> list[int]:
     """generation_config's eos_token_id: an int or a list of them."""
     values = value if isinstance(value, list) else [value]
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
-def added_tokens(config: dict[str, Any]) -> dict[int, tuple[str, bool]]:
+def added_tokens(config: ReadJSONObject) -> dict[int, tuple[str, bool]]:
     """tokenizer_config's ``added_tokens_decoder``: id -> (content, special)."""
     added = config.get("added_tokens_decoder")
     out: dict[int, tuple[str, bool]] = {}
@@ -156,7 +160,7 @@ class Detokenizer:
 class HFTokenizer:
     """``tokenizer.json`` through Hugging Face ``tokenizers`` (module docstring)."""
 
-    def __init__(self, path: str, config: dict[str, Any], generation: dict[str, Any]):
+    def __init__(self, path: str, config: ReadJSONObject, generation: ReadJSONObject):
         from tokenizers import Tokenizer  # lazily: only a version that ships one loads the library
 
         try:
@@ -202,16 +206,19 @@ class HFTokenizer:
     def fewest_tokens(self, text: str) -> int:
         return -(-len(text.encode("utf-8")) // self.longest)
 
-    def grammar_tokenizer(self) -> Any:
+    def grammar_tokenizer(self) -> LLTokenizer:
         """llguidance's view of the same tokenizer: it reads tokenizer.json itself, or, where it
         cannot tell the decoder's kind (it knows ByteLevel and SentencePiece's byte fallback, not
         e.g. the ``Fuse`` decoder of a character vocabulary: scripts/tiny_chat_model.py's), every
         token's bytes as this tokenizer decodes them, text encoded by this tokenizer."""
         from appliance.core.constraints import llguidance_module, tokenizer_of_bytes
 
+        llguidance_module()  # the missing-library error, said as the APIs say it
+        from llguidance import LLTokenizer
+
         stops = sorted(self.stop_ids) or None
         try:
-            return llguidance_module().LLTokenizer(self.json, n_vocab=self.size, eos_token=stops)
+            return LLTokenizer(self.json, n_vocab=self.size, eos_token=stops)
         except ValueError as exc:
             if "decoder type" not in str(exc):
                 raise
@@ -220,7 +227,8 @@ class HFTokenizer:
                                   lambda text: self.encode(text, special=False))
 
 
-def _stops(config: dict[str, Any], generation: dict[str, Any], lookup: Any) -> tuple[int | None, frozenset[int]]:
+def _stops(config: ReadJSONObject, generation: ReadJSONObject,
+           lookup: Callable[[str], int | None]) -> tuple[int | None, frozenset[int]]:
     """(eos id, every id that ends a stream): tokenizer_config's eos_token, generation_config's ids."""
     eos_text = token_text(config.get("eos_token"))
     eos = lookup(eos_text) if eos_text else None
@@ -263,7 +271,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 class SentencePieceTokenizer:
     """``tokenizer.model`` through ``sentencepiece`` (module docstring)."""
 
-    def __init__(self, path: str, config: dict[str, Any], generation: dict[str, Any]):
+    def __init__(self, path: str, config: ReadJSONObject, generation: ReadJSONObject):
         import sentencepiece  # lazily: only a version that ships one loads the library
 
         self.sp = sentencepiece.SentencePieceProcessor()
@@ -344,7 +352,7 @@ class SentencePieceTokenizer:
     def fewest_tokens(self, text: str) -> int:
         return -(-len(text.encode("utf-8")) // self.longest)
 
-    def grammar_tokenizer(self) -> Any:
+    def grammar_tokenizer(self) -> LLTokenizer:
         """llguidance's view: every piece's bytes, special ones marked, text encoded by sentencepiece."""
         from appliance.core.constraints import tokenizer_of_bytes
 
@@ -360,14 +368,14 @@ class SentencePieceTokenizer:
         return list(self.sp.EncodeAsIds(marker + text))[skip:]
 
 
-def special_text(token: Any) -> str:
+def special_text(token: ReadJSONValue) -> str:
     """A special token as tokenizer_config.json writes it (a string, or {"content": ...})."""
     if isinstance(token, dict):  # {"content": "<s>", ...}
         token = token.get("content")
     return token if isinstance(token, str) else ""
 
 
-def tokenizer_config(version_dir: str) -> dict[str, Any]:
+def tokenizer_config(version_dir: str) -> JSONObject:
     return read_json(version_dir, "tokenizer_config.json")  # assets/, else the version's root
 
 
@@ -431,7 +439,7 @@ class Vocabulary:
     def token_bytes(self, token: int) -> bytes:
         return self.decode(token).encode("utf-8")
 
-    def grammar_tokenizer(self) -> Any:
+    def grammar_tokenizer(self) -> LLTokenizer:
         from appliance.core.constraints import tokenizer_of_bytes
 
         return tokenizer_of_bytes([t.encode("utf-8") for t in self.tokens], self.eos_id, self.special_ids)
