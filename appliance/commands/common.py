@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeAlias
 
 if TYPE_CHECKING:  # the key types, for annotations: cryptography is imported where keys are used
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    from sync.source import Source
+
+# What ``add_commands`` of each command module is given: ``parser.add_subparsers()`` (appliance/cli.py).
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
 BUCKET_HELP = "bucket URL: s3://bucket/prefix, file:///path or https://host/prefix"
 
 
-def source(args: argparse.Namespace) -> Any:
+def source(args: argparse.Namespace) -> Source:
     """The bucket of ``--bucket`` (and ``--s3-endpoint-url`` where the command has it)."""
     from sync.open_source import open_source
 

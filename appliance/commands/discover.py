@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+
+from appliance.commands.common import Subcommands
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: Subcommands) -> None:
     discover = sub.add_parser("discover", help="find appliances on the LAN (mDNS/DNS-SD)")
     discover.add_argument("--timeout", type=float, default=3.0, help="seconds to listen (default 3)")
     discover.add_argument("--json", action="store_true", help="machine-readable output")

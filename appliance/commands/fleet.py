@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from appliance.commands.common import BUCKET_HELP, call_service, guarded, service_args, signing_key
+from appliance.commands.common import BUCKET_HELP, Subcommands, call_service, guarded, service_args, signing_key
 from appliance.commands.common import source as bucket
 from sync.source import Source
 
@@ -192,7 +192,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return cmd_sync(args) if not args.no_sync else 0
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: Subcommands) -> None:
     bucket_help = BUCKET_HELP
     p = sub.add_parser("publish", help="upload a model version to the bucket (MANIFEST.json last)")
     p.add_argument("directory", help="the version directory (saved_model.pb + variables/ and/or model.tflite)")

@@ -20,13 +20,14 @@ import ssl
 import sys
 import urllib.error
 import urllib.request
-from typing import Any
+
+from appliance.commands.common import Subcommands
 
 RECORD = "service.json"  # appliance/core/running.py's record of the running service
 LOOPBACK = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: Subcommands) -> None:
     health = sub.add_parser("health", help="exit 0 when the service on this machine is ready (a probe)")
     health.add_argument("--url", help="the service's URL (default: as recorded in its state directory, "
                         "else the config's [server] host and port)")

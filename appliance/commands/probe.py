@@ -7,11 +7,13 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from appliance.commands.common import Subcommands
+
 if TYPE_CHECKING:
     from appliance.core.config import Config
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: Subcommands) -> None:
     probe = sub.add_parser("probe", help="show the device profile and the backend decision")
     probe.add_argument("--json", action="store_true", help="machine-readable output")
     probe.add_argument("--config", help="TOML config file")

@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from appliance.commands.common import BUCKET_HELP, call_service, guarded, service_args, signing_key, source
+from appliance.commands.common import BUCKET_HELP, Subcommands, call_service, guarded, service_args, signing_key, source
 
 
 def cmd_decide(args: argparse.Namespace) -> int:
@@ -96,7 +96,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         time.sleep(args.interval)
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: Subcommands) -> None:
     rollout = sub.add_parser("rollout", help="judge, promote, abort or halt model rollouts")
     commands = rollout.add_subparsers(dest="rollout_command", required=True)
     for action in ("promote", "abort"):

@@ -11,6 +11,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Iterator
 
+from appliance.commands.common import Subcommands
+
 if TYPE_CHECKING:
     from appliance.core.config import Config
 
@@ -35,7 +37,7 @@ class _BackendChoices:
         return iter(self._names())
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: Subcommands) -> None:
     serve = sub.add_parser("serve", help="run the service")
     serve.add_argument("--config", help="TOML config file")
     serve.add_argument("--models", help="TF Serving model base directory (DIR/<model>/<version>, or DIR/<version>)")

@@ -21,6 +21,8 @@ import argparse
 import sys
 from typing import Any
 
+from appliance.commands.common import Subcommands
+
 # flag -> (config key, type); applied as overrides of the config file and the defaults
 MAPPED: dict[str, tuple[str, Any]] = {
     "port": ("grpc.port", int),
@@ -70,7 +72,7 @@ IGNORED: dict[str, str] = {
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
-def add_commands(subparsers: Any) -> None:
+def add_commands(subparsers: Subcommands) -> None:
     # "+" as the prefix: every --flag, known here or not, reaches parse() untouched (+h: help).
     p = subparsers.add_parser("tfs", help="serve with tensorflow_model_server's flags (a drop-in start-up line)",
                               description=__doc__.split("\n\n")[0], prefix_chars="+")
