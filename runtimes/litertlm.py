@@ -36,17 +36,19 @@ import threading
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from types import ModuleType
+from typing import Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from .base import Availability, InputFailure, LoadFailure, MissingDependency, RuntimeFailure, SignatureInfo
+from .json_types import JSONObject, ReadJSONObject
 
 NAME = "litertlm"
 SUFFIX = ".litertlm"
 
 
-def _module() -> Any:
+def _module() -> ModuleType:
     try:
         import litert_lm  # heavy (a native engine): only when a bundle loads
     except ImportError as exc:
@@ -75,7 +77,7 @@ class TextServable(Protocol):
     context_length: int  # positions of the model's cache (0: not known)
     prompt_overhead: int  # positions the engine adds to a prompt (a start token)
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> JSONObject: ...
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -84,42 +86,76 @@ class TextServable(Protocol):
     def generate(self, request: Request) -> Iterator[str]: ...
 
 
+class _Response(Protocol):
+    texts: Sequence[str]
+
+
+class _Session(Protocol):
+    """A LiteRT-LM conversation session (``Engine.create_session``): what ``_decode`` calls."""
+
+    def run_prefill(self, texts: list[str]) -> None: ...
+    def run_decode_async(self) -> Iterable[_Response]: ...
+    def cancel_process(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    """A LiteRT-LM ``Engine`` (one loaded bundle; litert_lm ships no types): what is used of it."""
+
+    bos_token_id: int | None
+
+    def tokenize(self, text: str) -> Sequence[int]: ...
+    def detokenize(self, ids: list[int]) -> str: ...
+    def create_session(self, *, apply_prompt_template: bool, sampler_config: object,
+                       max_output_tokens: int) -> _Session: ...
+    def close(self) -> None: ...
+
+
+class _Waiter:
+    """A caller waiting in ``EnginePool.lend``: set once an engine is handed to it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.engine: Engine | None = None
+
+
 class EnginePool:
     """Engines of one bundle, each lent to one caller at a time (module docstring), first
     come first served: an engine given back goes to the longest waiter, so a stream of
     tokenize calls cannot starve a waiting session. ``lend`` blocks until one is free.
     Thread-safe."""
 
-    def __init__(self, engines: Sequence[Any]):
+    def __init__(self, engines: Sequence[Engine]):
         self.engines = list(engines)
         self._lock = threading.Lock()
         self._free = list(self.engines)
-        self._waiting: deque[list[Any]] = deque()  # [event, engine handed over]
+        self._waiting: deque[_Waiter] = deque()
 
     @contextmanager
-    def lend(self) -> Iterator[Any]:
+    def lend(self) -> Iterator[Engine]:
         with self._lock:
-            waiter: list[Any] | None = None if self._free and not self._waiting else [threading.Event(), None]
+            waiter = None if self._free and not self._waiting else _Waiter()
             if waiter is None:
-                engine = self._free.pop()
+                engine: Engine | None = self._free.pop()
             else:
                 self._waiting.append(waiter)
         if waiter is not None:
-            waiter[0].wait()
-            engine = waiter[1]
+            waiter.event.wait()
+            engine = waiter.engine
+        assert engine is not None, "an engine is handed over before the waiter is woken"
         try:
             yield engine
         finally:
             self._give_back(engine)
 
-    def _give_back(self, engine: Any) -> None:
+    def _give_back(self, engine: Engine) -> None:
         with self._lock:
             if not self._waiting:
                 self._free.append(engine)
                 return
             waiter = self._waiting.popleft()
-        waiter[1] = engine
-        waiter[0].set()
+        waiter.engine = engine
+        waiter.event.set()
 
     def close(self) -> None:
         engines, self.engines = self.engines, []
@@ -136,12 +172,12 @@ class LiteRTLMServable:
     reads_examples = False
     signatures: Mapping[str, SignatureInfo] = {}
 
-    def __init__(self, path: str, engines: Sequence[Any], module: Any, context_length: int):
+    def __init__(self, path: str, engines: Sequence[Engine], module: ModuleType, context_length: int):
         self.path, self._lm, self.context_length = path, module, context_length
         self._pool: EnginePool | None = EnginePool(engines)
         self.prompt_overhead = 1 if engines[0].bos_token_id is not None else 0  # LiteRT-LM puts it first
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         return {"convention": NAME, "decode_batch": 1, "context_length": self.context_length,
                 "vocab_size": None,  # the tokenizer is LiteRT-LM's own; it does not say its size
                 "engines": len(self._pool.engines) if self._pool else 0}
@@ -183,7 +219,7 @@ class LiteRTLMServable:
             pool.close()
 
 
-def _decode(session: Any, text: str) -> Iterator[str]:
+def _decode(session: _Session, text: str) -> Iterator[str]:
     """One session, prefill to close; cancelled when the caller stops early."""
     finished = False
     try:
@@ -206,7 +242,7 @@ def _decode(session: Any, text: str) -> Iterator[str]:
 class LiteRTLMBackend:
     name = NAME
 
-    def probe(self, device: Mapping[str, Any]) -> Availability:
+    def probe(self, device: ReadJSONObject) -> Availability:
         if importlib.util.find_spec("litert_lm") is None:  # not imported here: probe runs for every version
             return Availability(False, "LiteRT-LM is not installed (pip install litert-lm-api)")
         return Availability(True, "LiteRT-LM engine on CPU")
@@ -215,19 +251,21 @@ class LiteRTLMBackend:
         bundles = sorted(f for f in os.listdir(version_dir) if f.endswith(SUFFIX)) if os.path.isdir(version_dir) else []
         return bundles[0] if bundles else None
 
-    def load(self, version_dir: str, options: Mapping[str, Any]) -> LiteRTLMServable:
+    def load(self, version_dir: str, options: ReadJSONObject) -> LiteRTLMServable:
         bundle = self.can_serve(version_dir)
         if bundle is None:
             raise LoadFailure(f"no {SUFFIX} bundle in {version_dir}")
         path = os.path.join(version_dir, bundle)
         context = _check_layout(path)
         lm = _module()
-        cache_dir = options.get("cache_dir")
+        configured = options.get("cache_dir")
+        cache_dir = None if configured is None else str(configured)
         if cache_dir:  # LiteRT-LM refuses a cache directory that does not exist yet
             os.makedirs(cache_dir, exist_ok=True)
-        engines: list[Any] = []
+        engines: list[Engine] = []
+        count = options.get("engines")
         try:
-            for _ in range(max(1, int(options.get("engines") or 1))):
+            for _ in range(max(1, int(count) if isinstance(count, (int, float, str)) and count else 1)):
                 engines.append(lm.Engine(path, backend=lm.Backend.CPU(), max_num_tokens=options.get("max_num_tokens"),
                                          cache_dir=cache_dir))
         except Exception as exc:  # the engine's own words (a bad bundle, an unsupported model)
