@@ -14,18 +14,20 @@ import gc
 import importlib.util
 import os
 import threading
-from typing import Any, Callable, Mapping
+from types import ModuleType
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from .base import CANONICAL_CODES, InputFailure, LoadFailure, MissingDependency, SignatureInfo, TensorSpec
+from .json_types import ReadJSONObject
 
 ARTIFACTS = ("saved_model.pb", "saved_model.pbtxt")
 INSTALL_HINT = "install the TensorFlow extra: pip install 'edge-appliance[tf]'"
 _frozen = False  # TensorFlow's modules moved out of the collector's scans (tensorflow())
 
 
-def tensorflow() -> Any:
+def tensorflow() -> ModuleType:
     """Import TensorFlow on first use; a LiteRT-only device never gets here."""
     global _frozen
     if importlib.util.find_spec("tensorflow") is None:
@@ -50,12 +52,33 @@ def find_saved_model(version_dir: str) -> str | None:
     return None
 
 
-def _numpy_dtype(tf: Any, enum: int) -> np.dtype:
+class _Dim(Protocol):
+    size: int
+
+
+class _Shape(Protocol):
+    unknown_rank: bool
+    dim: Sequence[_Dim]
+
+
+class _TensorInfo(Protocol):
+    """A SignatureDef's ``TensorInfo`` protobuf (TensorFlow ships no types): what is read of it."""
+
+    name: str
+    dtype: int  # the DataType enum
+    tensor_shape: _Shape
+
+
+# A session callable (``Session._make_callable_from_options``): the feeds in, the fetches out.
+SessionCallable = Callable[..., Sequence[np.ndarray]]
+
+
+def _numpy_dtype(tf: ModuleType, enum: int) -> np.dtype:
     dtype = tf.dtypes.as_dtype(enum)
     return np.dtype(object) if dtype == tf.string else np.dtype(dtype.as_numpy_dtype)
 
 
-def _tensor_spec(tf: Any, alias: str, info: Any) -> TensorSpec:
+def _tensor_spec(tf: ModuleType, alias: str, info: _TensorInfo) -> TensorSpec:
     if info.tensor_shape.unknown_rank:
         shape = None
     else:
@@ -63,10 +86,15 @@ def _tensor_spec(tf: Any, alias: str, info: Any) -> TensorSpec:
     return TensorSpec(alias, _numpy_dtype(tf, info.dtype), shape, info.name)
 
 
-def session_config(tf: Any, options: Mapping[str, Any], use_gpu: bool) -> Any:
+def _threads(value: object) -> int:
+    return int(value) if isinstance(value, (int, float, str)) and value else 0
+
+
+def session_config(tf: ModuleType, options: ReadJSONObject, use_gpu: bool) -> object:
+    """The session's ``ConfigProto`` (a protobuf message, passed on to TensorFlow unread)."""
     config = tf.compat.v1.ConfigProto(
-        intra_op_parallelism_threads=int(options.get("intra_op_threads") or 0),
-        inter_op_parallelism_threads=int(options.get("inter_op_threads") or 0),
+        intra_op_parallelism_threads=_threads(options.get("intra_op_threads")),
+        inter_op_parallelism_threads=_threads(options.get("inter_op_threads")),
         allow_soft_placement=True,
     )
     if use_gpu:
@@ -79,7 +107,7 @@ def session_config(tf: Any, options: Mapping[str, Any], use_gpu: bool) -> Any:
 class SessionServable:
     """A SavedModel in a ``tf.compat.v1.Session`` (see module docstring)."""
 
-    def __init__(self, export_dir: str, options: Mapping[str, Any], backend: str, use_gpu: bool):
+    def __init__(self, export_dir: str, options: ReadJSONObject, backend: str, use_gpu: bool):
         tf = tensorflow()
         self.backend = backend
         self.platform = "tensorflow_savedmodel"
@@ -88,7 +116,8 @@ class SessionServable:
         self._tf = tf
         self._graph = tf.Graph()
         self._session = tf.compat.v1.Session(graph=self._graph, config=session_config(tf, options, use_gpu))
-        tags = list(options.get("tags") or ["serve"])
+        configured = options.get("tags")
+        tags = [str(t) for t in configured] if isinstance(configured, (list, tuple)) and configured else ["serve"]
         try:
             with self._graph.as_default():
                 meta = tf.compat.v1.saved_model.loader.load(self._session, tags, export_dir)
@@ -108,11 +137,11 @@ class SessionServable:
                 sig.method_name,
             )
         self._feed_dtypes = self._graph_dtypes(tf)
-        self._callables: dict[tuple[str, tuple[str, ...]], Callable[..., Any]] = {}
+        self._callables: dict[tuple[str, tuple[str, ...]], SessionCallable] = {}
         self._lock = threading.Lock()
         self._closed = False
 
-    def _graph_dtypes(self, tf: Any) -> dict[str, np.dtype]:
+    def _graph_dtypes(self, tf: ModuleType) -> dict[str, np.dtype]:
         """{tensor name: the graph tensor's own dtype} of every signature input. A SignatureDef
         may declare another dtype than its tensor has (TF Serving's saved_model_half_plus_three:
         ``tf_example:0`` declared DT_FLOAT, a string placeholder); TF Serving feeds the session by
@@ -136,7 +165,7 @@ class SessionServable:
             return value
         return np.asarray(value, dtype=dtype)
 
-    def _callable(self, signature: SignatureInfo, names: tuple[str, ...]) -> Callable[..., Any]:
+    def _callable(self, signature: SignatureInfo, names: tuple[str, ...]) -> SessionCallable:
         key = (signature.name, names)
         fn = self._callables.get(key)
         if fn is None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Mapping
 
 from .base import Availability, LoadFailure
+from .json_types import ReadJSONObject
 from .savedmodel import INSTALL_HINT, SessionServable, find_saved_model
 
 NAME = "tf-cpu"
@@ -16,7 +16,7 @@ class TFCPUBackend:
 
     name = NAME
 
-    def probe(self, device: Mapping[str, Any]) -> Availability:
+    def probe(self, device: ReadJSONObject) -> Availability:
         if importlib.util.find_spec("tensorflow") is None:
             return Availability(False, f"TensorFlow is not installed; {INSTALL_HINT}")
         return Availability(True, f"TensorFlow importable, {device.get('cpu_count', '?')} CPU cores")
@@ -30,5 +30,5 @@ class TFCPUBackend:
             raise LoadFailure(f"no saved_model.pb in {version_dir}", "NOT_FOUND")
         return export_dir
 
-    def load(self, version_dir: str, options: Mapping[str, Any]) -> SessionServable:
+    def load(self, version_dir: str, options: ReadJSONObject) -> SessionServable:
         return SessionServable(self.export_dir(version_dir), options, NAME, use_gpu=False)

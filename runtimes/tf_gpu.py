@@ -18,9 +18,10 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from .base import Availability
+from .json_types import ReadJSONObject
 from .savedmodel import INSTALL_HINT, SessionServable, tensorflow
 from .tf_cpu import TFCPUBackend
 
@@ -38,7 +39,7 @@ def tftrt_convert(src: str, dst: str, precision: str) -> None:
     converter.save(dst)
 
 
-def _graph_key(export_dir: str, device: Mapping[str, Any]) -> str:
+def _graph_key(export_dir: str, device: ReadJSONObject) -> str:
     digest = hashlib.sha256()
     for name in ("saved_model.pb", "saved_model.pbtxt"):
         path = os.path.join(export_dir, name)
@@ -59,7 +60,7 @@ class TFGPUBackend(TFCPUBackend):
     def __init__(self, converter: Converter | None = None):
         self.converter = converter or tftrt_convert
 
-    def probe(self, device: Mapping[str, Any]) -> Availability:
+    def probe(self, device: ReadJSONObject) -> Availability:
         if importlib.util.find_spec("tensorflow") is None:
             return Availability(False, f"TensorFlow is not installed; {INSTALL_HINT}")
         if not device.get("nvidia_gpu"):
@@ -69,19 +70,20 @@ class TFGPUBackend(TFCPUBackend):
         trt = "TensorRT found" if device.get("tensorrt") else "TensorRT not found: plain GPU graphs, no TF-TRT"
         return Availability(True, f"NVIDIA GPU {device.get('gpu_name') or ''} with TensorFlow; {trt}".replace("  ", " "))
 
-    def load(self, version_dir: str, options: Mapping[str, Any]) -> SessionServable:
+    def load(self, version_dir: str, options: ReadJSONObject) -> SessionServable:
         target, note = self.converted(self.export_dir(version_dir), options)
         servable = SessionServable(target, options, NAME, use_gpu=True)
         servable.conversion = note  # type: ignore[attr-defined]  # a note for status, set only on this backend's servables
         return servable
 
-    def converted(self, export_dir: str, options: Mapping[str, Any]) -> tuple[str, str]:
+    def converted(self, export_dir: str, options: ReadJSONObject) -> tuple[str, str]:
         """The directory to load (converted or plain) and a sentence saying which and why."""
-        device = options.get("device", {})
+        found = options.get("device", {})
+        device: ReadJSONObject = found if isinstance(found, Mapping) else {}
         if not options.get("tftrt", True) or not device.get("tensorrt"):
             return export_dir, "TF-TRT off or TensorRT missing: plain SavedModel on the GPU"
         precision = str(options.get("precision", "FP16")).upper()
-        cache_root = options.get("cache_dir") or os.path.join(tempfile.gettempdir(), "edge-appliance-cache")
+        cache_root = str(options.get("cache_dir") or "") or os.path.join(tempfile.gettempdir(), "edge-appliance-cache")
         entry = os.path.join(cache_root, "tftrt", str(options.get("model_name", "model")),
                              f"{options.get('version', 0)}-{precision}-{_graph_key(export_dir, device)}")
         if os.path.isfile(os.path.join(entry, "saved_model.pb")):
