@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, MutableMapping
+from typing import Callable, Mapping, MutableMapping
 
 import numpy as np
 
 from . import generative
 from .base import DEFAULT_SIGNATURE, Backend, LoadFailure, RuntimeFailure, Servable, SignatureInfo
+from .json_types import JSONObject, ReadJSONObject, ReadJSONValue
 
 TIMING_BATCH = 8
 TIMING_ROUNDS = 5
@@ -45,10 +46,11 @@ class Decision:
     considered: list[Considered] = field(default_factory=list)
     # What the loaded version generates with, when it has generation signatures (convention,
     # decode batch, context length, vocabulary size...: ``runtimes.generative``); else None.
-    generation: dict[str, Any] | None = None
+    generation: JSONObject | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> JSONObject:
+        record: JSONObject = asdict(self)  # strings, numbers and the JSON above: a JSON object
+        return record
 
 
 def synthetic_inputs(signature: SignatureInfo, batch: int) -> dict[str, np.ndarray]:
@@ -114,7 +116,7 @@ def _time_signature(servable: Servable, sig: SignatureInfo, batch_n: int) -> tup
     return figures[0], figures[1]
 
 
-def consider(backends: Mapping[str, Backend], device: Mapping[str, Any], version_dir: str) -> list[Considered]:
+def consider(backends: Mapping[str, Backend], device: ReadJSONObject, version_dir: str) -> list[Considered]:
     """Every backend, with whether it can run here and which artifact of the version it serves."""
     out = []
     for name, backend in backends.items():
@@ -132,11 +134,11 @@ Loader = Callable[[str], Servable]
 
 def select(
     backends: Mapping[str, Backend],
-    device: Mapping[str, Any],
+    device: ReadJSONObject,
     version_dir: str,
     load: Loader,
-    policy: Mapping[str, Any],
-    cache: MutableMapping[str, Any] | None = None,
+    policy: ReadJSONObject,
+    cache: MutableMapping[str, ReadJSONObject] | None = None,
     cache_key: str = "",
 ) -> tuple[Decision, Servable | None]:
     """Pick and load a backend for one version directory (see module docstring).
@@ -157,8 +159,8 @@ def select(
     return decision, servable
 
 
-def _select(backends: Mapping[str, Backend], device: Mapping[str, Any], version_dir: str, load: Loader,
-            policy: Mapping[str, Any], cache: MutableMapping[str, Any] | None,
+def _select(backends: Mapping[str, Backend], device: ReadJSONObject, version_dir: str, load: Loader,
+            policy: ReadJSONObject, cache: MutableMapping[str, ReadJSONObject] | None,
             cache_key: str) -> tuple[Decision, Servable | None]:
     considered = consider(backends, device, version_dir)
     possible = [c for c in considered if c.available]
@@ -174,8 +176,8 @@ def _select(backends: Mapping[str, Backend], device: Mapping[str, Any], version_
         return Decision(None, "none", f"no backend can serve this version ({why})", considered), None
     if len(possible) == 1:
         return _load_in_order(possible, considered, load, "only", "the only backend that can serve this version")
-    small = policy.get("prefer_tflite_below_mb")
-    if small and device.get("memory_mb", 1 << 30) < small and any(c.backend == "tflite" for c in possible):
+    small, memory = _number(policy.get("prefer_tflite_below_mb")), _number(device.get("memory_mb", 1 << 30))
+    if small and memory is not None and memory < small and any(c.backend == "tflite" for c in possible):
         order = sorted(possible, key=lambda c: c.backend != "tflite")
         return _load_in_order(order, considered, load, "policy", f"memory below {small} MB: LiteRT preferred")
     cached = (cache or {}).get(cache_key) if cache_key else None
@@ -183,17 +185,25 @@ def _select(backends: Mapping[str, Backend], device: Mapping[str, Any], version_
         _restore_figures(considered, cached)
         order = sorted(possible, key=lambda c: c.backend != cached["chosen"])
         return _load_in_order(order, considered, load, "cached", f"{cached.get('reason', '')} (measured earlier, cached)")
-    decision, servable = _measure(possible, considered, load, policy.get("max_feed_bytes"))
+    feed_limit = _number(policy.get("max_feed_bytes"))
+    decision, servable = _measure(possible, considered, load, None if feed_limit is None else int(feed_limit))
     if cache is not None and cache_key and servable is not None:
         cache[cache_key] = decision.to_dict()
     return decision, servable
 
 
-def _restore_figures(considered: list[Considered], cached: Mapping[str, Any]) -> None:
-    figures = {c["backend"]: c for c in cached.get("considered", [])}
+def _number(value: ReadJSONValue) -> float | None:
+    """A number of a policy or device report; None for anything else (absent, null)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _restore_figures(considered: list[Considered], cached: ReadJSONObject) -> None:
+    listed = cached.get("considered", [])
+    figures = {c["backend"]: c for c in (listed if isinstance(listed, (list, tuple)) else [])
+               if isinstance(c, Mapping)}
     for c in considered:
         old = figures.get(c.backend, {})
-        c.batch1_ms, c.batch_n_ms = old.get("batch1_ms"), old.get("batch_n_ms")
+        c.batch1_ms, c.batch_n_ms = _number(old.get("batch1_ms")), _number(old.get("batch_n_ms"))
 
 
 def _load_in_order(order: list[Considered], considered: list[Considered], load: Loader, how: str, reason: str):
