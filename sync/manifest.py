@@ -17,9 +17,10 @@ import os
 import posixpath
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from .errors import Refused
+from .json_types import JSONObject, JSONValue, ReadJSONObject
 
 if TYPE_CHECKING:  # the key types, for annotations: cryptography is imported where keys are used
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -30,7 +31,7 @@ MANIFEST = "MANIFEST.json"
 MAX_VERSION = 2**63 - 1
 
 
-def check_version_number(value: Any, what: str) -> int:
+def check_version_number(value: object, what: str) -> int:
     """``value`` as a version number, or ``Refused`` naming ``what`` and the bound."""
     if type(value) is str and value.isascii() and value.isdigit():
         value = int(value)
@@ -58,20 +59,20 @@ class Manifest:
     model: str
     version: int
     files: tuple[FileEntry, ...]
-    doc: dict[str, Any]
+    doc: JSONObject
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
 
-def canonical(doc: dict[str, Any]) -> bytes:
+def canonical(doc: ReadJSONObject) -> bytes:
     """The signed bytes: every key but ``signature``, sorted, compact, UTF-8."""
     body = {k: v for k, v in doc.items() if k != "signature"}
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def dumps(doc: dict[str, Any]) -> bytes:
+def dumps(doc: ReadJSONObject) -> bytes:
     return json.dumps(doc, sort_keys=True, indent=1).encode()
 
 
@@ -83,7 +84,7 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def safe_path(path: Any) -> str:
+def safe_path(path: object) -> str:
     """A manifest path that stays inside the version directory, or ``Refused``."""
     if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
         raise Refused(f"file path {path!r} is not a plain relative path")
@@ -95,10 +96,10 @@ def safe_path(path: Any) -> str:
 
 
 def build(model: str, version: int, directory: str, publisher: str, expires: float = 0,
-          compat: Iterable[str] = ()) -> dict[str, Any]:
+          compat: Iterable[str] = ()) -> JSONObject:
     """The manifest of a local version directory; symbolic links are refused."""
     check_version_number(version, f"{model} version")
-    files = []
+    files: list[JSONValue] = []
     for root, dirs, names in os.walk(directory):
         dirs.sort()
         for name in sorted(names) + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
@@ -110,7 +111,7 @@ def build(model: str, version: int, directory: str, publisher: str, expires: flo
                 continue
             files.append({"path": safe_path(rel), "size": os.path.getsize(full), "sha256": sha256_file(full)})
     return {"model": model, "version": int(version), "files": files, "created": time.time(),
-            "publisher": publisher, "expires": float(expires), "compat": sorted(compat)}
+            "publisher": publisher, "expires": float(expires), "compat": [tag for tag in sorted(compat)]}
 
 
 # -- keys and signatures -----------------------------------------------------------------
@@ -153,19 +154,19 @@ def load_public_key(path: str) -> Ed25519PublicKey:
     return key
 
 
-def sign(doc: dict[str, Any], private_key: Ed25519PrivateKey) -> dict[str, Any]:
+def sign(doc: JSONObject, private_key: Ed25519PrivateKey) -> JSONObject:
     signature = private_key.sign(canonical(doc))
     return {**doc, "signature": base64.b64encode(signature).decode()}
 
 
-def check_signature(doc: dict[str, Any], public_key: Ed25519PublicKey | None, what: str) -> None:
+def check_signature(doc: ReadJSONObject, public_key: Ed25519PublicKey | None, what: str) -> None:
     """Refuse an unsigned or mis-signed document when a key is configured."""
     from cryptography.exceptions import InvalidSignature
 
     if public_key is None:
         return
     signature = doc.get("signature")
-    if not signature:
+    if not signature or not isinstance(signature, str):
         raise Refused(f"{what} is not signed and this device requires signatures (sync.public_key)")
     try:
         public_key.verify(base64.b64decode(signature, validate=True), canonical(doc))
@@ -174,17 +175,18 @@ def check_signature(doc: dict[str, Any], public_key: Ed25519PublicKey | None, wh
 
 
 # -- device-side checks ----------------------------------------------------------------
-def parse_json(data: bytes, what: str) -> dict[str, Any]:
+def parse_json(data: bytes, what: str) -> JSONObject:
     try:
         doc = json.loads(data)
     except ValueError as exc:
         raise Refused(f"{what} is not valid JSON: {exc}") from exc
     if not isinstance(doc, dict):
         raise Refused(f"{what} is not a JSON object")
-    return doc
+    parsed: JSONObject = doc  # json.loads gives JSON values only
+    return parsed
 
 
-def check_expiry(doc: dict[str, Any], what: str, now: float | None = None) -> None:
+def check_expiry(doc: ReadJSONObject, what: str, now: float | None = None) -> None:
     """The freeze-attack check: a document past its ``expires`` is refused (0: never)."""
     expires = doc.get("expires") or 0
     if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not math.isfinite(expires) or expires < 0:
@@ -209,13 +211,21 @@ def verify(data: bytes, model: str, version: int, public_key: Ed25519PublicKey |
     compat = doc.get("compat") or []
     if not isinstance(compat, list) or not all(isinstance(t, str) for t in compat):
         raise Refused(f"{what} has a malformed compat field (a list of device tags)")
-    missing = sorted(set(compat) - set(device_tags))
+    tags = [t for t in compat if isinstance(t, str)]  # every one of them (checked above)
+    missing = sorted(set(tags) - set(device_tags))
     if missing:
         raise Refused(f"{what} needs {', '.join(missing)}; this device offers {', '.join(sorted(device_tags))}")
     return Manifest(model, version, _files(doc.get("files"), what), doc)
 
 
-def _files(raw: Any, what: str) -> tuple[FileEntry, ...]:
+def file_entries(manifest: ReadJSONObject) -> list[ReadJSONObject]:
+    """The file entries ({path, size, sha256}) a manifest lists, unchecked (``build``'s own, or
+    one a publisher reads back; a device checks them with ``verify``)."""
+    listed = manifest.get("files") or []
+    return [entry for entry in listed if isinstance(entry, Mapping)] if isinstance(listed, (list, tuple)) else []
+
+
+def _files(raw: JSONValue, what: str) -> tuple[FileEntry, ...]:
     if not isinstance(raw, list) or not raw:
         raise Refused(f"{what} lists no files")
     seen: set[str] = set()
@@ -233,12 +243,12 @@ def _files(raw: Any, what: str) -> tuple[FileEntry, ...]:
     return tuple(out)
 
 
-def channel_doc(model: str, channel: str, version: int, expires: float = 0) -> dict[str, Any]:
+def channel_doc(model: str, channel: str, version: int, expires: float = 0) -> JSONObject:
     return {"model": model, "channel": channel, "version": int(version), "created": time.time(),
             "expires": float(expires)}
 
 
-def verify_channel(data: bytes, model: str, channel: str, public_key: Ed25519PublicKey | None, now: float | None = None) -> dict[str, Any]:
+def verify_channel(data: bytes, model: str, channel: str, public_key: Ed25519PublicKey | None, now: float | None = None) -> JSONObject:
     what = f"{model} channel {channel}"
     doc = parse_json(data, what)
     check_signature(doc, public_key, what)

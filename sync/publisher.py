@@ -19,11 +19,13 @@ import json
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from .errors import Refused
 from .follower import MODEL_NAME
-from .manifest import MANIFEST, build, channel_doc, check_version_number, dumps, is_version_name, parse_json, sha256_file, sign
+from .json_types import JSONObject
+from .manifest import (MANIFEST, build, channel_doc, check_version_number, dumps, file_entries, is_version_name,
+                       parse_json, sha256_file, sign)
 from .source import MISSING, join, Source
 from .waves import check_failure_threshold, check_rollout_policy, parse_waves
 
@@ -56,7 +58,7 @@ def next_version(source: Source, model: str) -> int:
 
 def publish(source: Source, model: str, directory: str, version: int | None = None, channel: str = "",
             sign_key: Ed25519PrivateKey | None = None, publisher: str = "", expires_days: float = 365, compat: Iterable[str] = (),
-            api_change: str = "") -> dict[str, Any]:
+            api_change: str = "") -> JSONObject:
     """Upload ``directory`` as ``model``/``version``; returns the manifest written. ``api_change``:
     why this version may serve less than the one before (a signature, input or output dropped or
     changed); without it, a device refuses such a version (appliance/core/loader_api.py)."""
@@ -75,9 +77,10 @@ def publish(source: Source, model: str, directory: str, version: int | None = No
         doc["api_change"] = api_change
     if sign_key is not None:
         doc = sign(doc, sign_key)
-    for entry in doc["files"]:
-        with open(os.path.join(directory, *entry["path"].split("/")), "rb") as f:
-            source.put(join(model, str(version), entry["path"]), f.read())
+    for entry in file_entries(doc):
+        path = str(entry["path"])
+        with open(os.path.join(directory, *path.split("/")), "rb") as f:
+            source.put(join(model, str(version), path), f.read())
     source.put(join(model, str(version), MANIFEST), dumps(doc))  # the commit point
     _update_indexes(source, model, version)
     if channel:
@@ -94,16 +97,17 @@ def repair(source: Source, model: str, version: int, directory: str) -> list[str
     fetched = source.read(f"{model}/{version}/{MANIFEST}")
     if fetched.status == MISSING:
         raise Refused(f"{model} version {version} is not published (no {MANIFEST}); publish it instead")
-    files = parse_json(fetched.data, f"{model} version {version} manifest").get("files") or []
+    files = file_entries(parse_json(fetched.data, f"{model} version {version} manifest"))
     for entry in files:
         local = os.path.join(directory, *str(entry["path"]).split("/"))
         if not os.path.isfile(local) or os.path.getsize(local) != entry["size"] or sha256_file(local) != entry["sha256"]:
             raise Refused(f"{local} is not the file {model} version {version} signed ({entry['path']}: size "
-                          f"{entry['size']}, sha256 {entry['sha256'][:12]}...); nothing uploaded")
+                          f"{entry['size']}, sha256 {str(entry['sha256'])[:12]}...); nothing uploaded")
     for entry in files:
         with open(os.path.join(directory, *str(entry["path"]).split("/")), "rb") as f:
-            source.put(join(model, str(version), entry["path"]), f.read())
+            source.put(join(model, str(version), str(entry["path"])), f.read())
     return [str(entry["path"]) for entry in files]
+
 
 
 def _update_indexes(source: Source, model: str, version: int) -> None:
@@ -117,9 +121,9 @@ def _update_indexes(source: Source, model: str, version: int) -> None:
 
 
 def set_channel(source: Source, model: str, channel: str, version: int, sign_key: Ed25519PrivateKey | None = None,
-                expires_days: float = 365, waves: list[dict[str, Any]] | None = None,
-                candidate: int | None = None, rollout: dict[str, Any] | None = None,
-                failure_threshold: dict[str, Any] | None = None, on_failure: str | None = None) -> dict[str, Any]:
+                expires_days: float = 365, waves: list[JSONObject] | None = None,
+                candidate: int | None = None, rollout: JSONObject | None = None,
+                failure_threshold: JSONObject | None = None, on_failure: str | None = None) -> JSONObject:
     """Point ``channel`` at a committed version (signed when a key is given), optionally in
     staged ``waves`` and with a ``candidate`` for devices to judge (sync/waves.py) under the
     ``rollout`` policy (the keys of a model's [models.rollout]; devices validate them).
@@ -140,7 +144,7 @@ def set_channel(source: Source, model: str, channel: str, version: int, sign_key
         doc["on_failure"] = check_on_failure(on_failure, f"{model} channel {channel}")
     if waves:
         parse_waves({"waves": waves}, f"{model} channel {channel}")  # refuse a bad plan before devices see it
-        doc["waves"] = waves
+        doc["waves"] = list(waves)
     if failure_threshold is not None:
         doc["failure_threshold"] = check_failure_threshold(failure_threshold, f"{model} channel {channel}")
     if candidate is not None:
@@ -155,7 +159,7 @@ def set_channel(source: Source, model: str, channel: str, version: int, sign_key
     return _put_channel(source, model, channel, doc, sign_key)
 
 
-def _previous(source: Source, model: str, channel: str, version: int) -> dict[str, Any]:
+def _previous(source: Source, model: str, channel: str, version: int) -> JSONObject:
     """``{"previous_version": N}``: the version the channel pointed at before, when it changes
     now (else the one it already recorded); {} for a new channel."""
     fetched = source.read(f"{model}/channels/{channel}.json")
@@ -169,14 +173,14 @@ def _previous(source: Source, model: str, channel: str, version: int) -> dict[st
     return {"previous_version": before} if type(before) is int else {}
 
 
-def check_on_failure(value: Any, where: str) -> str:
+def check_on_failure(value: object, where: str) -> str:
     if value not in ON_FAILURE:
         raise Refused(f"{where}: on_failure must be one of {', '.join(ON_FAILURE)}, got {value!r}")
     return str(value)
 
 
 def roll_back_channel(source: Source, model: str, channel: str, to_version: int, sign_key: Ed25519PrivateKey | None = None,
-                      reason: str = "", by: str = "", judged: int | None = None) -> dict[str, Any]:
+                      reason: str = "", by: str = "", judged: int | None = None) -> JSONObject:
     """Point the channel back at ``to_version`` at once (no waves, no threshold: it is the version
     that served before), recording ``rolled_back`` {from, to, reason, at, by}. A new pointer
     (a newer ``created``): every device moves, those that took the failed version included.
@@ -199,7 +203,7 @@ def roll_back_channel(source: Source, model: str, channel: str, to_version: int,
 
 
 def halt_channel(source: Source, model: str, channel: str, sign_key: Ed25519PrivateKey | None = None, halt: bool = True,
-                 reason: str = "", by: str = "") -> dict[str, Any]:
+                 reason: str = "", by: str = "") -> JSONObject:
     """Set (or clear) ``halt`` in a channel pointer: no device moves while it is set. The
     pointer keeps its ``created`` (devices do not read a halt as a new rollout) and records
     why, when and by whom in ``halted``."""
@@ -217,7 +221,8 @@ def halt_channel(source: Source, model: str, channel: str, sign_key: Ed25519Priv
     return _put_channel(source, model, channel, doc, sign_key)
 
 
-def _put_channel(source: Source, model: str, channel: str, doc: dict[str, Any], sign_key: Ed25519PrivateKey | None) -> dict[str, Any]:
+def _put_channel(source: Source, model: str, channel: str, doc: JSONObject,
+                 sign_key: Ed25519PrivateKey | None) -> JSONObject:
     if sign_key is not None:
         doc = sign(doc, sign_key)
     source.put(f"{model}/channels/{channel}.json", dumps(doc))

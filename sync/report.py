@@ -119,6 +119,8 @@ def load_registry(source: Source) -> dict[str, str]:
     if fetched.status == MISSING:
         return {}
     devices = parse_json(fetched.data, REGISTRY).get("devices") or {}
+    if not isinstance(devices, dict):
+        return {}
     return {str(d): str(v.get("key")) for d, v in devices.items() if isinstance(v, dict) and v.get("key")}
 
 
@@ -127,7 +129,8 @@ def register_keys(source: Source, keys: dict[str, str], how: str = "first report
     (a changed key is resolved by hand: delete the entry first). Returns how many were added."""
     fetched = source.read(REGISTRY)
     doc = parse_json(fetched.data, REGISTRY) if fetched.status != MISSING else {}
-    devices = dict(doc.get("devices") or {})
+    registered = doc.get("devices") or {}
+    devices = dict(registered) if isinstance(registered, dict) else {}
     added = {d: {"key": k, "added": time.time(), "how": how} for d, k in keys.items() if d not in devices}
     if added:
         source.put(REGISTRY, json.dumps({"devices": {**devices, **added}}, sort_keys=True, indent=1).encode())

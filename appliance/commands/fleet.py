@@ -58,8 +58,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
     doc = publish(bucket(args), args.model, args.directory, args.version, args.channel or "",
                   signing_key(args.sign_key), args.publisher or "", args.expires_days, args.compat or [],
                   args.api_change or "")
-    size = sum(f["size"] for f in doc["files"])
-    print(f"published {args.model} version {doc['version']} ({len(doc['files'])} files, {size} bytes"
+    from sync.manifest import file_entries
+
+    files = file_entries(doc)
+    size = sum(n for f in files if isinstance(n := f.get("size"), int))
+    print(f"published {args.model} version {doc['version']} ({len(files)} files, {size} bytes"
           f"{', signed' if 'signature' in doc else ''}){f' on channel {args.channel}' if args.channel else ''}")
     return 0
 
