@@ -19,7 +19,8 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Callable, Collection
+from collections.abc import Mapping, Sequence
+from typing import Callable, Collection
 
 import runtimes
 
@@ -30,6 +31,8 @@ from appliance.core.footprint import TreeSampler
 from appliance.core.local import LocalHandles, LocalStates
 from appliance.core.manager import Manager
 from appliance.core.metrics import Metrics
+from appliance.core.json_read import objs
+from appliance.core.json_types import JSONObject, JSONValue, ReadJSONObject, ReadJSONValue
 from appliance.core.problems import Inputs, ProblemLog, find_problems
 from appliance.core.rollout import Rollouts
 from appliance.core.shared_memory import SharedMemory
@@ -66,7 +69,7 @@ class Appliance:
         self.backends = backends
         self.metrics = Metrics()
         self.db = StateDB(os.path.join(config.state_dir, "state.db"))
-        self.device: dict[str, Any] = {}
+        self.device: JSONObject = {}  # device.profile(): what this box has
         self.device_id = ""
         self.manager: Manager | None = None
         self.control: ModelControl | None = None  # between the sources and the manager (core/model_control.py)
@@ -79,7 +82,7 @@ class Appliance:
         self._lock = threading.Lock()
         # /api/status sections of the parts (sync, discovery, grpc, http, rollouts, ...):
         # name -> a function returning the section, called at each status request.
-        self._status: dict[str, Callable[[], Any]] = {}
+        self._status: dict[str, Callable[[], ReadJSONValue]] = {}
         self._problems: dict[str, str] = {}  # part -> why it is down (readiness, page, notify)
         self._critical: set[str] = set()  # the parts among them without which the device is not ready
         self.problem_log = ProblemLog()  # since when each problem stands
@@ -167,7 +170,7 @@ class Appliance:
                 source.scan()
         self.db.event("reloaded", why)
 
-    def add_status(self, name: str, provider: Callable[[], Any]) -> None:
+    def add_status(self, name: str, provider: Callable[[], ReadJSONValue]) -> None:
         """Show ``provider()`` as ``/api/status[name]`` (called per status request, any thread)."""
         self._status[name] = provider
 
@@ -187,7 +190,7 @@ class Appliance:
         """Every configured model has an AVAILABLE version and no critical part is down."""
         return self.manager is not None and self.manager.ready() and not self._critical
 
-    def status_of(self, name: str) -> Any:
+    def status_of(self, name: str) -> ReadJSONValue:
         """One part's status section, or None."""
         provider = self._status.get(name)
         return provider() if provider else None
@@ -197,23 +200,25 @@ class Appliance:
         /readyz and systemd's status line say); ``problem_list`` has every problem."""
         return [*self.db.problems, *(f"{part}: {why}" for part, why in self._problems.items())]
 
-    def problem_list(self, models: dict[str, Any] | None = None,
-                     sections: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    def problem_list(self, models: ReadJSONObject | None = None,
+                     sections: Mapping[str, ReadJSONValue] | None = None) -> list[JSONObject]:
         """Every state an operator must act on (appliance/core/problems.py), with since when;
         for ``/api/status``, the page and the device report. Any thread. ``models`` and
         ``sections`` (the parts' status): what the caller already has."""
         if models is None:
             models = self.manager.snapshot() if self.manager is not None else {}
         section = (lambda name: sections.get(name)) if sections is not None else self.status_of
-        inputs = Inputs(models=models, sync=section("sync"), workers=section("workers"),
+        workers = section("workers")
+        inputs = Inputs(models=models, sync=_object(section("sync")),
+                        workers=objs(workers) if isinstance(workers, (list, tuple)) else None,
                         parts_down=self.parts_down(), critical=set(self._critical), database=list(self.db.problems),
-                        grpc=section("grpc"))
+                        grpc=_object(section("grpc")))
         return [p.to_dict() for p in self.problem_log.update(find_problems(inputs))]
 
     def parts_down(self) -> dict[str, str]:
         return dict(self._problems)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JSONObject:
         """The snapshot behind /api/status and the status page (no secrets)."""
         assert self.manager is not None
         models = self.manager.snapshot()
@@ -221,7 +226,7 @@ class Appliance:
         problems = self.problem_list(models, parts)
         for name, model in models.items():
             model["requests"] = self.metrics.window.summary(name)
-        snapshot: dict[str, Any] = redact({
+        snapshot = redact_object({
             "service": {"name": "edge-appliance", "version": __version__, "device_id": self.device_id,
                         "uptime_s": round(time.time() - self.started_at, 1), "started": self.started_at,
                         "ready": self.ready(), "last_poll": self.manager.last_poll,
@@ -238,29 +243,39 @@ class Appliance:
         return snapshot
 
 
-def _worker_roles(workers: Any) -> dict[int, str]:
+def _object(section: ReadJSONValue) -> ReadJSONObject | None:
+    """A part's status section as ``find_problems`` reads it: an object, else none."""
+    return section if isinstance(section, Mapping) else None
+
+
+def _worker_roles(workers: ReadJSONValue) -> dict[int, str]:
     """pid -> "front worker N", from the workers' status section."""
-    return {w["pid"]: f"front worker {w.get('index')}" for w in workers or [] if isinstance(w, dict) and w.get("pid")}
+    return {pid: f"front worker {w.get('index')}" for w in objs(workers)
+            if isinstance(pid := w.get("pid"), int) and pid}
 
 
-def _public_config(config: Config) -> dict[str, Any]:
-    public: dict[str, Any] = redact(dataclasses.asdict(config))
-    return public
+def _public_config(config: Config) -> JSONObject:
+    return redact_object(dataclasses.asdict(config))  # the config's fields: strings, numbers, lists, tables
 
 
 def _secret_key(key: str) -> bool:
     return key.lower().endswith(PUBLIC_STATUS_KEYS)  # admin_token, not max_new_tokens or tls_key_file
 
 
-def redact(value: Any) -> Any:
+def redact_object(doc: ReadJSONObject) -> JSONObject:
+    """``redact`` of a JSON object."""
+    return {k: ("***" if isinstance(k, str) and _secret_key(k) and isinstance(v, str) and v else redact(v))
+            for k, v in doc.items()}
+
+
+def redact(value: ReadJSONValue) -> JSONValue:
     """``value`` (status, config) with secrets masked: see PUBLIC_STATUS_KEYS."""
-    if isinstance(value, dict):
-        return {k: ("***" if isinstance(k, str) and _secret_key(k) and isinstance(v, str) and v else redact(v))
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Mapping):
+        return redact_object(value)
+    if isinstance(value, str):
+        return _SECRET_QUERY.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", value)) if "=" in value or "@" in value else value
+    if isinstance(value, Sequence):  # a list or a tuple (a string is handled above)
         return [redact(v) for v in value]
-    if isinstance(value, str) and ("=" in value or "@" in value):
-        return _SECRET_QUERY.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", value))
     return value
 
 

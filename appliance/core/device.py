@@ -18,13 +18,15 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 import psutil
 
 from runtimes.tflite import EDGETPU_DELEGATE_LIBS, GPU_DELEGATE_LIBS
 
 from appliance.core.cgroup import available_bytes, total_bytes
+from appliance.core.json_types import JSONObject, ReadJSONObject
 
 
 def _dist_version(name: str) -> str | None:
@@ -34,7 +36,7 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _tensorflow() -> dict[str, Any]:
+def _tensorflow() -> JSONObject:
     if importlib.util.find_spec("tensorflow") is None:
         return {"tensorflow_version": None, "tensorflow_build": None}
     cpu = _dist_version("tensorflow-cpu") or _dist_version("tensorflow_cpu")
@@ -42,7 +44,7 @@ def _tensorflow() -> dict[str, Any]:
     return {"tensorflow_version": version, "tensorflow_build": "cpu" if cpu else "cuda"}
 
 
-def _nvidia() -> dict[str, Any]:
+def _nvidia() -> JSONObject:
     present = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
     name = ""
     smi = shutil.which("nvidia-smi")
@@ -91,11 +93,12 @@ def device_id(state_dir: str) -> str:
     return ident
 
 
-def profile(tflite_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything the backends and the status page need to know about this device."""
+def profile(tflite_options: Mapping[str, object] | None = None) -> JSONObject:
+    """Everything the backends and the status page need to know about this device.
+    ``tflite_options``: the ``[runtime.tflite]`` settings (their delegate paths are read)."""
     opts = tflite_options or {}
     memory = psutil.virtual_memory()
-    info: dict[str, Any] = {
+    info: JSONObject = {
         "hostname": socket.gethostname(),
         "machine": platform.machine(),
         "system": f"{platform.system()} {platform.release()}",
@@ -105,8 +108,8 @@ def profile(tflite_options: dict[str, Any] | None = None) -> dict[str, Any]:
         "litert": "ai_edge_litert" if importlib.util.find_spec("ai_edge_litert") else (
             "tflite_runtime" if importlib.util.find_spec("tflite_runtime") else None),
         "delegates": {
-            "gpu": _library_found(GPU_DELEGATE_LIBS, opts.get("gpu_delegate_path", "")),
-            "edgetpu": _library_found(EDGETPU_DELEGATE_LIBS, opts.get("edgetpu_delegate_path", ""))
+            "gpu": _library_found(GPU_DELEGATE_LIBS, str(opts.get("gpu_delegate_path") or "")),
+            "edgetpu": _library_found(EDGETPU_DELEGATE_LIBS, str(opts.get("edgetpu_delegate_path") or ""))
             and (os.path.exists("/dev/apex_0") or bool(glob.glob("/dev/bus/usb/*/*"))),
         },
     }
@@ -115,15 +118,25 @@ def profile(tflite_options: dict[str, Any] | None = None) -> dict[str, Any]:
     return info
 
 
-def fingerprint(info: dict[str, Any]) -> str:
+def fingerprint(info: ReadJSONObject) -> str:
     """What must match for a cached backend decision to still hold on this device."""
     keys = ("machine", "cpu_count", "tensorflow_version", "litert", "nvidia_gpu", "gpu_name", "tensorrt")
-    text = "|".join(str(info.get(k)) for k in keys) + "|" + str(sorted(info.get("delegates", {}).items()))
+    delegates = info.get("delegates", {})
+    found = sorted((str(k), v) for k, v in delegates.items()) if isinstance(delegates, Mapping) else []
+    text = "|".join(str(info.get(k)) for k in keys) + "|" + str(found)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 _cpu_lock = threading.Lock()
-_cpu_last: list[Any] = []  # the system CPU times at the previous live_figures call
+class _CPUTimes(Protocol):
+    """psutil's ``cpu_times()`` (a named tuple of seconds; psutil ships no types)."""
+
+    idle: float
+
+    def __iter__(self) -> Iterator[float]: ...
+
+
+_cpu_last: list[_CPUTimes] = []  # the system CPU times at the previous live_figures call
 
 
 def _cpu_percent() -> float | None:
@@ -131,14 +144,14 @@ def _cpu_percent() -> float | None:
 
     Not ``psutil.cpu_percent(None)``: psutil keeps its previous sample per thread, so a
     status request served on a worker thread that had not asked before always read 0.0."""
-    now = psutil.cpu_times()
+    now: _CPUTimes = psutil.cpu_times()
     with _cpu_lock:
         last = _cpu_last[0] if _cpu_last else None
         _cpu_last[:] = [now]
     if last is None:
         return None
 
-    def busy_total(t: Any) -> tuple[float, float]:
+    def busy_total(t: _CPUTimes) -> tuple[float, float]:
         total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # Linux counts guest in user
         return total - t.idle - getattr(t, "iowait", 0.0), total
 
@@ -148,7 +161,7 @@ def _cpu_percent() -> float | None:
     return round(min(100.0, max(0.0, 100 * (busy1 - busy0) / (total1 - total0))), 1)
 
 
-def clock() -> dict[str, Any]:
+def clock() -> JSONObject:
     """The device's time and time zone, so a page read elsewhere can say which zone its
     times are in: ``now`` (epoch s), ``timezone`` (IANA name where known, else the
     abbreviation) and ``utc_offset_s``."""
@@ -173,13 +186,13 @@ def _zone_name() -> str:
     return target.split("zoneinfo/", 1)[1] if "zoneinfo/" in target else ""
 
 
-def live_figures(state_dir: str) -> dict[str, Any]:
+def live_figures(state_dir: str) -> JSONObject:
     """Figures that change: load, memory, disk on the state directory, temperatures."""
     memory = psutil.virtual_memory()
     total, available = total_bytes(memory.total), available_bytes(memory.available)  # the cgroup's when smaller
     try:
         disk = psutil.disk_usage(state_dir)
-        disk_free = {"disk_free_mb": disk.free // (1 << 20), "disk_total_mb": disk.total // (1 << 20)}
+        disk_free: JSONObject = {"disk_free_mb": disk.free // (1 << 20), "disk_total_mb": disk.total // (1 << 20)}
     except OSError:
         disk_free = {"disk_free_mb": None, "disk_total_mb": None}
     temps: dict[str, float] = {}
@@ -193,4 +206,4 @@ def live_figures(state_dir: str) -> dict[str, Any]:
     return {"load_1m": round(load1, 2), "load_5m": round(load5, 2), "cpu_percent": _cpu_percent(),
             "memory_used_mb": (total - available) // (1 << 20), "memory_available_mb":
             available // (1 << 20), "process_rss_mb": psutil.Process().memory_info().rss // (1 << 20),
-            "boot_time": psutil.boot_time(), "temperatures_c": temps, **disk_free}
+            "boot_time": psutil.boot_time(), "temperatures_c": dict(temps), **disk_free}

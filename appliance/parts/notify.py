@@ -166,7 +166,7 @@ def status_line(service: Host, announced_ready: bool, liveness_problem: str | No
         line = f"serving {len(serving)} model{'s' if len(serving) != 1 else ''}: {names}"
         listed = service.core.problem_list(models)  # a version refused, a target not reached... (/api/status)
         if listed:
-            first = listed[0]["message"]
+            first = str(listed[0]["message"])
             line += f"; {len(listed)} problem{'s' if len(listed) != 1 else ''}: {first[:160]}"
     return line
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.version import __version__
 from appliance.core import running
+from appliance.core.json_read import obj, seq
 from appliance.fronts.pool import Fronts
 
 if TYPE_CHECKING:  # for annotations only: the service imports this module
@@ -43,14 +44,14 @@ def listening(service: Service) -> dict[str, Any]:
     assert server is not None, "listening() is asked of a started service"
     tls = bool(config.security.tls_cert_file)
     host, port = server.host, server.port
-    grpc = service.core.status_of("grpc") or {}
+    grpc = obj(service.core.status_of("grpc"))
     workers = server.count if isinstance(server, Fronts) else 0
     return {
         "rest": {"host": host, "port": port, "tls": tls, "url": running.local_url(host, port, tls),
                  "served_by": f"{workers} front workers" if workers else "the serving process",
                  "cert_file": config.security.tls_cert_file or None},
         "rest_socket": getattr(config.server, "socket_path", "") or None,
-        "grpc": list(grpc.get("addresses") or []),  # bound now
+        "grpc": list(seq(grpc.get("addresses"))),  # bound now
         "grpc_configured": _grpc_configured(config),
         "workers": workers,
         "admin_token": admin_token_source(config.security),
