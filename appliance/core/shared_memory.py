@@ -45,15 +45,25 @@ import re
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator, TypedDict
 
 from appliance.core.config import SharedMemoryConfig
 from appliance.core.errors import InvalidArgument, NotFound, PermissionDenied
+from appliance.core.json_types import JSONObject
 
 SHM_DIR = "/dev/shm"  # where glibc's shm_open puts objects (Linux)
 RESERVED_PREFIX = "edge-appliance"  # keys of the service's own objects: never an app's region
 NAME_MAX = 255
 _BAD_NAME = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class RegionInfo(TypedDict):
+    """A region as Triton's status shows it."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
 
 
 @dataclass
@@ -69,7 +79,7 @@ class Region:
     users: int = 0
     gone: bool = False  # unregistered: requests using it fail, the descriptor closes after the last
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RegionInfo:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
@@ -86,7 +96,7 @@ class Slice:
 class SharedMemory:
     """The registered regions (module docstring)."""
 
-    def __init__(self, settings: Callable[[], Any] = SharedMemoryConfig, directory: str = SHM_DIR):
+    def __init__(self, settings: Callable[[], SharedMemoryConfig] = SharedMemoryConfig, directory: str = SHM_DIR):
         """``settings()``: the ``[shared_memory]`` section in force (read at each use, so a
         reload's limits apply at once; regions already registered stay)."""
         self.settings = settings
@@ -158,7 +168,7 @@ class SharedMemory:
                 if not region.users:
                     os.close(region.fd)
 
-    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+    def status(self, name: str | None = None) -> list[RegionInfo]:
         """Each region as Triton shows it: name, key, offset, byte_size; NotFound for an unknown name."""
         with self._lock:
             if name is None:
@@ -168,7 +178,7 @@ class SharedMemory:
             raise NotFound(f"Unable to find system shared memory region: '{name}'")
         return [region.status()]
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JSONObject:
         """``/api/status``'s ``shared_memory``: the limits and what is registered."""
         with self._lock:
             regions = len(self._regions)
@@ -177,22 +187,26 @@ class SharedMemory:
                 "max_bytes": self.max_bytes, "cuda": "not available: no CUDA shared-memory support on this device"}
 
     # -- what requests name --------------------------------------------------------------------
-    def slice(self, name: Any, offset: Any, byte_size: Any, where: str) -> Slice:
-        """The bytes a tensor's parameters name, checked against the region they name."""
+    def slice(self, name: object, offset: object, byte_size: object, where: str) -> Slice:
+        """The bytes a tensor's parameters name (as the request wrote them: checked here),
+        checked against the region they name."""
         self._check_enabled()
         if not isinstance(name, str):
             raise InvalidArgument(f"{where}: 'shared_memory_region' must be a string")
+        numbers = []
         for label, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
             if type(value) is not int or value < 0:
                 raise InvalidArgument(f"{where}: '{label}' must be a non-negative integer, got {value!r}")
+            numbers.append(value)
+        start, size = numbers
         with self._lock:
             region = self._regions.get(name)
         if region is None:
             raise InvalidArgument(f"{where}: Unable to find shared memory region: '{name}'")
-        if offset >= region.byte_size or offset + byte_size > region.byte_size:
+        if start >= region.byte_size or start + size > region.byte_size:
             raise InvalidArgument(f"{where}: Invalid offset + byte size for shared memory region: '{name}' (offset "
-                                  f"{offset} + {byte_size} bytes, the region has {region.byte_size})")
-        return Slice(region, offset, byte_size, where)
+                                  f"{start} + {size} bytes, the region has {region.byte_size})")
+        return Slice(region, start, size, where)
 
     def read_into(self, piece: Slice, out: memoryview) -> None:
         """The slice's bytes into ``out`` (its length is the slice's): one copy, by ``preadv``."""
@@ -242,7 +256,7 @@ class SharedMemory:
                                   "unlinked (or replaced) while registered; register the region again")
 
     # -- the objects ---------------------------------------------------------------------------
-    def opened(self, key: Any, name: str = "") -> tuple[int, tuple[int, int], int]:
+    def opened(self, key: object, name: str = "") -> tuple[int, tuple[int, int], int]:
         """(descriptor, identity, size) of the POSIX shared-memory object ``key`` names;
         InvalidArgument saying why not (module docstring: what a key may name)."""
         path = self._path(_check_key(key, name))
@@ -275,20 +289,20 @@ class SharedMemory:
                                   "false)")
 
 
-def _check_name(name: Any) -> None:
+def _check_name(name: object) -> None:
     if not isinstance(name, str) or not name or len(name) > 1024 or _BAD_NAME.search(name):
         raise InvalidArgument("'region name' is necessary to register system shared memory region, printable and "
                               "at most 1024 characters")
 
 
-def _check_numbers(name: str, offset: Any, byte_size: Any) -> None:
+def _check_numbers(name: str, offset: object, byte_size: object) -> None:
     for label, value in (("offset", offset), ("byte_size", byte_size)):
         if type(value) is not int or value < 0 or value >= 1 << 63:
             raise InvalidArgument(f"failed to register shared memory region '{name}': '{label}' must be a "
                                   f"non-negative integer, got {value!r}")
 
 
-def _check_key(key: Any, name: str) -> str:
+def _check_key(key: object, name: str) -> str:
     """A key as shm_open takes it: leading slashes, then one path component."""
     bare = key.lstrip("/") if isinstance(key, str) else ""
     if not bare or "/" in bare or bare in (".", "..") or "\x00" in bare or len(bare.encode()) > NAME_MAX:
