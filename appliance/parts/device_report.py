@@ -32,13 +32,21 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from sync.manifest import dumps
 from sync.report import SCHEMA, device_key, sign_report
 from sync.store import read_json, write_json_atomic
 
+from appliance.core.json_types import JSONObject, JSONValue
 from appliance.version import __version__
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from appliance.parts.sync_loop import SyncLoop
+
+Health = tuple[bool, tuple[str, ...]]  # (ready, the problems' lines): a change of it is reported
 
 log = logging.getLogger("appliance.report")
 # Events that announce work in progress: the report waits for its outcome (a version
@@ -58,7 +66,7 @@ TRANSIENT_STATES = ("NEW", "LOADING", "UNLOADING")
 class Reporter:
     """Writes this device's report; ``build`` is what it writes (also served for tests)."""
 
-    def __init__(self, loop: Any, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, loop: SyncLoop, clock: Callable[[], float] = time.monotonic):
         self.loop, self.core, self.cfg = loop, loop.core, loop.cfg
         self.source = loop.source.sibling()  # its own request count: idle polls stay countable
         self.clock = clock
@@ -71,9 +79,9 @@ class Reporter:
         self._gap = self._jittered(self.cfg.poll_interval_s)
         self._heartbeat = self._jittered(self.cfg.report_interval_s)
         self._started = clock()
-        self._health: tuple[Any, ...] | None = None
+        self._health: Health | None = None
         self._sequence = self._reserved = 0  # the sequence, and how far sync/report-sequence.json reserved it
-        self._key: Any = None
+        self._key: Ed25519PrivateKey | None = None
         self._thread: threading.Thread | None = None
         self.last_error = ""
         self.writes = 0
@@ -96,7 +104,7 @@ class Reporter:
             self._thread.join(timeout=30)
         self.source.close()
 
-    def notify(self, event: dict[str, Any]) -> None:
+    def notify(self, event: Mapping[str, object]) -> None:
         """A state event (the state database's listener): a change to report."""
         kind = str(event.get("kind", ""))
         if kind in QUIET_EVENTS:
@@ -167,7 +175,7 @@ class Reporter:
         snapshot = manager.snapshot() if manager is not None else {}
         return any(v.get("state") in states for m in snapshot.values() for v in m.get("versions", []))
 
-    def _health_now(self) -> tuple[Any, ...] | None:
+    def _health_now(self) -> Health | None:
         try:
             return bool(self.core.ready()), tuple(map(str, self.core.problems()))
         except Exception:  # the core closing under us
@@ -206,7 +214,7 @@ class Reporter:
         self._tried_at = self.clock()
         self._gap = self._jittered(self.cfg.poll_interval_s)
 
-    def build(self, trigger: str = "requested") -> dict[str, Any]:
+    def build(self, trigger: str = "requested") -> JSONObject:
         """The report (unsigned): see docs/fleet.md for every field. One snapshot of the
         manager makes the models and ``healthy`` alike (a load finishing while the report is
         built cannot give "healthy" beside "serving nothing")."""
@@ -252,11 +260,11 @@ class Reporter:
         return {name: model_view(snapshot.get(name, {}), targets.get(name), refused.get(name), waves.get(name),
                                  pins.get(name)) for name in names}
 
-    def _problems(self, snapshot: dict[str, Any]) -> list[Any]:
+    def _problems(self, snapshot: dict[str, Any]) -> list[JSONValue]:
         """The problems ``/api/status`` lists (appliance/core/problems.py), from the report's
         own snapshot; a status provider failing must not cost the report."""
         try:
-            problems: list[Any] = self.core.problem_list(snapshot)
+            problems: Sequence[object] = self.core.problem_list(snapshot)
         except Exception:
             problems = list(self.core.problems())
         return [_jsonable(p) for p in problems[:MAX_PROBLEMS]]
@@ -283,6 +291,7 @@ def model_view(model: dict[str, Any], target: int | None, refused: dict[str, Any
             "refused": refused, "wave": wave}
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> JSONValue:
     """``value`` as JSON would carry it (anything else as its text)."""
-    return json.loads(json.dumps(value, default=str))
+    carried: JSONValue = json.loads(json.dumps(value, default=str))
+    return carried

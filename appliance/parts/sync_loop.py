@@ -54,6 +54,10 @@ from sync.open_source import open_source
 from sync.store import Store, rollout_policies, set_pin
 
 from appliance.api.errors import flask_error
+from appliance.core.config import SyncConfig
+from appliance.core.json_read import obj
+from appliance.core.json_types import ReadJSONObject
+from appliance.core.sources import DirectorySource
 from appliance.api.routes import ADMIN
 from appliance.parts.device_report import Reporter
 from appliance.parts.host import Host
@@ -103,7 +107,7 @@ class Reloads:
             return self._last
 
 
-def source_limits(cfg: Any) -> Limits:
+def source_limits(cfg: SyncConfig) -> Limits:
     """The sources' transfer limits from ``[sync]``."""
     return Limits(max_document_bytes=cfg.max_manifest_bytes, stall_timeout_s=cfg.stall_timeout_s)
 
@@ -116,7 +120,7 @@ def public_bucket_url(url: str) -> str:
     return urlunparse(parsed)
 
 
-def device_tags(device: dict[str, Any]) -> frozenset[str]:
+def device_tags(device: ReadJSONObject) -> frozenset[str]:
     """Compatibility tags this device satisfies (a manifest's ``compat`` must be a subset)."""
     tags = {"any", str(device.get("machine", ""))}
     if device.get("litert"):
@@ -127,7 +131,7 @@ def device_tags(device: dict[str, Any]) -> frozenset[str]:
             tags.add("cuda")
     if device.get("tensorrt"):
         tags.add("tensorrt")
-    tags.update(name for name, present in (device.get("delegates") or {}).items() if present)
+    tags.update(name for name, present in obj(device.get("delegates")).items() if present)
     return frozenset(t for t in tags if t)
 
 
@@ -155,7 +159,7 @@ class SyncLoop:
         self.polls_done = 0
         self.polling = False  # a poll is running (read by the report writer, any thread)
         self._thread: threading.Thread | None = None
-        self.versions: Any = None  # the store's DirectorySource, from start()
+        self.versions: DirectorySource | None = None  # the store's, from start()
         self.reporter: Reporter | None = None  # from start(), when the bucket takes writes
         self.status: dict[str, Any] = {"bucket": public_bucket_url(cfg.bucket), "channel": cfg.channel,
                                        "last_poll": None, "last_success": None, "last_change": None,
@@ -244,7 +248,8 @@ class SyncLoop:
             self._succeeded(result.refused)
             if result.changed:
                 self.status["last_change"] = time.time()
-                self.versions.scan()  # push the store's new set of versions
+                if self.versions is not None:  # set by start(), before the first poll
+                    self.versions.scan()  # push the store's new set of versions
         self.polling = False
         self.core.metrics.observe_sync(outcome, time.monotonic() - started)
         self.status["targets"] = dict(self.follower.targets)
