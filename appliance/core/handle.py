@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -52,12 +52,14 @@ class VersionSlot(Protocol):
 class Holder(Protocol):
     """Who hands out handles and takes them back (appliance/core/manager.py ``Manager``)."""
 
-    rollouts: "Rollouts"  # set before the first routed request
+    rollouts: "Rollouts | None"  # set before the first routed request
     metrics: "Metrics | None"  # where each run is counted (Triton's statistics: inference_stats.py)
 
-    def handle(self, name: str, version: int | None = None, label: str | None = None, route_key: Any = None,
-               judged: bool = True) -> "Handle": ...
+    def handle(self, name: str, version: int | None = None, label: str | None = None,
+               route_key: Callable[[str], str | None] | None = None, judged: bool = True) -> "Handle": ...
 
+    # The manager's own slot class (appliance/core/slots.py), which the handle knows only as the
+    # protocol above: a parameter cannot be narrower in the manager than here, hence Any.
     def release_slot(self, slot: Any) -> None: ...
 
 
@@ -140,7 +142,7 @@ class Handle:
         assert route is not None
         self._observe(route.role, None, started)
         if route.shadow:
-            self._manager.rollouts.shadow(route.rollout, signature, inputs, out)
+            self._rollouts().shadow(route.rollout, signature, inputs, out)
         return out
 
     async def _fallback(self, signature: str, inputs: Mapping[str, np.ndarray], failure: ApplianceError,
@@ -149,7 +151,7 @@ class Handle:
         counts only when the serving version does answer (a bad request fails on both)."""
         route = self._route
         assert route is not None
-        rollouts, rollout = self._manager.rollouts, route.rollout
+        rollouts, rollout = self._rollouts(), route.rollout
         again = time.perf_counter()
         try:
             with self._manager.handle(self.model, rollout.serving, judged=False) as serving:
@@ -164,9 +166,14 @@ class Handle:
     def _observe(self, role: str, failure: ApplianceError | None, started: float) -> None:
         route = self._route
         assert route is not None
-        self._manager.rollouts.observe(route.rollout, role, failure is None,
-                                       failure is not None and failure.http_status >= 500,
-                                       time.perf_counter() - started)
+        self._rollouts().observe(route.rollout, role, failure is None,
+                                 failure is not None and failure.http_status >= 500,
+                                 time.perf_counter() - started)
+
+    def _rollouts(self) -> "Rollouts":
+        rollouts = self._manager.rollouts
+        assert rollouts is not None, "a routed request's manager has its rollouts (they routed it)"
+        return rollouts
 
     def report(self, failure: ApplianceError | None, seconds: float) -> None:
         """The outcome of a request that did not go through ``run``: a token stream, which
@@ -183,7 +190,7 @@ class Handle:
     def __enter__(self) -> "Handle":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

@@ -37,6 +37,7 @@ import runtimes
 from appliance.core import device as device_mod
 from appliance.core.config import Config, ModelConfig, RolloutConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable
+from appliance.core.json_types import ReadJSONObject
 from appliance.core.handle import Handle
 from appliance.core.ledger import Ledger, mtime
 from appliance.core.loader import LoadEnv, LoadError, Loaded, Loader
@@ -50,12 +51,13 @@ from appliance.core.state import StateDB
 
 if TYPE_CHECKING:
     from appliance.core.metrics import Metrics
+    from appliance.core.rollout import Route, Rollouts
 
 log = logging.getLogger("appliance.manager")
 
 
 class Manager:
-    def __init__(self, config: Config, db: StateDB, device: Mapping[str, Any],
+    def __init__(self, config: Config, db: StateDB, device: ReadJSONObject,
                  backends: Mapping[str, runtimes.Backend] | None = None, metrics: "Metrics | None" = None,
                  version_check: Callable[[str], None] | None = None):
         """``version_check(path)``: raises when a version directory must not load (links,
@@ -86,7 +88,7 @@ class Manager:
         self.loads = LoadEnv(config, self.device, self.backends, self.ledger, device_mod.fingerprint(self.device),
                              metrics, version_check, cancel=self._stop)
         self.last_poll = 0.0
-        self.rollouts: Any = None  # appliance/core/rollout.py Rollouts, set by the core before start()
+        self.rollouts: Rollouts | None = None  # set by the core before start()
 
     # -- what the sources push ---------------------------------------------------------
     def set_aspired(self, source: str, models: Aspired) -> None:
@@ -427,7 +429,7 @@ class Manager:
             self.release_slot(slot)
         return self._handle_locked(name, version, label)
 
-    def _routed(self, route: Any) -> Handle:
+    def _routed(self, route: Route) -> Handle:
         """The handle of a request the rollout routed: on the version of its role, or on
         whatever serves unversioned requests once the rollout has just been decided."""
         rollout = route.rollout
