@@ -36,12 +36,17 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from appliance.core.errors import ApplianceError
+
+if TYPE_CHECKING:
+    from appliance.core.config import RolloutConfig
+    from appliance.core.manager import Manager
+    from appliance.core.state import StateDB
 
 SAMPLES = 2000  # latencies kept per version for p99
 JUDGE_INTERVAL_S = 0.25
@@ -96,7 +101,7 @@ class Rollout:
         }
 
 
-def verdict(rollout: Rollout, policy: Any) -> tuple[str, str]:
+def verdict(rollout: Rollout, policy: RolloutConfig) -> tuple[str, str]:
     """("promote" | "abort" | "", reason) from the figures and the policy's gates."""
     f = rollout.figures()
     n, errors = f["candidate_requests"], f["candidate_errors"]
@@ -165,7 +170,7 @@ class Route:
 class Rollouts:
     """Every rollout of the device: routing, tallies, shadow copies, the judge."""
 
-    def __init__(self, manager: Any, db: Any, registry: Any):
+    def __init__(self, manager: Manager, db: StateDB, registry: CollectorRegistry):
         self.manager, self.db = manager, db
         self._lock = threading.Lock()
         self._active: dict[str, Rollout] = {}
