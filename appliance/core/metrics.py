@@ -50,6 +50,7 @@ from prometheus_client.registry import Collector
 
 from appliance.core.cgroup import available_bytes
 from appliance.core.inference_stats import InferenceStats
+from appliance.core.json_types import JSONObject, JSONValue
 
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1e6, 2.5e6, 1e7)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -104,7 +105,7 @@ class RequestWindow:
                 q = self._data.setdefault(model, collections.deque(maxlen=WINDOW_MAX))
         q.append((time.time(), seconds, int(result)))
 
-    def summary(self, model: str, window: float = 60.0) -> dict[str, Any]:
+    def summary(self, model: str, window: float = 60.0) -> JSONObject:
         """Rate, p50/p99 (ms), server and client error rates over ``window`` seconds, plus
         per-5-s series.
 
@@ -132,10 +133,13 @@ class RequestWindow:
         }
 
 
-def _bucket_series(age: np.ndarray, lat: np.ndarray, errors: np.ndarray, n: int) -> dict[str, list[Any]]:
-    """Per-bucket rate, p50, p99 and error rate, oldest bucket first."""
+def _bucket_series(age: np.ndarray, lat: np.ndarray, errors: np.ndarray, n: int) -> dict[str, list[JSONValue]]:
+    """Per-bucket rate, p50, p99 and error rate (None: an empty bucket), oldest bucket first."""
     index = np.minimum((age // BUCKET_SECONDS).astype(int), n - 1)
-    rate, p50, p99, err = [], [], [], []
+    rate: list[JSONValue] = []
+    p50: list[JSONValue] = []
+    p99: list[JSONValue] = []
+    err: list[JSONValue] = []
     for i in range(n - 1, -1, -1):
         mask = index == i
         count = int(mask.sum())
@@ -239,13 +243,13 @@ class Metrics:
         self.sync_runs.labels(result).inc()
         self.sync_duration.labels(result).observe(seconds)
 
-    def on_event(self, row: Mapping[str, Any]) -> None:
+    def on_event(self, row: Mapping[str, object]) -> None:
         """``StateDB.subscribe`` callback: count every state event by kind; an unloaded version's
         Triton statistics are forgotten."""
         kind = str(row.get("kind", ""))
         self.events.labels(kind).inc()
-        if kind == "unloaded" and isinstance(row.get("version"), int):
-            self.inference.forget(str(row.get("model", "")), row["version"])
+        if kind == "unloaded" and isinstance(version := row.get("version"), int):
+            self.inference.forget(str(row.get("model", "")), version)
 
     def render(self) -> bytes:
         """Prometheus text format 0.0.4, TF Serving's counter names kept exact (see below)."""
@@ -286,7 +290,7 @@ class _TFServingCounters(Collector):
                         out.add_sample(family.name, sample.labels, sample.value)
                 yield out
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
 
@@ -323,7 +327,7 @@ class _SnapshotCollector(Collector):
                     refused.add_metric(labels, v["batching"].get("rejected_full", 0))
         yield from (state, backend, serving, depth, load, refused)
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []  # families are dynamic; do not call collect() at registration
 
 
@@ -353,7 +357,7 @@ class _DeviceCollector(Collector):
             temps.add_metric([sensor], value)
         yield temps
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
 

@@ -25,7 +25,9 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Iterator, MutableMapping
+from typing import Any, Callable, Iterator, Mapping, MutableMapping
+
+from appliance.core.json_types import JSONObject
 
 log = logging.getLogger("appliance.events")
 MAX_EVENTS = 5000  # older rows are trimmed so the database stays small on a device
@@ -39,12 +41,16 @@ SCHEMA = ('CREATE TABLE IF NOT EXISTS "events" ("id" INTEGER PRIMARY KEY, "ts" R
 EVENT_COLUMNS = ("id", "ts", "kind", "model", "version", "message", "detail")
 
 
+# An event's row as listeners get it: ts, kind, model, version, message, detail (JSON text).
+Listener = Callable[[Mapping[str, object]], None]
+
+
 class StateDB:
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
-        self._listeners: list[Any] = []
+        self._listeners: list[Listener] = []
         self.problems: list[str] = []  # what went wrong with the database (shown, never raised)
         self.in_memory = path == ":memory:"
 
@@ -115,11 +121,11 @@ class StateDB:
                 self._db.close()
                 self._db = None
 
-    def subscribe(self, callback: Any) -> None:
+    def subscribe(self, callback: Listener) -> None:
         """``callback(event_dict)`` after each event (metrics, discovery re-announce)."""
         self._listeners.append(callback)
 
-    def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
+    def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: object) -> None:
         """Record (and log) one event. Never raises: a version number SQLite cannot hold (past
         int64) is stored as NULL with the number kept in ``detail``; a failed write is a problem."""
         if version is not None and not INT64_MIN <= version <= INT64_MAX:
@@ -140,7 +146,7 @@ class StateDB:
         for callback in list(self._listeners):
             callback(row)
 
-    def recent(self, limit: int = 50, model: str | None = None) -> list[dict[str, Any]]:
+    def recent(self, limit: int = 50, model: str | None = None) -> list[JSONObject]:
         with self._lock:
             if self._db is None:
                 return []
@@ -148,12 +154,13 @@ class StateDB:
             try:
                 found = self._db.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events {where} "
                                          "ORDER BY id DESC LIMIT ?", [*args, limit]).fetchall()
-                rows = [dict(zip(EVENT_COLUMNS, values)) for values in found]
+                rows: list[JSONObject] = [dict(zip(EVENT_COLUMNS, values)) for values in found]  # SQLite's values
             except sqlite3.Error as exc:
                 self._problem(f"state database {self.path}: reading events failed ({exc})")
                 return []
         for row in rows:
-            row["detail"] = json.loads(row["detail"]) if row.get("detail") else {}
+            text = row.get("detail")
+            row["detail"] = json.loads(text) if isinstance(text, str) and text else {}  # stored as JSON text
         return rows
 
     def kv(self) -> "KV":
