@@ -24,9 +24,14 @@ import ssl
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.core import running
+from appliance.core.json_read import obj, str_or_none
+from appliance.core.json_types import JSONObject, ReadJSONObject
+
+if TYPE_CHECKING:
+    from appliance.core.config import Config
 
 UNIT_STATE_DIR = "/var/lib/edge-appliance"  # systemd/edge-appliance.service: StateDirectory=edge-appliance
 
@@ -47,7 +52,7 @@ class Client:
     url: str
     url_from: str  # how the URL was found, for messages
     state_dir: str
-    record: dict[str, Any] | None
+    record: JSONObject | None  # the service's service.json (appliance/core/running.py)
     token: str | None
     token_from: str
     timeout: float = 120.0
@@ -62,7 +67,7 @@ class Client:
         record = running.read(state_dir)
         url, url_from = _url(args, config, record, state_dir)
         token, token_from = _token(args, config, record, state_dir)
-        cafile = (record or {}).get("rest", {}).get("cert_file") if url.startswith("https:") else None
+        cafile = str_or_none(obj((record or {}).get("rest", {})).get("cert_file")) if url.startswith("https:") else None
         return cls(url.rstrip("/"), url_from, state_dir, record, token, token_from,
                    float(getattr(args, "timeout", 120) or 120), cafile)
 
@@ -101,10 +106,10 @@ class Client:
 
     def _token_hint(self) -> str:
         recorded = self.record or {}
-        there = (recorded.get("rest") or {}).get("url")
+        there = obj(recorded.get("rest")).get("url")
         wanted = "pass the --state DIR (or --config FILE) that service was started with, or --token-file FILE"
         if there == self.url:
-            source = recorded.get("admin_token") or {}
+            source = obj(recorded.get("admin_token"))
             where = source.get("file") or source.get("source") or "?"
             return f"\n  that service reads its admin token from {where}; {wanted}"
         if there:
@@ -126,17 +131,18 @@ class Client:
         return ""
 
 
-def _url(args: argparse.Namespace, config: Any, record: dict[str, Any] | None, state_dir: str) -> tuple[str, str]:
+def _url(args: argparse.Namespace, config: Config, record: ReadJSONObject | None, state_dir: str) -> tuple[str, str]:
     if getattr(args, "url", None):
         return str(args.url), "--url"
-    if record is not None and (record.get("rest") or {}).get("url"):
-        return str(record["rest"]["url"]), f"recorded in {running.path_in(state_dir)} by pid {record.get('pid')}"
+    rest = obj(record.get("rest")) if record is not None else obj(None)
+    if record is not None and rest.get("url"):
+        return str(rest["url"]), f"recorded in {running.path_in(state_dir)} by pid {record.get('pid')}"
     server = config.server
     return running.local_url(server.host, server.port, bool(config.security.tls_cert_file)), \
         "config [server] host and port: the service recorded no address"
 
 
-def _token(args: argparse.Namespace, config: Any, record: dict[str, Any] | None,
+def _token(args: argparse.Namespace, config: Config, record: ReadJSONObject | None,
            state_dir: str) -> tuple[str | None, str]:
     """(token, where it came from) in the order of the module docstring."""
     if getattr(args, "token_file", None):
@@ -146,7 +152,7 @@ def _token(args: argparse.Namespace, config: Any, record: dict[str, Any] | None,
     token = client_admin_token(config.security)
     if token:
         return token, "the config's [security] (or the admin-token credential)"
-    candidates = [((record or {}).get("admin_token") or {}).get("file"), os.path.join(state_dir, "admin-token")]
+    candidates = [str_or_none(obj((record or {}).get("admin_token")).get("file")), os.path.join(state_dir, "admin-token")]
     for path in [p for p in candidates if p]:
         if os.access(path, os.R_OK):
             return _read(path), f"the file {path}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from appliance.core.json_types import JSONObject, ReadJSONObject
 
 FILE = "service.json"
 WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
@@ -33,7 +33,7 @@ def local_url(host: str, port: int, tls: bool = False) -> str:
     return f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def write(state_dir: str, record: dict[str, Any]) -> str | None:
+def write(state_dir: str, record: ReadJSONObject) -> str | None:
     """Replace ``<state>/service.json`` atomically (mode 0644: it holds no secret); the
     path, or None where it cannot be written (a read-only state directory; a record that is
     not JSON): the service runs on without it."""
@@ -57,17 +57,18 @@ def write(state_dir: str, record: dict[str, Any]) -> str | None:
     return target
 
 
-def read(state_dir: str) -> dict[str, Any] | None:
+def read(state_dir: str) -> JSONObject | None:
     """The record in ``state_dir``, or None when there is none (or it is unreadable)."""
     try:
         with open(path_in(state_dir)) as f:
             record = json.load(f)
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    found: JSONObject | None = record if isinstance(record, dict) else None  # json.load's object
+    return found
 
 
-def alive(record: dict[str, Any]) -> bool:
+def alive(record: ReadJSONObject) -> bool:
     """Whether the process that wrote ``record`` still runs (a pid reused since is not told
     apart; the client's request then says more)."""
     pid = record.get("pid")

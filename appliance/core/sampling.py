@@ -21,9 +21,12 @@ grammar refused. Pure functions: no locks, no threads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # streams.py imports this module
+    from appliance.core.streams import Params, Stream
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -37,7 +40,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-def sample(logits: np.ndarray, params: Any, rng: np.random.Generator) -> int:
+def sample(logits: np.ndarray, params: Params, rng: np.random.Generator) -> int:
     """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus)."""
     if params.temperature <= 0:
         return int(np.argmax(logits))
@@ -57,7 +60,7 @@ def sample(logits: np.ndarray, params: Any, rng: np.random.Generator) -> int:
     return int(rng.choice(probs.size, p=probs))
 
 
-def process(logits: np.ndarray, params: Any, prompt: list[int], output: list[int]) -> np.ndarray:
+def process(logits: np.ndarray, params: Params, prompt: list[int], output: list[int]) -> np.ndarray:
     """The logit processors (module docstring), on a copy; ids past the logits are ignored."""
     x = logits.astype(np.float32).copy()
     size = x.size
@@ -91,7 +94,7 @@ def logprob_of(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(lp[token]), best)
 
 
-def choose(logits: np.ndarray, stream: Any) -> tuple[int | None, TokenLogprob | None]:
+def choose(logits: np.ndarray, stream: Stream) -> tuple[int | None, TokenLogprob | None]:
     """(token, its logprob when asked) for one stream's step; token None: the stream's
     grammar allows only the end of the text (it is complete)."""
     params = stream.params
