@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from appliance.core.constraints import Constraint
 from appliance.core.errors import ApplianceError
@@ -209,7 +209,7 @@ class Tagged:
 class GenerationMetrics:
     """Time to first token, tokens/s per stream and in total, active streams, rows per step."""
 
-    def __init__(self, registry: Any):
+    def __init__(self, registry: CollectorRegistry | None):
         self.ttft = Histogram("edge_appliance_generation_time_to_first_token_seconds",
                               "From request to first generated token", ["model_name"], buckets=TTFT_BUCKETS_S,
                               registry=registry)
