@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from . import faults
 from .errors import Refused
 from .fetcher import fetch
+from .json_types import JSONObject, JSONValue
 from .manifest import MANIFEST, MAX_VERSION, check_version_number, is_version_name, verify, verify_channel
 from .refusals import Refusals, objects_judged
 from .source import MISSING, NOT_MODIFIED, Fetched, Source
@@ -55,7 +56,7 @@ class Options:
     models_refresh_s: float = 300.0  # how often the list of models is read again (models empty)
     # Called with (model, {"candidate": N | None, "policy": {...} | None} | None) whenever the
     # channel's rollout entry changes: the source pushes it to the model manager.
-    on_rollout: Callable[[str, dict[str, Any] | None], None] | None = None
+    on_rollout: Callable[[str, JSONObject | None], None] | None = None
 
 
 @dataclass
@@ -87,8 +88,8 @@ class Follower:
         self._wave_noted: dict[str, str] = {}
         self._models_listed: tuple[float, list[str]] | None = None  # (when, names)
         self.targets: dict[str, int] = {}
-        self.refused: dict[str, dict[str, Any]] = {}  # model -> its standing refusal {version, reason, since}
-        self.waves: dict[str, dict[str, Any]] = {}  # model -> this device's place in the channel's waves
+        self.refused: dict[str, JSONObject] = {}  # model -> its standing refusal {version, reason, since}
+        self.waves: dict[str, JSONObject] = {}  # model -> this device's place in the channel's waves
 
     def sync_once(self, force: bool = False) -> PollResult:
         """One poll of every followed model; ``force`` also reads the list of models again."""
@@ -173,7 +174,7 @@ class Follower:
         self._cache[key] = (fetched.etag, doc)
         return doc
 
-    def _target(self, model: str) -> tuple[int | None, dict[str, Any] | None]:
+    def _target(self, model: str) -> tuple[int | None, JSONObject | None]:
         """(target version, the channel pointer when a channel decides), from the bucket."""
         channel = self.options.channel
         if channel:
@@ -226,7 +227,7 @@ class Follower:
         self._record_trust(model, target, pointer)
         self._retain(model, target, local, candidate)
 
-    def _admitted(self, model: str, target: int, pointer: dict[str, Any]) -> bool:
+    def _admitted(self, model: str, target: int, pointer: JSONObject) -> bool:
         """Waves and halt (sync/waves.py): a device outside the open waves keeps what it
         has. One with nothing of this model yet, or already on the target, is never held."""
         have = self.store.versions(model)
@@ -247,11 +248,11 @@ class Follower:
                        opens_at=verdict.opens_at)
         return False
 
-    def _set_wave(self, model: str, state: dict[str, Any] | None) -> None:
+    def _set_wave(self, model: str, state: JSONObject | None) -> None:
         if self.waves.get(model) != state:
             self.waves = {k: v for k, v in {**self.waves, model: state}.items() if v is not None}
 
-    def _rollout_policy(self, model: str, pointer: dict[str, Any] | None, candidate: int | None) -> None:
+    def _rollout_policy(self, model: str, pointer: JSONObject | None, candidate: int | None) -> None:
         """The channel's candidate and rollout policy (the central team's, for the whole
         fleet) go where the manager reads them: the candidate is only ever judged, never
         served as the newest version, and the channel's policy replaces the device's own
@@ -259,7 +260,8 @@ class Follower:
         policy = (pointer or {}).get("rollout")
         if policy is not None:
             policy = check_rollout_policy(policy, f"{model} channel {self.options.channel}")
-        doc = {"candidate": candidate, "policy": policy} if candidate is not None or policy is not None else None
+        doc: JSONObject | None = ({"candidate": candidate, "policy": policy}
+                                  if candidate is not None or policy is not None else None)
         if set_rollout_policy(self.store.state_dir, model, doc):  # kept for the next start
             if self.options.on_rollout is not None:
                 self.options.on_rollout(model, doc)
@@ -267,7 +269,7 @@ class Follower:
                        f"policy {policy or 'the device own'}", model=model, candidate=candidate, policy=policy)
 
     @staticmethod
-    def _candidate(model: str, target: int, pointer: dict[str, Any] | None) -> int | None:
+    def _candidate(model: str, target: int, pointer: JSONObject | None) -> int | None:
         value = (pointer or {}).get("candidate")
         if value is None:
             return None
@@ -275,33 +277,34 @@ class Follower:
             raise Refused(f"{model} channel pointer: candidate must be a version above {target}, got {value!r}")
         return value
 
-    def _check_rollback(self, model: str, target: int, pointer: dict[str, Any] | None) -> None:
+    def _check_rollback(self, model: str, target: int, pointer: JSONObject | None) -> None:
         trust = self.store.trust(model)
-        if pointer is not None and float(pointer.get("created") or 0) < float(trust.get("pointer_created", 0)):
+        if pointer is not None and _seconds(pointer.get("created")) < float(trust.get("pointer_created", 0)):
             raise _about(Refused(f"{model} channel pointer is older than one already seen (a replayed pointer?)"), target)
         highest = int(trust.get("version", -1))
         if target < highest and pointer is None:
             raise _about(Refused(f"{model}: the newest listed version {target} is below the highest trusted version "
                                  f"{highest}; going back needs a channel move or `appliance rollback`"), target)
 
-    def _record_trust(self, model: str, target: int, pointer: dict[str, Any] | None) -> None:
+    def _record_trust(self, model: str, target: int, pointer: JSONObject | None) -> None:
         """The highest version trusted, the newest pointer seen, and the target with the one
         before it (retention keeps that one: the channel can send the device back to it)."""
         trust = self.store.trust(model)
         last = trust.get("target")
         record = {"version": max(int(trust.get("version", -1)), target),
                   "pointer_created": max(float(trust.get("pointer_created", 0)),
-                                         float((pointer or {}).get("created") or 0)),
+                                         _seconds((pointer or {}).get("created"))),
                   "target": target, "previous_target": trust.get("previous_target") if last in (None, target) else last}
         if record["previous_target"] is None:
             del record["previous_target"]
         if record != trust:
             self.store.set_trust(model, record)
 
-    def _install(self, model: str, version: int, pointer: dict[str, Any] | None = None) -> None:
+    def _install(self, model: str, version: int, pointer: JSONObject | None = None) -> None:
         """Fetch, verify and commit ``version``; ``Refused`` (with ``version`` set) when it
         fails verification, or while an earlier refusal of it stands (nothing fetched then)."""
-        created = (pointer or {}).get("created") if pointer is not None else None
+        given = pointer.get("created") if pointer is not None else None
+        created = None if given is None else _seconds(given)
         standing = self._refusals.standing(self.source, model, version, created)
         if standing is not None:
             raise _about(Refused(standing.reason), version)
@@ -388,3 +391,8 @@ def _about(exc: Refused, version: int) -> Refused:
     """``exc`` marked as the refusal of ``version`` (the report and the event name it)."""
     exc.version = version
     return exc
+
+
+def _seconds(value: JSONValue) -> float:
+    """A pointer's ``created`` (epoch seconds); 0 when it has none."""
+    return float(value) if isinstance(value, (int, float, str)) and value else 0.0
