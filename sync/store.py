@@ -41,7 +41,8 @@ import uuid
 from typing import Any, Iterable
 
 from .errors import Refused
-from .manifest import MANIFEST, MAX_VERSION, sha256_file
+from .json_types import JSONObject, ReadJSONObject, ReadJSONValue
+from .manifest import MANIFEST, MAX_VERSION, file_entries, sha256_file
 
 log = logging.getLogger("sync.store")
 PRIVATE = 0o700
@@ -130,7 +131,7 @@ def verify_version(root: str) -> list[str]:
     return problems + [f"{rel}: not in the manifest" for rel in extra]
 
 
-def _same(path: str, entry: dict[str, Any]) -> bool:
+def _same(path: str, entry: ReadJSONObject) -> bool:
     try:
         st = os.lstat(path)
     except OSError:
@@ -143,7 +144,7 @@ def _regular_files(root: str) -> list[str]:
                   for d, _, names in os.walk(root) for n in names)
 
 
-def write_json_atomic(path: str, doc: Any) -> None:
+def write_json_atomic(path: str, doc: ReadJSONValue) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
     with os.fdopen(fd, "w") as f:
@@ -154,11 +155,13 @@ def write_json_atomic(path: str, doc: Any) -> None:
     fsync_dir(os.path.dirname(path))
 
 
-def read_json(path: str) -> dict[str, Any]:
+def read_json(path: str) -> JSONObject:
+    """The JSON object in ``path``; {} when it is missing, unreadable or not an object."""
     try:
         with open(path) as f:
             doc = json.load(f)
-        return doc if isinstance(doc, dict) else {}
+        found: JSONObject = doc if isinstance(doc, dict) else {}  # json.load's object
+        return found
     except (OSError, ValueError):
         return {}
 
@@ -173,11 +176,11 @@ def rollout_policies_path(state_dir: str) -> str:
     return os.path.join(state_dir, "sync", "rollout.json")
 
 
-def rollout_policies(state_dir: str) -> dict[str, dict[str, Any]]:
+def rollout_policies(state_dir: str) -> dict[str, JSONObject]:
     return {k: v for k, v in read_json(rollout_policies_path(state_dir)).items() if isinstance(v, dict)}
 
 
-def set_rollout_policy(state_dir: str, model: str, policy: dict[str, Any] | None) -> bool:
+def set_rollout_policy(state_dir: str, model: str, policy: JSONObject | None) -> bool:
     """Record (None: forget) the channel's rollout entry of ``model``; True when it changed."""
     path = rollout_policies_path(state_dir)
     doc = read_json(path)
@@ -258,10 +261,11 @@ class Store:
 
     def _set_withdrawn(self, model: str, versions: set[int]) -> None:
         doc = read_json(self._withdrawn_path())
-        if set(doc.get(model) or []) == versions:
+        listed = doc.get(model) or []
+        if isinstance(listed, list) and set(listed) == versions:
             return
         if versions:
-            doc[model] = sorted(versions)
+            doc[model] = [v for v in sorted(versions)]
         else:
             doc.pop(model, None)
         write_json_atomic(self._withdrawn_path(), doc)
@@ -279,7 +283,7 @@ class Store:
         """sha256 -> a committed file with that content (any version on disk of ``model``)."""
         index: dict[str, str] = {}
         for path in list(self.versions(model).values()) + list(self.parked(model).values()):
-            for entry in read_json(os.path.join(path, MANIFEST)).get("files", []):
+            for entry in file_entries(read_json(os.path.join(path, MANIFEST))):
                 candidate = os.path.join(path, *str(entry.get("path", "")).split("/"))
                 if os.path.isfile(candidate) and os.path.getsize(candidate) == entry.get("size"):
                     index.setdefault(str(entry.get("sha256")), candidate)
@@ -361,7 +365,7 @@ class Store:
         if order and order[-1] == version:
             return
         doc = read_json(self._served_path())
-        doc[model] = ([v for v in order if v != version] + [int(version)])[-KEEP_SERVED:]
+        doc[model] = [v for v in ([v for v in order if v != version] + [int(version)])[-KEEP_SERVED:]]
         write_json_atomic(self._served_path(), doc)
 
     def served_order(self, model: str) -> list[int]:
