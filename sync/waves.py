@@ -21,9 +21,10 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
 
 from .errors import Refused
+from .json_types import JSONObject, ReadJSONObject, ReadJSONValue
 
 
 @dataclass(frozen=True)
@@ -40,17 +41,17 @@ def share(device_id: str, version: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def parse_waves(pointer: dict[str, Any], what: str) -> list[tuple[float, float]]:
+def parse_waves(pointer: ReadJSONObject, what: str) -> list[tuple[float, float]]:
     """[(cumulative percent, hold seconds)], checked; [] when the pointer declares none."""
     waves = pointer.get("waves")
     if waves is None:
         return []
-    if not isinstance(waves, list) or not waves:
+    if not isinstance(waves, (list, tuple)) or not waves:
         raise Refused(f"{what}: waves must be a non-empty list")
     parsed, last = [], 0.0
     for i, wave in enumerate(waves):
-        percent = wave.get("percent") if isinstance(wave, dict) else None
-        hold = wave.get("hold_minutes", 0) if isinstance(wave, dict) else None
+        percent = wave.get("percent") if isinstance(wave, Mapping) else None
+        hold = wave.get("hold_minutes", 0) if isinstance(wave, Mapping) else None
         if not isinstance(percent, (int, float)) or not last < percent <= 100:
             raise Refused(f"{what}: waves[{i}].percent must increase and lie in (0, 100], got {percent!r}")
         if not isinstance(hold, (int, float)) or hold < 0:
@@ -62,15 +63,15 @@ def parse_waves(pointer: dict[str, Any], what: str) -> list[tuple[float, float]]
     return parsed
 
 
-def admission(device_id: str, pointer: dict[str, Any], what: str = "channel", now: float | None = None) -> Admission:
+def admission(device_id: str, pointer: ReadJSONObject, what: str = "channel", now: float | None = None) -> Admission:
     """Whether this device may move to the pointer's version now."""
-    version = int(pointer["version"])
+    version = int(_number(pointer["version"]))
     if pointer.get("halt"):
         return Admission(False, -1, 0.0, f"{what} is halted: no device moves")
     waves = parse_waves(pointer, what)
     if not waves:
         return Admission(True, 0, 0.0, "no waves declared")
-    start = float(pointer.get("waves_start") or pointer.get("created") or 0)
+    start = float(_number(pointer.get("waves_start") or pointer.get("created") or 0))
     mine = share(device_id, version) * 100
     opens = start
     for index, (percent, hold) in enumerate(waves):
@@ -95,13 +96,13 @@ class WaveState:
     next_opens_at: float | None
 
 
-def wave_state(pointer: dict[str, Any], now: float | None = None) -> WaveState:
+def wave_state(pointer: ReadJSONObject, now: float | None = None) -> WaveState:
     """The channel's waves at ``now`` (a pointer without waves: one wave, all open)."""
     waves = parse_waves(pointer, "channel")
     if not waves:
         return WaveState(1, 1, 100.0, None)
     now = time.time() if now is None else now
-    opens = float(pointer.get("waves_start") or pointer.get("created") or 0)
+    opens = float(_number(pointer.get("waves_start") or pointer.get("created") or 0))
     for index, (percent, hold) in enumerate(waves):
         if now < opens:
             return WaveState(index, len(waves), waves[index - 1][0] if index else 0.0, opens)
@@ -109,7 +110,7 @@ def wave_state(pointer: dict[str, Any], now: float | None = None) -> WaveState:
     return WaveState(len(waves), len(waves), 100.0, None)
 
 
-def check_failure_threshold(threshold: Any, where: str) -> dict[str, Any]:
+def check_failure_threshold(threshold: object, where: str) -> JSONObject:
     """``{"percent": (0, 100], "min_devices": >= 1}``, checked (``Refused`` with the reason)."""
     if not isinstance(threshold, dict) or set(threshold) - {"percent", "min_devices"}:
         raise Refused(f"{where}: failure_threshold must be {{\"percent\": P, \"min_devices\": N}}, got {threshold!r}")
@@ -121,10 +122,17 @@ def check_failure_threshold(threshold: Any, where: str) -> dict[str, Any]:
     return {"percent": float(percent), "min_devices": minimum}
 
 
-def check_rollout_policy(policy: Any, where: str) -> dict[str, Any]:
+def check_rollout_policy(policy: object, where: str) -> JSONObject:
     """The shape of a channel's rollout policy: a JSON object of scalars (the device checks
     names and values against its RolloutConfig, and refuses what it does not know)."""
     if not isinstance(policy, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float, bool))
                                                for k, v in policy.items()):
         raise Refused(f"{where}: rollout must be an object of names and plain values, got {policy!r}")
     return dict(policy)
+
+
+def _number(value: ReadJSONValue) -> int | float | str:
+    """A pointer's number as ``int()``/``float()`` take it (a numeric string too); TypeError else."""
+    if isinstance(value, (int, float, str)):
+        return value
+    raise TypeError(f"not a number: {value!r}")
