@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from .base import LoadFailure, Servable, SignatureInfo
+from .json_types import JSONObject
 from .decode_base import Driver, Shapes, Slots, batch_of, last_logits, owned
 from .decode_plan import DecodePlan, measure
 from .kv_layout import DEFAULT_LAYOUT, KV_PREFIX, TRANSPOSED_LAYOUT, cache_layout
@@ -107,10 +108,10 @@ class LiteRTLLM(Driver):
                    else "")
         return (None, f"{name} not used: {differs}") if differs else (name, "")
 
-    def _details(self) -> dict[str, Any]:
-        out = {"prefill_windows": [n or "dynamic" for n, _ in self.prefills], "kv_layout": self.kv_layout,
-               "mask_input": self.has_mask, "shared_position": self.shared_position, "aligned_rows": self.aligned,
-               "decode_signature": self.decode_sig}
+    def _details(self) -> JSONObject:
+        out: JSONObject = {"prefill_windows": [n or "dynamic" for n, _ in self.prefills], "kv_layout": self.kv_layout,
+                           "mask_input": self.has_mask, "shared_position": self.shared_position,
+                           "aligned_rows": self.aligned, "decode_signature": self.decode_sig}
         if self.single_sig is not None:
             out.update(batch1_signature=self.single_sig, **self.plan.describe())
         elif self.single_note:

@@ -16,7 +16,6 @@ import http.client
 import os
 import ssl
 import threading
-from typing import Any
 from urllib.parse import urlsplit
 
 RETRYABLE = (http.client.RemoteDisconnected, http.client.BadStatusLine, ConnectionResetError, BrokenPipeError)
@@ -75,7 +74,7 @@ class KeepAlive:
             conn.close()
 
 
-def _tls_context() -> Any:
+def _tls_context() -> ssl.SSLContext:
     cafile = os.environ.get("AWS_CA_BUNDLE")
     if not cafile:
         try:

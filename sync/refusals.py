@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
 from .errors import Refused
+from .json_types import JSONObject
 from .source import MISSING, Source
 
 Key = tuple[str, int]  # (model, version)
@@ -35,7 +34,7 @@ class Refusal:
     objects: dict[str, str | None] = field(default_factory=dict)  # key -> ETag ("" missing, None unknown)
     pointer_created: float | None = None  # the channel pointer's ``created`` at the time
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         return {"version": self.version, "reason": self.reason, "since": self.since}
 
 

@@ -16,8 +16,7 @@ Pure functions over a ``ReportCache``; call them from one thread at a time.
 
 from __future__ import annotations
 
-from typing import Any
-
+from .json_types import ReadJSONObject
 from .listing import Entry, ReportCache
 from .report import SIGNED, trust_mark
 
@@ -42,7 +41,7 @@ def judge(entry: Entry, registry: dict[str, str], cache: ReportCache) -> tuple[s
     return mark, Entry(entry.device_id, "", float(last[0]), 0, last[1], "", True)
 
 
-def older(report: dict[str, Any], last: dict[str, Any]) -> bool:
+def older(report: ReadJSONObject, last: ReadJSONObject) -> bool:
     """``report`` was written before ``last``: both its ``written_at`` and its ``sequence`` are
     lower (either alone may go back legitimately: a device's clock reset, or an older device
     whose sequence restarts with the service)."""
@@ -50,7 +49,7 @@ def older(report: dict[str, Any], last: dict[str, Any]) -> bool:
         _number(report.get("sequence")) <= _number(last.get("sequence"))
 
 
-def _number(value: Any) -> float:
+def _number(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from .errors import Refused, SourceError
 
@@ -120,7 +120,7 @@ class Pacer:
         self._start, self._bytes = self.clock(), 0
 
 
-def copy_limited(read: Callable[[int], bytes], write: Callable[[bytes], Any], room: int | None, what: str,
+def copy_limited(read: Callable[[int], bytes], write: Callable[[bytes], object], room: int | None, what: str,
                  pacer: Pacer | None = None) -> int:
     """Copy until ``read`` returns b''; at most ``room`` bytes (None: no cap), then one byte
     more is asked for: if it exists the object is over its cap, ``Refused`` (cut off there)."""

@@ -46,13 +46,14 @@ import contextvars
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
 from runtimes import InputFailure, RuntimeFailure
 
 from appliance.core.errors import ApplianceError, InvalidArgument, QueueFull, Unavailable, from_runtime
+from appliance.core.json_types import JSONObject
 
 if TYPE_CHECKING:  # only for the annotation: the config module is not needed at run time here
     from appliance.core.config import BatchingConfig
@@ -136,7 +137,7 @@ class BatchStats:
     run_seconds: float = 0.0
     last_progress: float = field(default_factory=time.monotonic)
 
-    def snapshot(self, queued_rows: int) -> dict[str, Any]:
+    def snapshot(self, queued_rows: int) -> JSONObject:
         return {
             "batches": self.batches,
             "rows": self.rows,
@@ -144,7 +145,7 @@ class BatchStats:
             "rejected_full": self.rejected_full,
             "queue_depth_rows": queued_rows,
             "mean_batch_size": round(self.rows / self.batches, 2) if self.batches else 0.0,
-            "batch_size_histogram": {str(k): v for k, v in sorted(self.size_counts.items())},
+            "batch_size_histogram": {str(k): v for k, v in sorted(self.size_counts.items())},  # size: batches
             "mean_queue_ms": round(1000 * self.queue_seconds / self.batches, 3) if self.batches else 0.0,
             "mean_run_ms": round(1000 * self.run_seconds / self.batches, 3) if self.batches else 0.0,
         }
@@ -202,7 +203,7 @@ class Batcher:
             waiting = self._queued_rows > 0 or self._busy > 0
         return waiting and time.monotonic() - self.stats.last_progress > after_s
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> JSONObject:
         return self.stats.snapshot(self._queued_rows)
 
     # -- request side ------------------------------------------------------------------

@@ -18,11 +18,12 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from runtimes import RuntimeFailure, TextRequest, TextServable
 
 from appliance.core.errors import from_runtime
+from appliance.core.json_types import JSONObject
 from appliance.core.streams import GenerationMetrics, Stream
 
 log = logging.getLogger("appliance.generation")
@@ -46,7 +47,7 @@ class TextDriver:
         self.context_length = context - servable.prompt_overhead if context else None
         self.vocab_size = 1 << 31  # not said by LiteRT-LM: its own tokenizer checks ids
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONObject:
         return self.servable.describe()
 
 
@@ -99,7 +100,7 @@ class TextStreams:
         threading.Thread(target=self._run, args=(stream, driver, text), daemon=True,
                          name=f"generate-text-{stream.model}-{stream.version}").start()
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[JSONObject]:
         """(under owner.lock) The status contribution."""
         return [{"model": m, "version": v, "streams": n} for (m, v), n in sorted(self.running.items())]
 

@@ -34,8 +34,10 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Mapping
+from typing import Mapping
 
+from appliance.core.json_read import obj, objs
+from appliance.core.json_types import ReadJSONObject
 from appliance.parts.host import Host, Supervised
 
 log = logging.getLogger("appliance.notify")
@@ -133,10 +135,10 @@ class Liveness:
             conn.close()
 
 
-def _not_ready_reason(model: Mapping[str, Any]) -> str:
+def _not_ready_reason(model: ReadJSONObject) -> str:
     if model.get("quarantined"):
-        return "; ".join(f"v{v} failed: {why}" for v, why in model["quarantined"].items())
-    if any(v["state"] in ("START", "LOADING") for v in model.get("versions", [])):
+        return "; ".join(f"v{v} failed: {why}" for v, why in obj(model["quarantined"]).items())
+    if any(v["state"] in ("START", "LOADING") for v in objs(model.get("versions", []))):
         return "loading"
     return f"no version under {model.get('base_path')}"
 
