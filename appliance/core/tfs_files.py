@@ -77,7 +77,7 @@ def _read(path: str, key: str) -> str:
         raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from exc
 
 
-def read_model_config_file(path: str) -> list[Any]:
+def read_model_config_file(path: str) -> list[ModelConfig]:
     from appliance.protos.tfserving import pb
 
     message = _parse_text(path, "tfs.model_config_file", pb.ModelServerConfig())
@@ -132,9 +132,10 @@ def _token_after_name(text: str, line: int, column: int) -> tuple[int, int]:
 _FIELD = re.compile(r"^\s*(\w+)\s*(?::\s*(\S+?)\s*|\{\s*value\s*:\s*(\S+?)\s*\})\s*(?:#.*)?$")
 
 
-def read_batching_parameters(path: str) -> dict[str, Any]:
-    """TF Serving's BatchingParameters text format as ``[batching]`` values."""
-    values: dict[str, Any] = {}
+def read_batching_parameters(path: str) -> dict[str, int | list[int]]:
+    """TF Serving's BatchingParameters text format as ``[batching]`` values (a flag is a bool)."""
+    values: dict[str, int | list[int]] = {}
+    sizes: list[int] = []  # allowed_batch_sizes, one line each
     for number, line in enumerate(_read(path, "tfs.batching_parameters_file").splitlines(), 1):
         if not line.strip() or line.strip().startswith("#"):
             continue
@@ -147,7 +148,8 @@ def read_batching_parameters(path: str) -> dict[str, Any]:
             log.warning("%s is accepted and ignored: this batcher has no such setting", where)
             continue
         if name == "allowed_batch_sizes" and plain is not None:
-            values.setdefault(name, []).append(_number(plain, int, where))
+            sizes.append(_number(plain, int, where))
+            values[name] = sizes
         elif name in _WRAPPED and wrapped is not None:
             values[name] = _number(wrapped, _WRAPPED[name], where)
         else:
@@ -156,7 +158,7 @@ def read_batching_parameters(path: str) -> dict[str, Any]:
     return values
 
 
-def _number(text: str, kind: type, where: str) -> Any:
+def _number(text: str, kind: type, where: str) -> int:  # a bool for kind bool
     if kind is bool:
         if text not in ("true", "false"):
             raise ConfigError("tfs.batching_parameters_file", f"{where}: must be true or false, not {text}")
