@@ -21,9 +21,12 @@ Single-threaded: the loop thread of appliance/core/generation.py owns its lanes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtimes import generative
+
+if TYPE_CHECKING:
+    from appliance.core.streams import Stream
 
 
 @dataclass
@@ -31,7 +34,8 @@ class Lane:
     """One decode call per step: ``slots`` (the cache rows) and the stream in each row."""
 
     slots: generative.Slots
-    rows: list[Any] = field(default_factory=list)  # a Stream or None
+    # a Stream or None (a free row); Any while generation.py reads the rows it knows are taken
+    rows: list[Any] = field(default_factory=list)
 
     def active(self) -> list[int]:
         return [i for i, s in enumerate(self.rows) if s is not None]
@@ -45,7 +49,7 @@ class Lane:
         return streams[0].physical if streams else None
 
 
-def place(lanes: list[Lane], driver: generative.Driver, stream: Any, lane_size: int) -> tuple[Lane, int, int]:
+def place(lanes: list[Lane], driver: generative.Driver, stream: Stream, lane_size: int) -> tuple[Lane, int, int]:
     """(lane, row, offset) for a new stream (module docstring); a new lane is appended
     when no existing one fits. ``offset``: where its prompt's first token goes."""
     want = stream.position  # logical position of its first decode input
@@ -64,7 +68,7 @@ def place(lanes: list[Lane], driver: generative.Driver, stream: Any, lane_size: 
     return _new_lane(lanes, driver, lane_size), 0, 0
 
 
-def _place_aligned(lanes: list[Lane], driver: generative.Driver, stream: Any,
+def _place_aligned(lanes: list[Lane], driver: generative.Driver, stream: Stream,
                    lane_size: int) -> tuple[Lane, int, int]:
     context = driver.context_length or 0
     need = stream.position + stream.params.max_new_tokens  # logical positions it may use
@@ -82,7 +86,7 @@ def _place_aligned(lanes: list[Lane], driver: generative.Driver, stream: Any,
     return (empty or _new_lane(lanes, driver, lane_size)), 0, 0
 
 
-def _place_copy(lanes: list[Lane], driver: generative.Driver, leader: Any, lane_size: int) -> tuple[Lane, int, int]:
+def _place_copy(lanes: list[Lane], driver: generative.Driver, leader: Stream, lane_size: int) -> tuple[Lane, int, int]:
     """A row at the leader's own physical position (or in a fresh lane): n choices of one
     prompt share its prefilled cache and run in one call."""
     for lane in lanes:

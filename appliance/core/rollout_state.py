@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 from appliance.core.config import RolloutConfig
 from appliance.core.errors import ApplianceError
@@ -25,8 +25,15 @@ from appliance.core.policy import State
 from appliance.core.slots import ModelEntry
 
 
+class _Event(Protocol):
+    """``StateDB.event``."""
+
+    def __call__(self, kind: str, message: str, model: str = "", version: int | None = None,
+                 **detail: object) -> None: ...
+
+
 class ChannelRollouts:
-    def __init__(self, event: Any):
+    def __init__(self, event: _Event):
         """``event(kind, message, model=...)``: the state database's."""
         self._records: dict[str, dict[str, Any]] = {}  # model -> the channel's rollout record
         self.event = event
