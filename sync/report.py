@@ -26,8 +26,9 @@ import base64
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .json_types import JSONObject, ReadJSONObject
 from .manifest import canonical, parse_json
 from .source import MISSING, Source
 
@@ -76,14 +77,14 @@ def public_text(private_key: Ed25519PrivateKey) -> str:
     return "ed25519:" + base64.b64encode(raw).decode()
 
 
-def sign_report(doc: dict[str, Any], private_key: Ed25519PrivateKey) -> dict[str, Any]:
+def sign_report(doc: JSONObject, private_key: Ed25519PrivateKey) -> JSONObject:
     """``doc`` with ``device_key`` and ``signature`` (over everything else)."""
-    body = {k: v for k, v in doc.items() if k != "signature"}
+    body: JSONObject = {k: v for k, v in doc.items() if k != "signature"}
     body["device_key"] = public_text(private_key)
     return {**body, "signature": base64.b64encode(private_key.sign(canonical(body))).decode()}
 
 
-def trust_mark(doc: dict[str, Any], registered: str | None, holds: bool | None = None) -> str:
+def trust_mark(doc: ReadJSONObject, registered: str | None, holds: bool | None = None) -> str:
     """One of ``TRUST_MARKS`` for a report, given the device's registered key (or None).
     ``holds``: ``signature_holds(doc)`` when the caller already knows it (the listing caches
     it per ETag: an Ed25519 check is most of a 10,000-device view's CPU)."""
@@ -97,7 +98,7 @@ def trust_mark(doc: dict[str, Any], registered: str | None, holds: bool | None =
     return SIGNED if registered == key else KEY_CHANGED
 
 
-def signature_holds(doc: dict[str, Any]) -> bool:
+def signature_holds(doc: ReadJSONObject) -> bool:
     """The report's signature verifies with the key it carries (says nothing of whose key)."""
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey

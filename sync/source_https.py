@@ -16,7 +16,6 @@ import http.client
 import socket
 import urllib.error
 import urllib.request
-from typing import Any
 from urllib.parse import quote
 
 from .errors import ReadOnlySource, Refused, SourceError, Throttled, Unavailable
@@ -38,7 +37,8 @@ class HTTPSource:
     def sibling(self) -> "HTTPSource":
         return HTTPSource(self.url, self.limits)
 
-    def _open(self, key: str, headers: dict[str, str], method: str = "GET") -> Any:
+    def _open(self, key: str, headers: dict[str, str], method: str = "GET") -> http.client.HTTPResponse | int:
+        """The response, or the status of a not-modified, missing or unsatisfiable answer."""
         self.requests += 1
         request = urllib.request.Request(f"{self.base}/{quote(key)}", headers=headers, method=method)
         try:
@@ -58,11 +58,11 @@ class HTTPSource:
             raise SourceError(f"{method} {key}: {_why(exc, self.limits)}") from exc
 
     @staticmethod
-    def _tag(response: Any) -> str:
+    def _tag(response: http.client.HTTPResponse) -> str:
         modified = response.headers.get("Last-Modified")
         return response.headers.get("ETag") or (f"lm:{modified}" if modified else "")
 
-    def _announced(self, response: Any, key: str, room: int | None, hint: str = "") -> None:
+    def _announced(self, response: http.client.HTTPResponse, key: str, room: int | None, hint: str = "") -> None:
         """Refuse a body whose Content-Length already says it is over its cap."""
         length = response.headers.get("Content-Length")
         if room is not None and length is not None and length.isdigit() and int(length) > room:

@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from appliance.version import __version__
 from appliance.core import logs
@@ -48,6 +48,9 @@ from appliance.core.tls import tls_context
 from sync.store import check_version
 from appliance.transport.http.server import HTTPServer
 
+if TYPE_CHECKING:  # the backends are the core's to import
+    import runtimes
+
 log = logging.getLogger("appliance.service")
 
 TEST_HOOKS_ENV = "EDGE_APPLIANCE_TEST_HOOKS"
@@ -59,7 +62,7 @@ class Service:
     """One running appliance: the core, its HTTP server and the signal-driven main loop."""
 
     def __init__(self, config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None,
-                 backends: Any = None):
+                 backends: dict[str, runtimes.Backend] | None = None):
         self.config = config
         self.config_path = config_path
         self.overrides = overrides or {}
