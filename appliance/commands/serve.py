@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from appliance.commands.common import Subcommands
+from appliance.core.json_read import obj
+from appliance.core.json_types import ReadJSONObject
 
 if TYPE_CHECKING:
     from appliance.core.config import Config
@@ -58,7 +60,7 @@ def add_commands(sub: Subcommands) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+def serve_overrides(args: argparse.Namespace) -> dict[str, object]:  # config key -> a flag's value (None: unset)
     """The config overrides of ``appliance serve``'s flags (None: not given, the file decides)."""
     return {
         "server.host": args.host,
@@ -125,10 +127,11 @@ def _local_admin_token(config: Config) -> None:
     config.security.admin_token_file = path
 
 
-def quick_start_lines(config: Config, url: str, status: dict[str, Any]) -> list[str]:
+def quick_start_lines(config: Config, url: str, status: ReadJSONObject) -> list[str]:
     """What the embedded default prints once it is ready: what serves, a request to try,
     where the bucket is and how to publish to it."""
-    served = ", ".join(f"{name} v{m['serving_version']}" for name, m in sorted(status.get("models", {}).items())
+    models = [(name, obj(m)) for name, m in sorted(obj(status.get("models")).items())]
+    served = ", ".join(f"{name} v{m['serving_version']}" for name, m in models
                        if m.get("serving_version") is not None) or "nothing yet"
     bucket = config.sync.bucket
     every = f"{config.sync.poll_interval_s:g} s"

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from appliance.version import __version__
 from appliance.core import running
 from appliance.core.json_read import obj, seq
+from appliance.core.json_types import JSONObject
 from appliance.fronts.pool import Fronts
 
 if TYPE_CHECKING:  # for annotations only: the service imports this module
@@ -38,7 +39,7 @@ def attach(service: Service) -> None:
                     running.path_in(service.config.state_dir))
 
 
-def listening(service: Service) -> dict[str, Any]:
+def listening(service: Service) -> JSONObject:
     """The addresses and the token source of ``service`` now (safe to show)."""
     config, server = service.config, service.server
     assert server is not None, "listening() is asked of a started service"
@@ -51,8 +52,8 @@ def listening(service: Service) -> dict[str, Any]:
                  "served_by": f"{workers} front workers" if workers else "the serving process",
                  "cert_file": config.security.tls_cert_file or None},
         "rest_socket": getattr(config.server, "socket_path", "") or None,
-        "grpc": list(seq(grpc.get("addresses"))),  # bound now
-        "grpc_configured": _grpc_configured(config),
+        "grpc": [str(a) for a in seq(grpc.get("addresses"))],  # bound now (host:port texts)
+        "grpc_configured": list(_grpc_configured(config)),
         "workers": workers,
         "admin_token": admin_token_source(config.security),
     }
@@ -65,7 +66,7 @@ def _grpc_configured(config: Config) -> list[str]:
     return wanted + ([f"unix:{config.grpc.socket_path}"] if config.grpc.socket_path else [])
 
 
-def admin_token_source(security: SecurityConfig) -> dict[str, Any]:
+def admin_token_source(security: SecurityConfig) -> JSONObject:
     """Where the admin token comes from: ``{"source": ..., "file": path or None}`` (no token:
     source "none", admin endpoints are off)."""
     if security.admin_token:
