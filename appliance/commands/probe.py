@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.commands.common import Subcommands
 
 if TYPE_CHECKING:
+    from appliance.core.json_types import JSONObject
     from appliance.core.config import Config
 
 
@@ -51,7 +52,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def probe_models(config: Config, info: dict[str, Any]) -> dict[str, Any]:
+def probe_models(config: Config, info: JSONObject) -> JSONObject:
     """Run the real trial (load every artifact, time each candidate, warm the choice up, in a
     child process as the service does) for each model's newest version: its decision record,
     with whether the version is whole (``ok``, ``code``, ``reason``, ``artifacts``)."""
@@ -63,7 +64,7 @@ def probe_models(config: Config, info: dict[str, Any]) -> dict[str, Any]:
     from appliance.core.sources import discover_models, versions_on_disk
 
     env = LoadEnv(config, info, runtimes.default_backends(), Ledger({}), device.fingerprint(info))
-    out = {}
+    out: JSONObject = {}
     for model in discover_models(config.models_dir, config.model_name):
         versions = versions_on_disk(model.base_path)
         if not versions:
