@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import mmap
 import struct
-from typing import Any, Mapping, Protocol, TypedDict
+from typing import Any, Iterable, Mapping, Protocol, TypedDict
 
 import numpy as np
 from numpy.typing import NDArray
@@ -95,7 +95,7 @@ def _computed_tensors(model: Any, graph: Any) -> list[tuple[str, list[int], int]
     return out
 
 
-def dims_text(shape: Any) -> str:
+def dims_text(shape: Iterable[int] | None) -> str:  # a tuple, a list or a numpy vector of dims
     return "[" + ",".join(str(d) for d in shape) + "]" if shape is not None else "an unknown shape"
 
 
