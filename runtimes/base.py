@@ -137,7 +137,7 @@ class Backend(Protocol):
 
     name: str
 
-    def probe(self, device: ReadJSONObject) -> Availability: ...  # the device report (core/device.py)
+    def probe(self, device: ReadJSONObject) -> Availability: ...  # the device report (appliance/core/device.py)
 
     def can_serve(self, version_dir: str) -> str | None:
         """Path of the artifact this backend would load from the directory, or None."""

@@ -152,7 +152,8 @@ def _token(args: argparse.Namespace, config: Config, record: ReadJSONObject | No
     token = client_admin_token(config.security)
     if token:
         return token, "the config's [security] (or the admin-token credential)"
-    candidates = [str_or_none(obj((record or {}).get("admin_token")).get("file")), os.path.join(state_dir, "admin-token")]
+    recorded = str_or_none(obj((record or {}).get("admin_token")).get("file"))
+    candidates = [recorded, os.path.join(state_dir, "admin-token")]
     for path in [p for p in candidates if p]:
         if os.access(path, os.R_OK):
             return _read(path), f"the file {path}"

@@ -273,7 +273,9 @@ def redact(value: ReadJSONValue) -> JSONValue:
     if isinstance(value, Mapping):
         return redact_object(value)
     if isinstance(value, str):
-        return _SECRET_QUERY.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", value)) if "=" in value or "@" in value else value
+        if "=" in value or "@" in value:
+            return _SECRET_QUERY.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", value))
+        return value
     if isinstance(value, Sequence):  # a list or a tuple (a string is handled above)
         return [redact(v) for v in value]
     return value
