@@ -11,10 +11,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.commands.common import source as bucket
 from sync.source import Source
+
+if TYPE_CHECKING:  # the listing (and its crypto) is imported when the page starts
+    from sync.listing import ReportCache
 
 
 class Snapshots:
@@ -22,7 +25,7 @@ class Snapshots:
 
     Thread-safety: ``refresh`` runs on one thread; ``fleet``/``device`` on any."""
 
-    def __init__(self, source: Source, cache: Any, workers: int):
+    def __init__(self, source: Source, cache: ReportCache, workers: int):
         self.source, self.cache, self.workers = source, cache, workers
         self._lock = threading.Lock()
         self._fleet = b"{}"
