@@ -56,7 +56,7 @@ from sync.store import Store, rollout_policies, set_pin
 from appliance.api.errors import flask_error
 from appliance.core.config import SyncConfig
 from appliance.core.json_read import obj
-from appliance.core.json_types import ReadJSONObject
+from appliance.core.json_types import JSONObject, ReadJSONObject
 from appliance.core.sources import DirectorySource
 from appliance.api.routes import ADMIN
 from appliance.parts.device_report import Reporter
@@ -167,7 +167,7 @@ class SyncLoop:
                                        "refused": {}, "requests": {"polls": 0, "reports": 0}}
         self.core.add_status("sync", self._status)
 
-    def _push_rollout(self, model: str, record: dict[str, Any] | None) -> None:
+    def _push_rollout(self, model: str, record: JSONObject | None) -> None:
         """The channel's candidate and rollout policy, pushed to the model manager."""
         if self.core.manager is not None:
             self.core.manager.set_channel_rollout(model, record)
@@ -187,7 +187,7 @@ class SyncLoop:
         self._thread = threading.Thread(target=self._run, name="sync-loop", daemon=True)
         self._thread.start()
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self) -> JSONObject:
         """``/api/status`` ``sync``: the loop's figures, each model's standing refusal, and the
         bucket requests made by the polls and by the report writer."""
         reports = self.reporter.source.requests if self.reporter is not None else 0
@@ -208,7 +208,7 @@ class SyncLoop:
             self.reporter.close()
         self.source.close()
 
-    def sync_now(self, timeout: float = 120) -> dict[str, Any]:
+    def sync_now(self, timeout: float = 120) -> JSONObject:
         """Run a poll now (reading the list of models again too) and wait for it (one that
         started after this call)."""
         with self._polled:
@@ -310,7 +310,7 @@ class SyncLoop:
                                  frozenset(int(v["version"]) for v in m.get("versions", []) if v.get("state") != "END"))
                 for name, m in manager.snapshot().items()}
 
-    def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: Any) -> None:
+    def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: object) -> None:
         """Record a sync event (state.db, logs, the page); never raises (any thread)."""
         try:
             self.core.db.event(kind, message, model=model, version=version, **detail)
@@ -356,7 +356,7 @@ def _register_routes(service: Host, loop: SyncLoop | None, reloads: Reloads) -> 
     service.app.register_blueprint(bp)  # attach() runs before the HTTP server serves
 
 
-def rollback_to(loop: SyncLoop, model: str, body: dict[str, Any]) -> Response:
+def rollback_to(loop: SyncLoop, model: str, body: ReadJSONObject) -> Response:
     """Pin (or unpin) ``model`` as ``appliance rollback`` does, then poll so it takes effect now."""
     state_dir = loop.store.state_dir
     version = body.get("version")
