@@ -37,7 +37,7 @@ import runtimes
 from appliance.core import device as device_mod
 from appliance.core.config import Config, ModelConfig, RolloutConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable
-from appliance.core.json_types import ReadJSONObject
+from appliance.core.json_types import JSONObject, ReadJSONObject
 from appliance.core.handle import Handle
 from appliance.core.ledger import Ledger, mtime
 from appliance.core.loader import LoadEnv, LoadError, Loaded, Loader
@@ -169,7 +169,7 @@ class Manager:
                 return
             self._reconcile_model(name, entry)
 
-    def set_channel_rollout(self, name: str, record: dict[str, Any] | None) -> None:
+    def set_channel_rollout(self, name: str, record: JSONObject | None) -> None:
         """(sync) The channel of ``name`` names a candidate and/or a rollout policy
         (``{"candidate": N | None, "policy": {...} | None}``; None: neither). Applied at once."""
         self.channels.set(name, record)
@@ -281,7 +281,7 @@ class Manager:
         for listener in self.listeners:
             listener()
 
-    def _transition(self, slot: VersionSlot, state: State, message: str, kind: str, **detail: Any) -> None:
+    def _transition(self, slot: VersionSlot, state: State, message: str, kind: str, **detail: object) -> None:
         with self._lock:
             slot.state = state
             self._changed()
@@ -351,7 +351,7 @@ class Manager:
                       version=slot.version, signature=signature, error=why)
 
     def _fail(self, entry: ModelEntry, slot: VersionSlot, reason: str, code: str,
-              decision: dict[str, Any] | None) -> None:
+              decision: JSONObject | None) -> None:
         slot.error, slot.error_code = reason, code
         slot.decision = decision or slot.decision
         entry.quarantined[slot.version] = Quarantine(mtime(slot.path), reason, code)
