@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from .errors import Refused
+from .json_types import JSONObject
 from .fleet_view import counts, device_rows, rollout_progress
 from .listing import ReportCache, list_reports
 from .manifest import parse_json
@@ -48,7 +49,7 @@ def _registry(source: Source) -> dict[str, str]:
         return {}
 
 
-def read_pointer(source: Source, model: str, channel: str) -> dict[str, Any] | None:
+def read_pointer(source: Source, model: str, channel: str) -> JSONObject | None:
     """The channel pointer as the bucket holds it (unverified: the view shows what is there),
     None when the channel does not exist or does not parse."""
     fetched = source.read(f"{model}/channels/{channel}.json")
@@ -65,5 +66,5 @@ def without_reports(view: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in view.items() if k != "reports"}
 
 
-def dumps(view: dict[str, Any]) -> bytes:
+def dumps(view: Mapping[str, object]) -> bytes:  # anything not JSON is written as its text
     return json.dumps(view, separators=(",", ":"), default=str).encode()

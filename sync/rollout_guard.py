@@ -16,7 +16,7 @@ failed keep serving their last good version, and the page and ``appliance fleet`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .fleet_view import device_rows, rollout_progress
 from .fleet import read_pointer
@@ -25,6 +25,9 @@ from .publisher import halt_channel, roll_back_channel
 from .report import load_registry
 from .errors import Refused
 from .source import Source
+
+if TYPE_CHECKING:  # cryptography is imported where keys are used
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 
 @dataclass
@@ -54,7 +57,7 @@ def look(source: Source, model: str, channel: str, cache: ReportCache) -> tuple[
     return rollout_progress(listing.entries, rows, model, channel, pointer, shown=shown), pointer
 
 
-def watch_round(source: Source, model: str, channel: str, cache: ReportCache, sign_key: Any = None,
+def watch_round(source: Source, model: str, channel: str, cache: ReportCache, sign_key: Ed25519PrivateKey | None = None,
                 by: str = "appliance rollout watch") -> Round:
     """One look at the rollout; halts the channel when its threshold is reached."""
     progress, _ = look(source, model, channel, cache)
@@ -65,7 +68,8 @@ def watch_round(source: Source, model: str, channel: str, cache: ReportCache, si
     return Round(progress, halted_now=bool(reason), done=_done(progress))
 
 
-def control_round(source: Source, model: str, channel: str, cache: ReportCache, sign_key: Any = None,
+def control_round(source: Source, model: str, channel: str, cache: ReportCache,
+                  sign_key: Ed25519PrivateKey | None = None,
                   by: str = "appliance rollout controller") -> Round:
     """The controller's round: the same judge as ``watch_round``; at the threshold, what the
     pointer's ``on_failure`` says: ``rollback`` points the channel back at its
