@@ -30,12 +30,14 @@ from __future__ import annotations
 import math
 import threading
 from functools import lru_cache
-from typing import Callable, Literal, Mapping, TypeAlias, Union, cast
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, TypeAlias, Union, cast
 
 import numpy as np
-from numpy.typing import NDArray
 
 from appliance.core.json_types import JSONScalar
+
+if TYPE_CHECKING:  # NDArray is named in a string below: numpy.typing is not imported at run time
+    from numpy.typing import NDArray
 
 try:
     import simdjson
@@ -51,7 +53,7 @@ _local = threading.local()
 
 # A document as ``loads`` returns it: JSON, with big numeric arrays already numpy (int64, uint64
 # or float64). The decoders narrow it with isinstance, as they would a plain JSON document.
-Parsed: TypeAlias = Union[JSONScalar, NDArray[np.generic], list["Parsed"], dict[str, "Parsed"]]
+Parsed: TypeAlias = Union[JSONScalar, "NDArray[np.generic]", list["Parsed"], dict[str, "Parsed"]]
 ParsedObject: TypeAlias = dict[str, Parsed]
 
 

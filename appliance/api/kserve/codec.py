@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
 import orjson
-from numpy.typing import NDArray
 
 from appliance.api import tensor_limits
-from appliance.api.json_arrays import Parsed
-from appliance.core.config import LimitsConfig
 from appliance.core.errors import InvalidArgument
+
+if TYPE_CHECKING:  # annotations only: no import a process without them would not make
+    from numpy.typing import NDArray
+
+    from appliance.api.json_arrays import Parsed
+    from appliance.core.config import LimitsConfig
 
 # datatype name -> numpy dtype (little-endian, as the protocol's binary form is).
 DATATYPES: dict[str, np.dtype] = {

@@ -20,7 +20,6 @@ import numpy as np
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 
 from appliance.version import __version__
-from appliance.api.json_arrays import Parsed
 from appliance.api.kserve import classification, codec, shared_memory
 from appliance.core.errors import InvalidArgument, NotFound, Unavailable
 from appliance.core.handle import shape_error
@@ -29,6 +28,7 @@ from appliance.core.seams import ModelHandle, ModelStates, RouteKey, ServingCore
 from appliance.core.shared_memory import SharedMemory, Slice
 
 if TYPE_CHECKING:
+    from appliance.api.json_arrays import Parsed
     from appliance.core.appliance import Appliance
 
 SERVER_NAME = "edge-appliance"

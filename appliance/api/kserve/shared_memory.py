@@ -37,7 +37,7 @@ import base64
 import contextvars
 import ipaddress
 import re
-from typing import Mapping, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Mapping, TypedDict, TypeVar
 from urllib.parse import unquote
 
 import numpy as np
@@ -47,7 +47,9 @@ from appliance.api.kserve import codec
 from appliance.core.errors import InvalidArgument, MethodNotAllowed, NotFound, PermissionDenied
 from appliance.core.json_types import JSONObject, JSONValue
 from appliance.core.shared_memory import SharedMemory, Slice
-from appliance.protos.kserve import pb
+
+if TYPE_CHECKING:  # the REST face imports this module: no protobuf for an annotation
+    from appliance.protos.kserve import pb
 
 
 SYSTEM, CUDA = "systemsharedmemory", "cudasharedmemory"

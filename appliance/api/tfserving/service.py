@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import importlib.util
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import numpy.typing as npt
 
 from runtimes import SignatureInfo
 
 from appliance.core.errors import InvalidArgument, Unimplemented
 from appliance.core.seams import HandleSource, RouteKey
 from appliance.protos.tfserving import wire as pw
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
