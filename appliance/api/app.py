@@ -11,8 +11,6 @@ Every error answer is appliance/api/errors.py's.
 
 from __future__ import annotations
 
-from typing import Any
-
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
@@ -56,7 +54,7 @@ def routes_of(app: Flask) -> RouteTable:
     return app.extensions["routes"]  # type: ignore[no-any-return]  # Flask's extensions dict holds Any
 
 
-def _json(obj: Any, status: int = 200) -> Response:
+def _json(obj: object, status: int = 200) -> Response:
     return Response(tfs_json.dumps(obj), status=status, mimetype="application/json")
 
 
@@ -68,7 +66,7 @@ def _register_service_routes(app: Flask, core: Appliance) -> None:
     @app.get("/readyz", scope=OPEN)
     def readyz() -> Response:
         ready = core.ready()
-        body: dict[str, Any] = {"ready": ready}
+        body: dict[str, object] = {"ready": ready}
         if core.manager is not None and not ready:
             body["models"] = {n: m["serving_version"] for n, m in core.manager.snapshot().items()}
         problems = core.problems()

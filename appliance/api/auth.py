@@ -41,14 +41,19 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
-from wsgiref.types import WSGIApplication
+from types import ModuleType
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Protocol
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from appliance.api.errors import render, wsgi_answer
 from appliance.api.mounts import ADMIN, INFERENCE, READ, ROUTE_KEY, SAFE_METHODS, SCOPES, rule_scope
-from appliance.core.config import Config
+from appliance.core.config import Config, SecurityConfig
 
 if TYPE_CHECKING:
+    import grpc
+    from prometheus_client import Counter
+
+    from appliance.api.grpc_errors import CallContext
     from appliance.api.routes import RouteTable
     from appliance.core.appliance import Appliance
 
@@ -120,7 +125,7 @@ def _read_token_file(path: str) -> tuple[str, str]:
     return token, ""
 
 
-def _resolve(security: Any, scope: str) -> ScopeToken:
+def _resolve(security: SecurityConfig, scope: str) -> ScopeToken:
     token = getattr(security, f"{scope}_token", "")
     if token:
         return ScopeToken(_digest(token), f"security.{scope}_token")
@@ -141,7 +146,7 @@ def _resolve(security: Any, scope: str) -> ScopeToken:
     return ScopeToken()
 
 
-def load_tokens(security: Any) -> Tokens:
+def load_tokens(security: SecurityConfig) -> Tokens:
     """Every scope's token from a ``SecurityConfig`` (reads the token files)."""
     return Tokens({scope: _resolve(security, scope) for scope in SCOPES})
 
@@ -151,7 +156,7 @@ class _Cache:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.security: Any = None
+        self.security: SecurityConfig | None = None
         self.tokens = Tokens()
 
 
@@ -162,7 +167,7 @@ class TokenHolder(Protocol):
     @property
     def config(self) -> Config: ...
 
-    def add_status(self, name: str, provider: Callable[[], Any]) -> None: ...
+    def add_status(self, name: str, provider: Callable[[], object]) -> None: ...
 
 
 _caches_lock = threading.Lock()
@@ -242,13 +247,13 @@ class AuthLayer:
     The scope is the matched route's (``RouteTable.resolve``); the match is left in the
     environ (``ROUTE_KEY``) so the table dispatches without matching again."""
 
-    def __init__(self, inner: Callable[..., Any], core: "Appliance", table: "RouteTable"):
+    def __init__(self, inner: WSGIApplication, core: "Appliance", table: "RouteTable"):
         self.inner: WSGIApplication = inner
         self.core = core
         self.table = table
         self.failures = _failure_counter(core)
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         found = environ[ROUTE_KEY] = self.table.resolve(environ)
         scope = found[1]
         decision = authorize(self.core, scope, environ.get("HTTP_AUTHORIZATION"))
@@ -261,7 +266,7 @@ class AuthLayer:
 
 
 def _deny(decision: Decision, scope: str, method: str, path: str,
-          start_response: Callable[..., Any]) -> Iterable[bytes]:
+          start_response: StartResponse) -> Iterable[bytes]:
     headers = [("Cache-Control", "no-store")]
     if decision.status == 401:
         challenge = f'Bearer realm="{REALM}", scope="{scope}"'
@@ -273,7 +278,7 @@ def _deny(decision: Decision, scope: str, method: str, path: str,
     return wsgi_answer(start_response, render(decision.status, decision.message, headers=headers), method)
 
 
-def _failure_counter(core: "Appliance") -> Any:
+def _failure_counter(core: "Appliance") -> Counter | None:
     """edge_appliance_auth_refusals_total{scope,status}: someone knocking shows on a dashboard."""
     registry = getattr(getattr(core, "metrics", None), "registry", None)
     if registry is None:
@@ -300,7 +305,7 @@ def grpc_scope(method: str, control_scope: str = ADMIN) -> str | None:
     return INFERENCE
 
 
-def grpc_interceptor(core: TokenHolder) -> Any:
+def grpc_interceptor(core: TokenHolder) -> object:
     """A ``grpc.aio.ServerInterceptor`` (the gRPC port is a grpc.aio server) applying
     ``authorize`` to each call's ``authorization`` metadata: UNAUTHENTICATED for a missing
     or wrong token, PERMISSION_DENIED for admin methods while admin is off, UNAVAILABLE
@@ -311,7 +316,9 @@ def grpc_interceptor(core: TokenHolder) -> Any:
              503: grpc.StatusCode.UNAVAILABLE}
 
     class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped: its base class is Any
-        async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        async def intercept_service(
+                self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
             scope = grpc_scope(details.method, core.config.kserve.model_control_scope)
             header = next((v for k, v in (details.invocation_metadata or ()) if k == "authorization"), None)
             if isinstance(header, bytes):
@@ -325,10 +332,11 @@ def grpc_interceptor(core: TokenHolder) -> Any:
     return TokenInterceptor()
 
 
-def _denying_handler(grpc: Any, handler: Any, code: Any, message: str) -> Any:
+def _denying_handler(grpc: ModuleType, handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
+                     message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``handler`` that aborts every call with ``code``."""
 
-    def deny(request: Any, context: Any) -> Any:
+    def deny(request: object, context: CallContext) -> None:
         context.abort(code, message)
 
     kinds = (("unary_unary", grpc.unary_unary_rpc_method_handler),
@@ -342,7 +350,7 @@ def _denying_handler(grpc: Any, handler: Any, code: Any, message: str) -> Any:
     return handler
 
 
-def client_admin_token(security: Any) -> str | None:
+def client_admin_token(security: SecurityConfig) -> str | None:
     """The admin token as a local client (``appliance sync``/``rollback``) finds it: the
     config's token or file, or the ``admin-token`` credential; None when there is none."""
     for source in (getattr(security, "admin_token", ""),):

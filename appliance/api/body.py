@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import io
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable
-from wsgiref.types import WSGIApplication
+from typing import TYPE_CHECKING, Callable, Iterable
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from appliance.api.errors import wsgi_error
 from appliance.core.errors import ApplianceError, InvalidArgument, PayloadTooLarge
@@ -31,14 +31,14 @@ STEP = 256 * 1024  # inflated bytes produced per step: the most a bomb gets past
 LIMIT_KEY = "server.max_body_bytes"
 
 
-def read_body(environ: dict[str, Any], limit: int) -> bytes:
+def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
     """The request body, inflated when compressed; 413 over ``limit``, 400 for a broken encoding."""
     data = read_raw(environ, limit)
     encoding = content_encoding(environ)
     return inflate(data, limit, encoding) if encoding else data
 
 
-def read_raw(environ: dict[str, Any], limit: int) -> bytes:
+def read_raw(environ: WSGIEnvironment, limit: int) -> bytes:
     """The request body as sent (no inflation); 413 over ``limit``."""
     length = environ.get("CONTENT_LENGTH")
     try:
@@ -54,7 +54,7 @@ def read_raw(environ: dict[str, Any], limit: int) -> bytes:
     return bytes(data)
 
 
-def content_encoding(environ: dict[str, Any]) -> str:
+def content_encoding(environ: WSGIEnvironment) -> str:
     """"gzip", "deflate", "" (none or identity), or 400 for an encoding this server cannot undo."""
     value = environ.get("HTTP_CONTENT_ENCODING", "").strip().lower()
     if not value or value == "identity":
@@ -106,11 +106,11 @@ class GzipBodies:
     to inflate anything. Requests without Content-Encoding pass untouched.
     """
 
-    def __init__(self, app: Callable[..., Any], core: "Appliance"):
+    def __init__(self, app: WSGIApplication, core: "Appliance"):
         self.app: WSGIApplication = app
         self.core = core
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         if not environ.get("HTTP_CONTENT_ENCODING"):
             return self.app(environ, start_response)
         try:
@@ -123,6 +123,6 @@ class GzipBodies:
         return self.app(environ, start_response)
 
 
-def route_key(environ: dict[str, Any]) -> Callable[[str], str | None]:
+def route_key(environ: WSGIEnvironment) -> Callable[[str], str | None]:
     """The request's header values by name, for the core's sticky canary routing."""
     return lambda header: environ.get("HTTP_" + header.upper().replace("-", "_"))

@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import math
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+from wsgiref.types import StartResponse
 
 import orjson
 
@@ -72,14 +73,14 @@ def render_error(exc: BaseException, where: str = "the REST API") -> tuple[int, 
     return render(error.http_status, error.message, error.retry_after)
 
 
-def wsgi_answer(start_response: Callable[..., Any], rendered: tuple[int, Headers, bytes],
+def wsgi_answer(start_response: StartResponse, rendered: tuple[int, Headers, bytes],
                 method: str = "GET") -> Iterable[bytes]:
     status, headers, body = rendered
     start_response(status_line(status), headers)
     return [body] if method != "HEAD" else []
 
 
-def wsgi_error(exc: BaseException, start_response: Callable[..., Any], where: str = "the REST API") -> Iterable[bytes]:
+def wsgi_error(exc: BaseException, start_response: StartResponse, where: str = "the REST API") -> Iterable[bytes]:
     return wsgi_answer(start_response, render_error(exc, where))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Awaitable, Callable, Iterator, Mapping
+from typing import Awaitable, Callable, Iterator, Mapping, NoReturn, Protocol, Sequence, TypeVar
 
 import grpc
 
@@ -17,13 +17,29 @@ from appliance.core.seams import RequestMetrics
 
 log = logging.getLogger("appliance.grpc")
 
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
-def guarded(fn: Callable[[Any], Awaitable[Any]], method: str,
-            codes: Mapping[type, str] | None = None) -> Callable[[Any, Any], Awaitable[Any]]:
+
+class CallContext(Protocol):
+    """What the services use of a call's context: grpcio's ``grpc.aio.ServicerContext`` and the
+    lean server's ``appliance.transport.grpc.calls.Context`` both have it. ``abort`` never
+    returns (grpcio's is a coroutine that raises, the lean one raises at once)."""
+
+    def peer(self) -> str: ...
+
+    def abort(self, code: grpc.StatusCode, details: str = ...) -> Awaitable[NoReturn]: ...
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None: ...
+
+
+
+def guarded(fn: Callable[[Req], Awaitable[Resp]], method: str,
+            codes: Mapping[type, str] | None = None) -> Callable[[Req, CallContext], Awaitable[Resp]]:
     """``fn(request)``, a coroutine, as a gRPC method served on the server's event loop;
     ``codes`` overrides the code of an error class (TF Serving answers a full batch queue
     RESOURCE_EXHAUSTED, Triton UNAVAILABLE)."""
-    async def call(request: Any, context: Any) -> Any:
+    async def call(request: Req, context: CallContext) -> Resp:
         try:
             return await fn(request)
         except Exception as exc:
@@ -32,7 +48,8 @@ def guarded(fn: Callable[[Any], Awaitable[Any]], method: str,
     return call
 
 
-def _status(exc: Exception, method: str, codes: Mapping[type, str] | None, context: Any) -> tuple[grpc.StatusCode, str]:
+def _status(exc: Exception, method: str, codes: Mapping[type, str] | None,
+            context: CallContext) -> tuple[grpc.StatusCode, str]:
     """The status code and message for ``exc`` (its retry-after put in the trailing metadata)."""
     if isinstance(exc, ApplianceError):
         error = exc

@@ -30,9 +30,14 @@ from __future__ import annotations
 import math
 import threading
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, TypeAlias, Union, cast
 
 import numpy as np
+
+from appliance.core.json_types import JSONScalar
+
+if TYPE_CHECKING:  # NDArray is named in a string below: numpy.typing is not imported at run time
+    from numpy.typing import NDArray
 
 try:
     import simdjson
@@ -46,6 +51,12 @@ _WHITESPACE = b" \t\r\n"
 _local = threading.local()
 
 
+# A document as ``loads`` returns it: JSON, with big numeric arrays already numpy (int64, uint64
+# or float64). The decoders narrow it with isinstance, as they would a plain JSON document.
+Parsed: TypeAlias = Union[JSONScalar, "NDArray[np.generic]", list["Parsed"], dict[str, "Parsed"]]
+ParsedObject: TypeAlias = dict[str, Parsed]
+
+
 class TooMany(Exception):
     """A top-level array holds more members than ``loads``'s ``rows`` allow (no value built yet)."""
 
@@ -54,7 +65,7 @@ class TooMany(Exception):
         self.key, self.count = key, count
 
 
-def loads(raw: bytes, rows: Mapping[str, int] | None = None, before: Callable[[], None] | None = None) -> Any | None:
+def loads(raw: bytes, rows: Mapping[str, int] | None = None, before: Callable[[], None] | None = None) -> Parsed | None:
     """``raw`` parsed, big numeric arrays as numpy (module docstring); None when this path
     does not apply (the caller parses it its own way). Between simdjson's parse (its tape: no
     Python value yet) and the conversion, ``TooMany`` when an array under a top-level key of
@@ -80,7 +91,7 @@ def loads(raw: bytes, rows: Mapping[str, int] | None = None, before: Callable[[]
         del doc  # the parser may be reused only once no proxy of this document is alive
 
 
-def _check_rows(doc: Any, rows: Mapping[str, int]) -> None:
+def _check_rows(doc: simdjson.SimValue, rows: Mapping[str, int]) -> None:
     if not rows or not isinstance(doc, simdjson.Object):
         return
     keys = list(doc.keys())
@@ -97,7 +108,7 @@ class _Duplicate(Exception):
     """A key twice in one object: orjson keeps the last, simdjson finds the first."""
 
 
-def _convert(value: Any, key: str | None, raw: bytes) -> Any:
+def _convert(value: simdjson.SimValue, key: str | None, raw: bytes) -> Parsed:
     if isinstance(value, simdjson.Object):
         keys = list(value.keys())
         if len(set(keys)) != len(keys):
@@ -113,11 +124,12 @@ def _convert(value: Any, key: str | None, raw: bytes) -> Any:
             arr = _numbers(value, key, raw)
             if arr is not None:
                 return arr
-        return value.as_list()
+        # as_list builds JSON containers; its stub says bare ``dict``/``list`` for them
+        return cast("list[Parsed]", value.as_list())
     return value
 
 
-def _numeric_leaf(value: Any) -> bool:
+def _numeric_leaf(value: simdjson.SimValue) -> bool:
     while isinstance(value, simdjson.Array):
         if not len(value):
             return False
@@ -125,7 +137,7 @@ def _numeric_leaf(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _numbers(array: Any, key: str, raw: bytes) -> np.ndarray | None:
+def _numbers(array: simdjson.Array, key: str, raw: bytes) -> NDArray[np.generic] | None:
     shape = _shape(array)
     count = math.prod(shape)
     if count < MIN_VALUES:
@@ -136,7 +148,7 @@ def _numbers(array: Any, key: str, raw: bytes) -> np.ndarray | None:
     return flat.reshape(shape)
 
 
-def _shape(array: Any) -> tuple[int, ...]:
+def _shape(array: simdjson.SimValue) -> tuple[int, ...]:
     shape = []
     while isinstance(array, simdjson.Array):
         shape.append(len(array))
@@ -146,10 +158,12 @@ def _shape(array: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _buffer(array: Any) -> np.ndarray | None:
+def _buffer(array: simdjson.Array) -> NDArray[np.generic] | None:
     """The numbers, flattened: int64 when every one is an integer, uint64 when they are but
     some exceed int64 (as numpy reads them), else float64."""
-    for of_type, dtype in (("i", np.int64), ("u", np.uint64), ("d", np.float64)):
+    kinds: tuple[tuple[Literal["i", "u", "d"], type[np.generic]], ...] = (
+        ("i", np.int64), ("u", np.uint64), ("d", np.float64))
+    for of_type, dtype in kinds:
         try:
             return np.frombuffer(array.as_buffer(of_type=of_type), dtype=dtype)
         except (TypeError, ValueError, OverflowError):  # INCORRECT_TYPE: not all of that kind

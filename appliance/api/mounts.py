@@ -25,7 +25,8 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+from wsgiref.types import WSGIEnvironment
 
 OPEN: str | None = None
 ADMIN, INFERENCE, READ = "admin", "inference", "read"
@@ -114,11 +115,11 @@ class Mounts:
                 return mount
         return None
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Mount]:
         return iter(self.mounts)
 
 
-def raw_path(environ: dict[str, Any]) -> str:
+def raw_path(environ: WSGIEnvironment) -> str:
     """The path as TF Serving matches it: undecoded when the server gives it, with the query."""
     raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
     if raw:

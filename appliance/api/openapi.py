@@ -19,7 +19,6 @@ import copy
 import functools
 import importlib
 import importlib.util
-from typing import Any
 
 from appliance.api import schemas
 from appliance.api.families import API_MOUNTS
@@ -27,24 +26,25 @@ from appliance.api.schemas import generate as generate_bodies
 from appliance.api.schemas import kserve as kserve_bodies
 from appliance.api.schemas import openai as openai_bodies
 from appliance.api.schemas import tfserving as tfserving_bodies
+from appliance.core.json_types import JSONArray, JSONObject
 from appliance.core.problems import KIND_ORDER
 
 JSON = "application/json"
-_ERROR_SCHEMA = {"$ref": "#/components/schemas/Error"}
+_ERROR_SCHEMA: JSONObject = {"$ref": "#/components/schemas/Error"}
 
 
-def _error(description: str) -> dict[str, Any]:
+def _error(description: str) -> JSONObject:
     return {"description": description, "content": {JSON: {"schema": _ERROR_SCHEMA}}}
 
 
-def _ok(schema: dict[str, Any], description: str = "ok", media: str = JSON) -> dict[str, Any]:
+def _ok(schema: JSONObject, description: str = "ok", media: str = JSON) -> JSONObject:
     return {"description": description, "content": {media: {"schema": schema}}}
 
 
 # What a request can get before its handler runs: appliance/api/auth.py (401 no or wrong token,
 # 403 admin endpoints off, 503 a token file that cannot be read) and appliance/transport/http/server.py
 # (503 shed under overload, 408 a request slower than its deadline, 413 a body over the limit).
-GUARDS = {
+GUARDS: JSONObject = {
     "401": _error("a token is required for this scope and none or a wrong one was given"),
     "403": _error("admin endpoints are off: no admin token is configured"),
     "408": _error("the request was not received within limits.header_timeout_s / request_timeout_s"),
@@ -52,9 +52,9 @@ GUARDS = {
     "503": _error("overloaded (Retry-After), a model not available yet, or a token file that cannot be read"),
 }
 PROBE_GUARDS = ("408",)  # /healthz and /readyz: always open and never shed
-_MODEL = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
-_VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
-_LABEL = {"name": "label", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+_MODEL: JSONObject = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+_VERSION: JSONObject = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
+_LABEL: JSONObject = {"name": "label", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
 _BAD = _error("malformed request, unknown signature or label, wrong dtype or shape, over a [limits] value")
 _MISSING = _error("no such model or version")
 _INFERENCE = {
@@ -64,9 +64,9 @@ _INFERENCE = {
 }
 
 
-def _operation(summary: str, responses: dict[str, Any], params: list[dict[str, Any]] | None = None,
-               body: dict[str, Any] | None = None, guards: tuple[str, ...] = tuple(GUARDS)) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {**{k: GUARDS[k] for k in guards}, **responses}}
+def _operation(summary: str, responses: JSONObject, params: JSONArray | None = None,
+               body: JSONObject | None = None, guards: tuple[str, ...] = tuple(GUARDS)) -> JSONObject:
+    op: JSONObject = {"summary": summary, "responses": {**{k: GUARDS[k] for k in guards}, **responses}}
     if params:
         op["parameters"] = params
     if body is not None:
@@ -74,14 +74,15 @@ def _operation(summary: str, responses: dict[str, Any], params: list[dict[str, A
     return op
 
 
-def _json_body(schema: str, required: bool = True) -> dict[str, Any]:
+def _json_body(schema: str, required: bool = True) -> JSONObject:
     return {"required": required, "content": {JSON: {"schema": {"$ref": schemas.REF.format(name=schema)}}}}
 
 
-def _tf_serving_paths() -> dict[str, Any]:
-    paths: dict[str, Any] = {}
-    for suffix, params in (("", [_MODEL]), ("/versions/{version}", [_MODEL, _VERSION]),
-                           ("/labels/{label}", [_MODEL, _LABEL])):
+def _tf_serving_paths() -> JSONObject:
+    paths: JSONObject = {}
+    variants: tuple[tuple[str, JSONArray], ...] = (("", [_MODEL]), ("/versions/{version}", [_MODEL, _VERSION]),
+                                                   ("/labels/{label}", [_MODEL, _LABEL]))
+    for suffix, params in variants:
         base = "/v1/models/{model}" + suffix
         paths[base] = {"get": _operation("TF Serving model version status", {
             "200": _ok({"$ref": "#/components/schemas/ModelStatus"}), "400": _BAD, "404": _MISSING}, params)}
@@ -96,10 +97,10 @@ def _tf_serving_paths() -> dict[str, Any]:
     return paths
 
 
-def _service_paths() -> dict[str, Any]:
-    admin_body = {"required": False, "content": {JSON: {"schema": {"$ref": "#/components/schemas/RollbackRequest"}}}}
+def _service_paths() -> JSONObject:
+    admin_body: JSONObject = {"required": False, "content": {JSON: {"schema": {"$ref": "#/components/schemas/RollbackRequest"}}}}
     conflict = _error("refused in the device's current state (no bucket, version not on disk, config refused)")
-    paths: dict[str, Any] = {
+    paths: JSONObject = {
         "/healthz": {"get": _operation("alive", {"200": _ok({"$ref": "#/components/schemas/Health"})},
                                        guards=PROBE_GUARDS)},
         "/readyz": {"get": _operation("every model has an available version (503 if not)", {
@@ -135,25 +136,27 @@ def _service_paths() -> dict[str, Any]:
     return paths
 
 
-def _layer_paths() -> dict[str, Any]:
+def _layer_paths() -> JSONObject:
     """``OPENAPI_PATHS`` of the API layer modules this install has, with the guards added."""
-    merged: dict[str, Any] = {}
+    merged: JSONObject = {}
     for layer in API_MOUNTS:
         module_name = layer.partition(":")[0]
         if importlib.util.find_spec(module_name) is None:
             continue
-        for path, item in getattr(importlib.import_module(module_name), "OPENAPI_PATHS", {}).items():
+        layer_paths: JSONObject = getattr(importlib.import_module(module_name), "OPENAPI_PATHS", {})
+        for path, item in layer_paths.items():
             item = copy.deepcopy(item)
-            for op in item.values():
-                if isinstance(op, dict) and "responses" in op:
+            for op in item.values() if isinstance(item, dict) else ():
+                responses = op.get("responses") if isinstance(op, dict) else None
+                if isinstance(op, dict) and isinstance(responses, dict):
                     guards = PROBE_GUARDS if "/health/" in path else tuple(GUARDS)
-                    op["responses"] = {**{k: GUARDS[k] for k in guards}, **op["responses"]}
+                    op["responses"] = {**{k: GUARDS[k] for k in guards}, **responses}
             merged[path] = item
     return merged
 
 
 @functools.lru_cache(maxsize=4)
-def spec(version: str) -> dict[str, Any]:
+def spec(version: str) -> JSONObject:
     paths = {**_tf_serving_paths(), **_service_paths(), **_layer_paths()}
     return {
         "openapi": "3.1.0",  # JSON Schema 2020-12: what the layers write (exclusiveMinimum: 0)
@@ -171,13 +174,13 @@ def spec(version: str) -> dict[str, Any]:
 DECLARED = (*openai_bodies.REQUESTS, *openai_bodies.ANSWERS, generate_bodies.GenerateRequest,
             generate_bodies.Generated, generate_bodies.GenerateError, tfserving_bodies.PredictRequest, tfserving_bodies.ExamplesRequest,
             kserve_bodies.InferRequest)
-_TENSOR_INFO = {"type": "object", "required": ["dtype", "tensor_shape", "name"], "properties": {
+_TENSOR_INFO: JSONObject = {"type": "object", "required": ["dtype", "tensor_shape", "name"], "properties": {
     "dtype": {"type": "string"}, "name": {"type": "string"},
     "tensor_shape": {"type": "object", "required": ["dim", "unknown_rank"], "properties": {
         "dim": {"type": "array", "items": {"type": "object", "required": ["size"], "properties": {
             "size": {"type": "string"}, "name": {"type": "string"}}}},
         "unknown_rank": {"type": "boolean"}}}}}
-SCHEMAS: dict[str, Any] = {
+SCHEMAS: JSONObject = {
     "Error": {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]},
     "PredictResponse": {"type": "object", "minProperties": 1, "maxProperties": 1,
                         "properties": {"predictions": {}, "outputs": {}}, "additionalProperties": False},

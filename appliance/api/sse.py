@@ -11,13 +11,14 @@ the HTTP server closes it early.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
+from wsgiref.types import WSGIEnvironment
 
 GONE_KEY = "appliance.client_gone"  # environ: a callable, True once the client went away (the transport sets it)
 T = TypeVar("T")
 
 
-def client_gone(environ: dict[str, Any]) -> Callable[[], bool]:
+def client_gone(environ: WSGIEnvironment) -> Callable[[], bool]:
     """Whether the request's client is gone, for an answer that writes nothing until it is
     whole (a non-streamed completion): the HTTP server, or the front worker's link, puts the
     callable in the environ; without one the answer runs to its end."""
@@ -25,7 +26,7 @@ def client_gone(environ: dict[str, Any]) -> Callable[[], bool]:
     return gone if callable(gone) else (lambda: False)
 
 
-def waiting_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
+def waiting_gone(environ: WSGIEnvironment) -> Callable[[], bool] | None:
     """What a request waiting for a stream looks at to leave the queue when its client went
     away: the socket, where this process holds it; None for a request a front worker forwarded
     (the worker looks and cancels it)."""

@@ -84,6 +84,21 @@ def test_500000_brackets_is_400_and_the_process_lives(server: Any) -> None:
     alive(server)
 
 
+BIG_ARRAY = b"[" + b",".join([b"1.5"] * 2000) + b"]"  # json_arrays.py makes it numpy (>= 1024 numbers)
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'[{"x": ' + BIG_ARRAY + b"}]", ("Is not object", '"x": [1.5, 1.5')),
+    (b'{"signature_name": 1, "instances": ' + BIG_ARRAY + b"}", ("'signature_name' key must be a string",)),
+])
+def test_a_refused_body_holding_a_big_numeric_array_is_shown_in_the_400(server: Any, body: bytes,
+                                                                        words: tuple[str, ...]) -> None:
+    """TF Serving's refusal shows the body (json_tensor.cc's debug string), also the arrays
+    json_arrays.py read as numpy, as the lists they were (shown unconverted they were a 500)."""
+    refused(predict(server, "half_plus_two", body), 400, *words)
+    alive(server)
+
+
 # --- numbers --------------------------------------------------------------------------------
 def test_a_million_digit_number_is_400(server: Any) -> None:
     digits = b"9" * 1_000_000

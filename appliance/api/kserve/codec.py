@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
 import orjson
 
 from appliance.api import tensor_limits
 from appliance.core.errors import InvalidArgument
+
+if TYPE_CHECKING:  # annotations only: no import a process without them would not make
+    from numpy.typing import NDArray
+
+    from appliance.api.json_arrays import Parsed
+    from appliance.core.config import LimitsConfig
 
 # datatype name -> numpy dtype (little-endian, as the protocol's binary form is).
 DATATYPES: dict[str, np.dtype] = {
@@ -53,7 +59,7 @@ def datatype_of(dtype: np.dtype) -> str:
     return _BY_KIND.get((dtype.kind, dtype.itemsize), f"unsupported({dtype.name})")
 
 
-def dtype_of(datatype: Any, where: str) -> np.dtype:
+def dtype_of(datatype: object, where: str) -> np.dtype:
     """The numpy dtype of a datatype name; 400 naming the input for anything else."""
     dt = DATATYPES.get(datatype) if isinstance(datatype, str) else None
     if dt is None:
@@ -63,7 +69,7 @@ def dtype_of(datatype: Any, where: str) -> np.dtype:
     return dt
 
 
-def check_shape(shape: Any, where: str) -> tuple[int, ...]:
+def check_shape(shape: object, where: str) -> tuple[int, ...]:
     """A request's ``shape``: a list of non-negative integers (no bools, no floats)."""
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS or not all(
             type(d) is int and 0 <= d < 1 << 63 for d in shape):
@@ -87,7 +93,7 @@ def check_overflow(shape: Sequence[int], dtype: np.dtype, datatype: str, where: 
                               f"{count * dtype.itemsize} bytes, more than {U64_MAX}")
 
 
-def check_declared_elements(declared: Sequence[tuple[str, Sequence[int]]], limits: Any) -> None:
+def check_declared_elements(declared: Sequence[tuple[str, Sequence[int]]], limits: LimitsConfig) -> None:
     """``limits.max_tensor_elements`` on the elements the (name, shape) of a request's inputs
     declare, all together: called before any input's data is read, so no tensor past the
     limit is built. The error names the largest input's shape."""
@@ -102,7 +108,7 @@ def nbytes_for(shape: Sequence[int], dtype: np.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def _short(value: object, limit: int = 80) -> str:
     text = orjson.dumps(value, default=str).decode() if not isinstance(value, (bytes, memoryview)) else "<bytes>"
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -113,7 +119,7 @@ _KIND_WORDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "non-inte
                "O": "mixed values"}
 
 
-def from_json(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+def from_json(data: Parsed, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
     """``data`` (flat or nested, row-major) as an array of ``shape`` and ``datatype``."""
     dtype = dtype_of(datatype, where)
     count = math.prod(shape)
@@ -129,7 +135,7 @@ def from_json(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> n
     return arr.reshape(shape)
 
 
-def check_nesting(data: Any, where: str) -> None:
+def check_nesting(data: Parsed, where: str) -> None:
     """Triton's nesting limit, on the first element's chain (a deeper list elsewhere is ragged,
     which the conversion refuses): no per-element walk."""
     depth, value = 0, data
@@ -140,7 +146,7 @@ def check_nesting(data: Any, where: str) -> None:
         value = value[0]
 
 
-def _json_numbers(data: list[Any], dtype: np.dtype, datatype: str, where: str) -> np.ndarray:
+def _json_numbers(data: list[Parsed] | NDArray[np.generic], dtype: np.dtype, datatype: str, where: str) -> np.ndarray:
     arr = np.asarray(data)
     if arr.size and arr.dtype.kind not in _JSON_KINDS[dtype.kind]:
         got = _KIND_WORDS.get(arr.dtype.kind, arr.dtype.name)
@@ -153,14 +159,14 @@ def _json_numbers(data: list[Any], dtype: np.dtype, datatype: str, where: str) -
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
-def _json_strings(data: list[Any], where: str) -> np.ndarray:
+def _json_strings(data: list[Parsed] | NDArray[np.generic], where: str) -> np.ndarray:
     flat = _flatten_strings(data, where, 0)
     out = np.empty(len(flat), dtype=object)
     out[:] = flat
     return out
 
 
-def _flatten_strings(value: list[Any], where: str, depth: int) -> list[bytes]:
+def _flatten_strings(value: Iterable[object], where: str, depth: int) -> list[bytes]:
     if depth > MAX_NESTING:
         raise InvalidArgument(f"{where}: JSON nesting depth exceeds maximum allowed limit ({MAX_NESTING})")
     out: list[bytes] = []
@@ -184,7 +190,7 @@ def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def to_json(arr: np.ndarray, name: str) -> Any:
+def to_json(arr: np.ndarray, name: str) -> np.ndarray | list[str]:
     """An output's ``data``: flat, row-major, in a form orjson writes natively."""
     if arr.dtype.kind in "biuf":
         if arr.dtype == np.float16:
@@ -308,7 +314,7 @@ def header_length(value: str | None, body_size: int) -> int | None:
     return length
 
 
-def binary_size(params: Mapping[str, Any], where: str) -> int | None:
+def binary_size(params: Mapping[str, object], where: str) -> int | None:
     size = params.get("binary_data_size")
     if size is None:
         return None
@@ -351,7 +357,7 @@ class BinaryBody:
                                   "to Content-Length")
 
 
-def join_binary(header: dict[str, Any], chunks: Iterable[bytes]) -> tuple[bytes, int]:
+def join_binary(header: Mapping[str, object], chunks: Iterable[bytes]) -> tuple[bytes, int]:
     """A response body: the JSON header then each binary output; and the header's size."""
     head = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
     return b"".join([head, *chunks]), len(head)

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Mapping
 
 from runtimes import SignatureInfo, TensorSpec
 
 from appliance.api.kserve import codec
 from appliance.api.kserve.classification import label_file
 from appliance.api.kserve.service import default_signature, triton_words
-from appliance.core.config import ModelConfig
+from appliance.core.config import BatchingConfig, ModelConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable, Unimplemented
+from appliance.core.json_types import JSONArray, JSONObject, JSONValue
 from appliance.core.policy import State
 
 if TYPE_CHECKING:
@@ -50,12 +51,12 @@ class V2Extensions:
         self.core = core
 
     # -- statistics ---------------------------------------------------------------------------
-    def statistics(self, name: str, version: int | None) -> dict[str, Any]:
+    def statistics(self, name: str, version: int | None) -> dict[str, list[dict[str, object]]]:
         """``{"model_stats": [...]}`` for every loaded version of ``name`` (every model when
         empty), or the one version asked for."""
         manager = self._manager()
         names = [name] if name else manager.models()
-        entries = []
+        entries: list[dict[str, object]] = []
         for model in names:
             with triton_words(model, version):
                 slots = manager.version_states(model, version)
@@ -66,7 +67,7 @@ class V2Extensions:
         return {"model_stats": entries}
 
     # -- model configuration -----------------------------------------------------------------
-    async def config(self, name: str, version: int | None) -> dict[str, Any]:
+    async def config(self, name: str, version: int | None) -> JSONObject:
         manager = self._manager()
         with triton_words(name, version):
             settings = manager.entry(name).config
@@ -79,11 +80,11 @@ class V2Extensions:
         return model_config(name, platform, settings, self.core.config.batching_for(settings), signature, path)
 
     # -- repository -----------------------------------------------------------------------------
-    def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+    def index(self, ready_only: bool = False) -> list[JSONObject]:
         """Triton's repository index: one entry per loaded version (its state), and one per
         model not loaded (``UNAVAILABLE``, "unloaded")."""
         control, manager = self.core.control, self._manager()
-        out: list[dict[str, Any]] = []
+        out: list[JSONObject] = []
         for name, loaded in (control.index() if control is not None else [(n, True) for n in manager.models()]):
             try:
                 slots = manager.version_states(name) if loaded else []
@@ -98,7 +99,7 @@ class V2Extensions:
                 out.append({"name": name, "state": "UNAVAILABLE", "reason": "unloaded"})
         return out
 
-    async def load(self, name: str, parameters: dict[str, Any]) -> None:
+    async def load(self, name: str, parameters: Mapping[str, object]) -> None:
         """Triton's load: returns once the model is ready, or fails with "failed to load"."""
         control = self._control()
         _check_explicit(control)
@@ -107,7 +108,7 @@ class V2Extensions:
         control.load(name, batching)
         await self._until(name, loaded=True)
 
-    async def unload(self, name: str, parameters: dict[str, Any]) -> None:
+    async def unload(self, name: str, parameters: Mapping[str, object]) -> None:
         control = self._control()
         _check_explicit(control)
         control.unload(name)
@@ -173,7 +174,7 @@ _OVERRIDABLE = {"max_batch_size": "max_batch_size"}  # Triton config key -> our 
 NAME_MAX = 255  # a path component's limit (Linux): Triton refuses a longer file name as INTERNAL
 
 
-def _refuse_files(name: str, parameters: dict[str, Any]) -> None:
+def _refuse_files(name: str, parameters: Mapping[str, object]) -> None:
     """Triton's load may carry the model's files (``file:<path>`` parameters, with a config):
     this server loads only what its sources have on disk (verified, atomically committed), so
     it refuses them; a path Triton itself refuses (a component over NAME_MAX) gets Triton's answer."""
@@ -188,7 +189,7 @@ def _refuse_files(name: str, parameters: dict[str, Any]) -> None:
                             "the bucket) and load it by name")
 
 
-def _config_override(name: str, parameters: dict[str, Any]) -> dict[str, Any] | None:
+def _config_override(name: str, parameters: Mapping[str, object]) -> dict[str, int] | None:
     """A load's ``config`` parameter (Triton: a model configuration as JSON) as ``[batching]``
     overrides; the keys it may set are ``max_batch_size`` and ``dynamic_batching``'s
     ``max_queue_delay_microseconds``. Anything else is refused, naming the key."""
@@ -198,12 +199,12 @@ def _config_override(name: str, parameters: dict[str, Any]) -> dict[str, Any] | 
     import orjson
 
     try:
-        value = orjson.loads(text) if isinstance(text, (str, bytes)) else None
+        value: JSONValue = orjson.loads(text) if isinstance(text, (str, bytes)) else None
     except orjson.JSONDecodeError as exc:
         raise InvalidArgument(f"{LOAD_FAILED.format(name=name)}: the 'config' parameter is not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"{LOAD_FAILED.format(name=name)}: the 'config' parameter must be a JSON object")
-    out: dict[str, Any] = {}
+    out: dict[str, int] = {}
     for key, item in value.items():
         if key == "max_batch_size":
             out["max_batch_size"] = _int(name, key, item)
@@ -216,28 +217,31 @@ def _config_override(name: str, parameters: dict[str, Any]) -> dict[str, Any] | 
     return out
 
 
-def _int(name: str, key: str, item: Any) -> int:
+def _int(name: str, key: str, item: JSONValue) -> int:
     try:
+        if not isinstance(item, (str, int, float)):  # as int() of it: a TypeError
+            raise TypeError(type(item).__name__)
         return int(item)  # Triton's JSON takes "16" for an int64 as protobuf's JSON does
     except (TypeError, ValueError):
         raise InvalidArgument(f"{LOAD_FAILED.format(name=name)}: config '{key}' must be an integer") from None
 
 
 # --- Triton's model configuration ---------------------------------------------------------------
-def model_config(name: str, platform: str, settings: ModelConfig, batching: Any, signature: SignatureInfo,
-                 path: str) -> dict[str, Any]:
+def model_config(name: str, platform: str, settings: ModelConfig, batching: BatchingConfig, signature: SignatureInfo,
+                 path: str) -> JSONObject:
     """Triton's ModelConfig (its JSON) of a served version (module docstring)."""
     specs = [*signature.inputs.values(), *signature.outputs.values()]
     batched = batching.enable_batching and all(_has_batch_dim(s) for s in specs)
     labels = label_file(path)
-    body: dict[str, Any] = {
+    outputs: JSONArray = [{**_tensor(k, s, batched, False), "label_filename": labels or ""}
+                          for k, s in signature.outputs.items()]
+    body: JSONObject = {
         "name": name, "platform": platform,
         "backend": "tensorflow" if platform.startswith("tensorflow") else platform,
         "version_policy": _version_policy(settings),
         "max_batch_size": batching.max_batch_size if batched else 0,
         "input": [_tensor(k, s, batched, True) for k, s in signature.inputs.items()],
-        "output": [{**_tensor(k, s, batched, False), "label_filename": labels or ""}
-                   for k, s in signature.outputs.items()],
+        "output": outputs,
         "instance_group": [{"name": f"{name}_0", "kind": "KIND_CPU", "count": 1}],
         "parameters": {},
     }
@@ -247,7 +251,7 @@ def model_config(name: str, platform: str, settings: ModelConfig, batching: Any,
     return body
 
 
-def _version_policy(settings: ModelConfig) -> dict[str, Any]:
+def _version_policy(settings: ModelConfig) -> JSONObject:
     if settings.version_policy == "all":
         return {"all": {}}
     if settings.version_policy == "specific":
@@ -259,11 +263,11 @@ def _has_batch_dim(spec: TensorSpec) -> bool:
     return spec.shape is not None and len(spec.shape) >= 1 and spec.shape[0] in (None, -1)
 
 
-def _tensor(name: str, spec: TensorSpec, batched: bool, is_input: bool) -> dict[str, Any]:
-    dims = [-1] if spec.shape is None else [-1 if d is None else int(d) for d in spec.shape]
+def _tensor(name: str, spec: TensorSpec, batched: bool, is_input: bool) -> JSONObject:
+    dims: JSONArray = [-1] if spec.shape is None else [-1 if d is None else int(d) for d in spec.shape]
     if batched:
         dims = dims[1:]
-    out: dict[str, Any] = {"name": name, "data_type": "TYPE_" + _type_word(codec.datatype_of(spec.dtype)),
+    out: JSONObject = {"name": name, "data_type": "TYPE_" + _type_word(codec.datatype_of(spec.dtype)),
                            "dims": dims}
     if is_input:  # an image-shaped input (H, W, 1 or 3) is NHWC, what image_client.py needs to know
         image = len(dims) == 3 and dims[2] in (1, 3)

@@ -22,16 +22,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from appliance.api.kserve import classification, codec
 from appliance.api.kserve import shared_memory as shm
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound
-from appliance.api.grpc_errors import guarded, observed
+from appliance.api.grpc_errors import CallContext, guarded, observed
+from appliance.core.config import LimitsConfig
+from appliance.core.json_types import JSONScalar
 from appliance.core.shared_memory import SharedMemory
 from appliance.protos.kserve import model_config_pb2, pb
 from appliance.api.kserve.rest import parse_version
@@ -45,7 +48,6 @@ if TYPE_CHECKING:
 SERVICE_NAME = "inference.GRPCInferenceService"
 STREAM = "ModelStreamInfer"  # bidirectional: both transports serve it (the lean one through streams.py)
 STREAM_IN_FLIGHT = 64  # a stream's requests running at once; the next is read when one is answered
-_END = object()  # the end of a stream's requests
 log = logging.getLogger("appliance.grpc")
 
 # datatype -> the typed contents field that carries it (FP16 has none: raw only)
@@ -57,9 +59,15 @@ _CONTENTS_FIELD = {
 _ALL_FIELDS = tuple(sorted(set(_CONTENTS_FIELD.values())))
 
 
-def _with_caller(call: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+Parameters = dict[str, JSONScalar]  # an InferParameter's choices: bool, int64, uint64, double, string
+RepositoryParameters = dict[str, JSONScalar | bytes]  # a ModelRepositoryParameter's: bytes too (files)
+
+
+def _with_caller(call: Callable[[Req, CallContext], Awaitable[Resp]]) -> Callable[[Req, CallContext], Awaitable[Resp]]:
     """``call`` with the call's peer as shared memory's ``CALLER`` (only this host may use regions)."""
-    async def with_caller(request: Any, context: Any) -> Any:
+    async def with_caller(request: Req, context: CallContext) -> Resp:
         caller = shm.CALLER.set(context.peer())
         try:
             return await call(request, context)
@@ -88,58 +96,55 @@ class V2GRPC:
         return cls(V2Service.serving(core), V2Extensions(core))
 
     def handler(self) -> grpc.GenericRpcHandler:
-        methods: dict[str, tuple[Any, Any, Callable[[Any], Awaitable[Any]]]] = {
-            "ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse, self.server_live),
-            "ServerReady": (pb.ServerReadyRequest, pb.ServerReadyResponse, self.server_ready),
-            "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse, self.model_ready),
-            "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse, self.server_metadata),
-            "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse, self.model_metadata),
-            "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse, self.model_infer),
-            "ModelStatistics": (pb.ModelStatisticsRequest, pb.ModelStatisticsResponse, self.model_statistics),
-            "ModelConfig": (pb.ModelConfigRequest, pb.ModelConfigResponse, self.model_config),
-            "RepositoryIndex": (pb.RepositoryIndexRequest, pb.RepositoryIndexResponse, self.repository_index),
-            "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse, self.load),
-            "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse,
-                                      self.unload),
-            "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, pb.SystemSharedMemoryStatusResponse,
-                                         self.shm_status),
-            "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest,
-                                           pb.SystemSharedMemoryRegisterResponse, self.shm_register),
-            "SystemSharedMemoryUnregister": (pb.SystemSharedMemoryUnregisterRequest,
-                                             pb.SystemSharedMemoryUnregisterResponse, self.shm_unregister),
-            "CudaSharedMemoryStatus": (pb.CudaSharedMemoryStatusRequest, pb.CudaSharedMemoryStatusResponse,
-                                       self.cuda_status),
-            "CudaSharedMemoryRegister": (pb.CudaSharedMemoryRegisterRequest, pb.CudaSharedMemoryRegisterResponse,
-                                         self.cuda_register),
-            "CudaSharedMemoryUnregister": (pb.CudaSharedMemoryUnregisterRequest,
-                                           pb.CudaSharedMemoryUnregisterResponse, self.cuda_unregister),
-        }
-        handlers = {name: grpc.unary_unary_rpc_method_handler(
-            _with_caller(guarded(fn, name)), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
-            for name, (req, resp, fn) in methods.items()}
+        handlers = dict((
+            _unary("ServerLive", pb.ServerLiveRequest, pb.ServerLiveResponse, self.server_live),
+            _unary("ServerReady", pb.ServerReadyRequest, pb.ServerReadyResponse, self.server_ready),
+            _unary("ModelReady", pb.ModelReadyRequest, pb.ModelReadyResponse, self.model_ready),
+            _unary("ServerMetadata", pb.ServerMetadataRequest, pb.ServerMetadataResponse, self.server_metadata),
+            _unary("ModelMetadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse, self.model_metadata),
+            _unary("ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse, self.model_infer),
+            _unary("ModelStatistics", pb.ModelStatisticsRequest, pb.ModelStatisticsResponse, self.model_statistics),
+            _unary("ModelConfig", pb.ModelConfigRequest, pb.ModelConfigResponse, self.model_config),
+            _unary("RepositoryIndex", pb.RepositoryIndexRequest, pb.RepositoryIndexResponse, self.repository_index),
+            _unary("RepositoryModelLoad", pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse, self.load),
+            _unary("RepositoryModelUnload", pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse,
+                   self.unload),
+            _unary("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest,
+                   pb.SystemSharedMemoryStatusResponse, self.shm_status),
+            _unary("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest,
+                   pb.SystemSharedMemoryRegisterResponse, self.shm_register),
+            _unary("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest,
+                   pb.SystemSharedMemoryUnregisterResponse, self.shm_unregister),
+            _unary("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest, pb.CudaSharedMemoryStatusResponse,
+                   self.cuda_status),
+            _unary("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest,
+                   pb.CudaSharedMemoryRegisterResponse, self.cuda_register),
+            _unary("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest,
+                   pb.CudaSharedMemoryUnregisterResponse, self.cuda_unregister),
+        ))
         handlers[STREAM] = grpc.stream_stream_rpc_method_handler(
             self.model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
             response_serializer=pb.ModelStreamInferResponse.SerializeToString)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     # -- health and metadata --------------------------------------------------------------
-    async def server_live(self, request: Any) -> Any:
+    async def server_live(self, request: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.service.live())
 
-    async def server_ready(self, request: Any) -> Any:
+    async def server_ready(self, request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.service.ready())
 
-    async def model_ready(self, request: Any) -> Any:
+    async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
         try:  # as Triton: an unknown model is simply not ready
             ready = self.service.model_ready(request.name, _grpc_version(request.version))
         except NotFound:
             ready = False
         return pb.ModelReadyResponse(ready=ready)
 
-    async def server_metadata(self, request: Any) -> Any:
+    async def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.service.server_metadata())
 
-    async def model_metadata(self, request: Any) -> Any:
+    async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
         meta = await self.service.model_metadata(request.name, _grpc_version(request.version))
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
@@ -147,22 +152,26 @@ class V2GRPC:
             inputs=[tensor(**t) for t in meta["inputs"]], outputs=[tensor(**t) for t in meta["outputs"]])
 
     # -- statistics, model configuration, repository (appliance/api/kserve/extensions.py) ----
-    async def model_statistics(self, request: Any) -> Any:
+    async def model_statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
         stats = self._extensions().statistics(request.name, _grpc_version(request.version))
-        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+        response = pb.ModelStatisticsResponse()
+        json_format.ParseDict(stats, response)  # fills ``response`` in place (and returns it)
+        return response
 
-    async def model_config(self, request: Any) -> Any:
+    async def model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
         config = await self._extensions().config(request.name, _grpc_version(request.version))
         return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
 
-    async def repository_index(self, request: Any) -> Any:
-        return json_format.ParseDict({"models": self._extensions().index(request.ready)}, pb.RepositoryIndexResponse())
+    async def repository_index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
+        response = pb.RepositoryIndexResponse()
+        json_format.ParseDict({"models": self._extensions().index(request.ready)}, response)
+        return response
 
-    async def load(self, request: Any) -> Any:
+    async def load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
         await self._extensions().load(request.model_name, _repository_parameters(request.parameters))
         return pb.RepositoryModelLoadResponse()
 
-    async def unload(self, request: Any) -> Any:
+    async def unload(self, request: pb.RepositoryModelUnloadRequest) -> pb.RepositoryModelUnloadResponse:
         await self._extensions().unload(request.model_name, _repository_parameters(request.parameters))
         return pb.RepositoryModelUnloadResponse()
 
@@ -172,13 +181,13 @@ class V2GRPC:
         return self.extensions
 
     # -- shared memory (appliance/api/kserve/shared_memory.py) ------------------------------
-    async def shm_status(self, request: Any) -> Any:
+    async def shm_status(self, request: pb.SystemSharedMemoryStatusRequest) -> pb.SystemSharedMemoryStatusResponse:
         response = pb.SystemSharedMemoryStatusResponse()
         for region in shm.registry(self.service.regions).status(request.name or None):
             response.regions[region["name"]].CopyFrom(response.RegionStatus(**region))
         return response
 
-    async def shm_register(self, request: Any) -> Any:
+    async def shm_register(self, request: pb.SystemSharedMemoryRegisterRequest) -> pb.SystemSharedMemoryRegisterResponse:
         if not request.name:
             raise InvalidArgument("'region name' is necessary to register system shared memory region")
         try:
@@ -189,38 +198,39 @@ class V2GRPC:
             raise
         return pb.SystemSharedMemoryRegisterResponse()
 
-    async def shm_unregister(self, request: Any) -> Any:
+    async def shm_unregister(self, request: pb.SystemSharedMemoryUnregisterRequest) -> pb.SystemSharedMemoryUnregisterResponse:
         shm.registry(self.service.regions).unregister(request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def cuda_status(self, request: Any) -> Any:
+    async def cuda_status(self, request: pb.CudaSharedMemoryStatusRequest) -> pb.CudaSharedMemoryStatusResponse:
         response = pb.CudaSharedMemoryStatusResponse()
         for region in shm.CUDA_REGIONS.status(request.name or None):
             response.regions[region["name"]].CopyFrom(response.RegionStatus(**region))
         return response
 
-    async def cuda_register(self, request: Any) -> Any:
+    async def cuda_register(self, request: pb.CudaSharedMemoryRegisterRequest) -> pb.CudaSharedMemoryRegisterResponse:
         shm.CUDA_REGIONS.register(request.name, request.raw_handle, request.device_id, request.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()
 
-    async def cuda_unregister(self, request: Any) -> Any:
+    async def cuda_unregister(self, request: pb.CudaSharedMemoryUnregisterRequest) -> pb.CudaSharedMemoryUnregisterResponse:
         shm.CUDA_REGIONS.unregister(request.name or None)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- inference ------------------------------------------------------------------------
-    async def model_stream_infer(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async def model_stream_infer(self, requests: AsyncIterator[pb.ModelInferRequest],
+                                 context: CallContext) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Triton's ModelStreamInfer: every request of the stream is an ordinary ModelInfer,
         run as it arrives (several at once, so they batch), and answered as it completes; a
         failed one is answered with ``error_message`` and the stream goes on. Ends once the
         client has half-closed and every request is answered. At most ``STREAM_IN_FLIGHT``
         run at once: the next request is not read (so the transport gives the client no
         credit for more) until one is answered."""
-        answers: asyncio.Queue[Any] = asyncio.Queue()
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()  # None: the requests ended
         tasks: set[asyncio.Task[None]] = set()
         slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # read and not yet handed to the transport
         unanswered = 0
 
-        async def one(request: Any) -> None:
+        async def one(request: pb.ModelInferRequest) -> None:
             try:
                 response = pb.ModelStreamInferResponse(infer_response=await self.model_infer(request))
             except ApplianceError as exc:
@@ -240,14 +250,14 @@ class V2GRPC:
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
             finally:  # also when reading failed: the loop below ends, and ``await reader`` raises
-                answers.put_nowait(_END)
+                answers.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
             ended = False
             while not ended or unanswered:  # counted, not the task set: a task's answer comes before its end
                 answer = await answers.get()
-                if answer is _END:
+                if answer is None:
                     ended = True
                     continue
                 unanswered -= 1
@@ -258,7 +268,7 @@ class V2GRPC:
             for task in (reader, *tasks):
                 task.cancel()
 
-    async def model_infer(self, request: Any) -> Any:
+    async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         with observed(self.core.metrics, request.model_name, "v2_infer"):
             regions = self.service.regions
             inputs = _inputs(request, self.core.config.limits, regions)
@@ -274,6 +284,14 @@ class V2GRPC:
             return response
 
 
+def _unary(name: str, request: type[Req], response: type[Resp], fn: Callable[[Req], Awaitable[Resp]]
+           ) -> tuple[str, grpc.RpcMethodHandler]:
+    """One unary method's handler: its messages' codecs, its errors as statuses, the caller set."""
+    return name, grpc.unary_unary_rpc_method_handler(
+        _with_caller(guarded(fn, name)), request_deserializer=request.FromString,
+        response_serializer=response.SerializeToString)
+
+
 class _Unopenable(InvalidArgument):
     """A region whose key opens nothing: INTERNAL over gRPC, the code Triton answers (its qa
     checks it); still 400 over REST."""
@@ -285,24 +303,24 @@ def _grpc_version(text: str) -> int | None:
     return parse_version(text) if text else None
 
 
-def _parameters(params: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _parameters(params: Mapping[str, pb.InferParameter]) -> Parameters:
+    out: Parameters = {}
     for key, value in params.items():
         choice = value.WhichOneof("parameter_choice")
         out[key] = getattr(value, choice) if choice else None
     return out
 
 
-def _repository_parameters(params: Any) -> dict[str, Any]:
+def _repository_parameters(params: Mapping[str, pb.ModelRepositoryParameter]) -> RepositoryParameters:
     """A load's parameters: ``config`` (a string) and files (bytes) as Triton sends them."""
-    out: dict[str, Any] = {}
+    out: RepositoryParameters = {}
     for key, value in params.items():
         choice = value.WhichOneof("parameter_choice")
         out[key] = getattr(value, choice) if choice else None
     return out
 
 
-def _inputs(request: Any, limits: Any, regions: SharedMemory | None = None) -> list[Tensor]:
+def _inputs(request: pb.ModelInferRequest, limits: LimitsConfig, regions: SharedMemory | None = None) -> list[Tensor]:
     """The request's tensors; every shape is checked, and the elements they declare counted
     against ``limits.max_tensor_elements``, before any array is built. Inputs in shared memory
     (their parameters name a region) take no raw_input_contents entry, as tritonclient sends them."""
@@ -336,7 +354,7 @@ def _inputs(request: Any, limits: Any, regions: SharedMemory | None = None) -> l
     return tensors
 
 
-def _requested(output: Any, regions: SharedMemory | None) -> Requested:
+def _requested(output: pb.ModelInferRequest.InferRequestedOutputTensor, regions: SharedMemory | None) -> Requested:
     """One requested output; written into shared memory when its parameters name a region."""
     params = _parameters(output.parameters) if output.parameters else {}
     where = f"output '{output.name}'"
@@ -344,7 +362,7 @@ def _requested(output: Any, regions: SharedMemory | None) -> Requested:
                      classification=classification.count(params.get("classification", 0), where))
 
 
-def _declared_shape(item: Any) -> tuple[int, ...]:
+def _declared_shape(item: pb.ModelInferRequest.InferInputTensor) -> tuple[int, ...]:
     """An input's datatype and shape checked; its shape."""
     where = f"input '{item.name}'"
     dtype = codec.dtype_of(item.datatype, where)
@@ -355,7 +373,7 @@ def _declared_shape(item: Any) -> tuple[int, ...]:
     return shape
 
 
-def _from_contents(item: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
+def _from_contents(item: pb.ModelInferRequest.InferInputTensor, shape: tuple[int, ...], where: str) -> np.ndarray:
     field = _CONTENTS_FIELD.get(item.datatype)
     if field is None:
         raise InvalidArgument(f"{where}: {item.datatype} has no typed contents field; send it in raw_input_contents")

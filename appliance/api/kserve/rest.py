@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal, overload
 from urllib.parse import unquote
 
 import orjson
 
 from appliance.api import tensor_limits
 from appliance.api import json_arrays
+from appliance.api.json_arrays import Parsed, ParsedObject
 from appliance.api.kserve import classification, codec
 from appliance.api.kserve import shared_memory as shm
+from appliance.core.config import LimitsConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
+from appliance.core.json_types import JSONArray, JSONObject
+from appliance.core.shared_memory import Slice
 from appliance.core.shared_memory import SharedMemory
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
 from appliance.api.body import read_raw as _read_body
@@ -38,6 +42,8 @@ from appliance.api.schemas import ref
 from appliance.api.schemas import kserve as bodies
 
 if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIEnvironment
+
     from appliance.core.appliance import Appliance
 
 JSON = "application/json"
@@ -70,7 +76,7 @@ class V2API(AsyncFamily):
         serving process answers (a front worker's ``V2API`` has none: they are forwarded)."""
         self.core, self.service, self.extensions = service.core, service, extensions
 
-    async def answer(self, environ: dict[str, Any]) -> Answer:
+    async def answer(self, environ: WSGIEnvironment) -> Answer:
         status, body, headers = await self._respond(environ)
         if status >= 400:  # the renderer's headers are complete
             return status_line(status), headers, body
@@ -78,23 +84,23 @@ class V2API(AsyncFamily):
             headers = [("Content-Type", JSON), *headers]
         return status_line(status), [*headers, ("Content-Length", str(len(body)))], body
 
-    async def _respond(self, environ: dict[str, Any]) -> Response:
+    async def _respond(self, environ: WSGIEnvironment) -> Response:
         caller = shm.CALLER.set(environ.get("REMOTE_ADDR"))  # who may use shared memory: this host only
         try:
             return await self._respond_to(environ)
         finally:
             shm.CALLER.reset(caller)
 
-    async def _respond_to(self, environ: dict[str, Any]) -> Response:
+    async def _respond_to(self, environ: WSGIEnvironment) -> Response:
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ).partition("?")[0]
         try:
             route, model, version = _route(path)
+            if isinstance(version, str):  # shared memory's endpoints: model is the region's name, version its action
+                body = _read_body(environ, self.core.config.server.max_body_bytes) if method == "POST" else b""
+                return shm.answer(self.service.regions, route, model, version, method, body)
             if route == "infer":
                 return await self._infer(environ, method, model, version)
-            if route in (shm.SYSTEM, shm.CUDA):  # model: the region's name, version: its action
-                body = _read_body(environ, self.core.config.server.max_body_bytes) if method == "POST" else b""
-                return shm.answer(self.service.regions, route, model, str(version), method, body)
             if route in REPOSITORY:
                 return await self._repository(environ, method, path, route, model)
             if method != "GET":
@@ -120,12 +126,12 @@ class V2API(AsyncFamily):
             return 200, orjson.dumps(await self._extensions().config(model, version)), _EMPTY
         return 200, orjson.dumps(await service.model_metadata(model, version)), _EMPTY
 
-    async def _repository(self, environ: dict[str, Any], method: str, path: str, route: str, model: str) -> Response:
+    async def _repository(self, environ: WSGIEnvironment, method: str, path: str, route: str, model: str) -> Response:
         """Triton's model repository extension: POST only, an optional JSON body."""
         if method != "POST":
             raise MethodNotAllowed(f"method {method} not allowed on {path}; use POST")
         raw = _read_body(environ, self.core.config.server.max_body_bytes)
-        body = json_object(raw, "repository request") if raw.strip() else {}
+        body: JSONObject = json_object(raw, "repository request") if raw.strip() else {}
         extensions = self._extensions()
         if route == "index":
             ready = body.get("ready", False)
@@ -141,7 +147,7 @@ class V2API(AsyncFamily):
             raise NotFound("this endpoint is answered by the serving process")
         return self.extensions
 
-    async def _infer(self, environ: dict[str, Any], method: str, model: str, version: int | None) -> Response:
+    async def _infer(self, environ: WSGIEnvironment, method: str, model: str, version: int | None) -> Response:
         if method != "POST":
             raise MethodNotAllowed(f"method {method} not allowed on /v2/models/{model}/infer; use POST")
         started = time.perf_counter()
@@ -172,7 +178,7 @@ def _raw_binary(header_length: str | None, encoding: str | None) -> bool:
         encoding and encoding.strip().lower() not in ("identity", ""))
 
 
-def _health(ok: bool, body: dict[str, Any]) -> Response:
+def _health(ok: bool, body: JSONObject) -> Response:
     """The protocol's health body (``{"live": true}``, ``{"ready": ...}``, ``{"name": ..,
     "ready": ..}``), 200 for true and 400 for false as Triton answers: a client may read
     either the status or the body. A 400's headers are complete (``answer``), so set here."""
@@ -192,9 +198,10 @@ def mounts(core: "Appliance") -> list[Mount]:
             Mount("kserve-health", "/v2/health/", OPEN, api, summary="KServe v2 health probes")]
 
 
-def _route(path: str) -> tuple[str, str, Any]:
+def _route(path: str) -> tuple[str, str, int | str | None]:
     """(route, model, version) of a /v2 path; NotFound for anything the protocol lacks. The
-    shared-memory endpoints are (kind, region name, action) (appliance/api/kserve/shared_memory.py)."""
+    shared-memory endpoints are (kind, region name, action) (appliance/api/kserve/shared_memory.py): the
+    only ones whose third item is a string."""
     parts = path.split("/")[2:]  # "", "v2", ...
     if parts in ([], [""]):
         return "server", "", None
@@ -236,11 +243,11 @@ class InferRequest:
     id: str | None
     inputs: list[Tensor]
     outputs: list[Requested] | None
-    parameters: dict[str, Any]
+    parameters: dict[str, Parsed]
     binary_default: bool
 
 
-def parse_infer_request(body: bytes, header_length: str | None, encoding: str | None, limits: Any,
+def parse_infer_request(body: bytes, header_length: str | None, encoding: str | None, limits: LimitsConfig,
                         regions: SharedMemory | None = None) -> InferRequest:
     """An infer request body: JSON alone, or (binary extension) a JSON header then tensor bytes,
     or inputs read from shared memory (``regions``). ``limits.max_tensor_elements`` is
@@ -275,7 +282,15 @@ def parse_infer_request(body: bytes, header_length: str | None, encoding: str | 
     return InferRequest(request_id, inputs, outputs, parameters, binary_default)
 
 
-def json_object(data: bytes, what: str = "inference request", arrays: bool = False) -> dict[str, Any]:
+@overload
+def json_object(data: bytes, what: str = ..., arrays: Literal[False] = ...) -> JSONObject: ...
+
+
+@overload
+def json_object(data: bytes, what: str = ..., *, arrays: Literal[True]) -> ParsedObject: ...
+
+
+def json_object(data: bytes, what: str = "inference request", arrays: bool = False) -> JSONObject | ParsedObject:
     """A JSON object body (v2 and :generate), or a 400 that says what is wrong with it.
     ``arrays``: big numeric arrays come as numpy (appliance/api/json_arrays.py; the tensors'
     ``data``), else everything is Python values."""
@@ -284,7 +299,7 @@ def json_object(data: bytes, what: str = "inference request", arrays: bool = Fal
     value = json_arrays.loads(data) if arrays else None
     if value is None:
         try:
-            value = orjson.loads(data)
+            value = orjson.loads(data)  # JSON values only (no numpy): the JSONObject of the overload
         except orjson.JSONDecodeError as exc:
             raise InvalidArgument(f"the request is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -292,7 +307,7 @@ def json_object(data: bytes, what: str = "inference request", arrays: bool = Fal
     return value
 
 
-def _list(header: dict[str, Any], key: str, required: bool = False) -> list[Any]:
+def _list(header: ParsedObject, key: str, required: bool = False) -> list[Parsed]:
     value = header.get(key)
     if value is None and not required:
         return []
@@ -302,7 +317,8 @@ def _list(header: dict[str, Any], key: str, required: bool = False) -> list[Any]
     return value
 
 
-def _parameters(value: Any, where: str) -> dict[str, Any]:
+def _parameters(value: object, where: str) -> dict[str, Parsed]:
+    """A body's ``parameters`` (an object of JSON values; whatever the body held there, checked)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -314,21 +330,24 @@ def _parameters(value: Any, where: str) -> dict[str, Any]:
 class _Declared:
     """An input as its JSON object declares it, checked before any of its data is read."""
 
-    item: dict[str, Any]
+    item: ParsedObject
     name: str
     datatype: str
     shape: tuple[int, ...]
     binary_size: int | None  # None: its elements are in "data" or in shared memory
-    region: Any = None  # the shared-memory bytes that hold it (appliance/api/kserve/shared_memory.py)
+    region: Slice | None = None  # the shared-memory bytes that hold it (appliance/api/kserve/shared_memory.py)
 
 
-def _declared(item: Any, index: int, regions: SharedMemory | None = None) -> _Declared:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+def _declared(item: Parsed, index: int, regions: SharedMemory | None = None) -> _Declared:
+    name = item.get("name") if isinstance(item, dict) else None
+    if not isinstance(item, dict) or not isinstance(name, str):
         raise InvalidArgument(f"inputs[{index}] must be an object with a string 'name'")
-    where = f"input '{item['name']}'"
-    dtype = codec.dtype_of(item.get("datatype"), where)
+    where = f"input '{name}'"
+    datatype = item.get("datatype")
+    dtype = codec.dtype_of(datatype, where)
+    assert isinstance(datatype, str)  # dtype_of refuses anything but a datatype's name
     shape = codec.check_shape(item.get("shape"), where)
-    codec.check_overflow(shape, dtype, item["datatype"], where)
+    codec.check_overflow(shape, dtype, datatype, where)
     params = _parameters(item.get("parameters"), where)
     size = codec.binary_size(params, where)
     sources = [k for k, on in (("'data'", "data" in item), ("parameters.binary_data_size", size is not None),
@@ -338,7 +357,7 @@ def _declared(item: Any, index: int, regions: SharedMemory | None = None) -> _De
         raise InvalidArgument(f"{where} must set exactly one of 'data', parameters.binary_data_size and "
                               f"parameters.{shm.REGION}, but sets {sets}")
     region = shm.named_slice(regions, params, where) if shm.REGION in params else None
-    return _Declared(item, item["name"], item["datatype"], shape, size, region)
+    return _Declared(item, name, datatype, shape, size, region)
 
 
 def _input(declared: _Declared, binary: codec.BinaryBody | None, regions: SharedMemory | None = None) -> Tensor:
@@ -355,10 +374,11 @@ def _input(declared: _Declared, binary: codec.BinaryBody | None, regions: Shared
     return Tensor(name, codec.from_raw(binary.take(size, where), datatype, shape, where), datatype)
 
 
-def _requested(item: Any, index: int, regions: SharedMemory | None = None) -> Requested:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+def _requested(item: Parsed, index: int, regions: SharedMemory | None = None) -> Requested:
+    name = item.get("name") if isinstance(item, dict) else None
+    if not isinstance(item, dict) or not isinstance(name, str):
         raise InvalidArgument(f"outputs[{index}] must be an object with a string 'name'")
-    where = f"output '{item['name']}'"
+    where = f"output '{name}'"
     params = _parameters(item.get("parameters"), where)
     classes = classification.count(params.get("classification", 0), where)
     binary = params.get("binary_data")
@@ -367,13 +387,13 @@ def _requested(item: Any, index: int, regions: SharedMemory | None = None) -> Re
     region = shm.named_slice(regions, params, where)
     if region is not None and binary:
         raise InvalidArgument(f"{where}: Output can't set both '{shm.REGION}' and 'binary_data'")
-    return Requested(item["name"], binary, region, classes)
+    return Requested(name, binary, region, classes)
 
 
 def render_infer_response(result: InferResult, request_id: str | None) -> Response:
     outputs, chunks = [], []
     for tensor, binary in result.outputs:
-        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.array.shape)}
+        entry: dict[str, object] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.array.shape)}
         if tensor.name in result.shared:  # in the app's region already: described, never sent
             pass
         elif binary:
@@ -383,7 +403,7 @@ def render_infer_response(result: InferResult, request_id: str | None) -> Respon
         else:
             entry["data"] = codec.to_json(tensor.array, tensor.name)
         outputs.append(entry)
-    header: dict[str, Any] = {"model_name": result.model, "model_version": str(result.version)}
+    header: dict[str, object] = {"model_name": result.model, "model_version": str(result.version)}
     if request_id is not None:
         header["id"] = request_id
     header["outputs"] = outputs
@@ -394,26 +414,29 @@ def render_infer_response(result: InferResult, request_id: str | None) -> Respon
 
 
 # --- OpenAPI -------------------------------------------------------------------------------------
-def _openapi_paths() -> dict[str, Any]:
-    error_schema: dict[str, Any] = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
-    error = {"description": "error", "content": {JSON: {"schema": error_schema}}}
-    model = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
-    version = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
-    def health(key: str, named: bool = False) -> dict[str, Any]:
-        props = {"name": {"type": "string"}, key: {"type": "boolean"}} if named else {key: {"type": "boolean"}}
-        schema = {"type": "object", "properties": props, "required": list(props)}
-        failed = {"anyOf": [schema, error_schema]}  # false, or a bad request
+def _openapi_paths() -> JSONObject:
+    error_schema: JSONObject = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
+    error: JSONObject = {"description": "error", "content": {JSON: {"schema": error_schema}}}
+    model: JSONObject = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    version: JSONObject = {"name": "version", "in": "path", "required": True,
+                           "schema": {"type": "integer", "minimum": 0}}
+    def health(key: str, named: bool = False) -> JSONObject:
+        props: JSONObject = ({"name": {"type": "string"}, key: {"type": "boolean"}} if named
+                             else {key: {"type": "boolean"}})
+        schema: JSONObject = {"type": "object", "properties": props, "required": list(props)}
+        failed: JSONObject = {"anyOf": [schema, error_schema]}  # false, or a bad request
         return {"200": {"description": "true", "content": {JSON: {"schema": schema}}},
                 "400": {"description": "false (or a bad request: an error)", "content": {JSON: {"schema": failed}}}}
-    json_ok = {"description": "ok", "content": {JSON: {"schema": {"type": "object"}}}}
-    paths: dict[str, Any] = {
+    json_ok: JSONObject = {"description": "ok", "content": {JSON: {"schema": {"type": "object"}}}}
+    paths: JSONObject = {
         "/v2": {"get": {"summary": "KServe v2 server metadata (name, version, extensions)",
                         "responses": {"200": json_ok}}},
         "/v2/health/live": {"get": {"summary": "KServe v2 server live", "responses": health("live")}},
         "/v2/health/ready": {"get": {"summary": "KServe v2 server ready: every model has a version available",
                                      "responses": health("ready")}},
     }
-    for suffix, params in (("", [model]), ("/versions/{version}", [model, version])):
+    variants: tuple[tuple[str, JSONArray], ...] = (("", [model]), ("/versions/{version}", [model, version]))
+    for suffix, params in variants:
         base = "/v2/models/{model}" + suffix
         paths[base] = {"get": {"summary": "KServe v2 model metadata (inputs/outputs with datatype and shape)",
                                "parameters": params, "responses": {"200": json_ok, "400": error, "404": error}}}
@@ -449,7 +472,7 @@ def _openapi_paths() -> dict[str, Any]:
     return paths
 
 
-OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
+OPENAPI_PATHS: JSONObject = _openapi_paths()
 
 __all__ = ["OPENAPI_PATHS", "V2API", "V2Service", "Tensor", "Requested", "InferResult",
            "parse_infer_request", "render_infer_response"]

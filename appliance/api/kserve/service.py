@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, NotRequired, TypedDict
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from appliance.core.seams import ModelHandle, ModelStates, RouteKey, ServingCore
 from appliance.core.shared_memory import SharedMemory, Slice
 
 if TYPE_CHECKING:
+    from appliance.api.json_arrays import Parsed
     from appliance.core.appliance import Appliance
 
 SERVER_NAME = "edge-appliance"
@@ -35,6 +36,27 @@ EXTENSIONS = ("binary_tensor_data", "classification", "model_configuration", "mo
               "parameters")  # Triton's names of what this server answers (appliance/api/kserve/extensions.py)
 SHARED_MEMORY = "system_shared_memory"  # while [shared_memory] enabled
 SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")  # Triton's sequence batcher's
+
+
+class ServerMetadata(TypedDict):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class TensorMetadata(TypedDict):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadata(TypedDict):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+    parameters: NotRequired[dict[str, str]]  # not in the spec: which signatures a client may name
 
 
 @dataclass
@@ -100,12 +122,12 @@ class V2Service:
             slots = self._states().version_states(name, version)
         return any(s.state == State.AVAILABLE for s in slots)
 
-    def server_metadata(self) -> dict[str, Any]:
+    def server_metadata(self) -> ServerMetadata:
         shm = [SHARED_MEMORY] if self.regions is not None and self.regions.enabled else []
         name = self.core.config.kserve.server_id or SERVER_NAME
         return {"name": name, "version": __version__, "extensions": [*EXTENSIONS, *shm]}
 
-    async def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
+    async def model_metadata(self, name: str, version: int | None) -> ModelMetadata:
         with triton_words(name, version):
             states = self._states().version_states(name)
             held_handle = await self.core.handles.handle(name, version)
@@ -114,7 +136,7 @@ class V2Service:
             signatures = dict(held.signatures)
             signature = default_signature(held)
             platform = held.platform
-        body: dict[str, Any] = {
+        body: ModelMetadata = {
             "name": name, "versions": versions, "platform": platform,
             "inputs": [_tensor_metadata(k, v) for k, v in signature.inputs.items()],
             "outputs": [_tensor_metadata(k, v) for k, v in signature.outputs.items()],
@@ -147,7 +169,7 @@ class V2Service:
         return Tensor(input_name, codec.raw_body_tensor(body, datatype, spec.shape, input_name), datatype)
 
     async def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
-                    parameters: dict[str, Any], binary_default: bool = False,
+                    parameters: Mapping[str, Parsed], binary_default: bool = False,
                     route_key: RouteKey | None = None) -> InferResult:
         """Check the decoded inputs against the signature, run them through the batcher and
         pick the requested outputs (all of them, in signature order, when none is named)."""
@@ -210,7 +232,7 @@ def _named_signature(held: ModelHandle, model: str, name: str) -> SignatureInfo:
     return signatures[name]
 
 
-def _tensor_metadata(name: str, spec: TensorSpec) -> dict[str, Any]:
+def _tensor_metadata(name: str, spec: TensorSpec) -> TensorMetadata:
     shape = [-1] if spec.shape is None else [-1 if d is None else int(d) for d in spec.shape]
     return {"name": name, "datatype": codec.datatype_of(spec.dtype), "shape": shape}
 

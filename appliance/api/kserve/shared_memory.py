@@ -37,7 +37,7 @@ import base64
 import contextvars
 import ipaddress
 import re
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping, TypedDict, TypeVar
 from urllib.parse import unquote
 
 import numpy as np
@@ -45,7 +45,11 @@ import orjson
 
 from appliance.api.kserve import codec
 from appliance.core.errors import InvalidArgument, MethodNotAllowed, NotFound, PermissionDenied
+from appliance.core.json_types import JSONObject, JSONValue
 from appliance.core.shared_memory import SharedMemory, Slice
+
+if TYPE_CHECKING:  # the REST face imports this module: no protobuf for an annotation
+    from appliance.protos.kserve import pb
 
 
 SYSTEM, CUDA = "systemsharedmemory", "cudasharedmemory"
@@ -66,7 +70,7 @@ def uses_shared_memory(body: bytes | bytearray | memoryview) -> bool:
     return _NAMES_A_REGION.search(body) is not None
 
 
-def message_names_a_region(request: Any) -> bool:
+def message_names_a_region(request: pb.ModelInferRequest) -> bool:
     """``uses_shared_memory`` for a parsed ModelInferRequest."""
     return any(REGION in t.parameters for t in (*request.inputs, *request.outputs))
 
@@ -108,6 +112,14 @@ def same_host(peer: str | None) -> bool:
     return bool((mapped or address).is_loopback)
 
 
+class CudaRegionStatus(TypedDict):
+    """A CUDA region as Triton's status lists it."""
+
+    name: str
+    device_id: int
+    byte_size: int
+
+
 class CudaSharedMemory:
     """CUDA IPC regions: what a GPU build implements (cudaIpcOpenMemHandle on ``raw_handle``,
     cudaMemcpy in and out of the batch, cudaIpcCloseMemHandle on unregister). Here: none."""
@@ -125,7 +137,7 @@ class CudaSharedMemory:
                                   "a raw_handle and a byte_size are needed)")
         self.check_supported(name)
 
-    def status(self, name: str | None) -> list[dict[str, Any]]:
+    def status(self, name: str | None) -> list[CudaRegionStatus]:
         if name:
             raise NotFound(f"Unable to find cuda shared memory region: '{name}'")
         return []
@@ -175,9 +187,9 @@ def answer(regions: SharedMemory | None, kind: str, name: str, action: str, meth
     return 200, b"", _JSON
 
 
-def _register_body(body: bytes) -> dict[str, Any]:
+def _register_body(body: bytes) -> JSONObject:
     try:
-        value = orjson.loads(body) if body.strip() else {}
+        value: JSONValue = orjson.loads(body) if body.strip() else {}
     except orjson.JSONDecodeError as exc:
         raise InvalidArgument(f"the shared memory register request is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -186,30 +198,32 @@ def _register_body(body: bytes) -> dict[str, Any]:
 
 
 _MISSING = object()
+Field = TypeVar("Field", int, str)
 
 
-def _field(request: Mapping[str, Any], key: str, kind: type, default: Any = _MISSING) -> Any:
+def _field(request: Mapping[str, JSONValue], key: str, kind: type[Field], default: Field | object = _MISSING) -> Field:
     value = request.get(key, default)
     if value is _MISSING:
         raise InvalidArgument(f"Shared memory register request has no '{key}' field")
-    if type(value) is not kind or (isinstance(value, int) and value < 0):
+    if type(value) is not kind or not isinstance(value, kind) or (isinstance(value, int) and value < 0):
         raise InvalidArgument(f"Shared memory register request: '{key}' must be a "
                               f"{'non-negative integer' if kind is int else 'string'}, got {value!r}")
     return value
 
 
-def _raw_handle(request: Mapping[str, Any]) -> bytes:
+def _raw_handle(request: Mapping[str, JSONValue]) -> bytes:
     handle = request.get("raw_handle")
-    if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):
+    text = handle.get("b64") if isinstance(handle, dict) else None
+    if not isinstance(text, str):
         raise InvalidArgument("Shared memory register request has no 'raw_handle' field ({\"b64\": ...})")
     try:
-        return base64.b64decode(handle["b64"], validate=True)
+        return base64.b64decode(text, validate=True)
     except ValueError as exc:
         raise InvalidArgument(f"'raw_handle' is not base64: {exc}") from None
 
 
 # -- inference (REST and gRPC alike) --------------------------------------------------------------
-def named_slice(regions: SharedMemory | None, params: Mapping[str, Any], where: str, required_size: bool = True) -> Slice | None:
+def named_slice(regions: SharedMemory | None, params: Mapping[str, object], where: str, required_size: bool = True) -> Slice | None:
     """The region bytes a tensor's parameters name; None when they name none."""
     if REGION not in params:
         if BYTE_SIZE in params or OFFSET in params:
@@ -239,17 +253,17 @@ def write_output(regions: SharedMemory | None, piece: Slice, array: np.ndarray, 
 
 
 # -- OpenAPI (merged into /openapi.json with the rest of the v2 REST API) -----------------------------
-def _openapi_paths() -> dict[str, Any]:
-    error = {"description": "error", "content": {"application/json": {"schema": {
+def _openapi_paths() -> JSONObject:
+    error: JSONObject = {"description": "error", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}}}}
-    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
-    listed = {"description": "the regions", "content": {"application/json": {"schema": {"type": "array", "items": {
+    name: JSONObject = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    listed: JSONObject = {"description": "the regions", "content": {"application/json": {"schema": {"type": "array", "items": {
         "type": "object"}}}}}
-    done = {"description": "done (empty body)"}
-    register = {"required": True, "content": {"application/json": {"schema": {"type": "object", "properties": {
+    done: JSONObject = {"description": "done (empty body)"}
+    register: JSONObject = {"required": True, "content": {"application/json": {"schema": {"type": "object", "properties": {
         "key": {"type": "string"}, "offset": {"type": "integer", "minimum": 0},
         "byte_size": {"type": "integer", "minimum": 1}}, "required": ["key", "byte_size"]}}}}
-    paths: dict[str, Any] = {}
+    paths: JSONObject = {}
     for kind, what in ((SYSTEM, "system (POSIX)"), (CUDA, "CUDA")):
         base = f"/v2/{kind}"
         paths[f"{base}/status"] = {"get": {"summary": f"Triton's {what} shared-memory regions",
@@ -268,4 +282,4 @@ def _openapi_paths() -> dict[str, Any]:
     return paths
 
 
-OPENAPI_PATHS: dict[str, Any] = _openapi_paths()
+OPENAPI_PATHS: JSONObject = _openapi_paths()

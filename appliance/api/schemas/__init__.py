@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import msgspec
 
 from appliance.core.errors import InvalidArgument
+from appliance.core.json_types import JSONObject
 
 T = TypeVar("T", bound=msgspec.Struct)
 REF = "#/components/schemas/{name}"
@@ -47,6 +48,8 @@ class FieldError(InvalidArgument):
         self.param, self.code = param, code
 
 
+# Any: msgspec.Meta's keywords passed through as given; its stub overloads them by kind of bound
+# (ge/gt/le/lt, min_length/max_length, ...), which no one annotation of ``**bounds`` matches.
 def error(text: str, **bounds: Any) -> msgspec.Meta:
     """A field's bounds (``msgspec.Meta``'s keywords) with the sentence its refusal says."""
     return msgspec.Meta(**bounds, extra={"error": text})
@@ -56,7 +59,7 @@ def _unknown_default(key: str) -> str:
     return f"unknown field {key!r}"
 
 
-def check(body: dict[str, Any], kind: type[T], unknown: Callable[[str], str] = _unknown_default) -> T:
+def check(body: Mapping[str, object], kind: type[T], unknown: Callable[[str], str] = _unknown_default) -> T:
     """``body`` (a decoded JSON object) as ``kind``, or a ``FieldError`` naming the field:
     ``unknown(key)`` says what an undeclared field gets. Strict: no string is read as a
     number, no number as a bool."""
@@ -102,13 +105,14 @@ def _fields(kind: type[msgspec.Struct]) -> tuple[msgspec.inspect.Field, ...]:
     return cast(msgspec.inspect.StructType, msgspec.inspect.type_info(kind)).fields  # a Struct's info is one
 
 
-def components(kinds: Sequence[type[msgspec.Struct]]) -> dict[str, Any]:
+def components(kinds: Sequence[type[msgspec.Struct]]) -> JSONObject:
     """The JSON Schemas of ``kinds`` and of every struct they hold, for
     ``components/schemas`` (refs ``#/components/schemas/<Name>``)."""
-    return msgspec.json.schema_components(kinds, ref_template=REF)[1]
+    schemas: JSONObject = msgspec.json.schema_components(kinds, ref_template=REF)[1]
+    return schemas
 
 
-def ref(kind: type[msgspec.Struct]) -> dict[str, str]:
+def ref(kind: type[msgspec.Struct]) -> JSONObject:
     return {"$ref": REF.format(name=kind.__name__)}
 
 

@@ -3,11 +3,10 @@ the declared Structs (``components``: appliance/api/openapi.py writes them all).
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from appliance.api.schemas import ref
+from appliance.core.json_types import JSONArray, JSONObject, JSONValue
 from appliance.api.schemas.generate import GenerateError, GenerateRequest, Generated
 from appliance.api.schemas.openai import (ChatCompletion, ChatRequest, CompletionRequest, EmbeddingList,
                                           EmbeddingRequest, ModelList, OpenAIError, TextCompletion)
@@ -17,28 +16,28 @@ JSON, SSE = "application/json", "text/event-stream"
 NOT_SERVED = ("/v1/responses", "/v1/audio", "/v1/images", "/v1/files", "/v1/moderations", "/v1/batches",
               "/v1/assistants", "/v1/threads", "/v1/fine_tuning", "/v1/uploads", "/v1/vector_stores",
               "/v1/realtime", "/v1/conversations")
-_MODEL = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
-_VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
-_LABEL = {"name": "label", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+_MODEL: JSONObject = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+_VERSION: JSONObject = {"name": "version", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}}
+_LABEL: JSONObject = {"name": "label", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
 
 
-def body(kind: type[msgspec.Struct]) -> dict[str, Any]:
+def body(kind: type[msgspec.Struct]) -> JSONObject:
     return {"required": True, "content": {JSON: {"schema": ref(kind)}}}
 
 
-def answer(description: str, kind: type[msgspec.Struct] | None = None, stream: bool = False) -> dict[str, Any]:
+def answer(description: str, kind: type[msgspec.Struct] | None = None, stream: bool = False) -> JSONObject:
     """A response: ``kind``'s JSON (an object when None), and server-sent events if ``stream``."""
-    content: dict[str, Any] = {JSON: {"schema": ref(kind) if kind is not None else {"type": "object"}}}
+    content: JSONObject = {JSON: {"schema": ref(kind) if kind is not None else {"type": "object"}}}
     if stream:
         content[SSE] = {"schema": {"type": "string"}}
     return {"description": description, "content": content}
 
 
-def openai() -> dict[str, Any]:
-    errors = {code: answer("OpenAI's error object (or the service's {\"error\": \"...\"} from the HTTP server's "
+def openai() -> JSONObject:
+    errors: dict[str, JSONValue] = {code: answer("OpenAI's error object (or the service's {\"error\": \"...\"} from the HTTP server's "
                            "limits and the gzip layer)", OpenAIError) for code in ("400", "404", "413", "503")}
 
-    def post(summary: str, kind: type[msgspec.Struct], done: dict[str, Any]) -> dict[str, Any]:
+    def post(summary: str, kind: type[msgspec.Struct], done: JSONObject) -> JSONObject:
         return {"post": {"summary": summary, "requestBody": body(kind), "responses": {"200": done, **errors}}}
 
     said = "the completion (JSON), or server-sent events ending with data: [DONE]"
@@ -58,11 +57,12 @@ def openai() -> dict[str, Any]:
     }
 
 
-def generate() -> dict[str, Any]:
+def generate() -> JSONObject:
     error = answer("error", GenerateError)
-    out = {}
-    for suffix, params in (("", [_MODEL]), ("/versions/{version}", [_MODEL, _VERSION]),
-                           ("/labels/{label}", [_MODEL, _LABEL])):
+    out: JSONObject = {}
+    variants: tuple[tuple[str, JSONArray], ...] = (("", [_MODEL]), ("/versions/{version}", [_MODEL, _VERSION]),
+                                                   ("/labels/{label}", [_MODEL, _LABEL]))
+    for suffix, params in variants:
         out["/v1/models/{model}" + suffix + ":generate"] = {"post": {
             "summary": "Generate tokens; step-batched with other streams of the version. "
                        "stream=true: server-sent events, one per token, then event 'done'",

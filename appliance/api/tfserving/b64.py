@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import binascii
 import re
-from typing import Any
+from typing import Mapping
 
 from appliance.core.errors import InvalidArgument
 
 _URL_SAFE = re.compile(r"[-_]")
 
 
-def b64_decode(obj: Any, where: str) -> bytes:
+def b64_decode(obj: Mapping[str, object], where: str) -> bytes:
     """``{"b64": ...}`` decoded as absl::Base64Unescape does: the standard alphabet,
     padding optional but correct when present."""
     text = obj["b64"]

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Mapping
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from runtimes import DEFAULT_SIGNATURE, SignatureInfo
 
@@ -66,7 +67,8 @@ class TFServingGRPC:
         self.core, self.states, self.reload = core, states, reload
 
     def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
-        def table(methods: dict[str, tuple[Any, Any, Callable[[Any], Awaitable[Any]]]]) -> dict[str, Any]:
+        def table(methods: dict[str, tuple[type[Message], type[Message], Callable[[Message], Awaitable[Message]]]]
+                  ) -> dict[str, grpc.RpcMethodHandler]:
             return {name: grpc.unary_unary_rpc_method_handler(
                 guarded(fn, name, TFS_CODES), request_deserializer=req.FromString,
                 response_serializer=resp.SerializeToString) for name, (req, resp, fn) in methods.items()}
@@ -86,7 +88,7 @@ class TFServingGRPC:
                 grpc.method_handlers_generic_handler(MODEL_SERVICE, model))
 
     # -- PredictionService ----------------------------------------------------------------
-    async def predict(self, request: Any) -> Any:
+    async def predict(self, request: Message) -> Message:
         name, version, label = _spec(request.model_spec)
         with observed(self.core.metrics, name, "predict"):
             signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
@@ -104,19 +106,19 @@ class TFServingGRPC:
                 to_tensor(outputs[key], response.outputs[key])
             return response
 
-    async def classify(self, request: Any) -> Any:
+    async def classify(self, request: Message) -> Message:
         response = pb.ClassificationResponse()
         await self._examples_task(request.model_spec, request.input, "classify", response.model_spec,
                                   response.result)
         return response
 
-    async def regress(self, request: Any) -> Any:
+    async def regress(self, request: Message) -> Message:
         response = pb.RegressionResponse()
         await self._examples_task(request.model_spec, request.input, "regress", response.model_spec,
                                   response.result)
         return response
 
-    async def multi_inference(self, request: Any) -> Any:
+    async def multi_inference(self, request: Message) -> Message:
         if not request.tasks:
             raise InvalidArgument("Expected at least one task")
         names = {t.model_spec.name for t in request.tasks}
@@ -133,7 +135,7 @@ class TFServingGRPC:
             await self._examples_task(task.model_spec, request.input, method, result.model_spec, target)
         return response
 
-    async def _examples_task(self, spec: Any, input_msg: Any, method: str, spec_out: Any, result: Any) -> None:
+    async def _examples_task(self, spec: Message, input_msg: Message, method: str, spec_out: Message, result: Message) -> None:
         name, version, label = _spec(spec)
         with observed(self.core.metrics, name, method):
             signature_name = spec.signature_name or DEFAULT_SIGNATURE
@@ -146,7 +148,7 @@ class TFServingGRPC:
             else:
                 _regressions(outputs, len(serialized), signature, result)
 
-    async def metadata(self, request: Any) -> Any:
+    async def metadata(self, request: Message) -> Message:
         name, version, label = _spec(request.model_spec)
         if not request.metadata_field:
             raise InvalidArgument("GetModelMetadataRequest must specify at least one metadata_field")
@@ -163,7 +165,7 @@ class TFServingGRPC:
         return response
 
     # -- ModelService ---------------------------------------------------------------------
-    async def model_status(self, request: Any) -> Any:
+    async def model_status(self, request: Message) -> Message:
         name, version, label = _spec(request.model_spec)
         if self.states is None:
             raise Unavailable("model status is answered by the serving process")
@@ -180,7 +182,7 @@ class TFServingGRPC:
             status.status.error_message = slot.error or ""
         return response
 
-    async def reload_config(self, request: Any) -> Any:
+    async def reload_config(self, request: Message) -> Message:
         """Replace the served models with the request's ``model_config_list``, as TF Serving
         does: a model left out is unloaded; a refused config changes nothing."""
         which = request.config.WhichOneof("config")
@@ -204,7 +206,7 @@ class TFServingGRPC:
 
 
 # -- request side ------------------------------------------------------------------------
-def _spec(spec: Any) -> tuple[str, int | None, str | None]:
+def _spec(spec: Message) -> tuple[str, int | None, str | None]:
     if not spec.name:
         raise InvalidArgument("Missing ModelSpec")
     choice = spec.WhichOneof("version_choice")
@@ -215,7 +217,7 @@ def _spec(spec: Any) -> tuple[str, int | None, str | None]:
     return spec.name, None, None
 
 
-def _inputs(tensors: Any, signature: SignatureInfo) -> dict[str, np.ndarray]:
+def _inputs(tensors: Mapping[str, Message], signature: SignatureInfo) -> dict[str, np.ndarray]:
     """The request's tensors, checked in TF Serving's order and words: the count
     (servables/tensorflow/predict_util.cc VerifyRequestInputsSize), the aliases, each tensor
     (``Tensor::FromProto``), then the dtypes as TensorFlow's session checks its feeds
@@ -244,13 +246,13 @@ def _inputs(tensors: Any, signature: SignatureInfo) -> dict[str, np.ndarray]:
     return out
 
 
-def from_tensor(tensor: Any) -> np.ndarray:
+def from_tensor(tensor: Message) -> np.ndarray:
     """A request's TensorProto as numpy: appliance/protos/tfserving/wire.py reads the message
     (``tensor_content`` straight into numpy, typed fields with one ``fromiter``)."""
     return pw.tensor_to_array(tensor)
 
 
-def _output_filter(names: Any, signature: SignatureInfo) -> list[str]:
+def _output_filter(names: Iterable[str], signature: SignatureInfo) -> list[str]:
     wanted = list(names)
     for name in wanted:
         if name not in signature.outputs:
@@ -261,7 +263,7 @@ def _output_filter(names: Any, signature: SignatureInfo) -> list[str]:
     return wanted
 
 
-def _examples(input_msg: Any) -> np.ndarray:
+def _examples(input_msg: Message) -> np.ndarray:
     serialized = pw.input_examples(input_msg)
     if not serialized:
         raise InvalidArgument("Input is empty.")  # TF Serving's text
@@ -269,13 +271,13 @@ def _examples(input_msg: Any) -> np.ndarray:
 
 
 # -- response side -----------------------------------------------------------------------
-def _echo_spec(spec: Any, name: str, version: int, signature_name: str) -> None:
+def _echo_spec(spec: Message, name: str, version: int, signature_name: str) -> None:
     spec.name = name
     spec.version.value = version
     spec.signature_name = signature_name
 
 
-def to_tensor(array: np.ndarray, tensor: Any) -> None:
+def to_tensor(array: np.ndarray, tensor: Message) -> None:
     """Fill a TensorProto from ``array`` in the typed fields, as TF Serving answers."""
     array = np.asarray(array)
     for size in array.shape:
@@ -295,7 +297,7 @@ def to_tensor(array: np.ndarray, tensor: Any) -> None:
     getattr(tensor, field).extend(array.reshape(-1).tolist())
 
 
-def _signature_def(sig: SignatureInfo, out: Any) -> None:
+def _signature_def(sig: SignatureInfo, out: Message) -> None:
     out.method_name = sig.method_name
     for side, specs in (("inputs", sig.inputs), ("outputs", sig.outputs)):
         for key, spec in specs.items():
@@ -309,7 +311,7 @@ def _signature_def(sig: SignatureInfo, out: Any) -> None:
                     info.tensor_shape.dim.add(size=-1 if size is None else int(size))
 
 
-def _classifications(outputs: dict[str, np.ndarray], n: int, signature: SignatureInfo, result: Any) -> None:
+def _classifications(outputs: dict[str, np.ndarray], n: int, signature: SignatureInfo, result: Message) -> None:
     classes, scores, ref = classification_outputs(outputs, n)
     for i in range(n):
         row = result.classifications.add()
@@ -322,6 +324,6 @@ def _classifications(outputs: dict[str, np.ndarray], n: int, signature: Signatur
                 item.score = float(scores[i, j])
 
 
-def _regressions(outputs: dict[str, np.ndarray], n: int, signature: SignatureInfo, result: Any) -> None:
+def _regressions(outputs: dict[str, np.ndarray], n: int, signature: SignatureInfo, result: Message) -> None:
     for value in regression_values(signature, outputs, n).tolist():
         result.regressions.add(value=value)

@@ -36,7 +36,7 @@ import contextvars
 import itertools
 import json
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeAlias, TypeGuard, Union
 
 import numpy as np
 import orjson
@@ -44,12 +44,14 @@ import orjson
 from runtimes import SignatureInfo, TensorSpec
 
 from appliance.api import json_arrays
+from appliance.api.json_arrays import Parsed
 from appliance.api.json_rows import rows_over
 from appliance.api.tfserving.b64 import b64_decode as b64_decode  # re-exported: rest.py decodes features with it
 from appliance.api.tensor_limits import check_body_values, check_elements  # shared with KServe v2
 from appliance.api.tfserving.service import data_type_string
 from appliance.core.config import LimitsConfig
 from appliance.core.errors import InvalidArgument
+from appliance.core.json_types import JSONValue
 
 DUMP = orjson.OPT_SERIALIZE_NUMPY
 DEFAULT_LIMITS = LimitsConfig()
@@ -61,9 +63,10 @@ MAX_DIMS = 64  # numpy's limit on an array's dimensions
 # holds each array's count (no pass of ours: the hot path's image requests are ~0.2 MB).
 SCAN_FIRST = 1 << 20
 ROWS = ("instances", "examples")  # the row lists limits.max_instances bounds (predict; classify and regress)
+Strings: TypeAlias = Union[bytes, list["Strings"]]  # a string tensor's nested lists, decoded
 
 
-def loads(body: bytes, limits: LimitsConfig = DEFAULT_LIMITS) -> Any:
+def loads(body: bytes, limits: LimitsConfig = DEFAULT_LIMITS) -> Parsed:
     """A request body, parsed and checked against ``limits`` (see the module docstring)."""
     if not body:  # TF Serving's own check, before rapidjson sees the body
         raise InvalidArgument("JSON Parse error: The document is empty")
@@ -100,7 +103,7 @@ def _too_many_rows(key: str, counted: int, limits: LimitsConfig) -> InvalidArgum
                            "parsing), over the limit per request (limits.max_instances); split the request")
 
 
-def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: LimitsConfig) -> Any:
+def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: LimitsConfig) -> Parsed:
     """A body orjson refused, as TF Serving's rapidjson reads it: NaN and Infinity taken, a
     byte-order mark skipped, anything after the root value ignored; else rapidjson's error
     text and offset (python-rapidjson, by appliance/api/tfserving/rapidjson_reader.py)."""
@@ -113,7 +116,8 @@ def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: Li
         raise InvalidArgument(verdict.error) from refused
     root = body[verdict.start:verdict.end]
     try:
-        return orjson.loads(root)
+        doc: Parsed = orjson.loads(root)
+        return doc
     except orjson.JSONDecodeError as exc:
         if _NONFINITE.search(root) is not None:
             return _loads_nonfinite(root, exc, limits)
@@ -121,7 +125,8 @@ def _as_rapidjson_reads(body: bytes, refused: orjson.JSONDecodeError, limits: Li
         raise InvalidArgument(f"JSON Parse error: {exc}") from exc
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: object) -> bytes:
+    """``obj`` (JSON values, numpy arrays and scalars, orjson Fragments) as JSON bytes."""
     return orjson.dumps(obj, option=DUMP)
 
 
@@ -130,7 +135,7 @@ def _too_deep(limits: LimitsConfig) -> InvalidArgument:
                            "(limits.max_json_depth)")
 
 
-def nesting(doc: Any, limit: int) -> int:
+def nesting(doc: Parsed, limit: int) -> int:
     """How deeply ``doc`` nests, along every object member and the first element of every
     list (stopping once past ``limit``). O(depth + members), not O(values): a tensor is
     regular, so its first elements show its depth, and one nested deeper elsewhere is
@@ -156,7 +161,7 @@ _NONFINITE = re.compile(rb'"(?:[^"\\]|\\.)*"|(-?)(NaN|Infinity|Inf)(?![A-Za-z0-9
 _INT64 = range(-(1 << 63), 1 << 64)
 
 
-def _loads_nonfinite(body: bytes, first: orjson.JSONDecodeError, limits: LimitsConfig) -> Any:
+def _loads_nonfinite(body: bytes, first: orjson.JSONDecodeError, limits: LimitsConfig) -> Parsed:
     """Parse a body with NaN/Infinity tokens as rapidjson would, numbers as orjson would."""
     found = False
 
@@ -171,7 +176,8 @@ def _loads_nonfinite(body: bytes, first: orjson.JSONDecodeError, limits: LimitsC
     if not found:
         raise InvalidArgument(f"JSON Parse error: {first}") from first
     try:
-        return json.loads(text, parse_float=_finite, parse_int=_integer)
+        doc: Parsed = json.loads(text, parse_float=_finite, parse_int=_integer)
+        return doc
     except RecursionError:
         raise _too_deep(limits) from None
     except ValueError as exc:
@@ -197,11 +203,11 @@ def _integer(text: str) -> int | float:
 # --- decoding ---------------------------------------------------------------------------
 
 
-def _is_b64(obj: Any) -> bool:
+def _is_b64(obj: Parsed) -> TypeGuard[dict[str, Parsed]]:
     return isinstance(obj, dict) and len(obj) == 1 and "b64" in obj
 
 
-def _strings(value: Any, where: str, depth: int = 0) -> Any:
+def _strings(value: Parsed, where: str, depth: int = 0) -> Strings:
     """Nested lists of str / {"b64"} -> nested lists of bytes."""
     if depth > MAX_DIMS:
         raise InvalidArgument(f"{where}: a tensor has at most {MAX_DIMS} dimensions")
@@ -214,13 +220,13 @@ def _strings(value: Any, where: str, depth: int = 0) -> Any:
     raise InvalidArgument(f"{where}: expected a string or {{\"b64\": ...}}, got {type(value).__name__}")
 
 
-def _contains_b64(value: Any) -> bool:
+def _contains_b64(value: Parsed) -> bool:
     while isinstance(value, list) and value:
         value = value[0]
     return _is_b64(value)
 
 
-def to_array(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
+def to_array(value: Parsed, spec: TensorSpec, where: str) -> np.ndarray:
     """One input's JSON value as an array of the signature's dtype and rank."""
     try:
         if spec.is_string:
@@ -251,7 +257,7 @@ _KIND_NAMES = {"U": "String", "S": "String", "O": "Null or Object", "b": "Bool",
 _READ_AS = {np.dtype(t): np.dtype(np.int32) for t in (np.int8, np.uint8, np.int16)}
 
 
-def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
+def _numeric(value: Parsed, spec: TensorSpec, where: str) -> np.ndarray:
     """Like TF Serving: numbers for numeric inputs (no numeric strings, booleans or nulls),
     integers for integer inputs, booleans for bool inputs; an empty list is an empty tensor."""
     if spec.dtype.kind == "f" and isinstance(value, list) and _trusted():  # only numbers: convert in one step
@@ -273,12 +279,12 @@ def _numeric(value: Any, spec: TensorSpec, where: str) -> np.ndarray:
         return arr.astype(spec.dtype)  # an integer wraps as in a C++ cast
 
 
-def _holds_bool(value: Any, ndim: int) -> bool:
+def _holds_bool(value: Parsed, ndim: int) -> bool:
     """Whether nested lists of ``ndim`` levels hold a boolean among their numbers, counted at
     C speed (json_arrays.py's arrays hold none: it takes numbers only)."""
     if not isinstance(value, list):
         return False
-    leaves: Any = value
+    leaves: Any = value  # nested lists, ndim deep: each chain below flattens one level
     for _ in range(ndim - 1):
         leaves = itertools.chain.from_iterable(leaves)
     return bool in set(map(type, leaves))
@@ -289,7 +295,7 @@ def _fits(arr: np.ndarray, dtype: np.dtype) -> bool:
     return bool(info.min <= arr.min() and arr.max() <= info.max)
 
 
-def _named(signature: SignatureInfo, values: Mapping[str, Any], where: str,
+def _named(signature: SignatureInfo, values: Mapping[str, Parsed], where: str,
            ignore_extra: bool = False) -> dict[str, np.ndarray]:
     """Named inputs. Columnar requests ignore keys the signature lacks, as TF Serving does."""
     if ignore_extra:
@@ -310,15 +316,16 @@ _NUMERIC_BYTES = b"0123456789.eE+-,[]{}: \t\r\n"
 _QUOTED = re.compile(rb'"[^"]*"')
 
 
-def numbers_only(raw: bytes, body: Mapping[str, Any]) -> bool:
+def numbers_only(raw: bytes, body: Mapping[str, Parsed]) -> bool:
     """True when every JSON string in ``raw`` is a key or a top-level string value, so
     the tensors hold nothing but numbers and can go to numpy without a per-element check.
     One C-speed pass over the bytes instead of a second pass over the parsed values."""
     if b"\\" in raw:
         return False
     expected = len(body) + sum(isinstance(v, str) for v in body.values())
-    if isinstance(body.get("inputs"), dict):
-        expected += len(body["inputs"])
+    inputs = body.get("inputs")
+    if isinstance(inputs, dict):
+        expected += len(inputs)
     if raw.count(b'"') != 2 * expected:
         return False
     return not _QUOTED.sub(b"", raw.translate(None, _NUMERIC_BYTES))
@@ -331,7 +338,7 @@ class _Trust:
 
     __slots__ = ("raw", "body", "answer")
 
-    def __init__(self, raw: bytes, body: Mapping[str, Any]):
+    def __init__(self, raw: bytes, body: Mapping[str, Parsed]):
         self.raw, self.body = raw, body
         self.answer: bool | None = None
 
@@ -347,7 +354,7 @@ def _trusted() -> bool:
     return trust is not None and trust()
 
 
-def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes | None = None,
+def decode_predict(body: Mapping[str, Parsed], signature: SignatureInfo, raw: bytes | None = None,
                    limits: LimitsConfig = DEFAULT_LIMITS) -> tuple[dict[str, np.ndarray], bool]:
     """(inputs, row_format) of a :predict request body (``raw``: its bytes, for the fast check)."""
     token = _TRUSTED.set(_Trust(raw, body) if raw is not None else None)
@@ -356,7 +363,7 @@ def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes
     except InvalidArgument as exc:
         from appliance.api.tfserving.json_tensor_errors import predict_error  # the error path only
 
-        worded = predict_error(as_lists(body), signature)  # TF Serving's text, where TF Serving refuses it too
+        worded = predict_error({k: as_lists(v) for k, v in body.items()}, signature)  # TF Serving's text, where TF Serving refuses it too
         if worded is None:
             raise
         raise InvalidArgument(worded) from exc
@@ -366,10 +373,11 @@ def decode_predict(body: Mapping[str, Any], signature: SignatureInfo, raw: bytes
     return inputs, row_format
 
 
-def as_lists(value: Any) -> Any:
+def as_lists(value: Parsed) -> JSONValue:
     """``value`` with json_arrays.py's numpy arrays as the lists they were in the body."""
     if isinstance(value, np.ndarray):
-        return value.tolist()
+        listed: JSONValue = value.tolist()
+        return listed
     if isinstance(value, dict):
         return {k: as_lists(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -383,7 +391,7 @@ def check_rows(count: int, what: str, limits: LimitsConfig = DEFAULT_LIMITS) -> 
                               "per request (limits.max_instances); split the request")
 
 
-def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
+def _decode_predict(body: Mapping[str, Parsed], signature: SignatureInfo,
                     limits: LimitsConfig) -> tuple[dict[str, np.ndarray], bool]:
     has_rows, has_cols = "instances" in body, "inputs" in body
     if has_rows and has_cols:
@@ -406,7 +414,7 @@ def _decode_predict(body: Mapping[str, Any], signature: SignatureInfo,
     return _single(signature, instances, "instances"), True
 
 
-def _single(signature: SignatureInfo, value: Any, where: str) -> dict[str, np.ndarray]:
+def _single(signature: SignatureInfo, value: Parsed, where: str) -> dict[str, np.ndarray]:
     if len(signature.inputs) != 1:
         raise InvalidArgument(f"{where}: signature {signature.name!r} has {len(signature.inputs)} inputs "
                               f"({', '.join(sorted(signature.inputs))}); name each of them")
@@ -414,8 +422,8 @@ def _single(signature: SignatureInfo, value: Any, where: str) -> dict[str, np.nd
     return {name: to_array(value, spec, where)}
 
 
-def _rows_named(signature: SignatureInfo, instances: list[Any]) -> dict[str, np.ndarray]:
-    columns: dict[str, list[Any]] = {}
+def _rows_named(signature: SignatureInfo, instances: list[Parsed]) -> dict[str, np.ndarray]:
+    columns: dict[str, list[Parsed]] = {}
     for i, row in enumerate(instances):
         if not isinstance(row, dict):
             raise InvalidArgument(f"instances[{i}]: every instance must be an object like the first one")
@@ -434,7 +442,7 @@ def _rows_named(signature: SignatureInfo, instances: list[Any]) -> dict[str, np.
 _NONFINITE_TOKENS = {"nan": b"NaN", "inf": b"Infinity", "-inf": b"-Infinity"}
 
 
-def _jsonable(name: str, arr: np.ndarray) -> Any:
+def _jsonable(name: str, arr: np.ndarray) -> object:
     """An output array in a form orjson serialises as TF Serving would print it."""
     if arr.dtype.kind in _NATIVE:
         if arr.dtype == np.float16:
@@ -449,7 +457,7 @@ def _jsonable(name: str, arr: np.ndarray) -> Any:
     return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
 
 
-def numbers_json(arr: np.ndarray) -> Any:
+def numbers_json(arr: np.ndarray) -> object:
     """A numeric array (or 0-d value) as TF Serving writes it, ``NaN``, ``Infinity`` and
     ``-Infinity`` spelled out (orjson alone writes ``null``): :regress results and scores."""
     return _jsonable("", arr)
@@ -467,7 +475,7 @@ def _nonfinite_json(arr: np.ndarray) -> bytes:
     return b"".join(out)
 
 
-def _text(value: Any, encode_b64: bool) -> Any:
+def _text(value: object, encode_b64: bool) -> object:
     if isinstance(value, bytes):
         if encode_b64:
             return {"b64": base64.b64encode(value).decode()}
@@ -494,7 +502,7 @@ def encode_predict(outputs: Mapping[str, np.ndarray], row_format: bool) -> bytes
     return dumps({"predictions": [{k: _row(k, v, i) for k, v in outputs.items()} for i in range(n)]})
 
 
-def _row(name: str, arr: np.ndarray, i: int) -> Any:
+def _row(name: str, arr: np.ndarray, i: int) -> object:
     """Row ``i`` of one output, for a row-format response with several outputs."""
     row = arr[i]
     if isinstance(row, np.ndarray) or arr.dtype.kind in _NATIVE:

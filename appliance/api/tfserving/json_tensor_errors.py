@@ -20,7 +20,9 @@ a refused body costs about what parsing it did.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, TypeGuard, cast
+
+from appliance.core.json_types import JSONArray, JSONObject, JSONValue
 
 from runtimes import SignatureInfo
 
@@ -49,7 +51,7 @@ class _Refused(Exception):
         return f"{self.code}: {self.message}"
 
 
-def predict_error(doc: Mapping[str, Any], signature: SignatureInfo) -> str | None:
+def predict_error(doc: JSONObject, signature: SignatureInfo) -> str | None:
     """TF Serving's error for this :predict body on ``signature`` (see module docstring)."""
     infos = {name: data_type_string(spec.dtype) for name, spec in signature.inputs.items()}
     try:
@@ -74,20 +76,20 @@ def predict_error(doc: Mapping[str, Any], signature: SignatureInfo) -> str | Non
     return None
 
 
-def format_error(value: Any, text: str) -> str:
+def format_error(value: JSONValue, text: str) -> str:
     """json_tensor.cc FormatError: the value, then what is wrong with it."""
     return f"JSON Value: {debug_string(value)} {text}"
 
 
-def _is_b64(value: Any) -> bool:  # IsValBase64Object
+def _is_b64(value: JSONValue) -> bool:  # IsValBase64Object
     return isinstance(value, dict) and len(value) == 1 and isinstance(value.get("b64"), str)
 
 
-def _is_element_object(value: Any) -> bool:
+def _is_element_object(value: JSONValue) -> TypeGuard[JSONObject]:
     return isinstance(value, dict) and not _is_b64(value)
 
 
-def _instances(rows: list[Any], infos: dict[str, str]) -> None:
+def _instances(rows: JSONArray, infos: dict[str, str]) -> None:
     """FillTensorMapFromInstancesList."""
     if not isinstance(rows[0], dict) and len(infos) > 1:
         raise _Refused(INVALID, "instances is a plain list, but expecting list of objects as multiple input tensors "
@@ -118,7 +120,7 @@ def _instances(rows: list[Any], infos: dict[str, str]) -> None:
                                         f"Error: {refused.status()}") from None
 
 
-def _instance_item(item: Any, name: str, infos: dict[str, str], seen: dict[str, tuple[int, list[int]]]) -> None:
+def _instance_item(item: JSONValue, name: str, infos: dict[str, str], seen: dict[str, tuple[int, list[int]]]) -> None:
     """AddInstanceItem: every instance of an input has the first one's size and shape."""
     if name not in infos:
         raise _Refused(INVALID, f"JSON object: does not have named input: {name}")
@@ -132,7 +134,7 @@ def _instance_item(item: Any, name: str, infos: dict[str, str], seen: dict[str, 
         raise _Refused(INVALID, f"Expecting shape {_shape_text(seen[name][1])} but got: {_shape_text(shape)}")
 
 
-def _inputs(value: Any, infos: dict[str, str]) -> None:
+def _inputs(value: JSONValue, infos: dict[str, str]) -> None:
     """FillTensorMapFromInputsMap: errors come out as they are, not wrapped."""
     if not isinstance(value, dict) or _is_b64(value):
         if len(infos) > 1:
@@ -146,7 +148,7 @@ def _inputs(value: Any, infos: dict[str, str]) -> None:
         _fill(value[name], 0, _dense_shape(value[name]), dtype)
 
 
-def _dense_shape(value: Any) -> list[int]:
+def _dense_shape(value: JSONValue) -> list[int]:
     """GetDenseTensorShape: the lengths along the first elements."""
     shape = []
     while isinstance(value, list):
@@ -161,7 +163,7 @@ def _shape_text(shape: list[int]) -> str:
     return "[" + ",".join(map(str, shape)) + "]"
 
 
-def _fill(value: Any, level: int, shape: list[int], dtype: str) -> int:
+def _fill(value: JSONValue, level: int, shape: list[int], dtype: str) -> int:
     """FillTensorProto: the number of values, or the first error in document order."""
     rank = len(shape)
     if not isinstance(value, list):
@@ -180,14 +182,17 @@ def _fill(value: Any, level: int, shape: list[int], dtype: str) -> int:
     return sum(_fill(v, level + 1, shape, dtype) for v in value)
 
 
-def _all_accepted(values: list[Any], dtype: str) -> bool:
+def _all_accepted(values: JSONArray, dtype: str) -> bool:
     kinds, bounds = _ACCEPTS.get(dtype, ((), None))
     if not values or not set(map(type, values)) <= set(kinds):
         return False
-    return bounds is None or bounds[0] <= min(values) and max(values) < bounds[1]
+    if bounds is None:
+        return True
+    ints = cast("list[int]", values)  # checked just above: a dtype with bounds accepts (int,) only
+    return bounds[0] <= min(ints) and max(ints) < bounds[1]
 
 
-def _value(value: Any, dtype: str) -> None:
+def _value(value: JSONValue, dtype: str) -> None:
     """AddValueToTensor, and a {"b64": ...} object for a string input."""
     if isinstance(value, dict):
         if dtype != "string":
@@ -197,22 +202,22 @@ def _value(value: Any, dtype: str) -> None:
         try:
             b64_decode(value, "")  # the decoder's own rule: absl::Base64Unescape's
         except InvalidArgument:  # TF Serving's words, and ours where the text looks URL-safe
-            raise _Refused(INVALID, "Unable to base64 decode" + url_safe_hint(value["b64"])) from None
+            raise _Refused(INVALID, "Unable to base64 decode" + url_safe_hint(str(value["b64"]))) from None
         return
     accepts = _ACCEPTS.get(dtype)
     if accepts is None:
         raise _Refused(UNIMPLEMENTED, f"Conversion of JSON Value: {debug_string(value)} to type: {dtype}")
     kinds, bounds = accepts
-    if type(value) not in kinds or bounds is not None and not bounds[0] <= value < bounds[1]:
+    if type(value) not in kinds or bounds is not None and not (isinstance(value, int) and bounds[0] <= value < bounds[1]):
         raise _type_error(value, dtype)
 
 
-def _type_error(value: Any, dtype: str) -> _Refused:
+def _type_error(value: JSONValue, dtype: str) -> _Refused:
     return _Refused(INVALID, f"JSON Value: {debug_string(value)} Type: {_json_type(value)} is not of expected type: "
                              f"{dtype}")
 
 
-def _json_type(value: Any) -> str:
+def _json_type(value: JSONValue) -> str:
     """JsonTypeString."""
     if value is None:
         return "Null"
@@ -227,7 +232,7 @@ _ESCAPE = {i: f"\\u{i:04X}" for i in range(0x20)}
 _ESCAPE.update({ord('"'): '\\"', ord("\\"): "\\\\", 8: "\\b", 9: "\\t", 10: "\\n", 12: "\\f", 13: "\\r"})
 
 
-def debug_string(value: Any) -> str:
+def debug_string(value: JSONValue) -> str:
     writer = _PrettyWriter(MAX_DEBUG_BYTES)
     writer.accept(value)
     return "".join(writer.out)
@@ -266,7 +271,7 @@ class _PrettyWriter:
                 self.put(" " * 4 * len(self.levels))
         level[1] += 1
 
-    def accept(self, value: Any) -> bool:
+    def accept(self, value: JSONValue) -> bool:
         """GenericValue::Accept: False once the writer refuses an event."""
         if not self.room():
             return False
@@ -285,22 +290,23 @@ class _PrettyWriter:
             return False  # Writer::WriteDouble refuses NaN and infinities (kWriteNanAndInfFlag is off)
         return True
 
-    def container(self, value: dict[str, Any] | list[Any]) -> bool:
+    def container(self, value: JSONObject | JSONArray) -> bool:
         is_list = isinstance(value, list)
         self.prefix()
         self.levels.append([is_list, 0])
         self.put("[" if is_list else "{")
-        for item in value if isinstance(value, list) else value.items():
-            if is_list:
+        if isinstance(value, list):
+            for item in value:
                 if not self.accept(item):
                     return False
-                continue
-            if not self.room():
-                return False
-            self.prefix()  # the key
-            self.put('"' + item[0].translate(_ESCAPE) + '"')
-            if not self.accept(item[1]):
-                return False
+        else:
+            for key, member in value.items():
+                if not self.room():
+                    return False
+                self.prefix()  # the key
+                self.put('"' + key.translate(_ESCAPE) + '"')
+                if not self.accept(member):
+                    return False
         if not self.room():
             return False
         written = self.levels.pop()[1]

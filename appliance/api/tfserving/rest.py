@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 from urllib.parse import unquote
 
 import numpy as np
 
-from runtimes import DEFAULT_SIGNATURE, SignatureInfo
+from runtimes import DEFAULT_SIGNATURE, SignatureInfo, TensorSpec
 
 from appliance.api.body import read_body, route_key
+from appliance.api.json_arrays import Parsed, ParsedObject
 from appliance.api.errors import render_error, status_line
 from appliance.api.family import Answer, AsyncFamily
 from appliance.api.mounts import INFERENCE, Mount, raw_path
@@ -29,10 +30,14 @@ from appliance.api.tfserving.json_tensor_errors import format_error
 from appliance.protos.tfserving import wire as pw
 from appliance.api.tfserving import service
 from appliance.api.tfserving.service import classification_outputs, regression_values
+from appliance.core.config import LimitsConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable
+from appliance.core.json_types import JSONObject
 from appliance.core.seams import HandleSource, ModelStates, RouteKey, ServingCore
 
 if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIEnvironment
+
     from appliance.core.appliance import Appliance
 
 POST_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
@@ -53,11 +58,11 @@ class V1API(AsyncFamily):
     def __init__(self, core: ServingCore, states: ModelStates | None = None):
         self.core, self.states = core, states
 
-    async def answer(self, environ: dict[str, Any]) -> Answer:
+    async def answer(self, environ: WSGIEnvironment) -> Answer:
         status, body, headers = await self._respond(environ)
         return status_line(status), headers or [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
 
-    async def _respond(self, environ: dict[str, Any]) -> tuple[int, bytes, list[tuple[str, str]]]:
+    async def _respond(self, environ: WSGIEnvironment) -> tuple[int, bytes, list[tuple[str, str]]]:
         method = environ.get("REQUEST_METHOD", "GET")
         path = raw_path(environ)
         verb, name, started = "", "", time.perf_counter()
@@ -125,17 +130,19 @@ def _status(states: ModelStates, name: str, version: int | None, label: str | No
     return tfs_json.dumps({"model_version_status": statuses})
 
 
-def _tensor_info(spec: Any) -> dict[str, Any]:
+def _tensor_info(spec: TensorSpec) -> JSONObject:
     enum = pw.ENUM_OF.get(spec.dtype, 0)
-    shape = ({"dim": [], "unknown_rank": True} if spec.shape is None else
+    shape: JSONObject = ({"dim": [], "unknown_rank": True} if spec.shape is None else
              {"dim": [{"size": str(d), "name": ""} for d in spec.shape], "unknown_rank": False})
     return {"dtype": pw.DTYPE_NAMES.get(enum, "DT_INVALID"), "tensor_shape": shape, "name": spec.tensor_name or spec.name}
 
 
-def signature_def_json(sig: SignatureInfo) -> dict[str, Any]:
+def signature_def_json(sig: SignatureInfo) -> JSONObject:
+    inputs: JSONObject = {k: _tensor_info(v) for k, v in sig.inputs.items()}
+    outputs: JSONObject = {k: _tensor_info(v) for k, v in sig.outputs.items()}
     return {
-        "inputs": {k: _tensor_info(v) for k, v in sig.inputs.items()},
-        "outputs": {k: _tensor_info(v) for k, v in sig.outputs.items()},
+        "inputs": inputs,
+        "outputs": outputs,
         "method_name": sig.method_name,
         "defaults": {},
     }
@@ -152,23 +159,23 @@ async def _metadata(handles: HandleSource, name: str, version: int | None, label
 
 
 # --- POST ---------------------------------------------------------------------------------
-def _parse_object(data: bytes, limits: Any) -> dict[str, Any]:
+def _parse_object(data: bytes, limits: LimitsConfig) -> ParsedObject:
     body = tfs_json.loads(data, limits)
     if not isinstance(body, dict):
-        raise InvalidArgument(format_error(body, "Is not object"))  # util/json_tensor.cc ParseJson
+        raise InvalidArgument(format_error(tfs_json.as_lists(body), "Is not object"))  # util/json_tensor.cc ParseJson
     return body
 
 
-def _signature_name(body: dict[str, Any]) -> str:
+def _signature_name(body: ParsedObject) -> str:
     name = body.get("signature_name", "")
     if not isinstance(name, str):  # util/json_tensor.cc FormatSignatureError
-        raise InvalidArgument(format_error(body, "not formatted correctly. 'signature_name' key must be a string "
+        raise InvalidArgument(format_error(tfs_json.as_lists(body), "not formatted correctly. 'signature_name' key must be a string "
                                                  "value."))
     return name or DEFAULT_SIGNATURE
 
 
-async def _predict(handles: HandleSource, body: dict[str, Any], name: str, version: int | None, label: str | None,
-                   raw: bytes | None = None, limits: Any = tfs_json.DEFAULT_LIMITS,
+async def _predict(handles: HandleSource, body: ParsedObject, name: str, version: int | None, label: str | None,
+                   raw: bytes | None = None, limits: LimitsConfig = tfs_json.DEFAULT_LIMITS,
                    route_key: RouteKey | None = None) -> bytes:
     signature_name = _signature_name(body)
     with await handles.handle(name, version, label, route_key) as handle:
@@ -178,7 +185,7 @@ async def _predict(handles: HandleSource, body: dict[str, Any], name: str, versi
     return tfs_json.encode_predict(outputs, row_format)
 
 
-def _examples(body: dict[str, Any], method: str, limits: Any) -> np.ndarray:
+def _examples(body: ParsedObject, method: str, limits: LimitsConfig) -> np.ndarray:
     examples = body.get("examples")
     if examples is None:
         raise InvalidArgument(f"JSON Value: When method is {method}, key 'examples' is expected and was not found")
@@ -188,36 +195,43 @@ def _examples(body: dict[str, Any], method: str, limits: Any) -> np.ndarray:
         raise InvalidArgument("JSON Value: 'examples' value is an empty array")
     tfs_json.check_rows(len(examples), "examples", limits)
     context = body.get("context")
+    objects: list[ParsedObject] = []
     for item in [context] * (context is not None) + examples:
         if not isinstance(item, dict):
             raise InvalidArgument(f"Example must be JSON object but got JSON {type(item).__name__}")
+        objects.append(item)
+    if context is not None:
+        context_object, *rows = objects
+    else:
+        context_object, rows = None, objects
     try:
-        ctx = pw.encode_example(_decode_features(context)) if context is not None else b""
-        serialized = [ctx + pw.encode_example(_decode_features(e)) for e in examples]
+        ctx = pw.encode_example(_decode_features(context_object)) if context_object is not None else b""
+        serialized = [ctx + pw.encode_example(_decode_features(e)) for e in rows]
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
     return np.array(serialized, dtype=object)
 
 
-def _decode_features(example: dict[str, Any]) -> dict[str, Any]:
+def _decode_features(example: ParsedObject) -> dict[str, list[object]]:
     out = {}
     for key, value in example.items():
         if isinstance(value, np.ndarray):  # a big numeric feature (json_arrays.py): its values
             value = value.ravel().tolist()
         values = value if isinstance(value, list) else [value]
-        decoded = []
+        decoded: list[object] = []
         for v in values:
             if isinstance(v, dict) and set(v) == {"b64"}:
-                v = tfs_json.b64_decode(v, f"feature {key}")
-            elif v is None or isinstance(v, (dict, list)):
+                decoded.append(tfs_json.b64_decode(v, f"feature {key}"))
+                continue
+            if v is None or isinstance(v, (dict, list)):
                 raise ValueError(f"Feature: {key} has element with unexpected JSON type: {type(v).__name__}")
             decoded.append(v)
         out[key] = decoded
     return out
 
 
-async def _classify_regress(handles: HandleSource, body: dict[str, Any], name: str, version: int | None,
-                            label: str | None, method: str, limits: Any, route_key: RouteKey | None) -> bytes:
+async def _classify_regress(handles: HandleSource, body: ParsedObject, name: str, version: int | None,
+                            label: str | None, method: str, limits: LimitsConfig, route_key: RouteKey | None) -> bytes:
     signature_name = _signature_name(body)
     serialized = _examples(body, method, limits)
     _, signature, outputs = await service.run_examples(handles, serialized, name, version, label,
@@ -225,7 +239,7 @@ async def _classify_regress(handles: HandleSource, body: dict[str, Any], name: s
     return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
 
 
-def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> Any:
+def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarray], n: int) -> object:
     if method == "regress":  # NaN and infinities as TF Serving writes them (its REST doc, "JSON conformance")
         return tfs_json.numbers_json(regression_values(signature, outputs, n))
     classes, scores, ref = classification_outputs(outputs, n)

@@ -6,7 +6,8 @@ the shape rules of their results. Protocol-neutral: no JSON, no protobuf here.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,11 +17,14 @@ from appliance.core.errors import InvalidArgument, Unimplemented
 from appliance.core.seams import HandleSource, RouteKey
 from appliance.protos.tfserving import wire as pw
 
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
 
 
-def data_type_string(dtype: Any) -> str:
+def data_type_string(dtype: npt.DTypeLike) -> str:
     """TensorFlow's DataTypeString, the name TF Serving's messages use: float32 -> "float",
     object (DT_STRING) -> "string", float16 -> "half"."""
     dtype = np.dtype(dtype)
@@ -59,7 +63,7 @@ def regression_values(signature: SignatureInfo, outputs: dict[str, np.ndarray], 
     return values.astype(np.float32)
 
 
-def classification_outputs(outputs: dict[str, np.ndarray], n: int) -> tuple[Any, Any, np.ndarray]:
+def classification_outputs(outputs: dict[str, np.ndarray], n: int) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
     """(classes or None, scores or None, the one of them that gives the shape [n, k])."""
     classes, scores = outputs.get("classes"), outputs.get("scores")
     if classes is None and scores is None:

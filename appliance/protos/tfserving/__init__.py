@@ -15,15 +15,15 @@ name (the last part of the full name; the names used are unique across these fil
 from __future__ import annotations
 
 import os
-from typing import Any
+from google.protobuf.message import Message
 
-from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf import descriptor, descriptor_pb2, descriptor_pool
 
 _DESC = os.path.join(os.path.dirname(__file__), "tensorflow_serving.desc")
 POOL = descriptor_pool.DescriptorPool()
 
 
-def _message_class(descriptor: Any) -> Any:
+def _message_class(descriptor: descriptor.Descriptor) -> type[Message]:
     try:
         from google.protobuf.message_factory import GetMessageClass
     except ImportError:  # protobuf < 4.22
@@ -67,9 +67,9 @@ class _Messages:
             "PredictionLog": "tensorflow.serving.PredictionLog",
             "SavedModel": "tensorflow.SavedModel",
         }
-        self._classes: dict[str, Any] = {}
+        self._classes: dict[str, type[Message]] = {}
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> type[Message]:
         try:
             full = self._names[name]
         except KeyError:

@@ -10,10 +10,10 @@ gRPC service (request tensors), the warm-up replay (appliance/core/warmup.py) an
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Mapping
 
 import numpy as np
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from appliance.protos.tfserving import POOL, pb
 
@@ -36,7 +36,7 @@ VALUE_FIELD: dict[int, str] = {
 _DIRECT = {1, 2, 3, 9, 10}  # fields whose Python values numpy takes as they are
 
 
-def tensor_to_array(tensor: Any) -> np.ndarray:
+def tensor_to_array(tensor: Message) -> np.ndarray:
     """A ``TensorProto`` message as numpy, read as ``tf.make_ndarray`` reads it:
     ``tensor_content`` when set (numeric dtypes), else the dtype's typed field, where one
     value fills the whole shape. A bad dtype, shape or value count is a ``ValueError``."""
@@ -55,7 +55,7 @@ def tensor_to_array(tensor: Any) -> np.ndarray:
     return values.reshape(shape)
 
 
-def _typed_values(tensor: Any, dtype: np.dtype) -> np.ndarray:
+def _typed_values(tensor: Message, dtype: np.dtype) -> np.ndarray:
     repeated = getattr(tensor, VALUE_FIELD[tensor.dtype])
     if dtype.kind == "O":
         return np.array(list(repeated), dtype=object)
@@ -77,15 +77,15 @@ def decode_tensor(buf: bytes) -> np.ndarray:
 
 
 # --- tf.Example ----------------------------------------------------------------------------
-def _fill_feature(feature: Any, value: Any) -> None:
+def _fill_feature(feature: Message, value: object) -> None:
     values = value if isinstance(value, list) else [value]
     if values and all(isinstance(v, (bool, int)) for v in values):
         try:
-            feature.int64_list.value.extend(int(v) for v in values)
+            feature.int64_list.value.extend(int(v) for v in values if isinstance(v, (bool, int)))  # all are
         except ValueError as exc:  # protobuf's own range check
             raise ValueError(f"feature value {value!r}: an integer is out of the range of int64 ({exc})") from exc
     elif values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        feature.float_list.value.extend(float(v) for v in values)
+        feature.float_list.value.extend(float(v) for v in values if isinstance(v, (int, float)))  # all are
     elif all(isinstance(v, (bytes, str)) for v in values):
         feature.bytes_list.SetInParent()  # an empty list is still a bytes_list
         feature.bytes_list.value.extend(v.encode() if isinstance(v, str) else v for v in values)
@@ -93,7 +93,7 @@ def _fill_feature(feature: Any, value: Any) -> None:
         raise ValueError(f"feature value {value!r} mixes types or is not int, float or string")
 
 
-def encode_example(features: dict[str, Any]) -> bytes:
+def encode_example(features: Mapping[str, object]) -> bytes:
     """A serialized ``tf.Example``: ints -> int64_list, floats -> float_list, str/bytes -> bytes_list."""
     example = pb.Example()
     for key, value in features.items():
@@ -108,7 +108,7 @@ def merge_examples(context: bytes, example: bytes) -> bytes:
     return context + example
 
 
-def input_examples(input_msg: Any) -> list[bytes]:
+def input_examples(input_msg: Message) -> list[bytes]:
     """Serialized tf.Examples of a serving ``Input`` (example_list, or example_list_with_context
     with its context in front of each), as TF Serving's InputToSerializedExampleTensor builds
     them; empty when the Input holds none."""
