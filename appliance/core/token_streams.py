@@ -1,7 +1,7 @@
 """Token streams on an event loop: the shape of vLLM's ``EngineClient.generate``.
 
 ``generate(generation, handle, request)`` is awaited on the caller's loop: the request waits
-for room in its model's queue without a thread (``StreamLimits.reserve``:
+for room (its streams' KV cache bytes within ``generation.cache_memory_mb``) in its model's queue without a thread (``StreamLimits.reserve``:
 appliance/core/stream_limits.py), its streams start on the handle's version
 (``Generation.start_choices``), and it returns a ``TokenStream``: an async iterator of the
 request's events, ``(choice index, kind, value)`` as appliance/core/streams.py names them,
@@ -77,7 +77,9 @@ async def generate(generation: "Generation", handle: Any, request: TokenRequest,
     limits = generation.limits
     if limits.stale:  # which models generate (it may load a tokenizer): read off the loop, not in start_choices
         await asyncio.get_running_loop().run_in_executor(None, limits.refresh)
-    ticket = await _reserve(generation, request, gone)
+    # the cache bytes each stream will hold (read once per version: off the loop the first time)
+    each = await asyncio.get_running_loop().run_in_executor(None, generation.stream_bytes, handle)
+    ticket = await _reserve(generation, request, each, gone)
     events = LoopQueue(asyncio.get_running_loop())
     token = ADMITTED.set(ticket)
     try:
@@ -89,8 +91,9 @@ async def generate(generation: "Generation", handle: Any, request: TokenRequest,
     return TokenStream(streams, events)
 
 
-async def _reserve(generation: "Generation", request: TokenRequest, gone: Callable[[], bool] | None) -> Ticket:
-    reserving = asyncio.ensure_future(generation.limits.reserve(request.model, request.n, generation.publish))
+async def _reserve(generation: "Generation", request: TokenRequest, each: int,
+                   gone: Callable[[], bool] | None) -> Ticket:
+    reserving = asyncio.ensure_future(generation.limits.reserve(request.model, request.n, generation.publish, each))
     if gone is None:
         return await reserving
     try:
