@@ -388,6 +388,9 @@ class Generation:
         self.limits.refresh()
         loop = self._admit(streams, handle.slot, driver, model, text_level, self.stream_bytes(handle))
         self.metrics.active.labels(model).inc(n)
+        # the queue's series exist (at 0) for a model whose requests never had to wait
+        self.metrics.waiting.labels(model)
+        self.metrics.queue_wait.labels(model)
         if text_level:
             for stream in streams:
                 self.text.start(stream, driver, prompt_text)
