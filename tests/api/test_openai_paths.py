@@ -22,8 +22,8 @@ from appliance.fronts.link import Link
 from appliance.fronts.remote import RemoteCore
 from tests.api.test_openai_embeddings import TEXTS, encoders  # noqa: F401  (the module fixture)
 
-PATHS = [("POST", "/v1/embeddings"), ("GET", "/v1/models"), ("HEAD", "/v1/models"), ("GET", "/v1/models/chat:1"),
-         ("GET", "/v1/models/chat")]
+PATHS = [("POST", "/v1/embeddings"), ("GET", "/v1/models"), ("HEAD", "/v1/models"), ("GET", "/v1/models/chat:1")]
+TF_STATUS = ("GET", "/v1/models/chat")  # TF Serving's model status: the app's, in the serving process
 
 
 def _environ(method: str, path: str) -> dict[str, Any]:
@@ -44,6 +44,7 @@ def test_a_front_worker_forwards_them_on_its_loop(method: str, path: str) -> Non
     assert app.route(_environ(method, path)) is not None
     mount = app.hot.match(method, path)
     assert mount is not None and isinstance(mount.handler, ForwardedStreams)
+    assert app.route(_environ(*TF_STATUS)) is None  # forwarded to the serving process's app, as before
 
 
 def test_the_serving_process_answers_them_with_its_async_family() -> None:
@@ -58,6 +59,7 @@ def test_the_serving_process_answers_them_with_its_async_family() -> None:
         assert mounts[name].handler is api and isinstance(api, AsyncFamily)
     for method, path in PATHS:
         assert any(m.matches(method, path) and m.handler is api for m in mounts.values()), (method, path)
+    assert not any(m.matches(*TF_STATUS) for m in mounts.values())
 
 
 def test_one_process_and_front_workers_answer_the_same_bytes(start_server: Any, encoders: Path) -> None:  # noqa: F811
