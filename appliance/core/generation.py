@@ -53,7 +53,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import numpy as np
 from prometheus_client import Gauge
@@ -72,7 +72,11 @@ from appliance.core.text import ChatTemplate
 from appliance.core.tokenizer import load as load_tokenizer
 from appliance.core.text_streams import TextDriver, TextStreams, TextVocabulary
 
+if TYPE_CHECKING:
+    from appliance.core.handle import Handle, VersionSlot
+
 log = logging.getLogger("appliance.generation")
+T = TypeVar("T")
 
 # Test hook (EDGE_APPLIANCE_TEST_HOOKS=1, SIGUSR1: appliance/service): while cleared, every decode
 # loop waits before its next step, as a wedged backend would, so a test can hold a stream running
@@ -290,12 +294,12 @@ class Generation:
             self._budget = (mb, cache_budget(self.config))
         return self._budget[1]
 
-    def stream_bytes(self, handle: Any) -> int:
+    def stream_bytes(self, handle: "Handle") -> int:
         """The cache bytes one stream of the handle's version holds (``stream_bytes``, read once)."""
         driver, _ = self.prepare(handle)
-        return self._read(handle.slot, "stream_bytes", lambda slot: stream_bytes(driver))  # type: ignore[no-any-return]  # the cache holds each kind's own value
+        return self._read(handle.slot, "stream_bytes", lambda slot: stream_bytes(driver))
 
-    def _read(self, slot: Any, key: str, build: Any) -> Any:
+    def _read(self, slot: "VersionSlot", key: str, build: "Callable[[VersionSlot], T]") -> T:
         """``build(slot)``, read once per loaded version (unloaded versions are forgotten)."""
         with self.lock:
             for gone in [k for k, (s, _) in self._versions.items() if s.servable is None]:
@@ -304,13 +308,13 @@ class Generation:
             if cached is None or cached[0] is not slot:
                 cached = self._versions[id(slot)] = (slot, {})
             if key in cached[1]:
-                return cached[1][key]
+                return cast(T, cached[1][key])
         value = build(slot)  # outside the lock: it may read files
         with self.lock:
             cached[1][key] = value
         return value
 
-    def prepare(self, handle: Any) -> tuple[Any, Any]:
+    def prepare(self, handle: "Handle") -> tuple[Any, Any]:
         """The driver and vocabulary of the handle's version: a ``generative.Driver`` and a
         ``Vocabulary`` (None when the version ships none), or for a text-level servable a
         ``TextDriver`` and ``TextVocabulary``. InvalidArgument when it cannot generate."""
@@ -333,25 +337,25 @@ class Generation:
             raise InvalidArgument(f"{slot.model} version {slot.version}: {exc}") from exc
         return driver, (load_tokenizer(slot.path) if driver is not None else None)
 
-    def can_generate(self, handle: Any) -> bool:
+    def can_generate(self, handle: "Handle") -> bool:
         try:
             self.prepare(handle)
         except InvalidArgument:
             return False
         return True
 
-    def chat_template(self, handle: Any) -> ChatTemplate:
+    def chat_template(self, handle: "Handle") -> ChatTemplate:
         """The chat template of the handle's version (appliance/core/text.py)."""
-        return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))  # type: ignore[no-any-return]  # the cache holds each kind's own value
+        return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))
 
-    def token_table(self, handle: Any) -> TokenTable:
+    def token_table(self, handle: "Handle") -> TokenTable:
         """The version's vocabulary as the grammar engine reads it (built once per version)."""
         _, vocab = self.prepare(handle)
         if vocab is None or isinstance(vocab, TextVocabulary):
             raise InvalidArgument("constrained decoding needs a token-level model with its tokenizer "
                                   "(tokenizer.json, tokenizer.model or assets/vocab.json); a LiteRT-LM bundle "
                                   "decodes by itself")
-        return self._read(handle.slot, "token_table", lambda slot: TokenTable.of(vocab))  # type: ignore[no-any-return]  # the cache holds each kind's own value
+        return self._read(handle.slot, "token_table", lambda slot: TokenTable.of(vocab))
 
     def start(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None) -> Stream:
         """Queue a stream on the handle's version; the loop owns (and releases) the handle.

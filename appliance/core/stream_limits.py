@@ -40,11 +40,24 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from appliance.core.errors import ApplianceError, QueueFull, Unavailable
 
+if TYPE_CHECKING:
+    from appliance.core.handle import Handle
+
 MODELS_TTL_S = 2.0  # how long the set of generative models is reused before it is read again
+
+
+class LimitsConfig(Protocol):
+    """What the limits read of ``[generation]`` (appliance/core/config_apis.py ``GenerationConfig``)."""
+
+    max_streams: int
+    max_streams_per_model: int
+    reserved_streams_per_model: int
+    max_queued_per_model: int
+    queue_timeout_s: float
 
 
 class QueueObserver(Protocol):
@@ -82,7 +95,7 @@ class StreamLimits:
     """Counts per model, the admission rule and its queue (module docstring). ``admit`` and
     ``leave`` under ``lock``; ``refresh`` outside it."""
 
-    def __init__(self, config: Callable[[], Any], generative_models: Callable[[], Iterable[str]],
+    def __init__(self, config: Callable[[], LimitsConfig], generative_models: Callable[[], Iterable[str]],
                  lock: threading.Lock | None = None, observer: "QueueObserver | None" = None,
                  cache_total: Callable[[], int] | None = None):
         self._config, self._models_of = config, generative_models
@@ -180,7 +193,7 @@ class StreamLimits:
                 for _ in range(ticket.count):
                     self.leave(ticket.model, ticket.each)
 
-    def _enter(self, model: str, count: int, each: int, config: Any,
+    def _enter(self, model: str, count: int, each: int, config: LimitsConfig,
                wake: Callable[[], None] | None = None) -> Waiter | None:
         """(lock) Count the streams in now (None), or queue them (their ``Waiter``); the refusals."""
         self._check_size(model, count, each, config)
@@ -217,11 +230,11 @@ class StreamLimits:
             if first.wake is not None:
                 first.wake()
 
-    def _timed_out(self, model: str, count: int, each: int, config: Any) -> Unavailable:
+    def _timed_out(self, model: str, count: int, each: int, config: LimitsConfig) -> Unavailable:
         return Unavailable(f"waited {config.queue_timeout_s:g} s (generation.queue_timeout_s) for a stream of model "
                            f"'{model}': {self._refusal(model, count, each, config)} retry later")
 
-    def _check_size(self, model: str, count: int, each: int, config: Any) -> None:
+    def _check_size(self, model: str, count: int, each: int, config: LimitsConfig) -> None:
         """A request no amount of waiting can admit is refused at once."""
         cap, budget = config.max_streams_per_model, self.cache_total()
         if count > config.max_streams or (cap and count > cap):
@@ -231,7 +244,7 @@ class StreamLimits:
             raise Unavailable(f"{count} streams of model '{model}' need {_mib(count * each)} of KV cache, more than "
                               f"all streams may ever hold (generation.cache_memory_mb: {_mib(budget)})")
 
-    def _my_turn(self, me: Waiter, config: Any) -> bool:
+    def _my_turn(self, me: Waiter, config: LimitsConfig) -> bool:
         """Whether ``me`` goes now: it fits, and no waiter that fits is ahead of it (fewest running
         streams of its model first, then the oldest)."""
         fitting = [w for w in self.waiting if self._refusal(w.model, w.count, w.each, config) is None]
@@ -244,7 +257,7 @@ class StreamLimits:
         if each:
             self.cache_used[model] = self.cache_used.get(model, 0) + count * each
 
-    def _refusal(self, model: str, count: int, each: int, config: Any) -> str | None:
+    def _refusal(self, model: str, count: int, each: int, config: LimitsConfig) -> str | None:
         """Why ``count`` more streams of ``model`` (``each`` cache bytes apiece) cannot start now;
         None when they can."""
         mine, total = self.running.get(model, 0), self.total
@@ -308,7 +321,7 @@ class SharedHandle:
     """One manager handle held by the ``n`` streams of one request (its choices): reported
     once (the first failure, else success when the last one ends) and released with the last."""
 
-    def __init__(self, handle: Any, holders: int):
+    def __init__(self, handle: "Handle", holders: int):
         self.handle, self.slot = handle, handle.slot
         self._left = holders
         self._failure: ApplianceError | None = None

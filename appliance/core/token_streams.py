@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from appliance.core.constraints import Grammar
 from appliance.core.stream_limits import ADMITTED, Ticket
@@ -25,6 +25,7 @@ from appliance.core.streams import Event, LoopQueue, Params, Stream
 
 if TYPE_CHECKING:
     from appliance.core.generation import Generation
+    from appliance.core.handle import Handle
 
 ENDS = ("done", "error")  # the kinds that end a choice
 GONE_POLL_S = 0.25  # how often a waiting request looks whether its client went away (one process)
@@ -67,7 +68,7 @@ class TokenStream:
             stream.cancel(reason)
 
 
-async def generate(generation: "Generation", handle: Any, request: TokenRequest,
+async def generate(generation: "Generation", handle: "Handle", request: TokenRequest,
                    gone: Callable[[], bool] | None = None) -> TokenStream:
     """Queue, admit and start ``request`` on ``handle``'s version (module docstring). The handle
     is the generation's once this returns; on an error (a full queue, a wait past its deadline,
@@ -117,7 +118,8 @@ class LocalTokenStreams:
     def __init__(self, generation: "Generation"):
         self.generation = generation
 
-    async def generate(self, handle: Any, request: TokenRequest, gone: Callable[[], bool] | None = None) -> TokenStream:
+    async def generate(self, handle: "Handle", request: TokenRequest,
+                       gone: Callable[[], bool] | None = None) -> TokenStream:
         return await generate(self.generation, handle, request, gone)
 
 
