@@ -19,7 +19,10 @@ when a stream ends; it is refused (``Unavailable``: 503 + Retry-After, naming wh
 that queue is full or it waited ``generation.queue_timeout_s``. **Fair shares without
 reservations**: when room frees, the waiting request of the model with the fewest running
 streams goes first (oldest first among equals): an idle model's first request overtakes a busy
-model's queue, and a model alone may use the whole pool, whatever the number of models.
+model's queue, and a model alone may use the whole pool, whatever the number of models. A
+request that has waited ``HOLD_AFTER_S`` (1 s) at the head of the queue short of cache bytes
+holds the bytes that free until its streams fit, and goes first: large rows are never starved
+by small ones.
 
 **Waiting without a thread**: ``reserve`` is ``admit`` for a request answered on an event loop
 (appliance/api/openai.py, generate.py): the same queue, order, deadline and refusals, awaited,
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
     from appliance.core.handle import Handle
 
 MODELS_TTL_S = 2.0  # how long the set of generative models is reused before it is read again
+HOLD_AFTER_S = 1.0  # a waiter short of cache bytes this long holds the room that frees (``_next``)
 
 
 class LimitsConfig(Protocol):
@@ -75,6 +79,7 @@ class Waiter:
     seq: int
     each: int = 0  # cache bytes of each of its streams
     since: float = field(default_factory=time.monotonic)
+    holding: bool = False  # it holds the cache bytes that free (``StreamLimits._next``)
     wake: Callable[[], None] | None = None  # an awaiting waiter's (``reserve``): called when room may have freed
 
 
@@ -223,12 +228,9 @@ class StreamLimits:
         self._ready.notify_all()
         if not self.waiting:
             return
-        config = self._config()
-        fitting = [w for w in self.waiting if self._refusal(w.model, w.count, w.each, config) is None]
-        if fitting:
-            first = min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq))
-            if first.wake is not None:
-                first.wake()
+        first = self._next(self._config())
+        if first is not None and first.wake is not None:
+            first.wake()
 
     def _timed_out(self, model: str, count: int, each: int, config: LimitsConfig) -> Unavailable:
         return Unavailable(f"waited {config.queue_timeout_s:g} s (generation.queue_timeout_s) for a stream of model "
@@ -245,12 +247,30 @@ class StreamLimits:
                               f"all streams may ever hold (generation.cache_memory_mb: {_mib(budget)})")
 
     def _my_turn(self, me: Waiter, config: LimitsConfig) -> bool:
-        """Whether ``me`` goes now: it fits, and no waiter that fits is ahead of it (fewest running
-        streams of its model first, then the oldest)."""
+        """Whether ``me`` goes now (``_next``)."""
+        return self._next(config) is me
+
+    def _next(self, config: LimitsConfig) -> Waiter | None:
+        """(lock) The waiter that goes next, if any fits: of those that fit, the one whose model
+        runs the fewest streams (then the oldest). But the oldest waiter, once it has waited
+        ``HOLD_AFTER_S`` short of cache bytes, holds those that free until it fits, and then goes
+        first (a wait for a count keeps the fair order): a
+        model with large rows is not overtaken forever by a stream of small ones (vLLM's queue is
+        first come first served for the same reason)."""
+        if not self.waiting:
+            return None
+        oldest = self.waiting[0]  # appended in arrival order
+        if time.monotonic() - oldest.since >= HOLD_AFTER_S and self._short_of_cache(oldest):
+            oldest.holding = True
+            return None
+        if oldest.holding and self._refusal(oldest.model, oldest.count, oldest.each, config) is None:
+            return oldest
         fitting = [w for w in self.waiting if self._refusal(w.model, w.count, w.each, config) is None]
-        if me not in fitting:
-            return False
-        return min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq)) is me
+        return min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq)) if fitting else None
+
+    def _short_of_cache(self, waiter: Waiter) -> bool:
+        budget = self.cache_total()
+        return bool(budget and self.cache_bytes + waiter.count * waiter.each > budget)
 
     def _count_in(self, model: str, count: int, each: int) -> None:
         self.running[model] = self.running.get(model, 0) + count

@@ -151,3 +151,37 @@ def test_the_total_is_the_setting_or_a_share_of_memory() -> None:
     assert cache_budget(GenerationConfig(cache_memory_mb=1.5)) == 3 << 19
     assert cache_budget(GenerationConfig(), memory=8 << 30) == (8 << 30) // AUTO_CACHE_SHARE
     assert cache_budget(GenerationConfig()) > 0  # this host's (or its cgroup's) memory
+
+
+def test_a_large_request_at_the_head_is_not_overtaken_forever(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose row is the whole total waits behind four small streams; small requests keep
+    arriving. Once the big one has waited (``HOLD_AFTER_S``, made 0 here: no clock in the test),
+    the room that frees is held for it: no small stream starts until it has run, then they do."""
+    from appliance.core import stream_limits
+
+    monkeypatch.setattr(stream_limits, "HOLD_AFTER_S", 0.0)
+    limits, lock = _limits(4 * ROW)
+
+    async def run() -> None:
+        for _ in range(4):
+            await limits.reserve("small", 1, each=ROW)
+        big = asyncio.ensure_future(limits.reserve("big", 1, each=4 * ROW))
+        await asyncio.wait_for(_until(lambda: len(limits.waiting) == 1), 30)
+        late = asyncio.ensure_future(limits.reserve("small", 1, each=ROW))  # fits once one small ends
+        await asyncio.wait_for(_until(lambda: len(limits.waiting) == 2), 30)
+        for ended in range(3):
+            with lock:
+                limits.leave("small", ROW)
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not late.done(), f"a later small stream overtook the big one after {ended + 1} ended"
+        with lock:
+            limits.leave("small", ROW)
+        await asyncio.wait_for(big, 30)
+        assert not late.done() and limits.cache_used == {"big": 4 * ROW}
+        with lock:
+            limits.leave("big", 4 * ROW)
+        await asyncio.wait_for(late, 30)
+        assert limits.cache_used == {"small": ROW}
+
+    asyncio.run(run())
