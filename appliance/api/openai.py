@@ -383,7 +383,7 @@ class OpenAIAPI(AsyncFamily):
         with handle:
             outputs = await handle.run(sig.name, feeds)
             return await off_loop(lambda: orjson.dumps(embeddings.answer(
-                body, embeddings.vectors(sig, outputs, body["model"]), f"{handle.model}:{handle.version}", tokens)))
+                body, embeddings.vectors(outputs, body["model"]), f"{handle.model}:{handle.version}", tokens)))
 
     @staticmethod
     def _embed_feeds(manager: "Manager", environ: dict[str, Any],
