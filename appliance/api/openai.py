@@ -75,6 +75,7 @@ from appliance.core.seams import TokenStreams
 from appliance.core.token_streams import LocalTokenStreams, TokenRequest
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.generation import Generation
+from appliance.core.json_types import JSONValue
 from appliance.core.tokenizer import load as load_tokenizer
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def render(exc: BaseException) -> tuple[int, list[tuple[str, str]], bytes]:
     return error.http_status, headers, body
 
 
-def _json(obj: Any) -> FamilyAnswer:
+def _json(obj: JSONValue) -> FamilyAnswer:
     body = orjson.dumps(obj)
     return "200 OK", [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
 
@@ -163,7 +164,7 @@ class OpenAIAPI(AsyncFamily):
             if path == MODELS:
                 return _json({"object": "list", "data": listed})
             wanted = unquote(path[len(MODELS) + 1:])
-            found = next((m for m in listed if m["id"] == wanted), None)
+            found = next((m for m in listed if isinstance(m, dict) and m["id"] == wanted), None)
             if found is None and not environ.get("HTTP_X_STAINLESS_LANG"):
                 return await self._tf_serving(environ)  # a TF Serving client's model status
             if found is None:
@@ -179,12 +180,12 @@ class OpenAIAPI(AsyncFamily):
 
         return await V1API(self.core, self.core.states).answer(environ)
 
-    def _generative_models(self) -> list[dict[str, Any]]:
+    def _generative_models(self) -> list[JSONValue]:
         """Every id that can generate *text* now (module docstring), as OpenAI's model objects."""
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
-        out = []
+        out: list[JSONValue] = []
         for name, model in manager.snapshot().items():
             since = {v["version"]: v["available_since"] for v in model["versions"] if v["state"] == "AVAILABLE"}
             ready = [v for v in sorted(since) if self._speaks_text(name, v)]
