@@ -2,7 +2,7 @@
 memory stays bounded and ``/healthz`` keeps answering in < 100 ms throughout.
 
     PYTHONPATH=. .venv/bin/python -m bench.stream_flood [--streams 1000] [--workers N]
-        [--max-streams N] [--max-queued N] [--max-tokens 64] [--json OUT] [--tree DIR]
+        [--cache-memory-mb MB] [--max-streams N] [--max-queued N] [--max-tokens 64] [--json OUT] [--tree DIR]
 
 The model is the prebuilt tiny chat model (scripts/tiny_chat: a LiteRT LLM with a real
 tokenizer.json), served from a temporary state directory. After a warm-up answer, ``--streams``
@@ -10,11 +10,14 @@ clients each open a connection and send a streamed ``/v1/completions`` request, 
 read their answers to ``data: [DONE]``. Meanwhile a client in a process of its own asks
 ``/healthz`` on a keep-alive connection back to back (10 ms apart), and the service tree's RSS and PSS (every process: serving, zygote,
 front workers; /proc/PID/smaps_rollup) and ``/api/status`` ``generation`` are sampled every
-100 ms. Reported: the answers by status (a stream over ``generation.max_streams`` waits in its
-model's queue, past ``generation.max_queued_per_model`` it is refused 503 + Retry-After), the
-most streams running and waiting at once, ``/healthz`` latency (max, p99, count), and the
+100 ms. Reported: the answers by status (a stream whose KV cache row does not fit in
+``generation.cache_memory_mb`` waits in its model's queue, past ``generation.max_queued_per_model``
+it is refused 503 + Retry-After), the most streams running and waiting at once, the most cache
+bytes the running streams held against the total (``/api/status`` ``generation.cache_bytes_*``;
+the tiny chat model's row is 64 KiB), ``/healthz`` latency (max, p99, count), and the
 tree's memory before, at its peak and after. Defaults are the service's own; ``--max-streams``
-and ``--max-queued`` raise the bounds so that every stream runs or waits at once.
+and ``--max-queued`` raise the bounds so that every stream runs or waits at once;
+``--cache-memory-mb`` sets the cache total (e.g. 6.25: 100 rows of the tiny model).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def start(tmp: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[by
     shutil.copytree(TINY_CHAT, models / "chat" / "1")
     config = tmp / "appliance.toml"
     lines = [f'models_dir = "{models}"', "[generation]"]
+    if args.cache_memory_mb:
+        lines.append(f"cache_memory_mb = {args.cache_memory_mb}")
     if args.max_streams:
         lines.append(f"max_streams = {args.max_streams}")
     if args.max_queued:
@@ -162,6 +167,7 @@ class Sampler(threading.Thread):
         self.failed = 0
         self.memory: list[tuple[float, float]] = []
         self.running = self.waiting = 0
+        self.cache_peak, self.cache_total = 0, None
         ctx = multiprocessing.get_context("spawn")
         self.probe_stop, self.probe_out = ctx.Event(), ctx.Queue()
         self.probe = ctx.Process(target=probe_health, args=(url, self.probe_stop, self.probe_out), daemon=True)
@@ -188,6 +194,8 @@ class Sampler(threading.Thread):
                 gen = session.get(self.url + "/api/status", timeout=10).json().get("generation", {})
                 self.running = max(self.running, int(gen.get("active_streams", 0)) - int(gen.get("requests_waiting", 0)))
                 self.waiting = max(self.waiting, int(gen.get("requests_waiting", 0)))
+                self.cache_peak = max(self.cache_peak, int(gen.get("cache_bytes_used", 0)))
+                self.cache_total = gen.get("cache_bytes_total", self.cache_total)
             except (requests.RequestException, ValueError):
                 pass
             time.sleep(0.1)
@@ -203,6 +211,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=1000)
     ap.add_argument("--workers", type=int, default=None, help="server.workers (default: the service's own)")
+    ap.add_argument("--cache-memory-mb", type=float, default=0,
+                    help="generation.cache_memory_mb (0: the default, a quarter of the memory)")
     ap.add_argument("--max-streams", type=int, default=0, help="generation.max_streams (0: the default)")
     ap.add_argument("--max-queued", type=int, default=0, help="generation.max_queued_per_model (0: the default)")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -253,6 +263,7 @@ def report(args: argparse.Namespace, answers: list[tuple[int, int]], seconds: fl
         "max_tokens": args.max_tokens, "seconds": round(seconds, 2), "answers_by_status": by_status,
         "events_per_200": round(sum(e for c, e in answers if c == 200) / max(1, by_status.get("200", 0)), 1),
         "peak_running": sampler.running, "peak_waiting": sampler.waiting,
+        "cache_bytes": {"peak_used": sampler.cache_peak, "total": sampler.cache_total},
         "healthz": {"count": len(health), "failed": sampler.failed,
                     "p50_ms": round(health[len(health) // 2] * 1000, 1) if health else None, "max_ms": round(health[-1] * 1000, 1) if health else None,
                     "p99_ms": round(health[int(len(health) * 0.99) - 1] * 1000, 1) if health else None},

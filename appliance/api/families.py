@@ -1,6 +1,6 @@
 """The API families of the REST app, each a module whose ``mounts(core)`` returns the path
 families it answers itself (appliance/api/mounts.py): TF Serving's REST API, KServe v2, token
-generation and the OpenAI-compatible API beside it (which takes three /v1 paths TF Serving
+generation and the OpenAI-compatible API beside it (which takes the /v1 paths TF Serving
 answers 400). A module may also hold ``OPENAPI_PATHS``, merged into ``/openapi.json``.
 Rollouts are the core's: every family's handle is routed and judged there
 (appliance/core/rollout.py). A family whose module this install lacks is skipped.
@@ -24,6 +24,7 @@ API_MOUNTS = ("appliance.api.tfserving.rest:mounts", "appliance.api.kserve.rest:
 # The token-stream paths, here so a front worker can mount them without importing their families
 GENERATE_RE = re.compile(r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:generate")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+EMBEDDINGS, MODELS = "/v1/embeddings", "/v1/models"
 
 
 def generate_mount(handler: WSGIApp) -> Mount:
@@ -40,10 +41,27 @@ def completion_mounts(handler: WSGIApp) -> list[Mount]:
                   summary="OpenAI completions")]
 
 
+def openai_mounts(embeddings: WSGIApp, models: WSGIApp, plain_names: bool = True) -> list[Mount]:
+    """OpenAI's ``/v1/embeddings`` and ``GET /v1/models[/{id}]`` (a plain name there: TF Serving's
+    model status, for its clients, unless an OpenAI client asks: appliance/api/openai.py). The
+    handlers may be one family answering both by path; two objects let the route table name a
+    request's mount by its handler. ``plain_names`` false: ``/v1/models/{name}`` without a ``:``
+    is left to the app (the front path leaves TF Serving's model status to the process that
+    holds the versions, appliance/fronts/app.py)."""
+    ids = r"(?:/[^/]+)?" if plain_names else r"(?:/[^/]*:[^/]*)?"
+    return [Mount("openai-embeddings", "/v1/embeddings/", INFERENCE, embeddings,
+                  pattern=re.compile(re.escape(EMBEDDINGS)), summary="OpenAI embeddings"),
+            Mount("openai-models", "/v1/models/", INFERENCE, models, methods=frozenset({"GET", "HEAD"}),
+                  pattern=re.compile(re.escape(MODELS) + ids),
+                  summary="OpenAI model list and model (TF Serving's model status for its clients)")]
+
+
 def token_mounts(generate: WSGIApp, completions: WSGIApp) -> list[Mount]:
-    """Every token-stream path: answered by the families in the serving process, forwarded to it
-    (on the worker's loop) in a front worker (appliance/fronts/app.py)."""
-    return [generate_mount(generate), *completion_mounts(completions)]
+    """Every path of the LLM families (token streams, and OpenAI's embeddings and model list
+    beside them): answered on the loop by the families in the serving process, forwarded to it
+    (on the worker's loop) in a front worker (appliance/fronts/app.py). ``completions`` answers
+    all of OpenAI's paths."""
+    return [generate_mount(generate), *completion_mounts(completions), *openai_mounts(completions, completions, plain_names=False)]
 
 
 def mounts_of(core: "Appliance") -> list[Mount]:

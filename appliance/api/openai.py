@@ -39,15 +39,16 @@ Text: a token-level version needs its tokenizer (``tokenizer.json``, ``tokenizer
 ``assets/vocab.json``: appliance/core/tokenizer.py); a LiteRT-LM bundle has its own. Chat
 messages become one prompt through the version's chat template, stop strings are cut here
 (appliance/core/text.py); the stream then ends at its next step.
-Completions are answered on the front path's event loop (``OpenAIAPI.answer``: an
-``AsyncFamily``, appliance/api/family.py): a request waits for a stream in its model's queue and
-streams without holding a thread (appliance/core/token_streams.py). Thread-safety: none
-needed, every request has its own objects.
+Every path is answered on the front path's event loop (``OpenAIAPI.answer``: an
+``AsyncFamily``, appliance/api/family.py; in a front worker forwarded to the serving process and
+awaited, appliance/fronts/app.py): a completion waits for a stream in its model's queue and
+streams without holding a thread (appliance/core/token_streams.py); an embedding's model run
+is awaited as a ``:predict``'s is; parsing, tokenizing and listing the versions run on the
+loop's executor. Thread-safety: none needed, every request has its own objects.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import re
 import time
@@ -66,7 +67,7 @@ from appliance.api.openai_tools import Tools, read_tools, response_grammar
 from appliance.api.schemas import paths as openapi_paths
 from appliance.api import openai_embeddings as embeddings
 from appliance.api.mounts import INFERENCE, Mount, raw_path
-from appliance.api.families import completion_mounts
+from appliance.api.families import EMBEDDINGS, MODELS, completion_mounts, openai_mounts
 from appliance.api.family import Answer as FamilyAnswer
 from appliance.api.family import AsyncFamily, Streamed
 from appliance.api.sse import client_gone, off_loop, waiting_gone
@@ -74,18 +75,19 @@ from appliance.core.seams import TokenStreams
 from appliance.core.token_streams import LocalTokenStreams, TokenRequest
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.generation import Generation
+from appliance.core.json_types import JSONValue
 from appliance.core.tokenizer import load as load_tokenizer
 
 if TYPE_CHECKING:
     from appliance.core.appliance import Appliance
     from appliance.core.handle import Handle
     from appliance.core.manager import Manager
+    import numpy as np
+    from runtimes import SignatureInfo
 
 JSON = "application/json"
 OWNER = "edge-appliance"
 SSE = "text/event-stream"
-MODELS = "/v1/models"
-EMBEDDINGS = "/v1/embeddings"
 NOT_SERVED = openapi_paths.NOT_SERVED  # OpenAI's other API families: OpenAI's 404 (not TF Serving's 400)
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -119,10 +121,9 @@ def render(exc: BaseException) -> tuple[int, list[tuple[str, str]], bytes]:
     return error.http_status, headers, body
 
 
-def _json_answer(start_response: Callable[..., Any], obj: Any, method: str = "POST") -> Iterable[bytes]:
+def _json(obj: JSONValue) -> FamilyAnswer:
     body = orjson.dumps(obj)
-    return wsgi_answer(start_response, (200, [("Content-Type", JSON), ("Content-Length", str(len(body)))], body),
-                       method)
+    return "200 OK", [("Content-Type", JSON), ("Content-Length", str(len(body)))], body
 
 
 @dataclass(frozen=True)
@@ -153,37 +154,38 @@ class OpenAIAPI(AsyncFamily):
         return Generation.of(self.core)
 
     # -- GET /v1/models, GET /v1/models/{name:tag} -----------------------------------------------
-    def models(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        method = environ.get("REQUEST_METHOD", "GET")
-        path = raw_path(environ).partition("?")[0]
+    async def _models(self, environ: dict[str, Any], path: str) -> FamilyAnswer:
+        """(the front path's loop) The list, or one id; a plain name is TF Serving's model status.
+        The versions are looked at on the loop's executor (a first look may load a tokenizer)."""
         if path != MODELS and ":" not in path and not environ.get("HTTP_X_STAINLESS_LANG"):
-            return self._tf_serving(environ, start_response)
+            return await self._tf_serving(environ)
         try:
-            listed = self._generative_models()
+            listed = await off_loop(self._generative_models)
             if path == MODELS:
-                return _json_answer(start_response, {"object": "list", "data": listed}, method)
+                return _json({"object": "list", "data": listed})
             wanted = unquote(path[len(MODELS) + 1:])
-            found = next((m for m in listed if m["id"] == wanted), None)
+            found = next((m for m in listed if isinstance(m, dict) and m["id"] == wanted), None)
             if found is None and not environ.get("HTTP_X_STAINLESS_LANG"):
-                return self._tf_serving(environ, start_response)  # a TF Serving client's model status
+                return await self._tf_serving(environ)  # a TF Serving client's model status
             if found is None:
                 raise ModelNotFound(f"The model '{wanted}' does not exist; GET /v1/models lists the models that "
                                     "generate")
-            return _json_answer(start_response, found, method)
+            return _json(found)
         except Exception as exc:
-            return wsgi_answer(start_response, render(exc), method)
+            status, headers, body = render(exc)
+            return status_line(status), headers, body
 
-    def _tf_serving(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    async def _tf_serving(self, environ: dict[str, Any]) -> FamilyAnswer:
         from appliance.api.tfserving.rest import V1API  # TF Serving's own answer, as before
 
-        return V1API(self.core, self.core.states)(environ, start_response)
+        return await V1API(self.core, self.core.states).answer(environ)
 
-    def _generative_models(self) -> list[dict[str, Any]]:
+    def _generative_models(self) -> list[JSONValue]:
         """Every id that can generate *text* now (module docstring), as OpenAI's model objects."""
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
-        out = []
+        out: list[JSONValue] = []
         for name, model in manager.snapshot().items():
             since = {v["version"]: v["available_since"] for v in model["versions"] if v["state"] == "AVAILABLE"}
             ready = [v for v in sorted(since) if self._speaks_text(name, v)]
@@ -216,6 +218,10 @@ class OpenAIAPI(AsyncFamily):
         grammars run on the loop's executor, the wait for a stream and the stream itself on the
         loop (appliance/core/token_streams.py): no thread is held while it waits or streams."""
         path = raw_path(environ).partition("?")[0]
+        if path == EMBEDDINGS:
+            return await self._embeddings(environ)
+        if path == MODELS or path.startswith(MODELS + "/"):
+            return await self._models(environ, path)
         api = "chat_completions" if path == CHAT else "completions"
         started = time.perf_counter()
         name = ""
@@ -350,34 +356,48 @@ class OpenAIAPI(AsyncFamily):
                 answer.cancel()
 
     # -- POST /v1/embeddings ------------------------------------------------------------------
-    def embeddings(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    async def _embeddings(self, environ: dict[str, Any]) -> FamilyAnswer:
+        """(the front path's loop) Parsing and tokenizing on the loop's executor, the model run
+        awaited on the loop (the handle's coroutine, as a ``:predict``'s): no thread waits."""
         started, name = time.perf_counter(), ""
         try:
             if environ.get("REQUEST_METHOD") != "POST":
                 raise MethodNotAllowed(f"{EMBEDDINGS} takes POST")
-            body = fields.read(read_raw(environ, self.core.config.server.max_body_bytes), EMBEDDINGS)
+            body = await off_loop(lambda: fields.read(read_raw(environ, self.core.config.server.max_body_bytes),
+                                                      EMBEDDINGS))
             name = fields.model_id(body["model"])[0]
-            out = self._embed(environ, body)
+            out = await self._embed(environ, body)
         except Exception as exc:
             status, headers, data = render(exc)
             self.core.metrics.observe_request(name, "embeddings", status, time.perf_counter() - started)
-            start_response(status_line(status), headers)
-            return [data]
+            return status_line(status), headers, data
         self.core.metrics.observe_request(name, "embeddings", 200, time.perf_counter() - started)
-        return _json_answer(start_response, out)
+        return "200 OK", [("Content-Type", JSON), ("Content-Length", str(len(out)))], out
 
-    def _embed(self, environ: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    async def _embed(self, environ: dict[str, Any], body: dict[str, Any]) -> bytes:
+        """The answer's JSON (encoded off the loop: a batch of vectors is milliseconds of work)."""
         manager = self.core.manager
         if manager is None:
             raise ApplianceError("the service is not started")
-        handle = _handle(manager, environ, body["model"])
+        handle, sig, feeds, tokens = await off_loop(lambda: self._embed_feeds(manager, environ, body),
+                                                    lambda planned: planned[0].release())
         with handle:
+            outputs = await handle.run(sig.name, feeds)
+            return await off_loop(lambda: orjson.dumps(embeddings.answer(
+                body, embeddings.vectors(outputs, body["model"]), f"{handle.model}:{handle.version}", tokens)))
+
+    @staticmethod
+    def _embed_feeds(manager: "Manager", environ: dict[str, Any],
+                     body: dict[str, Any]) -> "tuple[Handle, SignatureInfo, dict[str, np.ndarray], int]":
+        """(an executor thread) The handle, its embedding signature, the feeds and the token count."""
+        handle = _handle(manager, environ, body["model"])
+        try:
             sig = embeddings.signature(handle, body["model"])
-            items = embeddings.inputs(body)
-            feeds, tokens = embeddings.feeds(sig, items, load_tokenizer(handle.path), body["model"])
-            # a WSGI thread: the handle's coroutine runs on a loop of its own (as AsyncFamily's)
-            found = embeddings.vectors(sig, asyncio.run(handle.run(sig.name, feeds)), body["model"])
-            return embeddings.answer(body, found, f"{handle.model}:{handle.version}", tokens)
+            feeds, tokens = embeddings.feeds(sig, embeddings.inputs(body), load_tokenizer(handle.path), body["model"])
+        except BaseException:
+            handle.release()
+            raise
+        return handle, sig, feeds, tokens
 
     # -- what this server does not serve, in OpenAI's words -------------------------------------
     def not_served(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -415,12 +435,7 @@ def mounts(core: "Appliance") -> list[Mount]:
     ``:predict`` pays no pattern of these."""
     api = OpenAIAPI(core)
     gone = "|".join(re.escape(p) for p in NOT_SERVED)
-    return [*completion_mounts(api),
-            Mount("openai-embeddings", "/v1/embeddings/", INFERENCE, api.embeddings,
-                  pattern=re.compile(re.escape(EMBEDDINGS)), summary="OpenAI embeddings"),
-            Mount("openai-models", "/v1/models/", INFERENCE, api.models, methods=frozenset({"GET", "HEAD"}),
-                  pattern=re.compile(re.escape(MODELS) + r"(?:/[^/]+)?"),
-                  summary="OpenAI model list and model (TF Serving's model status for its clients)"),
+    return [*completion_mounts(api), *openai_mounts(OpenAIAPI(core), OpenAIAPI(core)),
             *[Mount("openai-not-served", p + "/", INFERENCE, api.not_served, pattern=re.compile(f"(?:{gone})(?:/.*)?"),
                     summary="OpenAI API families this server does not serve (OpenAI's error)") for p in NOT_SERVED]]
 

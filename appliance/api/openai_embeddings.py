@@ -19,15 +19,17 @@ the version's handle like any ``:predict`` (batching, labels, rollouts, metrics)
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from appliance.api.openai_fields import FieldError
 from appliance.core.errors import InvalidArgument
+from appliance.core.json_types import JSONObject, JSONValue, ReadJSONObject
 
 if TYPE_CHECKING:
     from appliance.core.seams import ModelHandle
+    from appliance.core.tokenizer import Tokenizer
     from runtimes import SignatureInfo
 
 SIGNATURES = ("embed", "serving_default")
@@ -55,7 +57,10 @@ def serves(handle: "ModelHandle") -> bool:
     return "input_ids" in sig.inputs or (len(names) == 1 and sig.inputs[names[0]].is_string)
 
 
-def inputs(body: dict[str, Any]) -> list[Any]:
+Item = str | list[int]  # one input: a text, or its token ids
+
+
+def inputs(body: ReadJSONObject) -> list[Item]:
     given = body.get("input")
     items = [given] if isinstance(given, str) or (isinstance(given, list) and given and
                                                    all(isinstance(t, int) for t in given)) else given
@@ -63,16 +68,17 @@ def inputs(body: dict[str, Any]) -> list[Any]:
             (isinstance(t, str) and t) or (isinstance(t, list) and t and all(type(i) is int for i in t))
             for t in items):
         raise FieldError("field 'input' must be a non-empty string, a list of them, or token-id lists", "input")
-    return items
+    return cast("list[Item]", items)  # each checked above
 
 
-def feeds(sig: Any, items: list[Any], vocab: Any, model: str) -> tuple[dict[str, np.ndarray], int]:
+def feeds(sig: "SignatureInfo", items: list[Item], vocab: "Tokenizer | None",
+          model: str) -> tuple[dict[str, np.ndarray], int]:
     """(the signature's inputs, prompt tokens) for the items (module docstring)."""
     names = list(sig.inputs)
     if len(names) == 1 and sig.inputs[names[0]].is_string:
         if not all(isinstance(t, str) for t in items):
             raise FieldError(f"model '{model}' takes text; 'input' must be strings", "input")
-        return {names[0]: np.array([t.encode("utf-8") for t in items], dtype=object)}, 0
+        return {names[0]: np.array([t.encode("utf-8") for t in items if isinstance(t, str)], dtype=object)}, 0
     if "input_ids" not in sig.inputs:
         raise FieldError(f"model '{model}': its embedding signature takes neither one string tensor nor "
                          f"'input_ids' (it takes {names})", "model")
@@ -93,7 +99,7 @@ def feeds(sig: Any, items: list[Any], vocab: Any, model: str) -> tuple[dict[str,
     return out, sum(len(t) for t in ids)
 
 
-def _ids(item: Any, vocab: Any, model: str) -> list[int]:
+def _ids(item: Item, vocab: "Tokenizer | None", model: str) -> list[int]:
     if isinstance(item, list):
         return item
     if vocab is None:
@@ -104,7 +110,7 @@ def _ids(item: Any, vocab: Any, model: str) -> list[int]:
         raise FieldError(f"field 'input': {exc.message}", "input") from exc
 
 
-def vectors(sig: Any, outputs: dict[str, np.ndarray], model: str) -> np.ndarray:
+def vectors(outputs: dict[str, np.ndarray], model: str) -> np.ndarray:
     name = "embeddings" if "embeddings" in outputs else (next(iter(outputs)) if len(outputs) == 1 else None)
     array = outputs.get(name) if name else None
     if array is None or array.ndim != 2:
@@ -112,16 +118,16 @@ def vectors(sig: Any, outputs: dict[str, np.ndarray], model: str) -> np.ndarray:
     return np.asarray(array, np.float32)
 
 
-def answer(body: dict[str, Any], found: np.ndarray, answered_by: str, tokens: int) -> dict[str, Any]:
+def answer(body: ReadJSONObject, found: np.ndarray, answered_by: str, tokens: int) -> JSONObject:
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise FieldError("field 'encoding_format' must be 'float' or 'base64'", "encoding_format")
     dims = body.get("dimensions")
     if dims is not None and dims != found.shape[1]:
         raise FieldError(f"field 'dimensions': this model's embeddings have {found.shape[1]}", "dimensions")
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if encoding == "base64"
-             else row.tolist()} for i, row in enumerate(found)]
+    data: list[JSONValue] = [{"object": "embedding", "index": i,
+                              "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode()
+                              if encoding == "base64" else row.tolist()} for i, row in enumerate(found)]
     return {"object": "list", "data": data, "model": answered_by,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 

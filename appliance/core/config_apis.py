@@ -69,7 +69,8 @@ class KServeConfig:
 class GenerationConfig:
     """Token streaming from generative models (``:generate``, appliance/core/generation.py)."""
 
-    max_streams: int = 24  # streams running at once, all models (each holds a cache row, no thread); more wait in a queue
+    cache_memory_mb: float = 0.0  # KV cache all running streams may hold (MiB); 0: a quarter of the memory; more wait in a queue
+    max_streams: int = 4096  # a ceiling on the streams running at once, all models (the cache memory bounds them first)
     max_streams_per_model: int = 0  # streams at once of one model; 0: no cap of its own (appliance/core/stream_limits.py)
     reserved_streams_per_model: int = 0  # kept in the pool for each other generative model that holds fewer (0: off)
     max_queued_per_model: int = 256  # requests of one model waiting for a stream; more: 503 + Retry-After
@@ -83,6 +84,8 @@ class GenerationConfig:
         for name in ("max_streams", "default_max_new_tokens", "max_new_tokens_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{key}.{name}", "must be at least 1")
+        if not self.cache_memory_mb >= 0:
+            raise ConfigError(f"{key}.cache_memory_mb", "must not be negative (0: a quarter of the memory)")
         if not self.queue_timeout_s >= 0:
             raise ConfigError(f"{key}.queue_timeout_s", "must not be negative (0: refuse at once when full)")
         for name in ("max_streams_per_model", "reserved_streams_per_model", "max_queued_per_model"):

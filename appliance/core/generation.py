@@ -23,10 +23,14 @@ free streams share lanes and calls. ``n`` choices of one prompt (``start_choices
 prefilled once: the other rows get a copy of that row's cache, and the choices run in the
 same calls.
 
-**Limits** (``generation.max_streams``, all models; ``max_streams_per_model``, 0: no cap
-of its own): a request that finds no room waits in its model's queue, admitted as streams
+**Limits**: a stream holds one row of its version's KV cache (``stream_bytes``: the bytes
+the version's cache tensors declare for one sequence, read once per version), and streams run
+while their rows fit in ``generation.cache_memory_mb`` (all models; ``cache_budget``);
+``generation.max_streams`` is a ceiling on the count, ``max_streams_per_model`` (0: none) a
+model's own. A request that finds no room waits in its model's queue, admitted as streams
 end, fewest-running model first (appliance/core/stream_limits.py); ``/api/status`` ->
-``generation.requests_waiting`` and the metric ``..._requests_waiting`` show the queues.
+``generation.requests_waiting``, ``cache_bytes_used``/``cache_bytes_total`` and the metrics
+``..._requests_waiting``, ``..._cache_bytes``, ``..._cache_limit_bytes`` show them.
 
 Text-level servables (a LiteRT-LM ``.litertlm`` bundle) decode by themselves: their
 streams run in appliance/core/text_streams.py under the same limits, handle, status and
@@ -44,16 +48,19 @@ thread (a text stream's own thread for text-level servables).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import numpy as np
+from prometheus_client import Gauge
 
 from runtimes import RuntimeFailure, TextServable, generative
 
+from appliance.core.cgroup import total_bytes
 from appliance.core.config import GenerationConfig
 from appliance.core.constraints import Constraint, Grammar, TokenTable
 from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
@@ -65,13 +72,44 @@ from appliance.core.text import ChatTemplate
 from appliance.core.tokenizer import load as load_tokenizer
 from appliance.core.text_streams import TextDriver, TextStreams, TextVocabulary
 
+if TYPE_CHECKING:
+    from appliance.core.handle import Handle, VersionSlot
+
 log = logging.getLogger("appliance.generation")
+T = TypeVar("T")
 
 # Test hook (EDGE_APPLIANCE_TEST_HOOKS=1, SIGUSR1: appliance/service): while cleared, every decode
 # loop waits before its next step, as a wedged backend would, so a test can hold a stream running
 # for as long as it needs instead of racing its length. Always set on a device.
 STEPPING = threading.Event()
 STEPPING.set()
+
+
+AUTO_CACHE_SHARE = 4  # generation.cache_memory_mb = 0: streams' caches may hold 1/4 of the memory
+# What a stream of a text-level servable (a LiteRT-LM bundle, whose engine keeps its session's
+# cache out of sight) is counted as holding: a 1B model's KV cache at a 4k context, in fp16.
+TEXT_STREAM_BYTES = 64 << 20
+
+
+def cache_budget(config: GenerationConfig, memory: int | None = None) -> int:
+    """The bytes all streams' KV caches may hold: ``generation.cache_memory_mb``, else a
+    ``1/AUTO_CACHE_SHARE`` of ``memory`` (default: the host's, the cgroup's limit when smaller)."""
+    if config.cache_memory_mb:
+        return max(1, int(config.cache_memory_mb * (1 << 20)))
+    if memory is None:
+        memory = total_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return memory // AUTO_CACHE_SHARE
+
+
+def stream_bytes(driver: "generative.Driver | TextDriver") -> int:
+    """The cache bytes one stream of a version holds: one row of the cache its driver allocates
+    from the cache tensors' declared shapes and types (``np.zeros``: the pages are not touched,
+    so sizing it costs no memory); 0 for a generate_step without a cache (its history is a few
+    bytes a token); ``TEXT_STREAM_BYTES`` for a text-level servable."""
+    if isinstance(driver, TextDriver):
+        return TEXT_STREAM_BYTES
+    slots = driver.new_slots(1)
+    return sum(int(a.nbytes) for a in slots.arrays.values()) // max(1, slots.capacity)
 
 
 def freeze_steps(frozen: bool) -> None:
@@ -221,7 +259,16 @@ class Generation:
         self.metrics: GenerationMetrics = GenerationMetrics(core.metrics.registry)
         self.counts = {"streams_started": 0, "streams_cancelled": 0, "tokens_generated": 0}
         self.admitted = 0  # streams queued or running, all versions
-        self.limits = StreamLimits(lambda: self.config, self._generative_models, self.lock, self.metrics)
+        self._budget: tuple[float, int] = (-1.0, 0)  # (generation.cache_memory_mb, the bytes it means)
+        self.limits = StreamLimits(lambda: self.config, self._generative_models, self.lock, self.metrics,
+                                   self.cache_total)
+        self.holding: dict[int, int] = {}  # id(stream) -> the cache bytes it was counted in with
+        registry = core.metrics.registry
+        self._cache_gauge = Gauge("edge_appliance_generation_cache_bytes", "KV cache bytes held by running streams",
+                                  ["model_name"], registry=registry)
+        self._cache_limit = Gauge("edge_appliance_generation_cache_limit_bytes",
+                                  "KV cache bytes all streams may hold (generation.cache_memory_mb)", registry=registry)
+        self._cache_models: set[str] = set()
         self.status: dict[str, Any] = {}
         self.publish()
         core.add_status("generation", lambda: self.status)
@@ -240,7 +287,19 @@ class Generation:
     def config(self) -> GenerationConfig:
         return self.core.config.generation  # type: ignore[no-any-return]  # self.core is typed Any here (the core object, not its Protocol)
 
-    def _read(self, slot: Any, key: str, build: Any) -> Any:
+    def cache_total(self) -> int:
+        """``cache_budget`` of the current configuration (the host's memory read once)."""
+        mb = self.config.cache_memory_mb
+        if self._budget[0] != mb:
+            self._budget = (mb, cache_budget(self.config))
+        return self._budget[1]
+
+    def stream_bytes(self, handle: "Handle") -> int:
+        """The cache bytes one stream of the handle's version holds (``stream_bytes``, read once)."""
+        driver, _ = self.prepare(handle)
+        return self._read(handle.slot, "stream_bytes", lambda slot: stream_bytes(driver))
+
+    def _read(self, slot: "VersionSlot", key: str, build: "Callable[[VersionSlot], T]") -> T:
         """``build(slot)``, read once per loaded version (unloaded versions are forgotten)."""
         with self.lock:
             for gone in [k for k, (s, _) in self._versions.items() if s.servable is None]:
@@ -249,13 +308,13 @@ class Generation:
             if cached is None or cached[0] is not slot:
                 cached = self._versions[id(slot)] = (slot, {})
             if key in cached[1]:
-                return cached[1][key]
+                return cast(T, cached[1][key])
         value = build(slot)  # outside the lock: it may read files
         with self.lock:
             cached[1][key] = value
         return value
 
-    def prepare(self, handle: Any) -> tuple[Any, Any]:
+    def prepare(self, handle: "Handle") -> tuple[Any, Any]:
         """The driver and vocabulary of the handle's version: a ``generative.Driver`` and a
         ``Vocabulary`` (None when the version ships none), or for a text-level servable a
         ``TextDriver`` and ``TextVocabulary``. InvalidArgument when it cannot generate."""
@@ -278,25 +337,25 @@ class Generation:
             raise InvalidArgument(f"{slot.model} version {slot.version}: {exc}") from exc
         return driver, (load_tokenizer(slot.path) if driver is not None else None)
 
-    def can_generate(self, handle: Any) -> bool:
+    def can_generate(self, handle: "Handle") -> bool:
         try:
             self.prepare(handle)
         except InvalidArgument:
             return False
         return True
 
-    def chat_template(self, handle: Any) -> ChatTemplate:
+    def chat_template(self, handle: "Handle") -> ChatTemplate:
         """The chat template of the handle's version (appliance/core/text.py)."""
-        return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))  # type: ignore[no-any-return]  # the cache holds each kind's own value
+        return self._read(handle.slot, "chat_template", lambda slot: ChatTemplate.load(slot.path))
 
-    def token_table(self, handle: Any) -> TokenTable:
+    def token_table(self, handle: "Handle") -> TokenTable:
         """The version's vocabulary as the grammar engine reads it (built once per version)."""
         _, vocab = self.prepare(handle)
         if vocab is None or isinstance(vocab, TextVocabulary):
             raise InvalidArgument("constrained decoding needs a token-level model with its tokenizer "
                                   "(tokenizer.json, tokenizer.model or assets/vocab.json); a LiteRT-LM bundle "
                                   "decodes by itself")
-        return self._read(handle.slot, "token_table", lambda slot: TokenTable.of(vocab))  # type: ignore[no-any-return]  # the cache holds each kind's own value
+        return self._read(handle.slot, "token_table", lambda slot: TokenTable.of(vocab))
 
     def start(self, prompt: list[int], params: Params, handle: Any, model: str, text: str | None = None) -> Stream:
         """Queue a stream on the handle's version; the loop owns (and releases) the handle.
@@ -331,8 +390,11 @@ class Generation:
             stream.constraint = Constraint(grammar, table) if grammar is not None and table is not None else None
             stream.vocab_limit = None if text_level or vocab is None else vocab.size
         self.limits.refresh()
-        loop = self._admit(streams, handle.slot, driver, model, text_level)
+        loop = self._admit(streams, handle.slot, driver, model, text_level, self.stream_bytes(handle))
         self.metrics.active.labels(model).inc(n)
+        # the queue's series exist (at 0) for a model whose requests never had to wait
+        self.metrics.waiting.labels(model)
+        self.metrics.queue_wait.labels(model)
         if text_level:
             for stream in streams:
                 self.text.start(stream, driver, prompt_text)
@@ -341,10 +403,14 @@ class Generation:
         self.publish()
         return streams
 
-    def _admit(self, streams: list[Stream], slot: Any, driver: Any, model: str, text_level: bool) -> "DecodeLoop | None":
-        """Count the streams in (or refuse them all) and queue them; the loop to start, if new."""
+    def _admit(self, streams: list[Stream], slot: Any, driver: Any, model: str, text_level: bool,
+               each: int) -> "DecodeLoop | None":
+        """Count the streams in (``each`` cache bytes apiece; or refuse them all) and queue them;
+        the loop to start, if new."""
         with self.lock:
-            self.limits.admit(model, len(streams))
+            self.limits.admit(model, len(streams), each)
+            for stream in streams:
+                self.holding[id(stream)] = each
             self.admitted += len(streams)
             self.counts["streams_started"] += len(streams)
             if text_level:
@@ -393,7 +459,7 @@ class Generation:
             m.stream_rate.labels(stream.model).observe(summary["tokens_per_s"])
         with self.lock:
             self.admitted -= 1
-            self.limits.leave(stream.model)
+            self.limits.leave(stream.model, self.holding.pop(id(stream), 0))
             self.counts["tokens_generated"] += stream.generated
             self.counts["streams_cancelled"] += reason == "cancelled"
         self.publish()
@@ -405,13 +471,22 @@ class Generation:
             status = {**self.counts, "active_streams": self.admitted, "step_batching": self.config.step_batching,
                       "streams_per_model": dict(self.limits.running),
                       "requests_waiting": len(self.limits.waiting), "waiting_per_model": self.limits.queued(),
+                      "cache_bytes_used": self.limits.cache_bytes, "cache_bytes_total": self.cache_total(),
+                      "cache_bytes_per_model": dict(self.limits.cache_used),
                       "longest_wait_s": round(time.monotonic() - min(w.since for w in self.limits.waiting), 3)
                       if self.limits.waiting else 0.0,
                       "loops": [{"model": lp.model, "version": lp.slot.version, "lane_size": lp.lane_size,
                                  **lp.driver.describe()} for lp in loops],
                       # what each version generates with, as its load measured it (decode costs)
-                      "versions": [{"model": slot.model, "version": slot.version, **read["driver"][0].describe()}
+                      "versions": [{"model": slot.model, "version": slot.version, **read["driver"][0].describe(),
+                                    **({"cache_bytes_per_stream": read["stream_bytes"]}
+                                       if "stream_bytes" in read else {})}
                                    for slot, read in self._versions.values()
                                    if isinstance(read.get("driver", (None,))[0], generative.Driver)],
                       "text_streams": self.text.status()}
+            held = dict(self.limits.cache_used)
+            self._cache_models.update(held)
+            for model in self._cache_models:
+                self._cache_gauge.labels(model).set(held.get(model, 0))
+            self._cache_limit.set(self.cache_total())
         self.status = status

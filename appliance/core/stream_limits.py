@@ -1,7 +1,13 @@
 """How many token streams each model may run, and the queue of those that wait for room.
 
-``generation.max_streams`` bounds the streams of all models together (each holds a cache row
-and, while the OpenAI API is synchronous, an HTTP thread). Within it:
+**Streams are bounded by the cache memory they hold**, not by a count: a stream of a version
+holds that version's KV cache row while it runs (``stream_bytes``: what the version's cache
+tensors declare for one sequence, appliance/core/generation.py), and streams are admitted while
+their rows fit in ``generation.cache_memory_mb`` (all models together; default: a quarter of the
+memory, the cgroup's limit when smaller). A request for ``n`` streams of a version whose rows
+take ``b`` bytes each needs ``n * b`` free. ``generation.max_streams`` (default 4096) is only
+a ceiling on the count (a stream without a cache, e.g. a generate_step that feeds its history,
+holds a few bytes). Within both:
 
 * ``generation.max_streams_per_model`` (0: none) caps any one model;
 * ``generation.reserved_streams_per_model`` (default 0, off): a model may not take the
@@ -13,7 +19,10 @@ when a stream ends; it is refused (``Unavailable``: 503 + Retry-After, naming wh
 that queue is full or it waited ``generation.queue_timeout_s``. **Fair shares without
 reservations**: when room frees, the waiting request of the model with the fewest running
 streams goes first (oldest first among equals): an idle model's first request overtakes a busy
-model's queue, and a model alone may use the whole pool, whatever the number of models.
+model's queue, and a model alone may use the whole pool, whatever the number of models. A
+request that has waited ``HOLD_AFTER_S`` (1 s) at the head of the queue short of cache bytes
+holds the bytes that free until its streams fit, and goes first: large rows are never starved
+by small ones.
 
 **Waiting without a thread**: ``reserve`` is ``admit`` for a request answered on an event loop
 (appliance/api/openai.py, generate.py): the same queue, order, deadline and refusals, awaited,
@@ -34,11 +43,25 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from appliance.core.errors import ApplianceError, QueueFull, Unavailable
 
+if TYPE_CHECKING:
+    from appliance.core.handle import Handle
+
 MODELS_TTL_S = 2.0  # how long the set of generative models is reused before it is read again
+HOLD_AFTER_S = 1.0  # a waiter short of cache bytes this long holds the room that frees (``_next``)
+
+
+class LimitsConfig(Protocol):
+    """What the limits read of ``[generation]`` (appliance/core/config_apis.py ``GenerationConfig``)."""
+
+    max_streams: int
+    max_streams_per_model: int
+    reserved_streams_per_model: int
+    max_queued_per_model: int
+    queue_timeout_s: float
 
 
 class QueueObserver(Protocol):
@@ -54,7 +77,9 @@ class Waiter:
     model: str
     count: int
     seq: int
+    each: int = 0  # cache bytes of each of its streams
     since: float = field(default_factory=time.monotonic)
+    holding: bool = False  # it holds the cache bytes that free (``StreamLimits._next``)
     wake: Callable[[], None] | None = None  # an awaiting waiter's (``reserve``): called when room may have freed
 
 
@@ -64,6 +89,7 @@ class Ticket:
 
     model: str
     count: int
+    each: int = 0  # cache bytes of each stream
     used: bool = False
 
 
@@ -74,10 +100,13 @@ class StreamLimits:
     """Counts per model, the admission rule and its queue (module docstring). ``admit`` and
     ``leave`` under ``lock``; ``refresh`` outside it."""
 
-    def __init__(self, config: Callable[[], Any], generative_models: Callable[[], Iterable[str]],
-                 lock: threading.Lock | None = None, observer: "QueueObserver | None" = None):
+    def __init__(self, config: Callable[[], LimitsConfig], generative_models: Callable[[], Iterable[str]],
+                 lock: threading.Lock | None = None, observer: "QueueObserver | None" = None,
+                 cache_total: Callable[[], int] | None = None):
         self._config, self._models_of = config, generative_models
+        self.cache_total = cache_total or (lambda: 0)  # bytes the streams' caches may hold; 0: no bound
         self.running: dict[str, int] = {}
+        self.cache_used: dict[str, int] = {}  # cache bytes held by each model's running streams
         self.waiting: list[Waiter] = []
         self._ready = threading.Condition(lock or threading.Lock())
         self._seq = itertools.count()
@@ -88,6 +117,11 @@ class StreamLimits:
     def total(self) -> int:
         return sum(self.running.values())
 
+    @property
+    def cache_bytes(self) -> int:
+        """Cache bytes the running streams of all models hold."""
+        return sum(self.cache_used.values())
+
     def queued(self) -> dict[str, int]:
         """Requests waiting per model (under the lock)."""
         out: dict[str, int] = {}
@@ -95,15 +129,16 @@ class StreamLimits:
             out[w.model] = out.get(w.model, 0) + 1
         return out
 
-    def admit(self, model: str, count: int = 1) -> None:
-        """Count ``count`` new streams of ``model`` in, waiting for room in the model's queue;
-        ``Unavailable`` naming why when the queue is full or the wait ran out."""
+    def admit(self, model: str, count: int = 1, each: int = 0) -> None:
+        """Count ``count`` new streams of ``model`` (``each`` cache bytes apiece) in, waiting for
+        room in the model's queue; ``Unavailable`` naming why when the queue is full or the wait
+        ran out."""
         ticket = ADMITTED.get()
-        if ticket is not None and not ticket.used and (ticket.model, ticket.count) == (model, count):
+        if ticket is not None and not ticket.used and (ticket.model, ticket.count, ticket.each) == (model, count, each):
             ticket.used = True  # counted in by ``reserve`` already
             return
         config = self._config()
-        me = self._enter(model, count, config)
+        me = self._enter(model, count, each, config)
         if me is None:
             return
         deadline = me.since + config.queue_timeout_s
@@ -111,13 +146,14 @@ class StreamLimits:
             while not self._my_turn(me, config):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._timed_out(model, count, config)
+                    raise self._timed_out(model, count, each, config)
                 self._ready.wait(left)
         finally:
             self._leave_queue(me)
-        self._count_in(model, count)
+        self._count_in(model, count, each)
 
-    async def reserve(self, model: str, count: int = 1, changed: Callable[[], None] = lambda: None) -> Ticket:
+    async def reserve(self, model: str, count: int = 1, changed: Callable[[], None] = lambda: None,
+                      each: int = 0) -> Ticket:
         """(an event loop, outside the lock) ``admit`` awaited: no thread waits (module docstring).
         ``changed()`` (outside the lock) when the request joins the queue and when it leaves it:
         the status shows the queue as it is."""
@@ -131,20 +167,20 @@ class StreamLimits:
                 pass
         config = self._config()
         with self._ready:
-            me = self._enter(model, count, config, wake)
+            me = self._enter(model, count, each, config, wake)
         if me is None:
-            return Ticket(model, count)
+            return Ticket(model, count, each)
         changed()
         try:
             while True:
                 woken.clear()
                 with self._ready:
                     if self._my_turn(me, config):
-                        self._count_in(model, count)
-                        return Ticket(model, count)
+                        self._count_in(model, count, each)
+                        return Ticket(model, count, each)
                     left = me.since + config.queue_timeout_s - time.monotonic()
                     if left <= 0:
-                        raise self._timed_out(model, count, config)
+                        raise self._timed_out(model, count, each, config)
                 try:
                     await asyncio.wait_for(woken.wait(), left)
                 except TimeoutError:
@@ -160,18 +196,19 @@ class StreamLimits:
             if not ticket.used:
                 ticket.used = True
                 for _ in range(ticket.count):
-                    self.leave(ticket.model)
+                    self.leave(ticket.model, ticket.each)
 
-    def _enter(self, model: str, count: int, config: Any, wake: Callable[[], None] | None = None) -> Waiter | None:
+    def _enter(self, model: str, count: int, each: int, config: LimitsConfig,
+               wake: Callable[[], None] | None = None) -> Waiter | None:
         """(lock) Count the streams in now (None), or queue them (their ``Waiter``); the refusals."""
-        self._check_size(model, count, config)
-        if not self.waiting and self._refusal(model, count, config) is None:
-            self._count_in(model, count)
+        self._check_size(model, count, each, config)
+        if not self.waiting and self._refusal(model, count, each, config) is None:
+            self._count_in(model, count, each)
             return None
         if sum(w.model == model for w in self.waiting) >= config.max_queued_per_model:
             raise QueueFull(f"{config.max_queued_per_model} requests of model '{model}' are waiting for a stream, "
                             "the limit is generation.max_queued_per_model; retry later")
-        me = Waiter(model, count, next(self._seq), wake=wake)
+        me = Waiter(model, count, next(self._seq), each, wake=wake)
         self.waiting.append(me)
         if self._observer is not None:
             self._observer.queued(model, 1)
@@ -191,38 +228,63 @@ class StreamLimits:
         self._ready.notify_all()
         if not self.waiting:
             return
-        config = self._config()
-        fitting = [w for w in self.waiting if self._refusal(w.model, w.count, config) is None]
-        if fitting:
-            first = min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq))
-            if first.wake is not None:
-                first.wake()
+        first = self._next(self._config())
+        if first is not None and first.wake is not None:
+            first.wake()
 
-    def _timed_out(self, model: str, count: int, config: Any) -> Unavailable:
+    def _timed_out(self, model: str, count: int, each: int, config: LimitsConfig) -> Unavailable:
         return Unavailable(f"waited {config.queue_timeout_s:g} s (generation.queue_timeout_s) for a stream of model "
-                           f"'{model}': {self._refusal(model, count, config)} retry later")
+                           f"'{model}': {self._refusal(model, count, each, config)} retry later")
 
-    def _check_size(self, model: str, count: int, config: Any) -> None:
+    def _check_size(self, model: str, count: int, each: int, config: LimitsConfig) -> None:
         """A request no amount of waiting can admit is refused at once."""
-        cap = config.max_streams_per_model
+        cap, budget = config.max_streams_per_model, self.cache_total()
         if count > config.max_streams or (cap and count > cap):
             raise Unavailable(f"{count} streams at once is more than model '{model}' may ever run "
                               f"(generation.max_streams = {config.max_streams}, max_streams_per_model = {cap})")
+        if budget and count * each > budget:
+            raise Unavailable(f"{count} streams of model '{model}' need {_mib(count * each)} of KV cache, more than "
+                              f"all streams may ever hold (generation.cache_memory_mb: {_mib(budget)})")
 
-    def _my_turn(self, me: Waiter, config: Any) -> bool:
-        """Whether ``me`` goes now: it fits, and no waiter that fits is ahead of it (fewest running
-        streams of its model first, then the oldest)."""
-        fitting = [w for w in self.waiting if self._refusal(w.model, w.count, config) is None]
-        if me not in fitting:
-            return False
-        return min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq)) is me
+    def _my_turn(self, me: Waiter, config: LimitsConfig) -> bool:
+        """Whether ``me`` goes now (``_next``)."""
+        return self._next(config) is me
 
-    def _count_in(self, model: str, count: int) -> None:
+    def _next(self, config: LimitsConfig) -> Waiter | None:
+        """(lock) The waiter that goes next, if any fits: of those that fit, the one whose model
+        runs the fewest streams (then the oldest). But the oldest waiter, once it has waited
+        ``HOLD_AFTER_S`` short of cache bytes, holds those that free until it fits, and then goes
+        first (a wait for a count keeps the fair order): a
+        model with large rows is not overtaken forever by a stream of small ones (vLLM's queue is
+        first come first served for the same reason)."""
+        if not self.waiting:
+            return None
+        oldest = self.waiting[0]  # appended in arrival order
+        if time.monotonic() - oldest.since >= HOLD_AFTER_S and self._short_of_cache(oldest):
+            oldest.holding = True
+            return None
+        if oldest.holding and self._refusal(oldest.model, oldest.count, oldest.each, config) is None:
+            return oldest
+        fitting = [w for w in self.waiting if self._refusal(w.model, w.count, w.each, config) is None]
+        return min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq)) if fitting else None
+
+    def _short_of_cache(self, waiter: Waiter) -> bool:
+        budget = self.cache_total()
+        return bool(budget and self.cache_bytes + waiter.count * waiter.each > budget)
+
+    def _count_in(self, model: str, count: int, each: int) -> None:
         self.running[model] = self.running.get(model, 0) + count
+        if each:
+            self.cache_used[model] = self.cache_used.get(model, 0) + count * each
 
-    def _refusal(self, model: str, count: int, config: Any) -> str | None:
-        """Why ``count`` more streams of ``model`` cannot start now; None when they can."""
+    def _refusal(self, model: str, count: int, each: int, config: LimitsConfig) -> str | None:
+        """Why ``count`` more streams of ``model`` (``each`` cache bytes apiece) cannot start now;
+        None when they can."""
         mine, total = self.running.get(model, 0), self.total
+        budget, held = self.cache_total(), self.cache_bytes
+        if budget and held + count * each > budget:
+            return (f"running streams hold {_mib(held)} of KV cache and this request needs {_mib(count * each)} more, "
+                    f"the limit is generation.cache_memory_mb: {_mib(budget)};")
         if total + count > config.max_streams:
             return f"{total} streams are running, the limit is generation.max_streams = {config.max_streams};"
         cap = config.max_streams_per_model
@@ -236,12 +298,18 @@ class StreamLimits:
                     f"{config.reserved_streams_per_model});")
         return None
 
-    def leave(self, model: str) -> None:
+    def leave(self, model: str, each: int = 0) -> None:
+        """(lock) One stream of ``model`` ended: its count and its ``each`` cache bytes free."""
         left = self.running.get(model, 0) - 1
         if left > 0:
             self.running[model] = left
         else:
             self.running.pop(model, None)
+        held = self.cache_used.get(model, 0) - each
+        if held > 0:
+            self.cache_used[model] = held
+        else:
+            self.cache_used.pop(model, None)
         if self.waiting:
             self._notify()
 
@@ -265,11 +333,15 @@ class StreamLimits:
             self._models = (time.monotonic(), frozenset(self._models_of()))
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
 class SharedHandle:
     """One manager handle held by the ``n`` streams of one request (its choices): reported
     once (the first failure, else success when the last one ends) and released with the last."""
 
-    def __init__(self, handle: Any, holders: int):
+    def __init__(self, handle: "Handle", holders: int):
         self.handle, self.slot = handle, handle.slot
         self._left = holders
         self._failure: ApplianceError | None = None

@@ -1,7 +1,7 @@
 """Token streams on an event loop: the shape of vLLM's ``EngineClient.generate``.
 
 ``generate(generation, handle, request)`` is awaited on the caller's loop: the request waits
-for room in its model's queue without a thread (``StreamLimits.reserve``:
+for room (its streams' KV cache bytes within ``generation.cache_memory_mb``) in its model's queue without a thread (``StreamLimits.reserve``:
 appliance/core/stream_limits.py), its streams start on the handle's version
 (``Generation.start_choices``), and it returns a ``TokenStream``: an async iterator of the
 request's events, ``(choice index, kind, value)`` as appliance/core/streams.py names them,
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from appliance.core.constraints import Grammar
 from appliance.core.stream_limits import ADMITTED, Ticket
@@ -25,6 +25,7 @@ from appliance.core.streams import Event, LoopQueue, Params, Stream
 
 if TYPE_CHECKING:
     from appliance.core.generation import Generation
+    from appliance.core.handle import Handle
 
 ENDS = ("done", "error")  # the kinds that end a choice
 GONE_POLL_S = 0.25  # how often a waiting request looks whether its client went away (one process)
@@ -67,7 +68,7 @@ class TokenStream:
             stream.cancel(reason)
 
 
-async def generate(generation: "Generation", handle: Any, request: TokenRequest,
+async def generate(generation: "Generation", handle: "Handle", request: TokenRequest,
                    gone: Callable[[], bool] | None = None) -> TokenStream:
     """Queue, admit and start ``request`` on ``handle``'s version (module docstring). The handle
     is the generation's once this returns; on an error (a full queue, a wait past its deadline,
@@ -77,7 +78,9 @@ async def generate(generation: "Generation", handle: Any, request: TokenRequest,
     limits = generation.limits
     if limits.stale:  # which models generate (it may load a tokenizer): read off the loop, not in start_choices
         await asyncio.get_running_loop().run_in_executor(None, limits.refresh)
-    ticket = await _reserve(generation, request, gone)
+    # the cache bytes each stream will hold (read once per version: off the loop the first time)
+    each = await asyncio.get_running_loop().run_in_executor(None, generation.stream_bytes, handle)
+    ticket = await _reserve(generation, request, each, gone)
     events = LoopQueue(asyncio.get_running_loop())
     token = ADMITTED.set(ticket)
     try:
@@ -89,8 +92,9 @@ async def generate(generation: "Generation", handle: Any, request: TokenRequest,
     return TokenStream(streams, events)
 
 
-async def _reserve(generation: "Generation", request: TokenRequest, gone: Callable[[], bool] | None) -> Ticket:
-    reserving = asyncio.ensure_future(generation.limits.reserve(request.model, request.n, generation.publish))
+async def _reserve(generation: "Generation", request: TokenRequest, each: int,
+                   gone: Callable[[], bool] | None) -> Ticket:
+    reserving = asyncio.ensure_future(generation.limits.reserve(request.model, request.n, generation.publish, each))
     if gone is None:
         return await reserving
     try:
@@ -114,7 +118,8 @@ class LocalTokenStreams:
     def __init__(self, generation: "Generation"):
         self.generation = generation
 
-    async def generate(self, handle: Any, request: TokenRequest, gone: Callable[[], bool] | None = None) -> TokenStream:
+    async def generate(self, handle: "Handle", request: TokenRequest,
+                       gone: Callable[[], bool] | None = None) -> TokenStream:
         return await generate(self.generation, handle, request, gone)
 
 

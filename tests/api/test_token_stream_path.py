@@ -77,7 +77,7 @@ async def _burst(url: str) -> list[Any]:
 def test_a_burst_of_200_is_answered_on_the_defaults(start_server: Any, tmp_path: Path) -> None:
     pytest.importorskip("openai", reason="the official openai client (the test extra)")
     shutil.copytree(TINY_CHAT, tmp_path / "models" / "chat" / "1")
-    srv = start_server("--models", str(tmp_path / "models"))  # the defaults: front workers, 24 streams
+    srv = start_server("--models", str(tmp_path / "models"))  # the defaults: front workers, the cache budget
     if (os.cpu_count() or 1) > 1:
         assert len(srv.status()["workers"]) > 1  # the requests do go through the front workers
     answers = asyncio.run(_burst(srv.url))
@@ -155,6 +155,46 @@ def test_a_client_gone_while_queued_leaves_the_queue(start_server: Any, slow_mod
     _toggle_freeze(srv, "running again")
     running.close()
     srv.wait_for(lambda: _generation(srv)["active_streams"] == 0, 60, "the running stream to end")
+
+
+ROW_BYTES = 4 * 64 * 2 * 16 * 4  # gen_slow's cache row: [batch, 4, 64, 2, 16] float32 (tests/support/genmodel.py)
+
+
+def test_streams_run_while_their_cache_fits_and_the_next_waits(start_server: Any, slow_model: Path,
+                                                                tmp_path: Path) -> None:
+    """``generation.cache_memory_mb`` set to two of gen_slow's cache rows: two streams run, the
+    third waits in the model's queue (not refused) while both hold their rows (the decode loops
+    held by the test hook), then runs when one ends; ``/api/status`` and Prometheus show the
+    bytes held and the total."""
+    config = tmp_path / "appliance.toml"
+    config.write_text(f'models_dir = "{slow_model}"\n[generation]\ncache_memory_mb = {2 * ROW_BYTES / (1 << 20)}\n')
+    srv = start_server("--config", str(config), env={"EDGE_APPLIANCE_TEST_HOOKS": "1"})
+    running = [_stream(srv) for _ in range(2)]
+    for response in running:
+        next(_events(response))
+    _toggle_freeze(srv, "frozen")
+    status = _generation(srv)
+    assert status["cache_bytes_used"] == status["cache_bytes_total"] == 2 * ROW_BYTES, status
+    assert status["cache_bytes_per_model"] == {"gen_slow": 2 * ROW_BYTES}
+    assert [v["cache_bytes_per_stream"] for v in status["versions"]] == [ROW_BYTES]
+    assert _metric(srv, 'edge_appliance_generation_cache_bytes{model_name="gen_slow"}') == 2 * ROW_BYTES
+    assert _metric(srv, "edge_appliance_generation_cache_limit_bytes") == 2 * ROW_BYTES
+    third = _stream_pending(srv)
+    try:
+        srv.wait_for(lambda: _generation(srv)["requests_waiting"] == 1, 60, "the third request to wait for room")
+        assert _generation(srv)["streams_started"] == 2
+        _toggle_freeze(srv, "running again")
+        running[0].close()  # one stream ends: its row frees
+        srv.wait_for(lambda: _generation(srv)["streams_started"] == 3, 60, "the third request to be admitted")
+        assert _generation(srv)["requests_waiting"] == 0
+        answer = third.makefile("rb").read1(65536)  # its answer begins
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        third.close()
+        running[1].close()
+    srv.wait_for(lambda: _generation(srv)["active_streams"] == 0, 60, "every stream to end")
+    assert _generation(srv)["cache_bytes_used"] == 0
+    assert _metric(srv, 'edge_appliance_generation_cache_bytes{model_name="gen_slow"}') == 0.0
 
 
 def _toggle_freeze(server: Any, state: str) -> None:
