@@ -60,7 +60,8 @@ class Reader(threading.Thread):
 
     def __init__(self, sock: socket.socket):
         super().__init__(name="h2-reader", daemon=True)
-        self.sock, self.frames = sock, []
+        self.sock = sock
+        self.frames: list[tuple[int, int, int, bytes]] = []
         self.start()
 
     def run(self) -> None:
