@@ -216,6 +216,7 @@ class Connection(asyncio.Protocol):
         if stream_id in self.streams:
             return None
         server = self.server
+        server.churn += 1
         refused = ("refused_streams" if self.going_away or server.closing or server.open_streams >= self.limits.max_open_streams
                    else "peer_refused_streams" if self.guard is not None and not self.guard.stream_opened(self.stream_cap)
                    else "")  # past the server's streams, or its address's share of them (peers.py)

@@ -89,6 +89,7 @@ class LeanServer(LoopThread):
         self._readmitting = False
         self.in_flight = 0  # calls dispatched and not finished (their tasks), on every connection
         self.open_streams = 0  # streams open on every connection (Limits.max_open_streams)
+        self.churn = 0  # connections accepted and streams opened, in all (a burst of them ended: trim the heap)
         self.resets = TokenBucket(SERVER_RESET_BURST, SERVER_RESET_RATE)  # client resets, all connections
         self.peers = Peers()  # per peer address, all its connections: control frames, abandoned calls
         self.tls: dict[socket.socket, ssl.SSLContext] = {}  # the listeners that speak TLS
@@ -217,6 +218,7 @@ class LeanServer(LoopThread):
                 self.count("accept_failed")
                 self._pause_accepting()
                 return
+            self.churn += 1
             if self.peers.refuse(address):  # over its address's budget (peers.py): closed unread
                 self.count("peer_refused_connections")
                 sock.close()
