@@ -175,7 +175,10 @@ class Worker:
         many = churn - self.churn_trimmed >= TRIM_AFTER_CHURN and now - self.trimmed_at >= TRIM_EVERY_S
         if big or many:
             self.held_peak, self.churn_trimmed, self.trimmed_at = 0, churn, now
-            memory.trim_heap()
+            if many:  # cancelled calls leave cycles (their tasks' CancelledErrors and frames), rarely collected
+                memory.release_freed_memory()  # (memory.GC_THRESHOLDS): collected first, then trimmed
+            else:
+                memory.trim_heap()
             grpc.count("heap_trims")
 
     def on_push(self, message: m.Push) -> None:
