@@ -25,7 +25,9 @@ message until inflated), that would pass either bound is answered RESOURCE_EXHAU
 streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
 the whole server (``Limits.max_open_streams``, refused with REFUSED_STREAM past it), so a
 client that never opens its window (zero-window stalls) holds a bounded number of answers, and
-a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed.
+a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed; an answer
+with no credit to go out for ``send_stall_timeout_s`` sooner, counted against its address as
+an abandoned call. One address holds at most its share of the open streams (peers.py).
 
 Client resets are rate-limited per connection and over the whole server (limits.py), and
 control frames and abandoned streams per peer address over all its connections (peers.py:

@@ -19,7 +19,8 @@ together bounded by ``handshake_timeout_s`` from the accept, as a plaintext conn
 preface is); at most ``Limits.max_connections`` connections (at the cap the TLS handshake
 under way longest, else the connection idle longest, makes room for a new one that is
 waiting; with none, new ones wait in the kernel's queue, so the descriptors gRPC takes are
-bounded and REST keeps its own); at most ``Limits.max_open_streams`` streams on all of them;
+bounded and REST keeps its own); at most ``Limits.max_open_streams`` streams on all of them
+(an eighth of them per peer address: peers.py);
 a server-wide budget of client resets (limits.py); budgets per peer address over all its
 connections for control frames and abandoned calls (peers.py); ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip and
 deflate requests, the maximum message size both ways (RESOURCE_EXHAUSTED); graceful drain
