@@ -138,16 +138,17 @@ def test_an_address_that_stalls_past_its_abandon_budget_is_refused() -> None:
 
 
 def test_a_slow_reader_that_grants_credit_gets_its_whole_answer() -> None:
-    """Stream window 8 bytes, 8 more granted every 0.1 s: the answer takes longer than the
-    send stall deadline in all, but bytes keep moving, so it is never reset."""
-    limits = Limits(stall_timeout_s=600, send_stall_timeout_s=1.0)
-    with serving(limits) as (server, port), stalling(port, address(), 1, window=8) as (sock, reader, streams):
+    """Stream window 1 byte, 1 more granted every 0.1 s: the answer (49 bytes with its prefix)
+    takes about 5 s in all, over twice the send stall deadline, but bytes keep moving, so it
+    is never reset."""
+    limits = Limits(stall_timeout_s=600, send_stall_timeout_s=2.0)
+    with serving(limits) as (server, port), stalling(port, address(), 1, window=1) as (sock, reader, streams):
         stop = threading.Event()
 
         def grant() -> None:
             while not stop.wait(0.1):
                 with contextlib.suppress(OSError):
-                    sock.sendall(w.frame(w.WINDOW_UPDATE, 0, streams[0], (8).to_bytes(4, "big")))
+                    sock.sendall(w.frame(w.WINDOW_UPDATE, 0, streams[0], (1).to_bytes(4, "big")))
         granter = threading.Thread(target=grant, daemon=True)
         granter.start()
         try:
