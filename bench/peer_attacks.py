@@ -5,6 +5,9 @@ with two front workers serving the MLP on LiteRT, while a REST and a gRPC probe 
 - ``abandon`` (item 3): connect, send 100 gRPC Predicts, close without reading, again;
 - ``ping`` / ``settings`` / ``window_update`` (item 4): 190 PINGs (or SETTINGS, or
   WINDOW_UPDATEs) a connection, just under the per-connection burst, then a new connection;
+- ``zero_window`` (issue 37's zero-window stalls): connections that set
+  SETTINGS_INITIAL_WINDOW_SIZE 0, send 100 Predicts of 8 rows and never read or grant credit,
+  all kept open until the attack ends (then closed at once);
 - ``tls`` (item 6): slow TLS clients, each trickling its ClientHello 1 byte every 2 s and
   reconnecting when closed, on the gRPC TLS port (``[grpc] max_connections`` lowered so a few
   hundred fill it, as 2,000 fill the default).
@@ -147,6 +150,41 @@ class Attack(threading.Thread):
         self.join(60)
 
 
+class ZeroWindow(Attack):
+    """Connections that grant no flow-control window and never read, each kept open until
+    ``stop()`` closes them all at once (the answers of 100 calls each stay with the server)."""
+
+    def __init__(self, port: int, clients: int = 4):
+        from bench.h2load import build_request
+
+        request, offsets = build_request("127.0.0.1", port, PREDICT, predict_request(8))
+        calls = []
+        for i in range(100):
+            for off in offsets:
+                struct.pack_into(">I", request, off, 2 * i + 1)
+            calls.append(bytes(request))
+        self.burst = PREFACE + frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 0)) + b"".join(calls)
+        self.held: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.port = port
+        super().__init__(self.stall, clients)
+
+    def stall(self) -> None:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5, source_address=(ATTACKER, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # never read: the answers stay with the server
+        with self.lock:
+            self.held.append(sock)
+        send_quietly(sock, self.burst)
+        self.halt.wait(0.05)
+
+    def stop(self) -> None:
+        super().stop()
+        with self.lock:
+            for sock in self.held:
+                sock.close()
+            self.held.clear()
+
+
 class SlowTLS(threading.Thread):
     """``clients`` connections each trickling a ClientHello 1 byte every ``interval`` s; one
     the server closes is replaced at once. ``made``: connections made in all."""
@@ -266,14 +304,28 @@ def grpc_probe(port: int, root_cert: bytes | None = None) -> Callable[[float], b
     return probe
 
 
-def recovery(rest: Callable[[float], bool], rpc: Callable[[float], bool], limit: float = 60.0) -> float:
-    """Seconds from now until REST and gRPC both answer (``limit`` + 1 when they do not)."""
+def recovery(rest: Callable[[float], bool], rpc: Callable[[float], bool], limit: float = 60.0,
+             timeline: list[str] | None = None) -> float:
+    """Seconds from now until REST and gRPC both answer (``limit`` + 1 when they do not);
+    ``timeline`` gets one entry a try (when, which answered)."""
     started = time.monotonic()
     while time.monotonic() - started < limit:
-        if rest(2.0) and rpc(2.0):
+        at = time.monotonic() - started
+        ok_rest = rest(2.0)
+        ok_rpc = ok_rest and rpc(2.0)
+        if timeline is not None:
+            timeline.append(f"{at:.1f}s:{'R' if ok_rest else 'r'}{'G' if ok_rpc else 'g'}")
+        if ok_rest and ok_rpc:
             return time.monotonic() - started
         time.sleep(0.1)
     return limit + 1
+
+
+def breakdown(pid: int) -> str:
+    """The tree's PSS per process (MiB): serving, zygote, workers (bench/footprint.py's roles)."""
+    from bench.footprint import tree
+
+    return " ".join(f"{p['role']} {p['pss']:.0f}" for p in tree(pid))
 
 
 def tree_rss(pid: int) -> int:
@@ -313,6 +365,7 @@ def run(kind: str, seconds: float, work: Path, models: Path) -> None:
         for _ in range(10):
             rest(10.0), rpc(10.0)
         idle, peak = tree_rss(srv.proc.pid), 0
+        idle_parts = breakdown(srv.proc.pid)
         probes = Probes(rest, rpc)
         attack = attack_process(kind, grpc_port, seconds)
         probes.start()
@@ -325,16 +378,20 @@ def run(kind: str, seconds: float, work: Path, models: Path) -> None:
             if attack.poll() is None:
                 attack.kill()
         made = (attack.communicate(timeout=60)[0] or "").strip()
-        took = recovery(rest, rpc)
+        timeline: list[str] = []
+        took = recovery(rest, rpc, timeline=timeline)
         time.sleep(30)
         after = tree_rss(srv.proc.pid)
+        after_parts = breakdown(srv.proc.pid)
         n, rest_failed, rpc_failed = probes.failed()
         grpc_status = requests.get(f"{scheme}://127.0.0.1:{port}/api/status", verify=verify,
                                    timeout=30).json().get("grpc", {})
         refused = {k: v for k, v in grpc_status.items() if "refus" in k or "evicted" in k or "tls_handshake" in k}
         print(f"{kind}: {made} (attacking connections) in {seconds:g} s; probes failed REST {rest_failed}/{n}, "
               f"gRPC {rpc_failed}/{n}; both answered {took:.1f} s after the attack; tree RSS idle {idle >> 20} MiB, "
-              f"peak {peak >> 20} MiB, 30 s after {after >> 20} MiB; refused: {refused}", flush=True)
+              f"peak {peak >> 20} MiB, 30 s after {after >> 20} MiB; refused: {refused}\n"
+              f"  PSS MiB idle: {idle_parts}; 30 s after: {after_parts}\n  after the attack: {' '.join(timeline)}",
+              flush=True)
     finally:
         srv.stop()
 
@@ -343,6 +400,8 @@ def attacker(kind: str, port: int, clients: int) -> Any:
     """The attack ``kind`` on ``port`` (not started)."""
     if kind == "tls":
         return SlowTLS(port, clients)
+    if kind == "zero_window":
+        return ZeroWindow(port)
     return Attack(one_shot(port, abandon_burst(port) if kind == "abandon" else control_burst(kind)))
 
 
@@ -366,7 +425,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attack", default="abandon,ping,settings,tls", help="which, comma-separated")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each attack runs")
-    parser.add_argument("--client", help="be the attacker only (abandon, ping, settings, window_update or tls) against --port")
+    parser.add_argument("--client", help="be the attacker only (abandon, ping, settings, window_update, zero_window or tls) against --port")
     parser.add_argument("--port", type=int, help="the gRPC port on 127.0.0.1 the --client attacks")
     parser.add_argument("--clients", type=int, default=300, help="slow TLS clients (--client tls)")
     args = parser.parse_args()

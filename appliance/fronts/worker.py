@@ -36,6 +36,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from functools import partial
 from typing import Any
 
@@ -62,6 +63,11 @@ HEARTBEAT_S = 1.0  # HTTP figures and memory to the serving process, from the lo
 # (malloc_trim): glibc serves buffers under its raised mmap threshold (up to 32 MiB) from the
 # heap and keeps them after a burst of big calls (issue 47 item 5: bench/big_calls.py).
 TRIM_AFTER_BYTES = 8 << 20
+# ... and once many connections and streams came and went (issue 47: an attacker's 100 calls a
+# connection, closed unread, left each worker 8-23 MiB over idle 30 s after; nghttp2's sessions,
+# the calls' messages and answers freed into a fragmented heap), at most every TRIM_EVERY_S.
+TRIM_AFTER_CHURN = 1000
+TRIM_EVERY_S = 5.0
 PARENT_CHECK_S = 1.0
 LISTEN_BACKLOG = 1024  # as appliance/transport/http/server.py's listen: bursts wait in the kernel
 
@@ -82,6 +88,8 @@ class Worker:
         self.done = threading.Event()
         self.exit_code = 0
         self.held_peak = 0  # the most gRPC bytes held seen at a heartbeat since the heap was last trimmed
+        self.churn_trimmed = 0  # the gRPC server's churn (connections and streams) at the last trim
+        self.trimmed_at = 0.0  # when the heap was last trimmed (monotonic)
 
     def run(self) -> int:
         first = read_one(self.sock, self.codec)
@@ -154,12 +162,24 @@ class Worker:
             loop.call_later(HEARTBEAT_S, self.beat, loop)
 
     def trim_after_burst(self) -> None:
-        """(the loop) Big gRPC calls all done: their freed memory back to the OS."""
-        held = self.grpc.held if self.grpc is not None else 0
+        """(the loop) Big gRPC calls all done, or a burst of connections and streams over:
+        their freed memory back to the OS (``heap_trims`` in the gRPC figures counts it)."""
+        grpc = self.grpc
+        if grpc is None:
+            return
+        held, churn, now = grpc.held, grpc.churn, time.monotonic()
         self.held_peak = max(self.held_peak, held)
-        if not held and self.held_peak >= TRIM_AFTER_BYTES:
-            self.held_peak = 0
-            memory.trim_heap()
+        if held:
+            return
+        big = self.held_peak >= TRIM_AFTER_BYTES
+        many = churn - self.churn_trimmed >= TRIM_AFTER_CHURN and now - self.trimmed_at >= TRIM_EVERY_S
+        if big or many:
+            self.held_peak, self.churn_trimmed, self.trimmed_at = 0, churn, now
+            if many:  # cancelled calls leave cycles (their tasks' CancelledErrors and frames), rarely collected
+                memory.release_freed_memory()  # (memory.GC_THRESHOLDS): collected first, then trimmed
+            else:
+                memory.trim_heap()
+            grpc.count("heap_trims")
 
     def on_push(self, message: m.Push) -> None:
         """(the loop) What the serving process says unasked."""

@@ -25,7 +25,9 @@ message until inflated), that would pass either bound is answered RESOURCE_EXHAU
 streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
 the whole server (``Limits.max_open_streams``, refused with REFUSED_STREAM past it), so a
 client that never opens its window (zero-window stalls) holds a bounded number of answers, and
-a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed.
+a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed; an answer
+with no credit to go out for ``send_stall_timeout_s`` sooner, counted against its address as
+an abandoned call. One address holds at most its share of the open streams (peers.py).
 
 Client resets are rate-limited per connection and over the whole server (limits.py), and
 control frames and abandoned streams per peer address over all its connections (peers.py:
@@ -55,7 +57,7 @@ from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort
                                             Request, declared_size, message_of, status_trailers)
 from appliance.transport.grpc.limits import (ANSWER_EARNS, CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE,
                                              TokenBucket)
-from appliance.transport.grpc.peers import Guard
+from appliance.transport.grpc.peers import Guard, stream_cap
 from appliance.transport.grpc.server_side import ServerSide
 from appliance.transport.grpc.session import Session, SessionError
 
@@ -125,6 +127,7 @@ class Connection(asyncio.Protocol):
         # GOAWAY "too many WINDOW_UPDATE frames" under load, with 250 calls on one connection.
         self.updates_due = 0
         self.guard: Guard | None = None  # its peer address's budgets, over all its connections (peers.py)
+        self.stream_cap = stream_cap(self.limits.max_open_streams, self.limits.max_concurrent_streams)
         self.peer = "unknown"
 
     @property
@@ -215,10 +218,14 @@ class Connection(asyncio.Protocol):
         if stream_id in self.streams:
             return None
         server = self.server
-        if self.going_away or server.closing or server.open_streams >= self.limits.max_open_streams:
+        server.churn += 1
+        refused = ("refused_streams" if self.going_away or server.closing or server.open_streams >= self.limits.max_open_streams
+                   else "peer_refused_streams" if self.guard is not None and not self.guard.stream_opened(self.stream_cap)
+                   else "")  # past the server's streams, or its address's share of them (peers.py)
+        if refused:
             assert self.session is not None
             self.session.reset(stream_id, ng.REFUSED_STREAM)  # the client may retry it elsewhere
-            server.count("refused_streams")
+            server.count(refused)
             return None
         stream = self.streams[stream_id] = Stream(stream_id)
         server.open_streams += 1
@@ -534,6 +541,7 @@ class Connection(asyncio.Protocol):
                 self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self.full_message())
                 return
         stream.pending, stream.answered = memoryview(data), True
+        stream.last = time.monotonic()  # the send stall deadlines count from here (sweep)
         stream.trailers = OK_TRAILERS if not trailing else status_trailers(grpc.StatusCode.OK, "", trailing)
         self.hold(len(data))
         self.session.respond(stream.id, RESPONSE_HEADERS, with_body=True)
@@ -609,6 +617,8 @@ class Connection(asyncio.Protocol):
         if self.streams.pop(stream.id, None) is None:
             return
         self.server.open_streams -= 1
+        if self.guard is not None:
+            self.guard.stream_closed()
         self.release(stream)
         if stream.pending is not None:
             self.hold(-len(stream.pending))
@@ -645,6 +655,20 @@ class Connection(asyncio.Protocol):
             if moving and now - stream.last > limits.stall_timeout_s:
                 self.reset(stream, ng.CANCEL)
                 self.server.count("stalled_streams")
+            elif stream.pending is not None and now - stream.last > limits.send_stall_timeout_s \
+                    and self.session is not None and self.session.stream_window(stream.id) <= 0:
+                self.send_stalled(stream)
+                if self.failed:
+                    return
+
+    def send_stalled(self, stream: Stream) -> None:
+        """Its answer has waited ``send_stall_timeout_s`` for credit the client never gave (a
+        zero-window stall): reset and freed, and counted against its address as a call
+        abandoned (peers.py), so a client that stalls every answer is refused at the accept."""
+        self.reset(stream, ng.CANCEL)
+        self.server.count("send_stalled_streams")
+        if self.guard is not None and (reason := self.guard.abandoned()):
+            self.over_budget(f"{reason} (answers left without flow-control credit)")
 
     # -- the connection --------------------------------------------------------------------
     def write_later(self) -> None:

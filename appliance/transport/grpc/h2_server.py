@@ -19,7 +19,8 @@ together bounded by ``handshake_timeout_s`` from the accept, as a plaintext conn
 preface is); at most ``Limits.max_connections`` connections (at the cap the TLS handshake
 under way longest, else the connection idle longest, makes room for a new one that is
 waiting; with none, new ones wait in the kernel's queue, so the descriptors gRPC takes are
-bounded and REST keeps its own); at most ``Limits.max_open_streams`` streams on all of them;
+bounded and REST keeps its own); at most ``Limits.max_open_streams`` streams on all of them
+(an eighth of them per peer address: peers.py);
 a server-wide budget of client resets (limits.py); budgets per peer address over all its
 connections for control frames and abandoned calls (peers.py); ``grpc-timeout`` (DEADLINE_EXCEEDED), gzip and
 deflate requests, the maximum message size both ways (RESOURCE_EXHAUSTED); graceful drain
@@ -89,6 +90,7 @@ class LeanServer(LoopThread):
         self._readmitting = False
         self.in_flight = 0  # calls dispatched and not finished (their tasks), on every connection
         self.open_streams = 0  # streams open on every connection (Limits.max_open_streams)
+        self.churn = 0  # connections accepted and streams opened, in all (a burst of them ended: trim the heap)
         self.resets = TokenBucket(SERVER_RESET_BURST, SERVER_RESET_RATE)  # client resets, all connections
         self.peers = Peers()  # per peer address, all its connections: control frames, abandoned calls
         self.tls: dict[socket.socket, ssl.SSLContext] = {}  # the listeners that speak TLS
@@ -217,6 +219,7 @@ class LeanServer(LoopThread):
                 self.count("accept_failed")
                 self._pause_accepting()
                 return
+            self.churn += 1
             if self.peers.refuse(address):  # over its address's budget (peers.py): closed unread
                 self.count("peer_refused_connections")
                 sock.close()

@@ -35,6 +35,10 @@ class Limits:
     max_connections: int = 1024  # open at once; at the cap the one idle longest makes room
     handshake_timeout_s: float = 10.0  # preface and SETTINGS within this of the accept
     stall_timeout_s: float = 30.0  # a request or answer that moves no byte this long is reset
+    # An answer the client gives no flow-control credit for (its window at 0: zero-window
+    # stalls) this long is reset, and counted against its address as an abandoned call
+    # (peers.py). A slow reader that grants credit now and then moves bytes and is never hit.
+    send_stall_timeout_s: float = 5.0
     max_connection_buffer_bytes: int = 96 * MIB
     max_buffer_bytes: int = 512 * MIB
     # Streams open on every connection together: what a client that never reads its answers

@@ -7,8 +7,17 @@ Two budgets per address (the host, never the port: a reconnect keeps the host):
   while none of its answers is being sent. A call answered gives four back (as the
   per-connection bucket does, limits.py), so grpcio's BDP and keepalive pings with calls
   never drain it;
-- **abandoned streams**: streams it resets itself, and streams still open (a call running or
-  an answer not read) when it closes the connection: "send 100 calls, close, again".
+- **abandoned streams**: streams it resets itself, streams still open (a call running or
+  an answer not read) when it closes the connection: "send 100 calls, close, again", and
+  streams whose answers it never takes (no flow-control credit for ``send_stall_timeout_s``:
+  zero-window stalls, connection.py ``sweep``).
+
+And a cap, not a budget: the streams a peer address may hold **open at once** on this process
+(``stream_cap``: an eighth of ``Limits.max_open_streams``, at least one connection's
+SETTINGS_MAX_CONCURRENT_STREAMS). Past it a new stream is refused (REFUSED_STREAM, which
+clients retry), so one address that never reads its answers cannot take the server-wide
+``max_open_streams`` from everyone else (gRPC probes from another address were refused 28 of
+29 times during a zero-window attack before it).
 
 Past either, the peer is *refused*: its connection is closed with GOAWAY ENHANCE_YOUR_CALM at
 the frame that passed the budget, and every new connection from it is closed as soon as it
@@ -68,14 +77,24 @@ class Budget(TokenBucket):
         return self.tokens >= self.burst
 
 
+# The share of ``Limits.max_open_streams`` one peer address may hold open at once.
+PEER_STREAM_SHARE = 8
+
+
+def stream_cap(max_open_streams: int, max_concurrent_streams: int) -> int:
+    """Streams one peer address may hold open at once on this process."""
+    return max(max_concurrent_streams, max_open_streams // PEER_STREAM_SHARE)
+
+
 class Peer:
-    __slots__ = ("control", "abandoned", "connections", "refusals")
+    __slots__ = ("control", "abandoned", "connections", "refusals", "streams")
 
     def __init__(self) -> None:
         self.control = Budget(PEER_CONTROL_BURST, PEER_CONTROL_RATE)
         self.abandoned = Budget(PEER_ABANDON_BURST, PEER_ABANDON_RATE)
         self.connections = 0  # open now, on this process
         self.refusals = 0  # connections refused at their start, in all
+        self.streams = 0  # open now, on all its connections
 
     def refused(self) -> str:
         """Why a new connection from this peer is refused now; "" when it is not."""
@@ -113,6 +132,16 @@ class Guard:
         if not streams or self.peer.abandoned.charge(streams):
             return ""
         return self.peer.refused() or "too many calls abandoned from this address"
+
+    def stream_opened(self, cap: int) -> bool:
+        """A new stream from this peer: False (not counted) when it holds ``cap`` open already."""
+        if self.peer.streams >= cap:
+            return False
+        self.peer.streams += 1
+        return True
+
+    def stream_closed(self) -> None:
+        self.peer.streams -= 1
 
     def closed(self) -> None:
         if self.counted:
