@@ -5,9 +5,9 @@
 #
 #   VENV=DIR     the virtualenv to make or reuse (default: .venv; scripts/test.sh adds the rest to it)
 #   EXTRAS=LIST  the extras to install (default: tflite; EXTRAS=tflite,tf adds TensorFlow, ~2 GB)
+#   INSTALLER=pip  install with pip alone (the default, uv, falls back to it by itself)
 #   anything after the command goes to `appliance serve` (--port, --state, --models ...)
 #
-#   INSTALLER=pip  install with pip alone (the default, uv, falls back to it by itself)
 # Every step that takes more than a moment says so first; pip and uv say what they fetch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
