@@ -22,7 +22,7 @@ step() { printf 'run.sh [%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 # unpacks and byte-compiles pip and setuptools, which the service never imports).
 pip_wheel() {
   local dir
-  for dir in "$("$py" -c 'import ensurepip, os; print(os.path.dirname(ensurepip.__file__))')/_bundled" \
+  for dir in "$("$py" -c 'import ensurepip, os; print(os.path.dirname(ensurepip.__file__))' 2>/dev/null)/_bundled" \
              /usr/share/python-wheels; do
     compgen -G "$dir/pip-*.whl" >/dev/null && { ls "$dir"/pip-*.whl | sort -V | tail -1; return; }
   done
