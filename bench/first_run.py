@@ -8,9 +8,11 @@ user's ``~/.local/state`` and port 8501 stay untouched), times every step the sc
 (venv, pip, the service's start) and the ``try:`` line, checks that the line's request is
 answered, measures the venv's size on disk and, after ``--idle-seconds``, the whole process
 tree's PSS and RSS (bench/footprint.py's ``tree``), then stops the service with SIGINT, as
-Ctrl-C does, and removes the folder. pip reads its wheels wherever this machine's pip
+Ctrl-C does, and removes the folder. pip and uv read their wheels wherever this machine's pip
 configuration says (a warm cache or a local index makes the install a local one: say so when
-quoting the figure). The load average is printed beside the figures: on a busy machine every
+quoting the figure); uv's cache is run.sh's own throwaway folder, empty as on a fresh machine,
+unless UV_CACHE_DIR is set. ``--installer pip`` runs run.sh's pip-only
+path (INSTALLER=pip), the one before uv, for a side-by-side figure. The load average is printed beside the figures: on a busy machine every
 step stretches, so the CPU time of all of it (every process run.sh started, until it stopped)
 is printed too.
 """
@@ -40,11 +42,12 @@ from bench.footprint import du_kb, tree  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 
 STEP = re.compile(r"^run\.sh \[[\d:]+\] (\w+)")
+UV = re.compile(r"^(Using Python|Resolved \d+ packages)")  # uv's first line: pip has fetched uv
 
 
-def first_run(work: Path, port: int, timeout_s: float) -> tuple[subprocess.Popen[str], dict[str, float]]:
+def first_run(work: Path, port: int, timeout_s: float, installer: str) -> tuple[subprocess.Popen[str], dict[str, float]]:
     """run.sh started in ``work``: (the process, seconds from the start to each step and the try: line)."""
-    env = {**os.environ, "VENV": str(work / "venv")}
+    env = {**os.environ, "VENV": str(work / "venv"), "INSTALLER": installer}
     cmd = [str(ROOT / "scripts" / "run.sh"), "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0",
            "--no-discovery", "--state", str(work / "state")]
     t0 = time.perf_counter()
@@ -55,6 +58,8 @@ def first_run(work: Path, port: int, timeout_s: float) -> tuple[subprocess.Popen
         step = STEP.match(line)
         if step:
             marks.setdefault(step.group(1), time.perf_counter() - t0)
+        elif UV.match(line):
+            marks.setdefault("uv", time.perf_counter() - t0)
         if line.startswith("try:"):
             marks["try-line"] = time.perf_counter() - t0
             marks["curl"] = _answered(line)
@@ -77,10 +82,11 @@ def main() -> None:
     ap.add_argument("--idle-seconds", type=float, default=20)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
+    ap.add_argument("--installer", choices=("uv", "pip"), default="uv")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="edge-first-run-"))
     load_before = os.getloadavg()[0]
-    proc, marks = first_run(work, free_port(), args.timeout)
+    proc, marks = first_run(work, free_port(), args.timeout, args.installer)
     threading.Thread(target=proc.communicate, daemon=True).start()  # the service's log must never fill the pipe
     try:
         size_mb = du_kb(work / "venv") / 1024
@@ -97,12 +103,13 @@ def main() -> None:
     text = (f"\n## The first run (scripts/run.sh from nothing), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {load_before:.1f} before, "
             f"{os.getloadavg()[0]:.1f} after. Command: `{' '.join(sys.argv)}`. pip's configuration: "
-            f"{os.environ.get('PIP_FIND_LINKS') or 'its defaults'} (find-links).\n\n"
+            f"{os.environ.get('PIP_FIND_LINKS') or 'its defaults'} (find-links). Installer: {args.installer}"
+            f"{'' if args.installer == 'pip' else ', its cache ' + os.environ.get('UV_CACHE_DIR', 'empty')}.\n\n"
             f"- try: line after **{marks['try-line']:.1f} s** ({steps}); its request answered: "
             f"{'yes' if marks['curl'] else 'NO'}\n"
             f"- CPU time of it all (venv, pip, the service until stopped, every process): **{cpu:.1f} s**: what "
-            "a quiet machine's wall time approaches where one core does the work (pip installs one package at a time)\n"
-            f"- venv: **{size_mb:.0f} MiB** on disk (pip and setuptools included)\n"
+            "a quiet machine's wall time approaches where one core does the work\n"
+            f"- venv: **{size_mb:.0f} MiB** on disk (pip included, and uv where it installed)\n"
             f"- idle after {args.idle_seconds:.0f} s, the whole tree ({len(procs)} processes): **{pss:.1f} MiB PSS**, "
             f"{rss:.1f} MiB RSS (serving process {procs[0]['pss']:.1f} MiB PSS)\n"
             f"- Ctrl-C (SIGINT): exit status {stopped}\n")

@@ -17,6 +17,10 @@ if ! "$py" -c 'import ensurepip, venv' 2>/dev/null; then
   fi
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
+# scripts/run.sh makes its venv --without-pip and has uv install pip into it; a venv made
+# otherwise without pip gets it here. setuptools too: Python 3.11's venv brings it and a test
+# dependency may import it undeclared, but run.sh's venv has none.
+.venv/bin/python -c 'import pip' 2>/dev/null || .venv/bin/python -m ensurepip -q
 stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')-$(sha256sum pyproject.toml | cut -c1-12)"
 # Say what each step does and how long it took: the full install downloads ~2 GB and takes
 # minutes, and a silent minute reads as a hang. pip's own lines (Collecting, Downloading,
@@ -26,8 +30,8 @@ pip_args=(--progress-bar on)
 [ "${EDGE_PIP_QUIET:-0}" = 1 ] && pip_args=(-q)
 if [ ! -f "$stamp" ]; then
   started=$SECONDS
-  step "upgrading pip in .venv"
-  .venv/bin/python -m pip install "${pip_args[@]}" --upgrade pip
+  step "upgrading pip (and adding setuptools) in .venv"
+  .venv/bin/python -m pip install "${pip_args[@]}" --upgrade pip setuptools
   step "installing edge-appliance[${extras}] into .venv (minutes the first time; pip prints each package)"
   .venv/bin/python -m pip install "${pip_args[@]}" -e ".[${extras}]"
   touch "$stamp"
