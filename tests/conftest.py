@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import pytest_timeout
 
 from tests.support import durations, load, reaper
-from tests.support.cache import AHEAD, ahead_of_tests, built_once
+from tests.support.cache import AHEAD, Busy, ahead_of_tests, built_once, skip_busy
 from tests.support.servers import Server, launch, modelgen_digest
 
 # What ``private_home`` points elsewhere. XDG_RUNTIME_DIR stays: it is the session's sockets.
@@ -82,12 +82,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    # First what no other worker is building now (each worker takes the next free one), then,
+    # waiting, the ones another worker was building: cold builds side by side (cache.skip_busy).
+    waiting = []
     for fixture, build in AHEAD.items():
         if fixture in used:
             try:
-                build()
+                with skip_busy():
+                    build()
+            except Busy:
+                waiting.append((fixture, build))
             except Exception as exc:  # noqa: BLE001 — the fixture builds again and fails the tests that use it
                 print(f"\nbuilding the cache of {fixture} failed ahead of the tests: {exc!r}")
+    for fixture, build in waiting:
+        try:
+            build()
+        except Exception as exc:  # noqa: BLE001 — as above
+            print(f"\nbuilding the cache of {fixture} failed ahead of the tests: {exc!r}")
 
 
 OWNER = pytest.StashKey[str]()
