@@ -71,10 +71,35 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: "pytest_timeout.Settin
     return bool(pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=load.scaled(settings.timeout))))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The last run's heaviest files first (tests/support/durations.py): two workers then end
-    together instead of one finishing a long file alone."""
+    together instead of one finishing a long file alone. Tests that a collected test runs
+    itself, nested, are not run a second time (``run_once_nested``)."""
     durations.heaviest_first(items)
+    run_once_nested(config, items)
+
+
+# The test that runs other tests in a nested pytest beside a README service; its module's NESTED
+# names them (files, or single tests).
+NESTING = "tests/service/test_private_home.py::test_the_suite_passes_beside_a_service_started_as_the_readme_says"
+
+
+def run_once_nested(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Where the nesting test is collected, the tests it runs nested are deselected from this
+    session: they run there, every assertion of theirs once, beside the README's service
+    (issue 49: they ran twice, about 80 s of a run). A session without it (a file run alone,
+    ``-k``) runs them as usual."""
+    nesting = next((item for item in items if item.nodeid == NESTING), None)
+    if nesting is None:
+        return
+    nested: list[str] = list(getattr(nesting.module, "NESTED", ()))  # type: ignore[attr-defined]
+    selected, deselected = [], []
+    for item in items:
+        inside = any(item.nodeid == name or item.nodeid.startswith(name + "::") for name in nested)
+        (deselected if inside else selected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
