@@ -24,8 +24,10 @@ the API layer (appliance/api/) is a strict xfail naming TF Serving's text and ou
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +41,8 @@ from tensorflow_serving.apis import (  # noqa: E402
     classification_pb2, get_model_metadata_pb2, get_model_status_pb2, inference_pb2, model_service_pb2_grpc,
     prediction_service_pb2_grpc, regression_pb2)
 
+from tests.support.cache import built_once  # noqa: E402
+from tests.support.load import scaled  # noqa: E402
 from tests.support.servers import ROOT, free_port, poll_until  # noqa: E402
 from tests.support.tfs_suite import (  # noqa: E402,F401  (run_server: the module fixture)
     DATA, RPC_TIMEOUT, call_rest, half_plus_three, half_plus_two, half_plus_two_tf2,
@@ -317,11 +321,19 @@ def test_PredictWithSignatureDefOnTfLite(run_server: Any) -> None:
 
 def _export_in_subprocess(code: str, export_path: Path, env: dict[str, str] | None = None) -> None:
     """Build a model with TensorFlow in a child (upstream builds in the test process; a child
-    keeps TensorFlow's eager/graph state and virtual devices out of this one)."""
+    keeps TensorFlow's eager/graph state and virtual devices out of this one), once per machine:
+    cached by the script and its environment (tests/support/cache.py), copied to ``export_path``
+    (a child importing TensorFlow to export is 20-50 s of a loaded run; a rerun builds nothing)."""
     script = "import sys\nimport tensorflow as tf\nexport_path = sys.argv[1]\n" + code
-    proc = subprocess.run([sys.executable, "-c", script, str(export_path)], capture_output=True, text=True,
-                          timeout=240, env={**os.environ, **(env or {})})  # under the test's 300 s
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    extra = env or {}
+    digest = hashlib.sha256(repr((script, sorted(extra.items()))).encode()).hexdigest()[:12]
+
+    def build(folder: Path) -> None:
+        proc = subprocess.run([sys.executable, "-c", script, str(folder / "model")], capture_output=True, text=True,
+                              timeout=scaled(240), env={**os.environ, **extra})  # under the test's 300 s, scaled alike
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    shutil.copytree(built_once(f"tfs-export-{digest}", build) / "model", export_path)
 
 
 def test_tf_saved_model_save(run_server: Any, tmp_path: Path) -> None:
