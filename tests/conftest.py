@@ -93,7 +93,8 @@ def run_once_nested(config: pytest.Config, items: list[pytest.Item]) -> None:
     if nesting is None:
         return
     nested: list[str] = list(getattr(nesting.module, "NESTED", ()))  # type: ignore[attr-defined]
-    selected, deselected = [], []
+    selected: list[pytest.Item] = []
+    deselected: list[pytest.Item] = []
     for item in items:
         inside = any(item.nodeid == name or item.nodeid.startswith(name + "::") for name in nested)
         (deselected if inside else selected).append(item)
