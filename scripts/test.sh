@@ -81,8 +81,11 @@ xdist=()
 # Each run writes where its time went (test-artifacts/durations.txt, tests/support/durations.py);
 # with it, the files are collected heaviest first and handed out in that order (xdist's own
 # reorder, by number of tests, would put a long file of few tests last, one worker idle while
-# the other finishes it). Without it (a first run) xdist's order stands.
-[ "$workers" != 0 ] && [ -f "$EDGE_TEST_ARTIFACTS/durations.txt" ] && xdist+=(--no-loadscope-reorder)
+# the other finishes it). A clean checkout (CI) has no test-artifacts/: the record committed in
+# the tree (tests/durations.txt) orders it instead. Without either, xdist's order stands.
+if [ "$workers" != 0 ] && { [ -f "$EDGE_TEST_ARTIFACTS/durations.txt" ] || [ -f tests/durations.txt ]; }; then
+  xdist+=(--no-loadscope-reorder)
+fi
 # Timeouts and waits stretch with the load (tests/support/load.py); the header says by how much.
 echo "test.sh: running the suite ($workers workers; load average $(cut -d' ' -f1-3 /proc/loadavg)); the first run builds the test models before the first test" >&2
 if [ "${ARM64:-0}" = 1 ]; then

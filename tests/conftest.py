@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import pytest_timeout
 
 from tests.support import durations, load, reaper
-from tests.support.cache import AHEAD, ahead_of_tests, built_once
+from tests.support.cache import AHEAD, Busy, ahead_of_tests, built_once, skip_busy
 from tests.support.servers import Server, launch, modelgen_digest
 
 # What ``private_home`` points elsewhere. XDG_RUNTIME_DIR stays: it is the session's sockets.
@@ -71,10 +71,36 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: "pytest_timeout.Settin
     return bool(pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=load.scaled(settings.timeout))))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The last run's heaviest files first (tests/support/durations.py): two workers then end
-    together instead of one finishing a long file alone."""
+    together instead of one finishing a long file alone. Tests that a collected test runs
+    itself, nested, are not run a second time (``run_once_nested``)."""
     durations.heaviest_first(items)
+    run_once_nested(config, items)
+
+
+# The test that runs other tests in a nested pytest beside a README service; its module's NESTED
+# names them (files, or single tests).
+NESTING = "tests/service/test_private_home.py::test_the_suite_passes_beside_a_service_started_as_the_readme_says"
+
+
+def run_once_nested(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Where the nesting test is collected, the tests it runs nested are deselected from this
+    session: they run there, every assertion of theirs once, beside the README's service
+    (issue 49: they ran twice, about 80 s of a run). A session without it (a file run alone,
+    ``-k``) runs them as usual."""
+    nesting = next((item for item in items if item.nodeid == NESTING), None)
+    if nesting is None:
+        return
+    nested: list[str] = list(getattr(nesting.module, "NESTED", ()))  # type: ignore[attr-defined]
+    selected: list[pytest.Item] = []
+    deselected: list[pytest.Item] = []
+    for item in items:
+        inside = any(item.nodeid == name or item.nodeid.startswith(name + "::") for name in nested)
+        (deselected if inside else selected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -82,12 +108,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    # First what no other worker is building now (each worker takes the next free one), then,
+    # waiting, the ones another worker was building: cold builds side by side (cache.skip_busy).
+    waiting = []
     for fixture, build in AHEAD.items():
         if fixture in used:
             try:
-                build()
+                with skip_busy():
+                    build()
+            except Busy:
+                waiting.append((fixture, build))
             except Exception as exc:  # noqa: BLE001 — the fixture builds again and fails the tests that use it
                 print(f"\nbuilding the cache of {fixture} failed ahead of the tests: {exc!r}")
+    for fixture, build in waiting:
+        try:
+            build()
+        except Exception as exc:  # noqa: BLE001 — as above
+            print(f"\nbuilding the cache of {fixture} failed ahead of the tests: {exc!r}")
 
 
 OWNER = pytest.StashKey[str]()
@@ -218,6 +255,11 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves threads or child processes behind (module servers excepted)."""
     threads = {t.ident for t in threading.enumerate()}
     children = _children()
+    # A test of a module with a ``module_server`` may start the module's servers (they stop at
+    # the module's teardown): its new children are excused, so they are not waited for either
+    # (waiting the full 5 s for servers that were never going to stop cost 5 s a server start,
+    # minutes of the suite: issue 49).
+    module_children = "module_server" in request.fixturenames
     yield
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -226,14 +268,10 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         extra_threads = [t for t in threading.enumerate() if t.ident not in threads and t.is_alive()
                          and not t.name.startswith(("ThreadPoolExecutor", "asyncio", "zeroconf", "Dummy"))
                          and not t.name.endswith("(_poll_wrapper)")]
-        extra_children = _children() - children
+        extra_children = set() if module_children else _children() - children
         if not extra_threads and not extra_children:
             return
         time.sleep(0.1)
-    module_pids = set()
-    for fixture in ("module_server",):
-        if fixture in request.fixturenames:
-            module_pids = extra_children  # started for the module, stopped at module teardown
-    leaked = extra_children - module_pids
+    leaked = extra_children
     assert not extra_threads, f"test leaked threads: {[t.name for t in extra_threads]}"
     assert not leaked, f"test leaked child processes: {sorted(leaked)}"

@@ -6,7 +6,11 @@ to ``$EDGE_TEST_ARTIFACTS/durations.txt`` (scripts/test.sh sets it): the files h
 (a file this run did not run keeps its last figure), then this run's slowest tests. Under xdist the controller receives every worker's reports, so one
 file covers the whole run.
 
-The next run reads that file back and collects the heaviest files first. scripts/test.sh
+The next run reads that file back and collects the heaviest files first. A clean checkout
+(CI) has no ``test-artifacts/``: ``tests/durations.txt``, a record committed in the tree, is
+read under it (a file the local record also has takes the local figure), so CI's first run is
+ordered too. Refresh it from a full loaded run with ``python -m tests.support.durations``
+(it copies the local record's file lines into the tree). scripts/test.sh
 hands whole files to two workers (``--dist loadfile``) in collection order; a 3-minute file
 that happens to be collected last keeps one worker busy while the other has nothing left
 to do. Longest first is the classic remedy (LPT scheduling). Only the order of files
@@ -25,6 +29,7 @@ import pytest
 
 NAME = "durations.txt"
 SLOWEST = 40  # tests listed after the files
+COMMITTED = Path(__file__).resolve().parents[1] / NAME  # tests/durations.txt: the record a clean checkout has
 
 
 def artifacts() -> Path | None:
@@ -61,10 +66,15 @@ class Recorder:
 
 
 def previous() -> dict[str, float]:
-    """The per-file seconds the last run wrote (empty without one)."""
+    """The per-file seconds the last runs wrote: the committed record's, overridden by the local
+    one's (empty without either)."""
     folder = artifacts()
-    path = folder / NAME if folder else None
-    if path is None or not path.is_file():
+    return {**read(COMMITTED), **(read(folder / NAME) if folder else {})}
+
+
+def read(path: Path) -> dict[str, float]:
+    """The per-file seconds of one record (empty if there is none)."""
+    if not path.is_file():
         return {}
     seconds: dict[str, float] = {}
     for line in path.read_text().splitlines():
@@ -81,6 +91,21 @@ def previous() -> dict[str, float]:
     return seconds
 
 
+def commit_record(source: Path, target: Path) -> int:
+    """Write ``source``'s file lines (a full run's local record) to ``target`` (the committed
+    record), heaviest first, under a header saying where they came from; the number of files."""
+    text = source.read_text().splitlines()
+    first = text[0] if text and text[0].startswith("# ") else "# (no header)"
+    seconds = read(source)
+    lines = ["# The per-file seconds of a full run (scripts/test.sh), copied from its test-artifacts/durations.txt",
+             "# by `python -m tests.support.durations`; read when a checkout has no local record of its own (CI):",
+             "# the files are collected and handed to the workers heaviest first (tests/support/durations.py).",
+             "# That run:" + first[1:]]
+    lines += [f"{s:9.1f}  {f}" for f, s in sorted(seconds.items(), key=lambda kv: -kv[1])]
+    target.write_text("\n".join(lines) + "\n")
+    return len(seconds)
+
+
 def heaviest_first(items: list[pytest.Item]) -> None:
     """Reorder ``items`` in place: whole files, the heaviest of the last run first; a file the
     last run did not see keeps its place after them; inside a file nothing moves."""
@@ -94,4 +119,9 @@ def heaviest_first(items: list[pytest.Item]) -> None:
                                  first_seen[item.nodeid.split("::")[0]]))
 
 
-__all__ = ["NAME", "Recorder", "heaviest_first", "previous"]
+if __name__ == "__main__":
+    local = (artifacts() or Path("test-artifacts")) / NAME
+    print(f"{commit_record(local, COMMITTED)} files from {local} -> {COMMITTED}")
+
+
+__all__ = ["COMMITTED", "NAME", "Recorder", "commit_record", "heaviest_first", "previous", "read"]
