@@ -50,6 +50,7 @@ from appliance.api.mounts import ADMIN, INFERENCE, READ, ROUTE_KEY, SAFE_METHODS
 from appliance.core.config import Config, SecurityConfig
 
 if TYPE_CHECKING:
+    from appliance.core.json_types import ReadJSONValue
     import grpc
     from prometheus_client import Counter
 
@@ -167,7 +168,7 @@ class TokenHolder(Protocol):
     @property
     def config(self) -> Config: ...
 
-    def add_status(self, name: str, provider: Callable[[], object]) -> None: ...
+    def add_status(self, name: str, provider: Callable[[], ReadJSONValue]) -> None: ...
 
 
 _caches_lock = threading.Lock()

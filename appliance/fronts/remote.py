@@ -24,7 +24,7 @@ loop (gRPC runs there too, as its guest).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from appliance.core.seams import ModelHandle, RouteKey
 from appliance.fronts import messages as m
 from appliance.fronts.link import Link
 from appliance.fronts.view import ModelView, ServingView, VersionView
+
+if TYPE_CHECKING:
+    from appliance.core.json_types import ReadJSONValue
 
 Key = tuple[str, "int | None", "str | None"]  # (model, version, label) as the request names them
 
@@ -158,7 +161,7 @@ class RemoteCore:
         self.handles = RemoteHandles(link)
         self.metrics = FrontMetrics(link)
 
-    def add_status(self, name: str, provider: Any) -> None:
+    def add_status(self, name: str, provider: Callable[[], ReadJSONValue]) -> None:
         """Status lives in the serving process; a worker shows none of its own."""
 
 
