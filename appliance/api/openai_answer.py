@@ -22,7 +22,7 @@ import orjson
 from appliance.api.openai_tools import Tools
 from appliance.core.streams import Stream
 from appliance.core.seams import TokenEvents
-from appliance.core.sampling import TokenLogprob
+from appliance.core.streams import TokenLogprob
 from appliance.core.text import StopText
 from appliance.core.tokenizer import Detokenizer
 

@@ -36,7 +36,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -45,12 +45,36 @@ from appliance.core.errors import ApplianceError
 
 if TYPE_CHECKING:
     from appliance.core.config import RolloutConfig
-    from appliance.core.manager import Manager
     from appliance.core.state import StateDB
 
 SAMPLES = 2000  # latencies kept per version for p99
 JUDGE_INTERVAL_S = 0.25
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+class ShadowHandle(Protocol):
+    """What a shadow copy uses of a handle on the candidate (``core.handle.Handle``)."""
+
+    def __enter__(self) -> "ShadowHandle": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    async def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+class RolloutManager(Protocol):
+    """What rollouts read and do of the manager (``core.manager.Manager``, which owns them): a
+    protocol rather than an import, so the manager and its rollouts do not import each other."""
+
+    def rollout_policy(self, name: str) -> RolloutConfig | None: ...
+
+    def rollout_versions(self, name: str) -> tuple[int | None, int | None]: ...
+
+    def handle(self, name: str, version: int | None = None, *, judged: bool = True) -> ShadowHandle: ...
+
+    def promote(self, name: str, version: int) -> None: ...
+
+    def quarantine(self, name: str, version: int, reason: str) -> None: ...
+
 
 class NoCandidate(ApplianceError):
     """An operator's promote or abort of a model that has no candidate (HTTP 409)."""
@@ -170,7 +194,7 @@ class Route:
 class Rollouts:
     """Every rollout of the device: routing, tallies, shadow copies, the judge."""
 
-    def __init__(self, manager: Manager, db: StateDB, registry: CollectorRegistry):
+    def __init__(self, manager: RolloutManager, db: StateDB, registry: CollectorRegistry):
         self.manager, self.db = manager, db
         self._lock = threading.Lock()
         self._active: dict[str, Rollout] = {}

@@ -20,24 +20,16 @@ grammar refused. Pure functions: no locks, no threads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # streams.py imports this module
+from appliance.core.streams import TokenLogprob
+
+if TYPE_CHECKING:
     from appliance.core.streams import Params, Stream
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's log-probability and the ``top`` most likely (id, logprob), best first."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 def sample(logits: np.ndarray, params: Params, rng: np.random.Generator) -> int:
@@ -112,4 +104,4 @@ def choose(logits: np.ndarray, stream: Stream) -> tuple[int | None, TokenLogprob
     return token, logprob_of(logits, token, params.logprobs)
 
 
-__all__ = ["MAX_TOP_LOGPROBS", "TokenLogprob", "choose", "log_softmax", "logprob_of", "process", "sample"]
+__all__ = ["MAX_TOP_LOGPROBS", "choose", "log_softmax", "logprob_of", "process", "sample"]

@@ -27,11 +27,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from appliance.core.constraints import Constraint
 from appliance.core.errors import ApplianceError
-from appliance.core.sampling import TokenLogprob
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the ``top`` most likely (id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -241,4 +249,4 @@ class GenerationMetrics:
         self.queue_wait.labels(model).observe(seconds)
 
 
-__all__ = ["Event", "EventSink", "GenerationMetrics", "LoopQueue", "LoopWaker", "Params", "Stream", "Tagged"]
+__all__ = ["Event", "EventSink", "GenerationMetrics", "LoopQueue", "LoopWaker", "Params", "Stream", "Tagged", "TokenLogprob"]

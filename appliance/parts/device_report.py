@@ -32,7 +32,7 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from sync.manifest import dumps
 from sync.report import SCHEMA, device_key, sign_report
@@ -44,7 +44,12 @@ from appliance.version import __version__
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from appliance.parts.sync_loop import SyncLoop
+    from sync.follower import Follower
+    from sync.source import Source
+    from sync.store import Store
+
+    from appliance.core.appliance import Appliance
+    from appliance.core.config import SyncConfig
 
 Health = tuple[bool, tuple[str, ...]]  # (ready, the problems' lines): a change of it is reported
 
@@ -63,10 +68,26 @@ SEQUENCE_BLOCK = 1000  # report sequence numbers reserved per write of sync/repo
 TRANSIENT_STATES = ("NEW", "LOADING", "UNLOADING")
 
 
+class ReportedLoop(Protocol):
+    """What the report reads of the sync loop (``parts.sync_loop.SyncLoop``, which starts the
+    reporter): named here, not imported, so the two modules do not import each other."""
+
+    core: Appliance
+    cfg: SyncConfig
+    source: Source
+    store: Store
+    follower: Follower
+    polls_done: int
+    polling: bool
+    status: dict[str, Any]
+
+    def event(self, kind: str, message: str, model: str = "", version: int | None = None, **detail: object) -> None: ...
+
+
 class Reporter:
     """Writes this device's report; ``build`` is what it writes (also served for tests)."""
 
-    def __init__(self, loop: SyncLoop, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, loop: ReportedLoop, clock: Callable[[], float] = time.monotonic):
         self.loop, self.core, self.cfg = loop, loop.core, loop.cfg
         self.source = loop.source.sibling()  # its own request count: idle polls stay countable
         self.clock = clock
