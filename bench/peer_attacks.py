@@ -10,7 +10,8 @@ with two front workers serving the MLP on LiteRT, while a REST and a gRPC probe 
   all kept open until the attack ends (then closed at once);
 - ``tls`` (item 6): slow TLS clients, each trickling its ClientHello 1 byte every 2 s and
   reconnecting when closed, on the gRPC TLS port (``[grpc] max_connections`` lowered so a few
-  hundred fill it, as 2,000 fill the default).
+  hundred fill it, as 2,000 fill the default; ``--clients 2000 --tls-cap 0`` is the issue's
+  own figure on the default cap).
 
 The attacker connects from 127.0.0.2, the probes from 127.0.0.1 (a per-address budget must
 limit the one and not the other). Prints per attack: connections made, probes failed per API,
@@ -341,7 +342,7 @@ def config_text(models: Path, grpc_port: int, extra: str = "", tls: tuple[Path, 
             f"{security}[[models]]\nname = \"mlp\"\nbase_path = \"{models / 'keras_mlp_tflite'}\"\nbackend = \"tflite\"\n")
 
 
-def run(kind: str, seconds: float, work: Path, models: Path) -> None:
+def run(kind: str, seconds: float, work: Path, models: Path, clients: int = 300, tls_cap: int = 64) -> None:
     """One attack against a fresh service; prints its figures."""
     import requests
 
@@ -355,7 +356,7 @@ def run(kind: str, seconds: float, work: Path, models: Path) -> None:
         cert, key, _, _ = make_cert(work, f"server-{port}")
         tls, verify, root = (cert, key), str(cert), cert.read_bytes()
     config = work / f"{kind}.toml"
-    config.write_text(config_text(models, grpc_port, "max_connections = 64" if kind == "tls" else "", tls))
+    config.write_text(config_text(models, grpc_port, f"max_connections = {tls_cap}" if kind == "tls" and tls_cap else "", tls))
     srv = launch(["--config", str(config), "--grpc-port", str(grpc_port)], work, port=port, ready=tls is None)
     scheme = "https" if tls else "http"
     srv.wait_for(lambda: requests.get(f"{scheme}://127.0.0.1:{port}/readyz", verify=verify, timeout=2).ok, 120,
@@ -367,7 +368,7 @@ def run(kind: str, seconds: float, work: Path, models: Path) -> None:
         idle, peak = tree_rss(srv.proc.pid), 0
         idle_parts = breakdown(srv.proc.pid)
         probes = Probes(rest, rpc)
-        attack = attack_process(kind, grpc_port, seconds)
+        attack = attack_process(kind, grpc_port, seconds, clients)
         probes.start()
         try:
             while attack.poll() is None:
@@ -427,7 +428,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each attack runs")
     parser.add_argument("--client", help="be the attacker only (abandon, ping, settings, window_update, zero_window or tls) against --port")
     parser.add_argument("--port", type=int, help="the gRPC port on 127.0.0.1 the --client attacks")
-    parser.add_argument("--clients", type=int, default=300, help="slow TLS clients (--client tls)")
+    parser.add_argument("--clients", type=int, default=300, help="slow TLS clients (the tls attack)")
+    parser.add_argument("--tls-cap", type=int, default=64,
+                        help="the gRPC port's max_connections for the tls attack (0: the service's default, "
+                             "1024; the issue's 2,000 clients: --clients 2000 --tls-cap 0)")
     args = parser.parse_args()
     if args.client:
         client_main(args.client, args.port, args.seconds, args.clients)
@@ -437,7 +441,7 @@ def main() -> None:
     models = every_model()
     with tempfile.TemporaryDirectory(prefix="peer-attacks-") as tmp:
         for kind in args.attack.split(","):
-            run(kind, args.seconds, Path(tmp), models)
+            run(kind, args.seconds, Path(tmp), models, args.clients, args.tls_cap)
 
 
 if __name__ == "__main__":
