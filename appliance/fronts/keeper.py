@@ -41,11 +41,12 @@ class Keeper:
             self._keep(first)
 
     def launch(self, index: int, port: int, grpc_port: int, channel: socket.socket,
-               listener: socket.socket) -> WorkerProcess:
+               listener: socket.socket, grpc_listener: socket.socket | None = None) -> WorkerProcess:
+        listeners = (listener,) if grpc_listener is None else (listener, grpc_listener)  # REST, and gRPC if served
         forker = self.current(SPAWN_TIMEOUT_S)
         if forker is not None:
-            return forker.spawn(index, port, grpc_port, channel, listener)
-        return popen_worker(index, port, grpc_port, channel, listener)
+            return forker.spawn(index, port, grpc_port, channel, *listeners)
+        return popen_worker(index, port, grpc_port, channel, *listeners)
 
     def current(self, timeout: float = 0.0) -> Zygote | None:
         """The living zygote; while one is being replaced, waits up to ``timeout`` for it."""

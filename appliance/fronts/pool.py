@@ -27,11 +27,12 @@ here), then they exit, then the service unloads its models.
 What a worker's death costs: the connections it held close (a client sees the connection
 end, never a hang); requests of it still queued here are dropped when their answer finds no
 channel. The other workers go on taking new connections meanwhile. What can be drained is:
-each worker's REST listener is bound here (``bound``; the worker starts it listening once it
-can serve) and kept across its worker's death (``listeners``), so connections the kernel queued
+each worker's REST listener, and its gRPC one when the workers serve gRPC, is bound here
+(``bound``; the worker starts it listening once it can serve) and kept across its worker's death
+(``listeners``, ``grpc_listeners``), so connections the kernel queued
 for a worker that died or was killed (stopped, hung) wait there and its replacement answers them. A worker that ended by itself young (``crash_looping``:
-its replacement waits a pause that grows) gives its listener up, so that new connections go to
-the others meanwhile; so do they all at a drain. The gRPC port's listeners are the workers' own.
+its replacement waits a pause that grows) gives its listeners up, so that new connections go to
+the others meanwhile; so do they all at a drain.
 
 Limits that bound the whole port (``limits.max_connections``, ``limits.max_buffered_bytes``,
 and gRPC's ``max_connections`` and ``max_buffer_bytes``) are shared out among the workers,
@@ -97,11 +98,13 @@ class Fronts:
         self._started_all = False  # every worker has served once (the device is ready from then on)
         self.grpc_port = 0  # the gRPC port the workers serve too (serve_grpc); 0: none
         self.grpc_sock: socket.socket | None = None
+        self._grpc_host = server.host
         self.zygotes = Keeper(zygote.early())
         self.supervisor = Supervisor(count, self._launch, self._started, self._exited, server.worker_timeout_s,
                                      self._turning, self._report_serving)
         self.pids: dict[int, int] = {}
         self.listeners: dict[int, socket.socket] = {}  # worker index -> its REST listener (module docstring)
+        self.grpc_listeners: dict[int, socket.socket] = {}  # worker index -> its gRPC listener, as the REST one
         self._listen_host = server.host
         core.metrics.registry.register(RestartCounters(self._counters))
         limits = config.limits
@@ -115,20 +118,25 @@ class Fronts:
         listener = self.listeners.get(index)
         if listener is None:
             listener = self.listeners[index] = bound(self._listen_host, self.port)
-        return self.zygotes.launch(index, self.port, self.grpc_port, channel, listener)
+        grpc_listener = self.grpc_listeners.get(index)
+        if grpc_listener is None and self.grpc_port:
+            grpc_listener = self.grpc_listeners[index] = bound(self._grpc_host, self.grpc_port)
+        return self.zygotes.launch(index, self.port, self.grpc_port, channel, listener, grpc_listener)
 
     def _give_up_listener(self, index: int) -> None:
-        """Close worker ``index``'s listener here: what the kernel queued for it is reset, and
-        new connections go to the others (its worker, if alive, holds its own copy)."""
-        listener = self.listeners.pop(index, None)
-        if listener is not None:
-            listener.close()
+        """Close worker ``index``'s listeners here (REST and gRPC): what the kernel queued for it
+        is reset, and new connections go to the others (its worker, if alive, holds its own copy)."""
+        for listeners in (self.listeners, self.grpc_listeners):
+            listener = listeners.pop(index, None)
+            if listener is not None:
+                listener.close()
 
     def serve_grpc(self, host: str, port: int) -> int:
         """Have the workers serve gRPC on ``port`` too (before ``serve_forever``): held here
         as the REST port is; OSError when it is busy. The port number bound."""
         self.grpc_sock = reserve_port(host, port)
         self.grpc_port = self.grpc_sock.getsockname()[1]
+        self._grpc_host = host
         return self.grpc_port
 
     @property
@@ -206,7 +214,7 @@ class Fronts:
     def drain(self, timeout: float) -> bool:
         """The graceful stop (module docstring); True when every worker drained in time."""
         self.front.broadcast(m.Drain(timeout))
-        for index in list(self.listeners):  # a draining worker's queue goes nowhere: reset, not kept waiting
+        for index in list({*self.listeners, *self.grpc_listeners}):  # a draining worker's queue goes nowhere: reset, not kept waiting
             self._give_up_listener(index)
         clean = self.supervisor.stop(timeout + EXIT_GRACE_S)
         self.close()
@@ -220,7 +228,7 @@ class Fronts:
         self.front.close()  # the workers read EOF: they close their connections and exit
         self.supervisor.stop(EXIT_GRACE_S)
         self.zygotes.close()
-        for index in list(self.listeners):
+        for index in list({*self.listeners, *self.grpc_listeners}):
             self._give_up_listener(index)
         self.sock.close()
         if self.grpc_sock is not None:

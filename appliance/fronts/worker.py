@@ -1,13 +1,13 @@
 """A front worker process: the REST port's HTTP and JSON on a core of its own.
 
-    python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD LISTENER_FD
+    python -m appliance.fronts.worker PORT GRPC_PORT INDEX CHANNEL_FD LISTENER_FD GRPC_LISTENER_FD
 
 Started only by appliance/fronts/pool.py, which holds the port (and the gRPC port, 0
 for none) and passes its end of a private channel: forked by the zygote (``run_forked``,
 appliance/fronts/zygote.py), or as a fresh interpreter with the command above where there is
-none, and the REST port's listening socket it accepts on (SO_REUSEPORT beside the others'; the
-serving process keeps it across this worker's death, so what the kernel queued for it is
-answered by its replacement). The gRPC port it listens on itself, with SO_REUSEPORT. gRPC runs on the
+none, and the REST port's listening socket it accepts on, and the gRPC port's when it serves
+gRPC (-1: none; SO_REUSEPORT beside the others'; the serving process keeps them across this
+worker's death, so what the kernel queued for it is answered by its replacement). gRPC runs on the
 HTTP server's event loop, as the lean server's guest (appliance/fronts/grpc_front.py's
 services), so a call's run is awaited on the loop the channel lives on. The first message on the channel is the service's config, read before anything starts; the
 worker then serves appliance/fronts/app.py's ``FrontApp`` on appliance/transport/http/
@@ -74,11 +74,11 @@ LISTEN_BACKLOG = 1024  # as appliance/transport/http/server.py's listen: bursts 
 
 class Worker:
     def __init__(self, index: int, port: int, grpc_port: int, sock: socket.socket, serving: int,
-                 listener: socket.socket):
+                 listener: socket.socket, grpc_listener: socket.socket | None = None):
         """``serving``: the serving process's pid (this worker ends with it); ``listener``: the
-        REST port's socket to accept on."""
+        REST port's socket to accept on; ``grpc_listener``: the gRPC port's (None: bind one here)."""
         self.index, self.port, self.grpc_port, self.sock, self.serving = index, port, grpc_port, sock, serving
-        self.listener = listener
+        self.listener, self.grpc_listener = listener, grpc_listener
         self.grpc: Any = None
         self.workers = 1
         self.link = Link(self.on_push)
@@ -134,7 +134,9 @@ class Worker:
         host = config.server.host or "0.0.0.0"
         address = f"[{host}]:{self.grpc_port}" if ":" in host else f"{host}:{self.grpc_port}"
         tls = grpc_tls(config)  # checked by the serving process before it started the workers
-        if tls is not None:
+        if self.grpc_listener is not None:  # the serving process's, kept across this worker's death
+            server.add_listener(self.grpc_listener, tls.context if tls is not None else None)
+        elif tls is not None:
             server.add_secure_port(address, tls.context, reuse_port=True)
         else:
             server.add_insecure_port(address, reuse_port=True)
@@ -257,9 +259,11 @@ def _rss() -> int:
         return 0
 
 
-def run_forked(index: int, port: int, grpc_port: int, channel_fd: int, serving: int, listener_fd: int) -> int:
+def run_forked(index: int, port: int, grpc_port: int, channel_fd: int, serving: int, listener_fd: int,
+               grpc_listener_fd: int = -1) -> int:
     """The worker's main, in a process the zygote forked or a fresh interpreter: its exit status.
-    ``serving``: the serving process's pid; ``listener_fd``: the REST port's listening socket."""
+    ``serving``: the serving process's pid; ``listener_fd``: the REST port's listening socket;
+    ``grpc_listener_fd``: the gRPC port's (-1: none)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Should the kernel's OOM killer act, a worker goes before the serving process (which holds
@@ -269,12 +273,14 @@ def run_forked(index: int, port: int, grpc_port: int, channel_fd: int, serving: 
     sock = socket.socket(fileno=channel_fd)
     sock.setblocking(True)
     listener = socket.socket(fileno=listener_fd)
-    return Worker(index, port, grpc_port, sock, serving, listener).run()
+    grpc_listener = socket.socket(fileno=grpc_listener_fd) if grpc_listener_fd >= 0 else None
+    return Worker(index, port, grpc_port, sock, serving, listener, grpc_listener).run()
 
 
 def main(argv: list[str]) -> int:
-    port, grpc_port, index, channel_fd, listener_fd = (int(a) for a in argv[-5:])
-    return run_forked(index, port, grpc_port, channel_fd, os.getppid(), listener_fd)  # started by the serving process
+    port, grpc_port, index, channel_fd, listener_fd, grpc_listener_fd = (int(a) for a in argv[-6:])
+    return run_forked(index, port, grpc_port, channel_fd, os.getppid(), listener_fd,  # started by the serving process
+                      grpc_listener_fd)
 
 
 if __name__ == "__main__":

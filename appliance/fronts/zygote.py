@@ -15,8 +15,9 @@ from it, so its pages are shared three ways: the serving process, the zygote and
 The conversation, on a ``SOCK_SEQPACKET`` socketpair (one message per datagram, descriptors
 passed with ``SCM_RIGHTS``), in plain ASCII:
 
-- serving -> zygote: ``spawn INDEX PORT GRPC_PORT`` with the worker's channel end and its REST
-  listener attached (the serving process keeps the listener: appliance/fronts/pool.py);
+- serving -> zygote: ``spawn INDEX PORT GRPC_PORT`` with the worker's channel end, its REST
+  listener and, when the workers serve gRPC, its gRPC listener attached (the serving process
+  keeps the listeners: appliance/fronts/pool.py);
   ``kill PID`` (SIGKILL, sent by the zygote: only a parent can name a pid safely, since a pid
   the parent has reaped may be reused at once; used only where there are no pidfds).
 - zygote -> serving: ``ready`` once its imports are done (a fresh interpreter's only: a forked
@@ -91,11 +92,13 @@ class WorkerProcess(Protocol):
 
 
 def popen_worker(index: int, port: int, grpc_port: int, channel: socket.socket, listener: socket.socket,
-                 env: dict[str, str] | None = None) -> WorkerProcess:
-    """A worker as a fresh interpreter: the way when there is no zygote."""
+                 grpc_listener: socket.socket | None = None, env: dict[str, str] | None = None) -> WorkerProcess:
+    """A worker as a fresh interpreter: the way when there is no zygote (GRPC_LISTENER_FD -1: none)."""
+    grpc_fd = grpc_listener.fileno() if grpc_listener is not None else -1
     argv = [sys.executable, "-m", "appliance.fronts.worker", str(port), str(grpc_port), str(index),
-            str(channel.fileno()), str(listener.fileno())]
-    return subprocess.Popen(argv, pass_fds=(channel.fileno(), listener.fileno()), env=env)
+            str(channel.fileno()), str(listener.fileno()), str(grpc_fd)]
+    passed = (channel.fileno(), listener.fileno(), *((grpc_fd,) if grpc_fd >= 0 else ()))
+    return subprocess.Popen(argv, pass_fds=passed, env=env)
 
 
 class Forked:
@@ -197,17 +200,18 @@ class Zygote:
 
     # -- the serving process's requests ----------------------------------------------------
     def spawn(self, index: int, port: int, grpc_port: int, channel: socket.socket,
-              listener: socket.socket) -> WorkerProcess:
-        """A worker forked by the zygote, with ``channel`` as its end of the conversation and
-        ``listener`` as its REST port's socket. OSError when the zygote is gone or could not fork."""
+              listener: socket.socket, grpc_listener: socket.socket | None = None) -> WorkerProcess:
+        """A worker forked by the zygote, with ``channel`` as its end of the conversation,
+        ``listener`` as its REST port's socket and ``grpc_listener`` its gRPC port's (None: it
+        binds its own). OSError when the zygote is gone or could not fork."""
+        fds = [channel.fileno(), listener.fileno(), *([grpc_listener.fileno()] if grpc_listener is not None else [])]
         with self._spawning:
             if not self.alive:
                 raise OSError("the front workers' zygote is gone")
             with self._reply:
                 self._replies.clear()
             try:
-                socket.send_fds(self.control, [f"spawn {index} {port} {grpc_port}".encode()],
-                                [channel.fileno(), listener.fileno()])
+                socket.send_fds(self.control, [f"spawn {index} {port} {grpc_port}".encode()], fds)
             except OSError:
                 self._gone()
                 raise
@@ -348,7 +352,7 @@ def _serve(control: socket.socket) -> int:
 
 def _command(control: socket.socket, children: set[int], own: tuple[int, int], serving: int) -> bool:
     """One request from the serving process; False at EOF."""
-    data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 2)
+    data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 3)
     if not data:
         return False
     words = data.decode().split()
@@ -359,7 +363,8 @@ def _command(control: socket.socket, children: set[int], own: tuple[int, int], s
     elif words[0] == "spawn":
         index, port, grpc_port = (int(w) for w in words[1:4])
         try:
-            pid = _fork_worker(index, port, grpc_port, (fds[0], fds[1]), control, own, serving)
+            pid = _fork_worker(index, port, grpc_port, (fds[0], fds[1], fds[2] if len(fds) > 2 else -1),
+                               control, own, serving)
         except OSError as exc:
             control.send(f"failed {index} {exc.errno or 0}".encode())
         else:
@@ -384,9 +389,10 @@ def _started(control: socket.socket, index: int, pid: int) -> None:
         pidfd.close()
 
 
-def _fork_worker(index: int, port: int, grpc_port: int, passed: tuple[int, int], control: socket.socket,
+def _fork_worker(index: int, port: int, grpc_port: int, passed: tuple[int, int, int], control: socket.socket,
                  own: tuple[int, int], serving: int) -> int:
-    """``passed``: the worker's channel and its REST listener, as the serving process sent them."""
+    """``passed``: the worker's channel, its REST listener and its gRPC one (-1: none), as the
+    serving process sent them."""
     pid = os.fork()
     if pid:
         return pid
@@ -399,7 +405,7 @@ def _fork_worker(index: int, port: int, grpc_port: int, passed: tuple[int, int],
             os.close(fd)
         from appliance.fronts.worker import run_forked
 
-        code = run_forked(index, port, grpc_port, passed[0], serving, passed[1])
+        code = run_forked(index, port, grpc_port, passed[0], serving, passed[1], passed[2])
     except BaseException:  # anything at all: the worker ends here, never back in the zygote's loop
         logging.getLogger("appliance.workers").exception("front worker %d failed", index)
     finally:

@@ -134,3 +134,84 @@ def test_connections_queued_for_a_stopped_worker_are_answered_by_its_replacement
         for t in askers:
             t.join(300)
     assert outcomes == ["200"] * 20, outcomes
+
+
+def grpc_server_live(port: int, timeout: float) -> str:
+    """KServe v2's ServerLive on a fresh TCP connection to ``port`` (HTTP/2 by hand, h2: one
+    connection, no retry, so a reset shows): "live" when answered OK and live, else what happened."""
+    import socket
+    import struct
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    from appliance.protos.kserve import pb
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
+                              (":path", "/inference.GRPCInferenceService/ServerLive"),
+                              ("content-type", "application/grpc"), ("te", "trailers")])
+        body = pb.ServerLiveRequest().SerializeToString()
+        conn.send_data(1, struct.pack(">BI", 0, len(body)) + body, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        data, status = b"", None
+        while status is None:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return "closed"
+            for event in conn.receive_data(chunk):
+                if isinstance(event, h2.events.DataReceived):
+                    data += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
+                elif isinstance(event, (h2.events.TrailersReceived, h2.events.ResponseReceived)):
+                    status = dict(event.headers).get("grpc-status", status)
+                elif isinstance(event, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                    return repr(event)
+            sock.sendall(conn.data_to_send())
+        if status != "0":
+            return f"grpc-status {status}"
+        return "live" if pb.ServerLiveResponse.FromString(data[5:]).live else "not live"
+    except OSError as exc:
+        return repr(exc)
+    finally:
+        sock.close()
+
+
+def test_grpc_connections_queued_for_a_stopped_worker_are_answered_by_its_replacement(
+        start_server: Any, models_dir: Path, tmp_path: Path) -> None:
+    """As the REST test above, on the gRPC port the workers serve: each worker's gRPC listener is
+    the serving process's too, kept across its death, so gRPC connections queued for a stopped
+    worker are answered by its replacement; before, the worker bound its own and they were reset."""
+    import threading
+
+    from tests.fronts.test_worker_supervision import kill_if_left, serve_config
+    from tests.support.servers import free_port
+
+    grpc_port = free_port()
+    server = start_server("--config", str(serve_config(tmp_path)), "--models", str(models(models_dir, tmp_path, MLP)),
+                          "--backend", "tflite", "--workers", "2", "--grpc-port", str(grpc_port))
+    assert server.status()["grpc"]["served_by"] == "front workers"
+    assert grpc_server_live(grpc_port, 60) == "live"
+    victim = workers(server)[0]["pid"]
+    assert victim in tree(server)  # ours, by PID
+    outcomes: list[str] = []
+
+    def ask() -> None:  # a fresh connection each: the kernel hashes about half to the stopped worker
+        outcomes.append(grpc_server_live(grpc_port, 240))
+
+    os.kill(victim, signal.SIGSTOP)
+    askers = [threading.Thread(target=ask) for _ in range(20)]
+    try:
+        for t in askers:
+            t.start()
+        server.wait_for(lambda: workers(server)[0]["pid"] != victim and workers(server)[0]["up"], 120,
+                        "a new worker in the stopped one's place")
+    finally:
+        kill_if_left(victim, server)
+        for t in askers:
+            t.join(300)
+    assert outcomes == ["live"] * 20, outcomes

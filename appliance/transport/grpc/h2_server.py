@@ -152,6 +152,18 @@ class LeanServer(LoopThread):
         self.listeners.append(sock)
         return bound
 
+    def add_listener(self, sock: socket.socket, context: ssl.SSLContext | None = None) -> int:
+        """A TCP socket bound elsewhere (appliance/fronts/pool.py binds a front worker's beside
+        the others, SO_REUSEPORT, and keeps it across the worker's death), listening from now on
+        (one listening already keeps what the kernel queued on it); TLS with ``context``. Closed
+        by ``stop`` (this process's copy). The port bound."""
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
+        self.listeners.append(sock)
+        if context is not None:
+            self.tls[sock] = context
+        return int(sock.getsockname()[1])
+
     def start(self) -> None:
         """Take connections. A guest calls this in its loop's thread (running or about to)."""
         def serve() -> None:
