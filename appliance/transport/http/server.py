@@ -129,7 +129,7 @@ class AppFacing:
 
     unshed: frozenset[bytes] = frozenset()
     error_body: ErrorBody = plain_error
-    alone_var: "contextvars.ContextVar[Any] | None" = None
+    alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None" = None
 
 
 class InFlight:
