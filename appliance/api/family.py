@@ -18,17 +18,20 @@ calling thread, a streamed answer chunk by chunk on that loop.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
 
 Answer = tuple[str, list[tuple[str, str]], bytes]  # status line, headers, body
 Streamed = tuple[str, list[tuple[str, str]], AsyncIterator[bytes]]  # status line, headers, the chunks
 
 
 class AsyncFamily:
-    async def answer(self, environ: dict[str, Any]) -> Answer | Streamed:
+    async def answer(self, environ: WSGIEnvironment) -> Answer | Streamed:
         raise NotImplementedError
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         loop = asyncio.new_event_loop()
         try:
             status, headers, body = loop.run_until_complete(self.answer(environ))

@@ -46,6 +46,8 @@ from appliance.api.schemas import paths as openapi_paths
 from appliance.api.schemas.generate import GenerateRequest
 
 if TYPE_CHECKING:
+    from wsgiref.types import WSGIEnvironment
+
     from appliance.core.appliance import Appliance
 
 
@@ -74,7 +76,7 @@ class GenerateAPI(AsyncFamily):
         """The core's one (built on first use; shared with the OpenAI API)."""
         return Generation.of(self.core)
 
-    async def answer(self, environ: dict[str, Any]) -> Answer | Streamed:
+    async def answer(self, environ: WSGIEnvironment) -> Answer | Streamed:
         match = PATH_RE.fullmatch(raw_path(environ).partition("?")[0])
         assert match is not None, "the mount's pattern is PATH_RE"
         started = time.perf_counter()
@@ -102,7 +104,7 @@ class GenerateAPI(AsyncFamily):
         self.core.metrics.observe_request(name, "generate", status, time.perf_counter() - started)
         return status_line(status), headers, body
 
-    def _plan(self, environ: dict[str, Any], match: re.Match[str]) -> "_Plan":
+    def _plan(self, environ: WSGIEnvironment, match: re.Match[str]) -> "_Plan":
         """(an executor thread) The handle and what to generate on it."""
         if self.core.manager is None:
             raise ApplianceError("the service is not started")

@@ -79,6 +79,8 @@ from appliance.core.json_types import JSONValue
 from appliance.core.tokenizer import load as load_tokenizer
 
 if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
+
     from appliance.core.appliance import Appliance
     from appliance.core.handle import Handle
     from appliance.core.manager import Manager
@@ -154,7 +156,7 @@ class OpenAIAPI(AsyncFamily):
         return Generation.of(self.core)
 
     # -- GET /v1/models, GET /v1/models/{name:tag} -----------------------------------------------
-    async def _models(self, environ: dict[str, Any], path: str) -> FamilyAnswer:
+    async def _models(self, environ: WSGIEnvironment, path: str) -> FamilyAnswer:
         """(the front path's loop) The list, or one id; a plain name is TF Serving's model status.
         The versions are looked at on the loop's executor (a first look may load a tokenizer)."""
         if path != MODELS and ":" not in path and not environ.get("HTTP_X_STAINLESS_LANG"):
@@ -175,7 +177,7 @@ class OpenAIAPI(AsyncFamily):
             status, headers, body = render(exc)
             return status_line(status), headers, body
 
-    async def _tf_serving(self, environ: dict[str, Any]) -> FamilyAnswer:
+    async def _tf_serving(self, environ: WSGIEnvironment) -> FamilyAnswer:
         from appliance.api.tfserving.rest import V1API  # TF Serving's own answer, as before
 
         return await V1API(self.core, self.core.states).answer(environ)
@@ -213,7 +215,7 @@ class OpenAIAPI(AsyncFamily):
                 return embeddings.serves(handle)
 
     # -- POST /v1/chat/completions, /v1/completions --------------------------------------------
-    async def answer(self, environ: dict[str, Any]) -> FamilyAnswer | Streamed:
+    async def answer(self, environ: WSGIEnvironment) -> FamilyAnswer | Streamed:
         """(the front path's loop) The request whole, or its SSE chunks: tokenizing, templates and
         grammars run on the loop's executor, the wait for a stream and the stream itself on the
         loop (appliance/core/token_streams.py): no thread is held while it waits or streams."""
@@ -356,7 +358,7 @@ class OpenAIAPI(AsyncFamily):
                 answer.cancel()
 
     # -- POST /v1/embeddings ------------------------------------------------------------------
-    async def _embeddings(self, environ: dict[str, Any]) -> FamilyAnswer:
+    async def _embeddings(self, environ: WSGIEnvironment) -> FamilyAnswer:
         """(the front path's loop) Parsing and tokenizing on the loop's executor, the model run
         awaited on the loop (the handle's coroutine, as a ``:predict``'s): no thread waits."""
         started, name = time.perf_counter(), ""
@@ -400,14 +402,14 @@ class OpenAIAPI(AsyncFamily):
         return handle, sig, feeds, tokens
 
     # -- what this server does not serve, in OpenAI's words -------------------------------------
-    def not_served(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def not_served(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         path = raw_path(environ).partition("?")[0]
         error = NotFound(f"{environ.get('REQUEST_METHOD', 'GET')} {path} is not served by this server; it answers "
                          "/v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models")
         return wsgi_answer(start_response, render(error), environ.get("REQUEST_METHOD", "GET"))
 
 
-def _handle(manager: "Manager", environ: dict[str, Any], model: str) -> "Handle":
+def _handle(manager: "Manager", environ: WSGIEnvironment, model: str) -> "Handle":
     """The manager's handle of the version an OpenAI model id names (routed like any request)."""
     name, version, label = fields.model_id(model)
     try:

@@ -25,13 +25,16 @@ Thread-safety: routes and mounts are registered while the app is built (before s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import Map, Rule
 
 from appliance.api.mounts import (ADMIN, INFERENCE, OPEN, OPEN_PATHS, READ, ROUTE_KEY, SAFE_METHODS, SCOPES, Mount,
                                   Mounts, WSGIApp, check_scope, normal, normalise, raw_path, rule_scope)
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
 
 _BY_RULE = object()  # "no scope given": the rule's
 
@@ -81,7 +84,7 @@ class RouteTable:
     def mount(self, mount: Mount) -> None:
         self.mounts.add(mount)
 
-    def resolve(self, environ: dict[str, Any]) -> tuple[WSGIApp, str | None]:
+    def resolve(self, environ: WSGIEnvironment) -> tuple[WSGIApp, str | None]:
         """(handler, scope) of a request. The hot path: a few prefix tests, no werkzeug."""
         method = environ.get("REQUEST_METHOD", "GET")
         raw = raw_path(environ).partition("?")[0]
@@ -106,7 +109,7 @@ class RouteTable:
             return rule_scope(method, path)
         return rule.scope  # type: ignore[no-any-return]  # werkzeug's Rule has no scope: ours (Route) does, hasattr checked above
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         """Dispatch: the handler the outer layer resolved (``ROUTE_KEY``), else resolve now."""
         found = environ.get(ROUTE_KEY)
         handler = found[0] if found is not None else self.resolve(environ)[0]

@@ -25,7 +25,7 @@ import io
 import queue
 
 import orjson
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Protocol
 
 from appliance.version import __version__
 from appliance.api.auth import TokenHolder, authorize
@@ -42,6 +42,8 @@ from appliance.fronts.link import Link
 from appliance.transport.http.server import AppFacing
 
 if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
+
     from appliance.core.appliance import Appliance
     from appliance.core.shared_memory import SharedMemory
 
@@ -59,7 +61,7 @@ class Forwarder:
     def __init__(self, link: Link):
         self.link = link
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         body = environ["wsgi.input"].read()
         ident = self.link.next_id()
         replies = self.link.open(m.Forward(ident, m.plain_environ(environ), body))
@@ -124,7 +126,7 @@ class ForwardedStreams(AsyncFamily):
     def __init__(self, link: Link):
         self.link = link
 
-    async def answer(self, environ: dict[str, Any]) -> Answer | Streamed:
+    async def answer(self, environ: WSGIEnvironment) -> Answer | Streamed:
         body = environ["wsgi.input"].read()
         ident = self.link.next_id()
         replies = self.link.open_here(m.Forward(ident, m.plain_environ(environ), body))
@@ -167,7 +169,7 @@ async def _first(replies: "asyncio.Queue[m.Reply]", gone: Callable[[], bool]) ->
                 return None
 
 
-async def forward_whole(link: Link, environ: dict[str, Any]) -> Answer:
+async def forward_whole(link: Link, environ: WSGIEnvironment) -> Answer:
     """A request the serving process answers whole (its own token check included), awaited on
     the worker's loop: no thread of the worker waits for it. For answers that are one message
     (not a stream): a v2 infer naming shared memory is."""
@@ -188,17 +190,17 @@ class FrontApp:
     holds, and ``GET /healthz``, whose answer says it is alive."""
 
     def __init__(self, core: FrontCore, hot: list[Mount], fallback: WSGIApp,
-                 regions_elsewhere: Callable[[dict[str, Any]], Awaitable[Answer]] | None = None):
+                 regions_elsewhere: Callable[[WSGIEnvironment], Awaitable[Answer]] | None = None):
         self.core, self.fallback, self.regions_elsewhere = core, fallback, regions_elsewhere
         self.hot = Mounts()
         for mount in hot:
             self.hot.add(mount)
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         """(a worker thread) What the loop did not take: the fallback answers it."""
         return self.fallback(environ, start_response)
 
-    def route(self, environ: dict[str, Any]) -> Callable[[dict[str, Any]], Awaitable[Answer | Streamed]] | None:
+    def route(self, environ: WSGIEnvironment) -> Callable[[WSGIEnvironment], Awaitable[Answer | Streamed]] | None:
         """(the HTTP server's ``FastRoutes``) The coroutine of a hot request whose token passes;
         None: the fallback answers it (a refusal with the serving app's headers and counters)."""
         raw = raw_path(environ).partition("?")[0]
@@ -214,7 +216,7 @@ class FrontApp:
             return None
         return lambda env: self._answer(family, env)
 
-    async def _answer(self, family: AsyncFamily, environ: dict[str, Any]) -> Answer | Streamed:
+    async def _answer(self, family: AsyncFamily, environ: WSGIEnvironment) -> Answer | Streamed:
         if environ.get("HTTP_CONTENT_ENCODING"):
             try:  # inflated off the loop: a large body takes milliseconds
                 await asyncio.get_running_loop().run_in_executor(None, self._inflate, environ)
@@ -223,7 +225,7 @@ class FrontApp:
                 return status_line(status), headers, body
         return await family.answer(environ)
 
-    def _inflate(self, environ: dict[str, Any]) -> None:
+    def _inflate(self, environ: WSGIEnvironment) -> None:
         """A compressed body made plain (appliance/api/body.py: bounded while inflating)."""
         limit = self.core.config.server.max_body_bytes
         encoding = content_encoding(environ)
@@ -234,7 +236,7 @@ class FrontApp:
         environ.pop("HTTP_CONTENT_ENCODING", None)
 
 
-async def _alive(environ: dict[str, Any]) -> Answer:
+async def _alive(environ: WSGIEnvironment) -> Answer:
     """``GET /healthz`` on the loop of the process that holds the versions (the Flask route's
     body): a probe answered behind no thread, and through a worker forwarded here and awaited
     (``regions_elsewhere``), so it still says the serving process is alive."""
@@ -242,7 +244,7 @@ async def _alive(environ: dict[str, Any]) -> Answer:
     return "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body
 
 
-def _names_a_region(environ: dict[str, Any]) -> bool:
+def _names_a_region(environ: WSGIEnvironment) -> bool:
     from appliance.api.kserve.shared_memory import uses_shared_memory
 
     with environ["wsgi.input"].getbuffer() as body:  # searched in place, never copied
@@ -277,7 +279,7 @@ def serving_token_mounts(core: "Appliance") -> list[Mount]:
     return token_mounts(GenerateAPI(core), OpenAIAPI(core))
 
 
-def facing(alone_var: "contextvars.ContextVar[Any] | None" = None) -> AppFacing:
+def facing(alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None" = None) -> AppFacing:
     """What the HTTP server needs to know of this app: probes are never shed, the errors it
     writes itself are ``{"error": ...}``, and (in the process that batches) how a lone call is
     told apart."""

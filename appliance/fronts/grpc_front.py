@@ -13,8 +13,6 @@ answers, so what those report is always the serving process's state.
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 
 from appliance.api.kserve.grpc_service import SERVICE_NAME, STREAM, V2GRPC
@@ -35,9 +33,9 @@ class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untype
     def __init__(self, core: RemoteCore):
         self.link = core.link
         self.local = [*TFServingGRPC(core).handlers(), V2GRPC(V2Service(core)).handler()]
-        self._cache: dict[str, Any] = {}
+        self._cache: dict[str, grpc.RpcMethodHandler | None] = {}
 
-    def service(self, details: Any) -> Any:
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method = details.method
         handler = self._cache.get(method)
         if handler is None:
@@ -45,7 +43,7 @@ class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untype
             handler = self._cache[method] = self._hot(details) if local else _forwarding(method, self.link)
         return handler
 
-    def _hot(self, details: Any) -> Any:
+    def _hot(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         for generic in self.local:
             handler = generic.service(details)
             if handler is not None:
@@ -55,7 +53,7 @@ class FrontGRPC(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untype
         return None
 
 
-def _regions_forwarded(handler: Any, link: Link) -> Any:
+def _regions_forwarded(handler: grpc.RpcMethodHandler, link: Link) -> grpc.RpcMethodHandler:
     """ModelInfer answered here, except a request naming a shared-memory region: the serving
     process, which holds the regions, answers it (appliance/api/kserve/shared_memory.py), as
     it answers the shared-memory RPCs themselves (forwarded whole, ``_forwarding``). Such a
@@ -64,7 +62,8 @@ def _regions_forwarded(handler: Any, link: Link) -> Any:
 
     fn = handler.unary_unary
 
-    async def call(request: Any, context: Any) -> Any:  # V2GRPC's ModelInfer is a coroutine
+    async def call(request: pb.ModelInferRequest,  # V2GRPC's ModelInfer is a coroutine
+                   context: grpc.aio.ServicerContext) -> object:  # object: handed to the response serializer
         if not message_names_a_region(request):
             return await fn(request, context)
         return pb.ModelInferResponse.FromString(await _forward(INFER, request.SerializeToString(), context, link))
@@ -72,14 +71,14 @@ def _regions_forwarded(handler: Any, link: Link) -> Any:
                                                response_serializer=handler.response_serializer)
 
 
-def _forwarding(method: str, link: Link) -> Any:
+def _forwarding(method: str, link: Link) -> grpc.RpcMethodHandler:
     """A handler of raw bytes: the call answered by the serving process's own handler."""
-    async def call(request: bytes, context: Any) -> bytes:
+    async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return await _forward(method, request, context, link)
     return grpc.unary_unary_rpc_method_handler(call)
 
 
-async def _forward(method: str, request: bytes, context: Any, link: Link) -> bytes:
+async def _forward(method: str, request: bytes, context: grpc.aio.ServicerContext, link: Link) -> bytes:
     """The serving process's answer to a call (appliance/fronts/serving.py ``_grpc``): its
     response's bytes, or its status and trailing metadata given to this call."""
     reply = await link.call(m.GrpcCall(link.next_id(), method, request, m.metadata(context.invocation_metadata()),

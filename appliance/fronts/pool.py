@@ -63,7 +63,10 @@ from appliance.fronts.backoff import QUICK_EXIT_S
 from appliance.fronts.supervisor import Exit, Supervisor
 
 if TYPE_CHECKING:
+    from wsgiref.types import WSGIApplication
+
     from appliance.core.appliance import Appliance
+    from appliance.fronts.supervisor import Child
 
 log = logging.getLogger("appliance.workers")
 
@@ -89,7 +92,7 @@ def crash_looping(ended: Exit) -> bool:
 class Fronts:
     """The port, its workers and the service behind them (module docstring)."""
 
-    def __init__(self, core: "Appliance", app: Callable[..., Any], config: Config, count: int):
+    def __init__(self, core: "Appliance", app: WSGIApplication, config: Config, count: int):
         server = config.server
         self.core, self.count = core, count
         self.sock = reserve_port(server.host, server.port)
@@ -179,7 +182,7 @@ class Fronts:
                         "ago_s_of_last_exit": round(wall - child.exits[-1].at, 1) if child.exits else None})
         return out
 
-    def _forked(self, child: Any) -> bool:
+    def _forked(self, child: Child) -> bool:
         return isinstance(child.proc, zygote.Forked)
 
     def serving(self) -> int:

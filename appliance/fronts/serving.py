@@ -65,7 +65,10 @@ from appliance.transport.grpc.calls import Abort, CallDetails, Context
 from appliance.transport.loop_thread import LoopThread, new_event_loop
 
 if TYPE_CHECKING:
+    from wsgiref.types import WSGIApplication, WSGIEnvironment
+
     from appliance.core.appliance import Appliance
+    from appliance.transport.http.server import FastHandler
     from appliance.core.config import Config
     from appliance.core.handle import Handle
 
@@ -82,7 +85,7 @@ SETTINGS = frozenset({"server", "tls", "header_timeout_s", "request_timeout_s", 
 
 
 class FrontService:
-    def __init__(self, core: "Appliance", app: Callable[..., Any], threads: int,
+    def __init__(self, core: "Appliance", app: WSGIApplication, threads: int,
                  on_listening: Callable[[int], None] = lambda index: None,
                  on_heard: Callable[[int], None] = lambda index: None):
         """``on_listening(index)``: a worker's first figures arrived: it listens on the port;
@@ -196,7 +199,7 @@ class FrontService:
         assert self._pool is not None
         self._pool.submit(self._wsgi, proto, ident, environ, cancelled)
 
-    def _cancellable(self, proto: Channel, ident: int, work: Coroutine[Any, Any, None]) -> None:
+    def _cancellable(self, proto: Channel, ident: int, work: Coroutine[object, object, None]) -> None:
         """Run a worker's call as a task its ``Cancel`` ends (a gRPC client that went away:
         appliance/fronts/link.py), so an abandoned call is not computed to the end."""
         key = (proto.index, ident)
@@ -278,7 +281,8 @@ class FrontService:
         finally:
             self._runs -= 1
 
-    def _grpc_handler(self, method: str, metadata: tuple[tuple[str, Any], ...]) -> Any:
+    def _grpc_handler(self, method: str,
+                      metadata: tuple[tuple[str, str | bytes], ...]) -> grpc.RpcMethodHandler | None:
         if self._grpc_handlers is None:  # built on first use: a service without gRPC never imports it
             from appliance.api.kserve.grpc_service import V2GRPC
             from appliance.api.tfserving.grpc_service import TFServingGRPC
@@ -305,12 +309,11 @@ class FrontService:
 
     # -- forwarded requests (pool threads) -----------------------------------------------------
     @staticmethod
-    def _environ(env: dict[str, str], body: bytes) -> dict[str, Any]:
+    def _environ(env: dict[str, str], body: bytes) -> WSGIEnvironment:
         return {**env, "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
                 "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False}
 
-    async def _fast(self, proto: Channel, ident: int, answer: Callable[[dict[str, Any]], Any],
-                    environ: dict[str, Any]) -> None:
+    async def _fast(self, proto: Channel, ident: int, answer: FastHandler, environ: WSGIEnvironment) -> None:
         """(loop) A forwarded request the front path answers here, whole or streamed (a token
         stream: ``Start``, a ``Chunk`` per chunk, ``End``); the worker's ``Cancel`` cancels it."""
         LONE_CALL.set(self._alone)
@@ -330,7 +333,7 @@ class FrontService:
             if counted:
                 self._runs -= 1
 
-    def _wsgi(self, proto: Channel, ident: int, environ: dict[str, Any], cancelled: threading.Event) -> None:
+    def _wsgi(self, proto: Channel, ident: int, environ: WSGIEnvironment, cancelled: threading.Event) -> None:
         environ[GONE_KEY] = cancelled.is_set  # the worker's CANCEL: its client went away
         started: list[Any] = []
 

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.fronts import messages as m
 from appliance.fronts.app import Forwarder, FrontApp, facing, forward_whole, hot_mounts
@@ -50,6 +50,9 @@ from appliance.core.cgroup import WORKER_OOM_SCORE, raise_oom_score
 from appliance.fronts.shares import worker_grpc, worker_limits, workers_for
 from appliance.transport.channel import ChannelProtocol, Codec, read_one
 from appliance.transport.http.server import HTTPServer
+
+if TYPE_CHECKING:
+    from appliance.transport.grpc.h2_server import LeanServer
 
 log = logging.getLogger("appliance.workers")
 
@@ -114,7 +117,7 @@ class Worker:
         self.server.serve_forever()
         return self.exit_code
 
-    def start_grpc(self, core: RemoteCore, workers: int, loop: asyncio.AbstractEventLoop) -> Any:
+    def start_grpc(self, core: RemoteCore, workers: int, loop: asyncio.AbstractEventLoop) -> LeanServer:
         """The gRPC port's share of this worker, on the HTTP server's loop (so a call's model
         run is awaited on the loop the link lives on: no hand-off between threads): TF
         Serving's and KServe v2's services, the token check, the ``[grpc]`` bounds shared out."""

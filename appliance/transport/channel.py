@@ -138,7 +138,7 @@ class Codec(Generic[M]):
         finally:
             self._frame = b""
 
-    def _dec_hook(self, kind: type, obj: Any) -> Any:
+    def _dec_hook(self, kind: type, obj: Any) -> Any:  # Any: msgspec's dec_hook contract (any decoded value in, any out)
         if kind is not np.ndarray:
             raise NotImplementedError(f"no decoder for {kind!r}")
         dtype, shape, data = obj
@@ -189,7 +189,7 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray | None:
 class BadFrame(Exception):
     """A frame that does not decode, with the messages of the same read decoded before it."""
 
-    def __init__(self, error: Exception, before: list[Any]):
+    def __init__(self, error: Exception, before: list[Any]):  # Any: the reader's message type (M); not generic, an exception
         super().__init__(str(error))
         self.before = before
 

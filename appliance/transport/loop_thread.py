@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ class LoopThread:
             self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)
             self._thread.start()
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30) -> T:
+    def run(self, coro: Coroutine[object, object, T], timeout: float | None = 30) -> T:
         """Run ``coro`` on the loop and wait for its result (from any other thread)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 

@@ -5,7 +5,7 @@ the generic handlers of the API layer.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import grpc
 
@@ -16,10 +16,11 @@ class AioServer(LoopThread):
     """A ``grpc.aio`` server on an event loop of its own thread, driven from plain threads
     with the calls of ``grpc.Server`` (add handlers and ports, start, stop)."""
 
-    def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = ()):
+    def __init__(self, threads: int, options: Sequence[tuple[str, int | str]] = (),
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         super().__init__(threads)
 
-        async def make() -> Any:  # the server binds to the loop it is created on
+        async def make() -> grpc.aio.Server:  # the server binds to the loop it is created on
             return grpc.aio.server(migration_thread_pool=self.pool, options=list(options),
                                    interceptors=list(interceptors))
         self.server = self.run(make())
@@ -33,7 +34,7 @@ class AioServer(LoopThread):
             return port
         return self.run(add())
 
-    def add_secure_port(self, address: str, credentials: Any) -> int:
+    def add_secure_port(self, address: str, credentials: grpc.ServerCredentials) -> int:
         async def add() -> int:
             port: int = self.server.add_secure_port(address, credentials)
             return port

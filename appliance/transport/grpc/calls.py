@@ -12,7 +12,7 @@ import base64
 import re
 import time
 import zlib
-from typing import Any, Sequence
+from typing import NoReturn, Sequence
 
 import grpc
 
@@ -38,7 +38,7 @@ class CallDetails:
 
     __slots__ = ("method", "invocation_metadata")
 
-    def __init__(self, method: str, metadata: tuple[tuple[str, Any], ...]):
+    def __init__(self, method: str, metadata: tuple[tuple[str, str | bytes], ...]):
         self.method, self.invocation_metadata = method, metadata
 
 
@@ -49,19 +49,19 @@ class Context:
 
     __slots__ = ("_metadata", "trailing", "deadline", "peer_address", "code", "details")
 
-    def __init__(self, metadata: tuple[tuple[str, Any], ...], deadline: float | None, peer: str):
+    def __init__(self, metadata: tuple[tuple[str, str | bytes], ...], deadline: float | None, peer: str):
         self._metadata, self.deadline, self.peer_address = metadata, deadline, peer
-        self.trailing: tuple[tuple[str, Any], ...] = ()
+        self.trailing: tuple[tuple[str, str | bytes], ...] = ()
         self.code: grpc.StatusCode | None = None
         self.details = ""
 
-    def abort(self, code: grpc.StatusCode, details: str = "") -> Any:
+    def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise Abort(code, details)
 
-    def set_trailing_metadata(self, metadata: Sequence[tuple[str, Any]]) -> None:
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
         self.trailing = tuple(metadata)
 
-    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._metadata
 
     def set_code(self, code: grpc.StatusCode) -> None:
@@ -90,7 +90,7 @@ class Request:
         self.method, self.encoding, self.problem = "", b"identity", ""
         self.deadline: float | None = None
         self.http_status = 0
-        metadata: list[tuple[str, Any]] = []
+        metadata: list[tuple[str, str | bytes]] = []
         verb = content_type = b""
         for name, value in headers:
             if name[:1] == b":":
@@ -114,7 +114,7 @@ class Request:
             self.http_status = 415
             self.problem = f"content-type {content_type.decode('latin-1')!r} is not application/grpc"
 
-    def _metadata(self, metadata: list[tuple[str, Any]], name: bytes, value: bytes) -> None:
+    def _metadata(self, metadata: list[tuple[str, str | bytes]], name: bytes, value: bytes) -> None:
         if _ILLEGAL.search(name) or _ILLEGAL.search(value):  # never handed to a service (h2 does not check them here)
             self.problem = f"metadata {name[:64].decode('latin-1')!r} holds NUL, CR or LF"
             return
@@ -181,7 +181,7 @@ def percent_encode(message: str) -> bytes:
 
 
 def status_trailers(code: grpc.StatusCode, message: str,
-                    metadata: Sequence[tuple[str, Any]] = ()) -> list[Header]:
+                    metadata: Sequence[tuple[str, str | bytes]] = ()) -> list[Header]:
     block = [(b"grpc-status", str(code.value[0]).encode())]
     if message:
         block.append((b"grpc-message", percent_encode(message)))

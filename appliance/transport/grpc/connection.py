@@ -47,7 +47,7 @@ import asyncio
 import logging
 import time
 from functools import partial
-from typing import Any, Sequence
+from typing import Sequence
 
 import grpc
 
@@ -89,7 +89,7 @@ class Stream:
         self.message_bytes = 0  # its request message, held while the method runs
         self.pending: memoryview | None = None  # the answer's bytes not yet handed to nghttp2
         self.trailers: Sequence[tuple[bytes, bytes]] = OK_TRAILERS
-        self.task: asyncio.Task[Any] | None = None
+        self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.last = time.monotonic()  # when a byte of it last moved
         self.streaming: streams.StreamCall | None = None  # a bidirectional-streaming call's messages
@@ -231,7 +231,7 @@ class Connection(asyncio.Protocol):
         server.open_streams += 1
         return stream.headers
 
-    def on_data(self, stream_id: int, data: Any, length: int) -> None:
+    def on_data(self, stream_id: int, data: object, length: int) -> None:
         assert self.session is not None
         self.unconsumed += length  # the connection window: streams' credit bounds memory
         if self.unconsumed >= CONSUME_BATCH:
@@ -440,7 +440,7 @@ class Connection(asyncio.Protocol):
             stream.timer = self.server.loop.call_at(
                 self.server.loop.time() + max(0.0, request.deadline - time.monotonic()), self.expire, stream)
 
-    def stream_call_done(self, stream: Stream, task: Any) -> None:
+    def stream_call_done(self, stream: Stream, task: asyncio.Task[None]) -> None:
         self.calls -= 1
         if self.going_away and not self.streams and not self.calls:
             self.server.loop.call_soon(self.close_now)
@@ -487,7 +487,7 @@ class Connection(asyncio.Protocol):
             log.exception("unhandled error in %s", method)
             self.finish(stream, grpc.StatusCode.UNKNOWN, "Unexpected error in the method handler")
 
-    def call_done(self, stream: Stream, task: Any) -> None:
+    def call_done(self, stream: Stream, task: asyncio.Task[None]) -> None:
         self.calls -= 1
         self.server.in_flight -= 1
         self.unhold_message(stream)
@@ -527,7 +527,7 @@ class Connection(asyncio.Protocol):
             stream.message_bytes = 0
 
     # -- answers ---------------------------------------------------------------------------
-    def respond(self, stream: Stream, payload: bytes, trailing: Sequence[tuple[str, Any]] = ()) -> None:
+    def respond(self, stream: Stream, payload: bytes, trailing: Sequence[tuple[str, str | bytes]] = ()) -> None:
         """Headers, the length-prefixed message and the trailers, as far as the windows allow."""
         if self.streams.get(stream.id) is not stream or self.session is None:
             return  # reset or expired meanwhile
@@ -550,7 +550,7 @@ class Connection(asyncio.Protocol):
         else:
             self.write_out(check_end=False)
 
-    def read_answer(self, stream_id: int, buf: Any, length: int) -> tuple[int, bool]:
+    def read_answer(self, stream_id: int, buf: object, length: int) -> tuple[int, bool]:
         """(session.Events) Up to ``length`` bytes of the stream's answer into ``buf``; True
         with the last of them, once its trailers are submitted to follow. A stream we reset
         meanwhile is deferred: its RST_STREAM, already queued, ends it."""
@@ -559,7 +559,7 @@ class Connection(asyncio.Protocol):
             self.updates_due = min(self.updates_due + 2, UPDATES_DUE_MAX)
         return n, last
 
-    def _read_answer(self, stream_id: int, buf: Any, length: int) -> tuple[int, bool]:
+    def _read_answer(self, stream_id: int, buf: object, length: int) -> tuple[int, bool]:
         stream = self.streams.get(stream_id)
         if stream is not None and stream.streaming is not None and self.session is not None:
             return stream.streaming.read(self, stream, buf, length)
@@ -578,7 +578,7 @@ class Connection(asyncio.Protocol):
         return n, True
 
     def finish(self, stream: Stream, code: grpc.StatusCode, message: str,
-               trailing: Sequence[tuple[str, Any]] = ()) -> None:
+               trailing: Sequence[tuple[str, str | bytes]] = ()) -> None:
         """End the stream with a trailers-only status (RST_STREAM CANCEL once its answer's
         headers are out: a deadline that passes while the client does not read it)."""
         if self.streams.get(stream.id) is not stream or self.session is None:

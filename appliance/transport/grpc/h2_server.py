@@ -44,7 +44,7 @@ import socket
 import ssl
 import time
 from functools import partial
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -53,6 +53,10 @@ from appliance.transport.grpc.connection import Connection
 from appliance.transport.grpc.limits import SERVER_RESET_BURST, SERVER_RESET_RATE, Limits, TokenBucket
 from appliance.transport.grpc.peers import Peers
 from appliance.transport.loop_thread import LoopThread, new_event_loop
+
+if TYPE_CHECKING:
+    # The handler lookup behind the interceptors: awaitable, the method's handler or None.
+    Lookup = Callable[[CallDetails], Awaitable["grpc.RpcMethodHandler | None"]]
 
 log = logging.getLogger("appliance.grpc")
 SWEEP_S = 1.0  # how often handshake deadlines and stalled streams are checked
@@ -63,8 +67,10 @@ class LeanServer(LoopThread):
     """The calls of ``grpc.Server`` (add handlers and ports, start, stop) for this transport;
     methods written as plain functions run on a pool of ``threads``."""
 
-    def __init__(self, threads: int, options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = (),
-                 alone_var: "contextvars.ContextVar[Any] | None" = None, limits: Limits | None = None,
+    def __init__(self, threads: int, options: Sequence[tuple[str, int | str]] = (),
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None" = None,
+                 limits: Limits | None = None,
                  loop: asyncio.AbstractEventLoop | None = None):
         """``loop``: serve on that loop as a guest (appliance/transport/loop_thread.py), not on
         one of its own; ``start`` is then called in that loop's thread."""
@@ -82,7 +88,7 @@ class LeanServer(LoopThread):
         self.unix_paths: list[str] = []
         self.connections: set[Connection] = set()
         self.opening = 0  # accepted, transport not made yet
-        self.handshakes: dict[asyncio.Task[Any], float] = {}  # TLS handshakes under way -> when accepted
+        self.handshakes: dict[asyncio.Task[object], float] = {}  # TLS handshakes under way -> when accepted
         self.accepting = False
         self.closing = False
         self.held = 0  # bytes held for calls, every connection together (connection.py)
@@ -97,8 +103,8 @@ class LeanServer(LoopThread):
         self.stats: dict[str, int] = {}
         self._all_closed: asyncio.Event | None = None
         self._sweeper: asyncio.TimerHandle | None = None
-        self._cache: dict[str, Any] = {}
-        self._coroutines: dict[Any, bool] = {}
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}
+        self._coroutines: dict[Callable[..., object], bool] = {}
         self.lookup = self._chain()
 
     def alone(self) -> bool:
@@ -251,7 +257,7 @@ class LeanServer(LoopThread):
             if at_cap:  # one eviction a turn of the loop: the evicted handshake's socket closes first
                 return
 
-    def _opened(self, sock: socket.socket, task: asyncio.Task[Any]) -> None:
+    def _opened(self, sock: socket.socket, task: asyncio.Task[object]) -> None:
         self.opening -= 1
         self.handshakes.pop(task, None)
         if task.cancelled() or task.exception() is not None:
@@ -337,7 +343,7 @@ class LeanServer(LoopThread):
         self._resume_accepting()  # after a failed accept (out of descriptors)
 
     # -- handlers --------------------------------------------------------------------------
-    def is_coroutine(self, fn: Any) -> bool:
+    def is_coroutine(self, fn: Callable[..., object]) -> bool:
         """Whether a method runs on the loop (a coroutine) or on the pool; remembered per method."""
         known = self._coroutines.get(fn)
         if known is None:
@@ -346,7 +352,7 @@ class LeanServer(LoopThread):
             known = self._coroutines[fn] = asyncio.iscoroutinefunction(fn)
         return known
 
-    def handler_of(self, method: str) -> Any:
+    def handler_of(self, method: str) -> grpc.RpcMethodHandler | None:
         """The handler of ``method`` without the interceptors: what kind of call a new stream
         is (streams.py); the call itself still goes through ``lookup``."""
         handler = self._cache.get(method)
@@ -355,7 +361,7 @@ class LeanServer(LoopThread):
             handler = next((h for h in (g.service(details) for g in self.handlers) if h is not None), None)
         return handler
 
-    async def _find(self, details: Any) -> Any:
+    async def _find(self, details: CallDetails) -> grpc.RpcMethodHandler | None:
         handler = self._cache.get(details.method)
         if handler is None:
             handler = next((h for h in (g.service(details) for g in self.handlers) if h is not None), None)
@@ -363,15 +369,15 @@ class LeanServer(LoopThread):
                 self._cache[details.method] = handler
         return handler
 
-    def _chain(self) -> Any:
+    def _chain(self) -> Lookup:
         """The handler lookup behind the interceptors (the token check), outermost first."""
-        continuation = self._find
+        continuation: Lookup = self._find
         for interceptor in reversed(self.interceptors):
             continuation = _intercepted(interceptor, continuation)
         return continuation
 
 
-def _intercepted(interceptor: Any, continuation: Any) -> Any:
-    async def call(details: Any) -> Any:
+def _intercepted(interceptor: grpc.aio.ServerInterceptor, continuation: Lookup) -> Lookup:
+    async def call(details: CallDetails) -> grpc.RpcMethodHandler | None:
         return await interceptor.intercept_service(continuation, details)
     return call

@@ -14,9 +14,33 @@ import logging
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from appliance.transport.http.server import FD_RESERVE
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class GrpcBounds(Protocol):
+        """What ``grpc_limits`` reads of the ``[grpc]`` table (core's GRPCConfig; transport may
+        not import core)."""
+
+        @property
+        def max_concurrent_streams(self) -> int: ...
+        @property
+        def max_metadata_size(self) -> int: ...
+        @property
+        def max_connections(self) -> int: ...
+        @property
+        def handshake_timeout_s(self) -> float: ...
+        @property
+        def stall_timeout_s(self) -> float: ...
+        @property
+        def max_connection_buffer_bytes(self) -> int: ...
+        @property
+        def max_buffer_bytes(self) -> int: ...
+        @property
+        def max_open_streams(self) -> int: ...
 
 log = logging.getLogger("appliance.grpc")
 
@@ -105,7 +129,7 @@ def connection_share(wanted: int, rest_connections: int) -> int:
     return min(wanted, room)
 
 
-def grpc_limits(cfg: Any, rest_connections: int) -> Limits:
+def grpc_limits(cfg: GrpcBounds, rest_connections: int) -> Limits:
     """The transport's bounds from ``[grpc]`` (one process's share of them, for a front worker)."""
     return Limits(max_concurrent_streams=cfg.max_concurrent_streams, max_metadata_size=cfg.max_metadata_size,
                   max_connections=connection_share(cfg.max_connections, rest_connections),

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from appliance.transport.grpc.limits import Limits, TokenBucket
 from appliance.transport.grpc.peers import Peers
 
 if TYPE_CHECKING:
     import concurrent.futures
+
+    import grpc
 
     from appliance.transport.grpc.calls import CallDetails
 
@@ -37,17 +39,17 @@ class ServerSide(Protocol):
     held_back: bool  # a stream waits for the worker's held bytes to fall (connection.py ``admit``)
     resets: TokenBucket  # client resets, over the whole server
     peers: Peers  # control frames and abandoned streams per peer address, every connection (peers.py)
-    alone_var: "contextvars.ContextVar[Any] | None"  # set to ``alone`` in each call's context
-    lookup: "Callable[[CallDetails], Any]"  # awaitable: the method handler for a call, or None
+    alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None"  # set to ``alone`` in each call's context
+    lookup: "Callable[[CallDetails], Awaitable[grpc.RpcMethodHandler | None]]"  # the method handler for a call, or None
 
-    def handler_of(self, method: str) -> Any:
+    def handler_of(self, method: str) -> grpc.RpcMethodHandler | None:
         """The method's handler, interceptors not run (None if none): whether a new stream
         is a streaming call (streams.py)."""
 
     def alone(self) -> bool:
         """Whether the calling call is the only one in flight."""
 
-    def is_coroutine(self, fn: Any) -> bool:
+    def is_coroutine(self, fn: Callable[..., object]) -> bool:
         """Whether a method is written as a coroutine (else it runs on the server's threads)."""
 
     def count(self, what: str) -> None:
@@ -56,6 +58,8 @@ class ServerSide(Protocol):
     def readmit_soon(self) -> None:
         """Held bytes fell: streams held back on any connection are looked at again, soon."""
 
+    # Any: connection.py's Connection, which imports this module (naming it here makes a circle);
+    # the server's own methods take Connection.
     def connection_made(self, connection: Any) -> None: ...
 
     def connection_lost(self, connection: Any) -> None: ...

@@ -18,11 +18,34 @@ Thread-safety: one thread (the event loop's); callbacks run inside ``feed`` and 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, cast
 
 from _cffi_backend import from_handle as _from_handle, unpack as _unpack  # FFI's own methods wrap these
 
 from appliance.transport.grpc import nghttp2 as ng
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    import cffi
+
+    class FrameHeader(Protocol):
+        """The fields the callbacks read of a ``const nghttp2_frame_hd *`` (cffi ships no types)."""
+
+        type: int
+        flags: int
+        stream_id: int
+
+    class PointerOut(Protocol):
+        """A ``T **`` out-parameter (cffi ships no types): ``out[0]`` is the pointer C wrote."""
+
+        def __getitem__(self, index: int) -> object: ...
+
+    class Flags(Protocol):
+        """A ``uint32_t *`` out-parameter (cffi ships no types): ``flags[0] |= ...``."""
+
+        def __getitem__(self, index: int) -> int: ...
+        def __setitem__(self, index: int, value: int) -> None: ...
 
 log = logging.getLogger("appliance.grpc")
 
@@ -43,7 +66,7 @@ class Events(Protocol):
     failed: bool
 
     def on_stream(self, stream_id: int) -> list[tuple[bytes, bytes]] | None: ...
-    def on_data(self, stream_id: int, data: Any, length: int) -> None: ...
+    def on_data(self, stream_id: int, data: object, length: int) -> None: ...  # data: a cffi uint8_t *
     def on_headers(self, stream_id: int, end_stream: bool, size: int) -> None: ...
     def on_request_end(self, stream_id: int) -> None: ...
     def on_client_reset(self, stream_id: int) -> None: ...
@@ -52,7 +75,7 @@ class Events(Protocol):
     def on_goaway(self) -> None: ...
     def on_window_update(self, stream_id: int) -> None: ...
     def on_stream_closed(self, stream_id: int) -> None: ...
-    def read_answer(self, stream_id: int, buf: Any, length: int) -> tuple[int, bool]: ...
+    def read_answer(self, stream_id: int, buf: object, length: int) -> tuple[int, bool]: ...  # buf: cffi uint8_t *
 
 
 class SessionError(Exception):
@@ -186,15 +209,15 @@ class Session:
         self.lib.nghttp2_session_terminate_session(self.ptr, code)
 
 
-def _check(lib: Any, rv: int) -> None:
+def _check(lib: Any, rv: int) -> None:  # Any: the dlopen()ed library, a cffi object with no type
     if rv < 0:
         raise SessionError(ng.load()[0].string(lib.nghttp2_strerror(rv)).decode())
 
 
-_CONSTANT_NV: dict[tuple[Header, ...], tuple[Any, int, Any]] = {}
+_CONSTANT_NV: dict[tuple[Header, ...], tuple[object, int, list[object]]] = {}
 
 
-def _nv(ffi: Any, headers: Sequence[Header]) -> tuple[Any, int, Any]:
+def _nv(ffi: cffi.FFI, headers: Sequence[Header]) -> tuple[object, int, list[object]]:
     """An nghttp2_nv array, its length and what must stay alive until it is submitted
     (nghttp2 copies names and values then). A tuple is a constant block (the 200 headers, the
     OK trailers): built once and kept."""
@@ -202,7 +225,7 @@ def _nv(ffi: Any, headers: Sequence[Header]) -> tuple[Any, int, Any]:
     if constant and headers in _CONSTANT_NV:
         return _CONSTANT_NV[headers]
     nva = ffi.new("nghttp2_nv[]", len(headers))
-    keep = [nva]
+    keep: list[object] = [nva]
     for item, (name, value) in zip(nva, headers):
         n, v = ffi.from_buffer(name), ffi.from_buffer(value)
         keep += (n, v)
@@ -214,8 +237,8 @@ def _nv(ffi: Any, headers: Sequence[Header]) -> tuple[Any, int, Any]:
     return built
 
 
-def _option(ffi: Any, lib: Any, reset_burst: int, reset_rate: float) -> Any:
-    option = ffi.new("nghttp2_option **")
+def _option(ffi: cffi.FFI, lib: Any, reset_burst: int, reset_rate: float) -> PointerOut:
+    option: PointerOut = ffi.new("nghttp2_option **")
     _check(lib, lib.nghttp2_option_new(option))
     lib.nghttp2_option_set_no_auto_window_update(option[0], 1)  # credit is ours (connection.py)
     lib.nghttp2_option_set_max_outbound_ack(option[0], OUTBOUND_ACK_LIMIT)
@@ -231,7 +254,7 @@ _CALLBACKS: Any = None
 _PROVIDER: Any = None
 
 
-def _provider() -> Any:
+def _provider() -> object:
     global _PROVIDER
     if _PROVIDER is None:
         ffi, _ = ng.load()
@@ -240,7 +263,7 @@ def _provider() -> Any:
     return _PROVIDER
 
 
-def _callbacks() -> Any:
+def _callbacks() -> object:
     """The nghttp2_session_callbacks of every session (made once)."""
     global _CALLBACKS
     if _CALLBACKS is not None:
@@ -252,11 +275,12 @@ def _callbacks() -> Any:
 
     from_handle, unpack = _from_handle, _unpack  # callbacks run per header: no wrapper call in between
 
-    def on_error(exception: Any, value: Any, traceback: Any) -> None:  # a bug of ours: one connection pays
+    # a bug of ours: one connection pays
+    def on_error(exception: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
         log.error("gRPC connection callback failed", exc_info=(exception, value, traceback))
 
     @callback("int(nghttp2_session *, const nghttp2_frame_hd *, void *)", error=failed, onerror=on_error)
-    def on_begin_headers(session: Any, hd: Any, user_data: Any) -> int:
+    def on_begin_headers(session: object, hd: FrameHeader, user_data: object) -> int:
         s = from_handle(user_data)
         s.sink = s.events.on_stream(hd.stream_id) if hd.type == ng.HEADERS else None
         s.sink_bytes = 0
@@ -264,8 +288,8 @@ def _callbacks() -> Any:
 
     @callback("int(nghttp2_session *, const nghttp2_frame_hd *, const char *, size_t, const char *, "
                   "size_t, uint8_t, void *)", error=failed, onerror=on_error)
-    def on_header(session: Any, hd: Any, name: Any, namelen: int, value: Any, valuelen: int, flags: int,
-                  user_data: Any) -> int:
+    def on_header(session: object, hd: FrameHeader, name: object, namelen: int, value: object, valuelen: int,
+                  flags: int, user_data: object) -> int:
         s = from_handle(user_data)
         size = s.sink_bytes = s.sink_bytes + namelen + valuelen + 32  # RFC 9113 6.5.2's count
         sink = s.sink
@@ -274,7 +298,7 @@ def _callbacks() -> Any:
         return 0
 
     @callback("int(nghttp2_session *, const nghttp2_frame_hd *, void *)", error=failed, onerror=on_error)
-    def on_frame(session: Any, hd: Any, user_data: Any) -> int:
+    def on_frame(session: object, hd: FrameHeader, user_data: object) -> int:
         s = from_handle(user_data)
         kind, conn = hd.type, s.events
         if kind == ng.DATA:
@@ -301,19 +325,19 @@ def _callbacks() -> Any:
 
     @callback("int(nghttp2_session *, uint8_t, int32_t, const uint8_t *, size_t, void *)", error=failed,
                   onerror=on_error)
-    def on_data(session: Any, flags: int, stream_id: int, data: Any, length: int, user_data: Any) -> int:
+    def on_data(session: object, flags: int, stream_id: int, data: object, length: int, user_data: object) -> int:
         from_handle(user_data).events.on_data(stream_id, data, length)
         return 0
 
     @callback("int(nghttp2_session *, int32_t, uint32_t, void *)", error=failed, onerror=on_error)
-    def on_close(session: Any, stream_id: int, code: int, user_data: Any) -> int:
+    def on_close(session: object, stream_id: int, code: int, user_data: object) -> int:
         from_handle(user_data).events.on_stream_closed(stream_id)
         return 0
 
     @callback("ssize_t(nghttp2_session *, int32_t, uint8_t *, size_t, uint32_t *, nghttp2_data_source *, void *)",
                   error=failed, onerror=on_error)
-    def read(session: Any, stream_id: int, buf: Any, length: int, data_flags: Any, source: Any,
-             user_data: Any) -> int:
+    def read(session: object, stream_id: int, buf: object, length: int, data_flags: Flags, source: object,
+             user_data: object) -> int:
         n: int
         n, last = from_handle(user_data).events.read_answer(stream_id, buf, length)
         if last:  # the trailers follow this DATA (read_answer submitted them)

@@ -2,7 +2,8 @@
 the lean transport: many length-prefixed request messages on one stream, answers sent as the
 method yields them, then the status in trailers (PROTOCOL-HTTP2.md).
 
-connection.py owns the stream and calls in here at five points, each marked ``streams.``:
+connection.py owns the stream and calls in here at five points, each marked ``streams.``
+(seeing the connection and the stream through faces.py, so this module never imports connection.py):
 a new stream whose method is a streaming one (``wanted``), its DATA (``StreamCall.feed``), the
 client's half-close (``end_input``), the answer's bytes nghttp2 asks for (``read``) and the
 stream's end (``close``). Everything else (admission of new streams, deadlines, resets, the
@@ -31,7 +32,7 @@ import asyncio
 import inspect
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -40,7 +41,7 @@ from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort
                                             declared_size, status_trailers)
 
 if TYPE_CHECKING:
-    from appliance.transport.grpc.connection import Connection, Stream
+    from appliance.transport.grpc.faces import S, ConnectionFace
 
 log = logging.getLogger("appliance.grpc")
 
@@ -53,7 +54,7 @@ def method_of(headers: Sequence[tuple[bytes, bytes]]) -> str:
     return next((v.decode("latin-1") for k, v in headers if k == b":path"), "")
 
 
-def wanted(find: Callable[[str], Any], headers: Sequence[tuple[bytes, bytes]]) -> bool:
+def wanted(find: Callable[[str], object], headers: Sequence[tuple[bytes, bytes]]) -> bool:
     """Whether a new stream's method is served by a ``stream_stream`` handler (``find``: the
     server's handler for a method name, interceptors not run, or None)."""
     handler = find(method_of(headers))
@@ -77,7 +78,7 @@ class StreamCall:
         self.drained.set()
 
     # -- receiving -------------------------------------------------------------------------
-    def feed(self, conn: "Connection", stream: "Stream", data: bytes) -> None:
+    def feed(self, conn: ConnectionFace[S], stream: S, data: bytes) -> None:
         """DATA of the stream: complete messages go to the inbox; credit for a message larger
         than the window is given once its prefix is in (the connection's bounds allowing)."""
         self.window -= len(data)
@@ -107,7 +108,7 @@ class StreamCall:
             self.inbox_bytes += size + 5
             self.inbox.put_nowait(message)
 
-    def _grant(self, conn: "Connection", stream: "Stream") -> None:
+    def _grant(self, conn: ConnectionFace[S], stream: S) -> None:
         """Credit up to what the stream may have sent and not had taken: STREAM_WINDOW, or,
         while nothing waits in the inbox, the whole of the message arriving (if it can be held)."""
         if self.input_ended or self.finished or conn.session is None or conn.streams.get(stream.id) is not stream:
@@ -125,15 +126,15 @@ class StreamCall:
             self.window = want
             conn.write_later()
 
-    def end_input(self, conn: "Connection", stream: "Stream") -> None:
+    def end_input(self, conn: ConnectionFace[S], stream: S) -> None:
         """The client half-closed: the method's requests end (a message cut short is an error)."""
         self.input_ended = True
         if stream.body:
             self.end(conn, stream, grpc.StatusCode.INTERNAL, "the stream ended inside a message")
         self.inbox.put_nowait(None)
 
-    async def requests(self, conn: "Connection", stream: "Stream",
-                       deserialize: Callable[[bytes], Any] | None) -> AsyncIterator[Any]:
+    async def requests(self, conn: ConnectionFace[S], stream: S,
+                       deserialize: Callable[[bytes], object] | None) -> AsyncIterator[object]:
         """The request iterator the method reads; each message taken gives its credit back."""
         while True:
             message = await self.inbox.get()
@@ -146,13 +147,13 @@ class StreamCall:
                 raise Abort(grpc.StatusCode.INTERNAL, "Exception deserializing request!") from None
             yield request
 
-    def _taken(self, conn: "Connection", stream: "Stream", size: int) -> None:
+    def _taken(self, conn: ConnectionFace[S], stream: S, size: int) -> None:
         conn.hold(-size)
         self.inbox_bytes -= size + 5
         self._grant(conn, stream)
 
     # -- sending ---------------------------------------------------------------------------
-    async def send(self, conn: "Connection", stream: "Stream", payload: bytes) -> None:
+    async def send(self, conn: ConnectionFace[S], stream: S, payload: bytes) -> None:
         """One answer message out (headers first, with the first); waits while the client
         leaves more than OUTBOX_BYTES unread."""
         if len(payload) > conn.server.max_send:
@@ -170,7 +171,7 @@ class StreamCall:
             self.drained.clear()
             await self.drained.wait()
 
-    def _kick(self, conn: "Connection", stream: "Stream") -> None:
+    def _kick(self, conn: ConnectionFace[S], stream: S) -> None:
         """Headers with the first bytes; later, nghttp2 asks for the new bytes again."""
         assert conn.session is not None
         if not stream.answered:
@@ -181,7 +182,7 @@ class StreamCall:
         conn.control.give()  # an answer earns a PING back, as a unary call's does (limits.py)
         conn.write_later()
 
-    def read(self, conn: "Connection", stream: "Stream", buf: Any, length: int) -> tuple[int, bool]:
+    def read(self, conn: ConnectionFace[S], stream: S, buf: object, length: int) -> tuple[int, bool]:
         """(Connection.read_answer) Up to ``length`` bytes of the answers; deferred while
         there are none and the method runs; True with the last, once the trailers are set."""
         outbox, session = self.outbox, conn.session
@@ -201,8 +202,8 @@ class StreamCall:
             conn.stop_after_send.append(stream.id)
         return n, True
 
-    def end(self, conn: "Connection", stream: "Stream", code: grpc.StatusCode, message: str,
-            trailing: Sequence[tuple[str, Any]] = ()) -> None:
+    def end(self, conn: ConnectionFace[S], stream: S, code: grpc.StatusCode, message: str,
+            trailing: Sequence[tuple[str, str | bytes]] = ()) -> None:
         """The call's status: trailers-only if nothing was answered yet, else after the answers."""
         if conn.streams.get(stream.id) is not stream or conn.session is None or self.finished:
             return
@@ -217,12 +218,12 @@ class StreamCall:
         conn.write_later()
 
     # -- the stream's end ------------------------------------------------------------------
-    def moving(self, stream: "Stream") -> bool:
+    def moving(self, stream: S) -> bool:
         """Whether bytes wait to move (a message half in, answers unread): a stall if they
         do not for the stall timeout. A stream idle between messages is not stalled."""
         return bool(stream.body) or bool(self.outbox)
 
-    def close(self, conn: "Connection") -> None:
+    def close(self, conn: ConnectionFace[S]) -> None:
         """The stream is over: the bytes it held leave the accounts; a waiting send ends."""
         while not self.inbox.empty():
             message = self.inbox.get_nowait()
@@ -235,7 +236,7 @@ class StreamCall:
         self.drained.set()
 
 
-async def run(conn: "Connection", stream: "Stream", call: StreamCall, request: Request) -> None:
+async def run(conn: ConnectionFace[S], stream: S, call: StreamCall, request: Request) -> None:
     """The call's task: find the handler (interceptors run), run the method over the stream's
     messages, send what it yields, then its status."""
     context = Context(request.metadata, request.deadline, conn.peer)

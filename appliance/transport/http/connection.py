@@ -90,7 +90,7 @@ class Connection(asyncio.Protocol):
                  "busy", "pipeline", "last_active", "closing", "lingering_since", "lost", "paused", "peer",
                  "held", "deferred", "fd", "drained")
 
-    def __init__(self, server: Any):
+    def __init__(self, server: Any):  # Any: server.py's HTTPServer, which imports this module
         self.server = server
         self.transport: Any = None
         self.parser: Any = None  # made at the first byte: an idle connection holds none
@@ -112,7 +112,7 @@ class Connection(asyncio.Protocol):
         self.drained: asyncio.Future[None] | None = None  # a loop writer waits on it while paused (``wait_drained``)
 
     # -- asyncio callbacks ---------------------------------------------------------------------
-    def connection_made(self, transport: Any) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
         sock = transport.get_extra_info("socket")

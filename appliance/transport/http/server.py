@@ -55,7 +55,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from appliance.transport.http.connection import (LINGER_S, Connection, ErrorBody, Reject, Request, error_response,
                                                  plain_error)
@@ -63,6 +63,12 @@ from appliance.transport.http.queue_delay import SHORT_FRACTION, QueueDelay
 from appliance.transport.http.workers import WorkerPool
 from appliance.transport.loop_thread import new_event_loop
 from appliance.transport.http.wsgi import Responder, environ_for
+
+if TYPE_CHECKING:
+    from typing import TypeVar
+    from wsgiref.types import WSGIApplication, WSGIEnvironment
+
+    T = TypeVar("T")
 
 log = logging.getLogger("appliance.http")
 
@@ -82,7 +88,7 @@ class FastRoutes(Protocol):
     events), written as they come at the client's pace and closed (``aclose``) when the
     client is gone, so what produces them stops; no thread is held while it streams."""
 
-    def route(self, environ: dict[str, Any]) -> FastHandler | None: ...
+    def route(self, environ: WSGIEnvironment) -> FastHandler | None: ...
 
 
 class Limits(Protocol):
@@ -123,7 +129,7 @@ class AppFacing:
 
     unshed: frozenset[bytes] = frozenset()
     error_body: ErrorBody = plain_error
-    alone_var: "contextvars.ContextVar[Any] | None" = None
+    alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None" = None
 
 
 class InFlight:
@@ -146,7 +152,7 @@ class InFlight:
             self.last_done = time.monotonic()
 
 
-def initial_stats(limits: Limits, tls: bool, max_connections: int) -> dict[str, Any]:
+def initial_stats(limits: Limits, tls: bool, max_connections: int) -> dict[str, int | float | str | bool]:
     """The figures a server shows under ``/api/status`` ``http``, before it has served anything."""
     return {
         "server": "httptools+" + _loop_name(), "tls": tls,
@@ -218,7 +224,7 @@ class HTTPServer:
     constructor binds the port (or takes ``sock``, a listening socket it may share with
     other processes serving the same port) and starts nothing."""
 
-    def __init__(self, app: Callable[..., Any], host: str, port: int, threads: int,
+    def __init__(self, app: WSGIApplication, host: str, port: int, threads: int,
                  max_body_bytes: int, limits: Limits, ssl_context: ssl.SSLContext | None = None,
                  sock: socket.socket | None = None, fast: FastRoutes | None = None,
                  on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None,
@@ -276,11 +282,11 @@ class HTTPServer:
             self.pool.stop(5)
             self._closed.set()
 
-    def _in_loop(self, fn: Callable[[], Any], wait: float = 5.0) -> Any:
+    def _in_loop(self, fn: Callable[[], T], wait: float = 5.0) -> T | None:
         """Run ``fn`` in the loop thread; its result, or None if the loop is gone."""
         if not self._started.wait(wait) or self.loop.is_closed():
             return None
-        result: list[Any] = []
+        result: list[T] = []
         done = threading.Event()
 
         def run() -> None:
@@ -388,7 +394,7 @@ class HTTPServer:
             self.accepting = True
             self.loop.add_reader(self.sock.fileno(), self._accept)
 
-    def _opened(self, sock: socket.socket, task: asyncio.Task[Any]) -> None:
+    def _opened(self, sock: socket.socket, task: asyncio.Task[object]) -> None:
         exc = task.exception() if not task.cancelled() else None
         if exc is not None or task.cancelled():  # never made: connection_made did not count it over
             self.opening -= 1

@@ -15,10 +15,21 @@ import re
 import sys
 import time
 from email.utils import formatdate
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
 from appliance.transport.http.connection import Connection, Request
+
+if TYPE_CHECKING:
+    from typing import Protocol
+    from wsgiref.types import WSGIApplication, WSGIEnvironment
+
+    class Listening(Protocol):
+        """What ``environ_for`` reads of the server (server.py's HTTPServer, which imports this module)."""
+
+        host: str
+        port: int
+        scheme: str
 
 log = logging.getLogger("appliance.http")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field names
@@ -47,7 +58,7 @@ def http_date() -> bytes:
     return bytes(_date[1])
 
 
-def environ_for(request: Request, conn: Connection, server: Any) -> dict[str, Any]:
+def environ_for(request: Request, conn: Connection, server: Listening) -> WSGIEnvironment:
     url = request.url
     if url[:1] != b"/" and b"://" in url:  # absolute-form target: the path is what routes
         url = b"/" + url.split(b"://", 1)[1].partition(b"/")[2]
@@ -56,7 +67,7 @@ def environ_for(request: Request, conn: Connection, server: Any) -> dict[str, An
     # A Unix socket's peer has no address: "unix:" says so (shared memory trusts it as this host,
     # appliance/api/kserve/shared_memory.py), where "" would say nothing of who called.
     peer = conn.peer if isinstance(conn.peer, tuple) else ("unix:", 0)
-    env: dict[str, Any] = {
+    env: WSGIEnvironment = {
         "REQUEST_METHOD": request.method.decode("latin-1"), "SCRIPT_NAME": "",
         "PATH_INFO": unquote_to_bytes(path).decode("latin-1"), "QUERY_STRING": query.decode("latin-1"),
         "RAW_URI": url.decode("latin-1"), "REQUEST_URI": url.decode("latin-1"),
@@ -91,6 +102,8 @@ class Responder:
         self.sent = False
 
     def start_response(self, status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], None]:
+        # Any: PEP 3333's exc_info, where wsgiref.types allows (None, None, None), which the line
+        # below does not narrow away; typing it would need a check this server does not make.
         if exc_info and self.sent:
             raise exc_info[1].with_traceback(exc_info[2])
         check_head(status, headers)
@@ -129,7 +142,7 @@ class Responder:
         lines.append(b"\r\n")
         return b"".join(lines), chunked
 
-    def run(self, app: Callable[..., Iterable[bytes]], environ: dict[str, Any]) -> None:
+    def run(self, app: WSGIApplication, environ: WSGIEnvironment) -> None:
         try:
             result = app(environ, self.start_response)
         except Exception:
