@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import select
 import socket
 import ssl
 import struct
@@ -232,10 +231,12 @@ class SlowTLS(threading.Thread):
 
     @staticmethod
     def _alive(sock: socket.socket) -> bool:
+        # A non-blocking read, not select(): select() refuses descriptors past FD_SETSIZE (1024),
+        # which 2,000 clients reach.
         try:
-            if select.select([sock], [], [], 0)[0]:
-                return bool(sock.recv(4096))  # b"": the server closed it
-            return True
+            return bool(sock.recv(4096))  # b"": the server closed it
+        except BlockingIOError:
+            return True  # nothing to read: still open
         except OSError:
             return False
 
