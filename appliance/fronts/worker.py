@@ -71,6 +71,9 @@ TRIM_AFTER_BYTES = 8 << 20
 # the calls' messages and answers freed into a fragmented heap), at most every TRIM_EVERY_S.
 TRIM_AFTER_CHURN = 1000
 TRIM_EVERY_S = 5.0
+# ... and once a burst's tail is over: at least this much churn since the last trim, and none
+# during the last heartbeat (the last trim came mid-burst; what ended after it stayed).
+TRIM_AFTER_QUIET_CHURN = 64
 PARENT_CHECK_S = 1.0
 LISTEN_BACKLOG = 1024  # as appliance/transport/http/server.py's listen: bursts wait in the kernel
 
@@ -92,6 +95,7 @@ class Worker:
         self.exit_code = 0
         self.held_peak = 0  # the most gRPC bytes held seen at a heartbeat since the heap was last trimmed
         self.churn_trimmed = 0  # the gRPC server's churn (connections and streams) at the last trim
+        self.churn_seen = 0  # ... at the last heartbeat
         self.trimmed_at = 0.0  # when the heap was last trimmed (monotonic)
 
     def run(self) -> int:
@@ -173,11 +177,14 @@ class Worker:
         if grpc is None:
             return
         held, churn, now = grpc.held, grpc.churn, time.monotonic()
+        quiet, self.churn_seen = churn == self.churn_seen, churn
         self.held_peak = max(self.held_peak, held)
         if held:
             return
         big = self.held_peak >= TRIM_AFTER_BYTES
-        many = churn - self.churn_trimmed >= TRIM_AFTER_CHURN and now - self.trimmed_at >= TRIM_EVERY_S
+        since = churn - self.churn_trimmed
+        many = (since >= TRIM_AFTER_CHURN and now - self.trimmed_at >= TRIM_EVERY_S
+                or quiet and since >= TRIM_AFTER_QUIET_CHURN)
         if big or many:
             self.held_peak, self.churn_trimmed, self.trimmed_at = 0, churn, now
             if many:  # cancelled calls leave cycles (their tasks' CancelledErrors and frames), rarely collected

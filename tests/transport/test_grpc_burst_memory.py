@@ -21,7 +21,7 @@ import grpc
 import hpack
 import pytest
 
-from appliance.fronts.worker import TRIM_AFTER_CHURN, Worker
+from appliance.fronts.worker import TRIM_AFTER_CHURN, TRIM_AFTER_QUIET_CHURN, Worker
 from appliance.transport.grpc.h2_server import LeanServer
 from appliance.transport.grpc.limits import Limits
 from tests.support import h2_wire as w
@@ -94,3 +94,23 @@ def test_a_burst_of_abandoned_calls_is_freed_and_the_heap_trimmed(server: LeanSe
     assert server.churn >= TRIM_AFTER_CHURN
     assert heartbeat(server, worker) == 1, "the worker did not trim its heap after the burst"
     assert heartbeat(server, worker) == 1, "trimmed again with no new burst"
+
+
+def test_connections_that_end_after_the_last_trim_are_trimmed_once_quiet(server: LeanServer, worker: Worker) -> None:
+    """An attack's connections all close at its end, after the burst's last trim (2,000 slow
+    TLS clients left each worker +33 MiB 30 s after): their ends count, and once a heartbeat
+    sees nothing new the tail is trimmed, once."""
+    worker.grpc = server
+    assert heartbeat(server, worker) == 0, "the heap was trimmed with no burst"
+    ends = TRIM_AFTER_QUIET_CHURN  # each connection counts its accept and its end: twice the bar
+    for _ in range(ends):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30,  # type: ignore[attr-defined]
+                                      source_address=("127.2.1.1", 0)) as sock:
+            w.send_quietly(sock, w.PREFACE + w.settings())
+    poll_until(lambda: server.churn >= 2 * ends and not server.connections and not server.opening, 60,
+               "every connection's accept and end to be counted",
+               context=lambda: f"churn {server.churn}, {len(server.connections)} open, {server.opening} opening")
+    assert server.churn < TRIM_AFTER_CHURN, "the test must stay under the burst bar to test the tail rule"
+    assert heartbeat(server, worker) == 0, "trimmed while connections were still coming"
+    assert heartbeat(server, worker) == 1, "a quiet heartbeat after the tail did not trim it"
+    assert heartbeat(server, worker) == 1, "trimmed again with nothing new"

@@ -33,7 +33,7 @@ class ServerSide(Protocol):
     max_receive: int  # the largest request message, bytes
     max_send: int  # the largest answer message, bytes
     open_streams: int  # on every connection together (Limits.max_open_streams)
-    churn: int  # connections accepted and streams opened, in all: what a front worker trims its heap after
+    churn: int  # connections accepted and ended, streams opened, in all: what a front worker trims its heap after
     in_flight: int  # calls dispatched and not finished, every connection
     held: int  # bytes held for calls, every connection (requests arriving and in methods, answers unsent)
     held_back: bool  # a stream waits for the worker's held bytes to fall (connection.py ``admit``)
