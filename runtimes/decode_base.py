@@ -26,6 +26,19 @@ class Slots:
     # copied back into ``arrays`` (that copy cost a lone stream ~1.7x a batch-1 conversion's token
     # on a 4 MB cache); ``settle`` puts them back before anything reads ``arrays`` whole.
     own: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    # Rows of ``arrays`` allocated but never written (``np.empty``): zeroed when first used.
+    # Zeroing a whole lane up front cost a batch-4 conversion's lone stream ~2 ms of its time to
+    # first token on a 4 MB row (12 MB of rows it never uses; bench/RESULTS.md, issue 45); left
+    # uninitialized they could hold NaN, which the mask (an addition) does not hide.
+    blank: set[int] = field(default_factory=set)
+
+    def clean(self, *rows: int) -> None:
+        """Zero the given rows (default: every blank one) if they were never written."""
+        for row in rows or sorted(self.blank):
+            if row in self.blank:
+                self.blank.discard(row)
+                for array in self.arrays.values():
+                    array[row] = 0
 
     def row(self, name: str, row: int) -> np.ndarray:
         """Row ``row`` of cache ``name`` as [1, ...]: where it is held."""
@@ -71,6 +84,7 @@ class Driver:
         n choices of one prompt share its prefill."""
         src.settle(src_row)
         dst.own.pop(dst_row, None)
+        dst.blank.discard(dst_row)  # every array of the row is written below
         for name, array in src.arrays.items():
             dst.arrays[name][dst_row] = array[src_row]
         if src.history:
@@ -80,6 +94,7 @@ class Driver:
         """Copy one sequence's cache to another row (keeps a dynamic batch packed)."""
         slots.settle(src)
         slots.own.pop(dst, None)
+        slots.blank.discard(dst)
         for array in slots.arrays.values():
             array[dst] = array[src]
         if slots.history:

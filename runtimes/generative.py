@@ -127,13 +127,24 @@ class LiteRTLLM(Driver):
         size, which runs (runtimes/decode_plan.py). Without a batch-1 decode: nothing to decide."""
         if self.single_sig is None:
             return
-        slots = self.new_slots(self.batch_size or 1)
-        self.plan.decide(*measure(lambda: self._decode_single(slots, 0, 0, 1, 0),
-                                  lambda: self._decode_group(slots, [0], [0], [1], [0], partial=False, batched=True)))
+        # A full lane each way, as a step runs it: ``batch`` batch-1 calls one after another (on
+        # warm weights: timed one at a time between batched calls, a batch-1 call measured ~35 %
+        # dearer than in a step, and batching was chosen where it lost, bench/RESULTS.md issue 45)
+        # against one batched call, each on a lane of its own (no settling between them).
+        rows = list(range(self.batch_size or 1))
+        apart, together = self.new_slots(len(rows)), self.new_slots(len(rows))
+        apart.clean(), together.clean()  # timed on zeros, as served: never on an unwritten row
+        zeros = [0] * len(rows)
+        single_ms, batched_ms = measure(
+            lambda: [self._decode_single(apart, row, 0, 1, 0) for row in rows],
+            lambda: self._decode_group(together, rows, zeros, [1] * len(rows), zeros, partial=False, batched=True))
+        self.plan.decide(single_ms / len(rows), batched_ms)
 
     def new_slots(self, capacity: int) -> Slots:
         rows = self.batch_size or capacity
-        return Slots(rows, {n: np.zeros((rows, *self.row_shapes[n]), self.dtypes[n]) for n in self.kv_names})
+        # Unwritten (Slots.blank): a lone stream in a batch-4 lane zeroes its own row only.
+        return Slots(rows, {n: np.empty((rows, *self.row_shapes[n]), self.dtypes[n]) for n in self.kv_names},
+                     blank=set(range(rows)))
 
     def _mask(self, rows: int, queries: np.ndarray, starts: np.ndarray | None = None) -> np.ndarray:
         """[rows, 1, q, L]: 0 where ``start <= key position <= the query's``, else MASKED."""
@@ -164,6 +175,7 @@ class LiteRTLLM(Driver):
         tokens = list(prompt[:-1])
         first, done = np.array([start]), 0
         slots.own.pop(row, None)  # what a finished stream left there: overwritten, or masked before start
+        slots.clean(row)  # a row never written is zeroed; a finished stream's values are finite, masked
         while done < len(tokens):
             at = start + done
             step = self.window(at, len(tokens) - done)
@@ -245,6 +257,7 @@ class LiteRTLLM(Driver):
         if self.batch_size is None and rows != list(range(len(rows))):
             raise ValueError(f"a dynamic decode batch runs rows 0..{len(rows) - 1}, got {rows}")
         slots.settle()
+        slots.clean()  # the call computes every row: none of them on uninitialized memory
         feed_tokens = np.zeros((n, 1), np.int32)
         feed_pos = np.zeros(n, np.int32)
         feed_tokens[rows, 0] = tokens

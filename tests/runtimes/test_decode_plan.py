@@ -186,3 +186,36 @@ def test_the_service_measures_at_load_and_streams_the_same_answers(start_server:
     (version,) = [v for v in server.status()["generation"]["versions"] if v["model"] == "dual"]
     assert set(version["decode_ms"]) == {"1", "4"} and min(version["decode_ms"].values()) > 0
     assert version["batched_from"] in (1, 2, 3, 4, "never")
+
+
+def test_a_lone_stream_zeroes_only_its_own_row_and_garbage_in_the_others_changes_nothing(load: Any) -> None:
+    """A lane's rows are allocated unwritten (``Slots.blank``): a lone stream on the batch-1 decode
+    zeroes its own row only (zeroing the whole batch-4 lane cost its time to first token), and
+    whatever the other rows hold (NaN here, which the additive mask does not hide) reaches no
+    answer: a row is zeroed when a stream first takes it, and every row before a batched call."""
+    from runtimes import generative
+    from tests.support import litert_llm
+
+    driver = generative.detect(load())
+    prompts = [litert_llm.prompt(12, seed) for seed in range(2)]
+    clean = {}
+    for name, (single_ms, batched_ms) in {"batch-1": (1.0, 1000.0), "batched": (1000.0, 1.0)}.items():
+        driver.plan.decide(single_ms, batched_ms)
+        clean[name] = _greedy(driver, prompts[:1], 8)
+    assert clean["batch-1"] == clean["batched"]
+
+    for name, (single_ms, batched_ms) in {"batch-1": (1.0, 1000.0), "batched": (1000.0, 1.0)}.items():
+        driver.plan.decide(single_ms, batched_ms)
+        slots = driver.new_slots(4)
+        assert slots.blank == {0, 1, 2, 3}
+        for array in slots.arrays.values():
+            array[...] = np.nan  # what an unwritten row may hold
+        driver.prefill(slots, 0, prompts[0])
+        assert slots.blank == {1, 2, 3}  # its own row zeroed before the prefill fed it, no other
+        token, got = prompts[0][-1], []
+        for step in range(8):
+            logits = driver.decode(slots, [0], [token], [len(prompts[0]) - 1 + step], [0])
+            token = int(np.argmax(logits[0]))
+            got.append(token)
+        assert got == clean[name][0], name
+        assert slots.blank == (set() if name == "batched" else {1, 2, 3})
