@@ -266,9 +266,32 @@ def issue45(seconds: float, work: Path, rounds: int = 5) -> None:
                              lambda t, o=other: mixed_level(url[o], streams, t), rounds, seconds)
                 print(f"{other:9s} {streams:7d} {got[0]:14.0f} {got[1]:12.0f} {got[2]:6.2f}  "
                       f"{got[3]:.1f} / {got[4]:.1f}", flush=True)
+        print("\nTTFT at one stream, paired per request (alternating b1/model, same prompt, "
+              f"{TTFT_PAIRS} pairs):", flush=True)
+        for name in ("d256_dual", "d256_b4"):
+            b1, model, ratio = ttft_paired(url["d256_b1"], url[name], TTFT_PAIRS)
+            print(f"{name:9s}  p50 b1 {b1:.1f} ms  model {model:.1f} ms  median of per-pair ratios {ratio:.3f}",
+                  flush=True)
     finally:
         server.stop()
     print(f"load average after: {os.getloadavg()}", flush=True)
+
+
+TTFT_PAIRS = 80
+
+
+def ttft_paired(url_a: str, url_b: str, pairs: int) -> tuple[float, float, float]:
+    """(TTFT p50 of a, of b, median of the per-pair ratios b/a), one stream at a time, the two
+    asked alternately (the order flipped every pair) with the same prompt. A 2.5 s turn's TTFT
+    p50 rests on the ~30 first tokens of that turn and moved +-15 % between runs of identical
+    calls; neighbouring requests see the same load."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(pairs):
+        body = {"input_ids": litert_llm.prompt(MIXED_LENGTHS[i % len(MIXED_LENGTHS)], seed=i)}
+        for which in ((0, 1) if i % 2 else (1, 0)):
+            times[which].append(one_stream((url_a, url_b)[which], body)[1] * 1000)
+    med = statistics.median
+    return med(times[0]), med(times[1]), med(b / a for a, b in zip(*times))
 
 
 def issue45_steps(rounds: int = 6, steps: int = 24) -> None:

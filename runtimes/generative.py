@@ -133,7 +133,8 @@ class LiteRTLLM(Driver):
         # against one batched call, each on a lane of its own (no settling between them).
         rows = list(range(self.batch_size or 1))
         apart, together = self.new_slots(len(rows)), self.new_slots(len(rows))
-        apart.clean(), together.clean()  # timed on zeros, as served: never on an unwritten row
+        apart.clean()  # timed on zeros, as served: never on an unwritten row
+        together.clean()
         zeros = [0] * len(rows)
         single_ms, batched_ms = measure(
             lambda: [self._decode_single(apart, row, 0, 1, 0) for row in rows],
