@@ -14,7 +14,8 @@ front workers; /proc/PID/smaps_rollup) and ``/api/status`` ``generation`` are sa
 ``generation.cache_memory_mb`` waits in its model's queue, past ``generation.max_queued_per_model``
 it is refused 503 + Retry-After), the most streams running and waiting at once, the most cache
 bytes the running streams held against the total (``/api/status`` ``generation.cache_bytes_*``;
-the tiny chat model's row is 64 KiB), ``/healthz`` latency (max, p99, count), and the
+the tiny chat model's row is 64 KiB), ``/healthz`` latency (max, p99, count; the slowest
+probes with when they were sent, to match against the server's logs), and the
 tree's memory before, at its peak and after. Defaults are the service's own; ``--max-streams``
 and ``--max-queued`` raise the bounds so that every stream runs or waits at once;
 ``--cache-memory-mb`` sets the cache total (e.g. 6.25: 100 rows of the tiny model).
