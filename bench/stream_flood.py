@@ -14,7 +14,8 @@ front workers; /proc/PID/smaps_rollup) and ``/api/status`` ``generation`` are sa
 ``generation.cache_memory_mb`` waits in its model's queue, past ``generation.max_queued_per_model``
 it is refused 503 + Retry-After), the most streams running and waiting at once, the most cache
 bytes the running streams held against the total (``/api/status`` ``generation.cache_bytes_*``;
-the tiny chat model's row is 64 KiB), ``/healthz`` latency (max, p99, count), and the
+the tiny chat model's row is 64 KiB), ``/healthz`` latency (max, p99, count; the slowest
+probes with when they were sent, to match against the server's logs), and the
 tree's memory before, at its peak and after. Defaults are the service's own; ``--max-streams``
 and ``--max-queued`` raise the bounds so that every stream runs or waits at once;
 ``--cache-memory-mb`` sets the cache total (e.g. 6.25: 100 rows of the tiny model).
@@ -45,6 +46,7 @@ from bench.footprint import smaps as footprint_smaps
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CHAT = ROOT / "scripts" / "tiny_chat"
 WHY: set[tuple[int, str]] = set()  # the refusals' bodies, each kind once
+SLOWEST = 8  # the slowest /healthz probes reported with when they were sent (to match against the server's logs)
 
 
 def free_port() -> int:
@@ -142,16 +144,17 @@ async def one_stream(port: int, body: bytes) -> tuple[int, int]:
 
 def probe_health(url: str, stop: Any, out: Any) -> None:
     """(a process of its own, so the flood's clients never slow the probe) ``/healthz`` back to
-    back on a keep-alive connection, 10 ms apart; the latencies (None: failed) to ``out``."""
+    back on a keep-alive connection, 10 ms apart; (when it was sent, wall clock; its latency,
+    None: failed) of each to ``out``."""
     session = requests.Session()
-    latencies: list[float | None] = []
+    latencies: list[tuple[float, float | None]] = []
     while not stop.is_set():
-        t = time.perf_counter()
+        sent, t = time.time(), time.perf_counter()
         try:
             ok = session.get(url + "/healthz", timeout=10).status_code == 200
         except requests.RequestException:
             ok = False
-        latencies.append(time.perf_counter() - t if ok else None)
+        latencies.append((sent, time.perf_counter() - t if ok else None))
         time.sleep(0.01)
     out.put(latencies)
 
@@ -164,6 +167,7 @@ class Sampler(threading.Thread):
         self.url, self.pid = url, pid
         self.stop = threading.Event()
         self.health: list[float] = []
+        self.slowest: list[tuple[float, float]] = []  # (when sent, wall clock; seconds) of the slowest probes
         self.failed = 0
         self.memory: list[tuple[float, float]] = []
         self.running = self.waiting = 0
@@ -182,8 +186,9 @@ class Sampler(threading.Thread):
         latencies = self.probe_out.get(timeout=60)
         self.probe.join(30)
         self.join()
-        self.health = [x for x in latencies if x is not None]
-        self.failed = sum(x is None for x in latencies)
+        self.health = [x for _, x in latencies if x is not None]
+        self.failed = sum(x is None for _, x in latencies)
+        self.slowest = sorted(((sent, x) for sent, x in latencies if x is not None), key=lambda p: -p[1])[:SLOWEST]
 
     def run(self) -> None:
         session = requests.Session()
@@ -231,7 +236,7 @@ def main() -> None:
         before = tree_memory(proc.pid)
         sampler = Sampler(url, proc.pid)
         sampler.start()
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         answers = asyncio.run(flood(port, args.streams, args.max_tokens))
         seconds = time.monotonic() - started
         sampler.finish()
@@ -240,7 +245,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    result = report(args, answers, seconds, sampler, before, after, status)
+    result = report(args, answers, seconds, sampler, before, after, status, started_wall)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
@@ -248,7 +253,8 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, answers: list[tuple[int, int]], seconds: float, sampler: Sampler,
-           before: tuple[float, float, int], after: tuple[float, float, int], status: dict[str, Any]) -> dict[str, Any]:
+           before: tuple[float, float, int], after: tuple[float, float, int], status: dict[str, Any],
+           started_wall: float) -> dict[str, Any]:
     by_status: dict[str, int] = {}
     for code, _ in answers:
         by_status[str(code)] = by_status.get(str(code), 0) + 1
@@ -266,7 +272,10 @@ def report(args: argparse.Namespace, answers: list[tuple[int, int]], seconds: fl
         "cache_bytes": {"peak_used": sampler.cache_peak, "total": sampler.cache_total},
         "healthz": {"count": len(health), "failed": sampler.failed,
                     "p50_ms": round(health[len(health) // 2] * 1000, 1) if health else None, "max_ms": round(health[-1] * 1000, 1) if health else None,
-                    "p99_ms": round(health[int(len(health) * 0.99) - 1] * 1000, 1) if health else None},
+                    "p99_ms": round(health[int(len(health) * 0.99) - 1] * 1000, 1) if health else None,
+                    # [s after the flood began (negative: before), ms, sent at (epoch s)] of the slowest probes
+                    "slowest": [[round(sent - started_wall, 2), round(x * 1000, 1), round(sent, 3)]
+                                for sent, x in sampler.slowest]},
         "tree_mib": {"before_rss": round(before[0], 1), "before_pss": round(before[1], 1),
                      "peak_rss": round(peak_rss, 1), "peak_pss": round(peak_pss, 1),
                      "after_rss": round(after[0], 1), "after_pss": round(after[1], 1), "processes": after[2]},

@@ -187,11 +187,14 @@ class FrontApp:
     ``regions_elsewhere``: how a request only the serving process may answer is answered there
     (in a worker, forwarded whole and awaited on the loop; None in the serving process): a v2
     infer naming shared-memory regions (appliance/api/kserve/shared_memory.py), which only it
-    holds, and ``GET /healthz``, whose answer says it is alive."""
+    holds, and ``GET /healthz``, whose answer says it is alive: unless ``heard()`` (in a worker:
+    the serving process's loop sent this worker something within ``HEARD_S``), which says so
+    already, and the worker answers it itself."""
 
     def __init__(self, core: FrontCore, hot: list[Mount], fallback: WSGIApp,
-                 regions_elsewhere: Callable[[WSGIEnvironment], Awaitable[Answer]] | None = None):
-        self.core, self.fallback, self.regions_elsewhere = core, fallback, regions_elsewhere
+                 regions_elsewhere: Callable[[WSGIEnvironment], Awaitable[Answer]] | None = None,
+                 heard: Callable[[], bool] = lambda: False):
+        self.core, self.fallback, self.regions_elsewhere, self.heard = core, fallback, regions_elsewhere, heard
         self.hot = Mounts()
         for mount in hot:
             self.hot.add(mount)
@@ -205,7 +208,11 @@ class FrontApp:
         None: the fallback answers it (a refusal with the serving app's headers and counters)."""
         raw = raw_path(environ).partition("?")[0]
         if raw == "/healthz" and environ.get("REQUEST_METHOD") == "GET":  # liveness: never behind a thread
-            return self.regions_elsewhere or _alive
+            # A worker answers it itself while the serving process's loop is heard from (a flood of
+            # streams sends chunks all the time); forwarded, the probe waited for that loop, which
+            # shares its GIL with the decode loop and 32 executor threads: 0.2-1.7 s worst probes
+            # with 1,000 streams (issue 45, bench/stream_flood.py). Silent (idle, or wedged): forwarded.
+            return _alive if self.regions_elsewhere is None or self.heard() else self.regions_elsewhere
         mount = self.hot.match(environ.get("REQUEST_METHOD", "GET"), raw)
         family = mount.handler if mount is not None else None
         if mount is None or not isinstance(family, AsyncFamily) or not normal(raw):

@@ -23,6 +23,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Protocol
 
 import msgspec
@@ -58,6 +59,7 @@ class Link:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Reply] | queue.SimpleQueue[Reply] | asyncio.Queue[Reply]] = {}
         self._attached = threading.Event()
+        self.heard_at = -1e9  # when the serving process's last message arrived (monotonic; ``heard_within``)
 
     def attach(self, loop: asyncio.AbstractEventLoop, channel: Channel) -> None:
         """(loop) The channel is open: calls may go."""
@@ -66,6 +68,7 @@ class Link:
 
     # -- the serving process's side of the conversation (loop) ------------------------------
     def on_message(self, _channel: object, message: m.ToWorker) -> None:
+        self.heard_at = time.monotonic()
         try:
             if not isinstance(message, m.REPLIES):
                 self.on_push(message)
@@ -98,6 +101,11 @@ class Link:
             else:
                 waiter.put(_gone(ident))
         self.on_push(m.Eof())
+
+    def heard_within(self, seconds: float) -> bool:
+        """(the loop) Whether the serving process sent anything in the last ``seconds``: its
+        front loop turned then (what it sends leaves at the end of a turn of that loop)."""
+        return not self.gone and time.monotonic() - self.heard_at < seconds
 
     # -- requests ----------------------------------------------------------------------------
     def next_id(self) -> int:

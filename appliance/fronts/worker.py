@@ -75,6 +75,9 @@ TRIM_EVERY_S = 5.0
 # during the last heartbeat (the last trim came mid-burst; what ended after it stayed).
 TRIM_AFTER_QUIET_CHURN = 64
 PARENT_CHECK_S = 1.0
+# /healthz is answered by the worker itself while the serving process sent it something this
+# recently (its loop turns: appliance/fronts/app.py ``FrontApp.route``), else forwarded there.
+HEARD_S = 1.0
 LISTEN_BACKLOG = 1024  # as appliance/transport/http/server.py's listen: bursts wait in the kernel
 
 
@@ -105,7 +108,8 @@ class Worker:
         config = m.config_from_plain(first)
         logs.setup(config.log_level)
         core = self.core = RemoteCore(config, self.link)
-        app = FrontApp(core, hot_mounts(core), Forwarder(self.link), partial(forward_whole, self.link))
+        app = FrontApp(core, hot_mounts(core), Forwarder(self.link), partial(forward_whole, self.link),
+                       heard=partial(self.link.heard_within, HEARD_S))
         context = None
         if config.security.tls_cert_file:
             from appliance.core.tls import tls_context
