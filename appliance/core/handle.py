@@ -1,9 +1,9 @@
 """The handle: what a request gets from the core, and the one verb that runs it.
 
 ``held = manager.handle(model, version, label, route_key)``, then ``await held.run(sig,
-inputs, context)`` on the caller's event loop (``context``: the request's scheduling hints,
-appliance/core/request_context.py, handed to the batch queue) (API code gets handles through a ``HandleSource``,
-appliance/core/seams.py: ``LocalHandles`` here). Protocol code sees the version's number,
+inputs, context)`` on the caller's event loop (API code gets handles through a ``HandleSource``,
+appliance/core/seams.py: ``LocalHandles`` here; ``context``, the request's scheduling hints,
+appliance/core/request_context.py, goes to the batch queue as it is). Protocol code sees the version's number,
 path and signatures, and capabilities of the servable; never the batcher, the version
 slot or the backend's name. Inside ``run``:
 

@@ -10,8 +10,9 @@ Messages are the structs of appliance/fronts/messages.py.
   queue takes requests from every worker. A run that is the only call in flight from all the
   workers (Run, GrpcCall, a Forward answered on the loop: ``_runs``) is told so: a ``Run`` by the
   ``RequestContext`` made here and passed to ``handle.run`` (core/request_context.py), a forwarded
-  call through ``CALL_ALONE``, which its API family's ``run`` reads; so a quick model's lone call runs on this loop instead of paying two thread
-  hand-offs, and a slow one's gets every core, as in one process. Inputs the answering version's signature cannot
+  call through ``CALL_ALONE``, which ``Handle.run`` reads when its API family passes no context;
+  so a quick model's lone call runs on this loop instead of paying two thread hand-offs, and
+  a slow one's gets every core, as in one process. Inputs the answering version's signature cannot
   take (decoded against a view older than a swap to another signature) run on the version
   they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
 - ``Resolve``: what the worker's serving view cannot answer, with the manager's errors.
