@@ -27,8 +27,8 @@ server's, the front service's); the batches run on this batcher's own threads (a
 with one call into their loop, not one per request. A request that is due to lead while a
 thread is free starts that thread at once, so a lone request pays one hand-off each way; and
 a lone call of a quick model runs right there (``_claim_idle``): the caller says so with the
-request's context, passed to ``submit`` as data (appliance/core/request_context.py). A lone call of a slow model (measured over INLINE_RUN_S) runs on a batcher
-thread through the servable's ``run_wide`` when it has one (runtimes/base.py), provided no
+request's context, passed to ``submit`` as data (appliance/core/request_context.py). A lone
+call of a slow model (measured over INLINE_RUN_S) runs on a batcher thread through the servable's ``run_wide`` when it has one (runtimes/base.py), provided no
 other batch runs and nothing is queued behind it: the cores that batch slots share under load
 are all its own then. Only a call whose context says it is alone: under load a batch that happens
 to run by itself shares the cores with the servers' decoding, and more threads there cost
