@@ -26,11 +26,11 @@ server's, the front service's); the batches run on this batcher's own threads (a
 ``num_batch_threads``, started on demand), and each finished batch wakes its awaiting requests
 with one call into their loop, not one per request. A request that is due to lead while a
 thread is free starts that thread at once, so a lone request pays one hand-off each way; and
-a lone call on a loop that says it is alone (``LONE_CALL``) of a quick model runs right there
-(``_claim_idle``). A lone call of a slow model (measured over INLINE_RUN_S) runs on a batcher
-thread through the servable's ``run_wide`` when it has one (runtimes/base.py), provided no
+a lone call of a quick model runs right there (``_claim_idle``): the caller says so with the
+request's context, passed to ``submit`` as data (appliance/core/request_context.py). A lone
+call of a slow model (measured over INLINE_RUN_S) runs on a batcher thread through the servable's ``run_wide`` when it has one (runtimes/base.py), provided no
 other batch runs and nothing is queued behind it: the cores that batch slots share under load
-are all its own then. Only a call its server says is alone: under load a batch that happens
+are all its own then. Only a call whose context says it is alone: under load a batch that happens
 to run by itself shares the cores with the servers' decoding, and more threads there cost
 the CNN 9-12 % of its requests/s at 32 clients (bench/RESULTS.md).
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,15 +53,13 @@ from runtimes import InputFailure, RuntimeFailure
 
 from appliance.core.errors import ApplianceError, InvalidArgument, QueueFull, Unavailable, from_runtime
 from appliance.core.json_types import JSONObject
+from appliance.core.request_context import NO_CONTEXT, RequestContext
 
 if TYPE_CHECKING:  # only for the annotation: the config module is not needed at run time here
     from appliance.core.config import BatchingConfig
 
 RunFn = Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 INLINE_RUN_S = 0.0005  # a model whose batches average under this may run a lone call on its loop
-# Set (per call, in the call's task) by an event-loop server that knows its load
-# (appliance/transport/grpc/h2_server.py): True while the call is the only one in flight on its loop.
-LONE_CALL: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("lone_call", default=None)
 RUNNER_IDLE_S = 1.0  # how long an idle batch thread waits for the next batch before it ends
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -121,7 +118,7 @@ class _Task:
         self.error: BaseException | None = None
         self.enqueued = time.perf_counter()
         self.future: asyncio.Future[None] | None = None  # resolved in its caller's loop
-        self.lone = False  # its caller said it was the only call in flight (LONE_CALL)
+        self.lone = False  # its context said it was the only call in flight (RequestContext.alone)
 
 
 @dataclass
@@ -207,15 +204,16 @@ class Batcher:
         return self.stats.snapshot(self._queued_rows)
 
     # -- request side ------------------------------------------------------------------
-    async def submit(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def submit(self, signature: str, inputs: Mapping[str, np.ndarray],
+                     context: RequestContext = NO_CONTEXT) -> dict[str, np.ndarray]:
         """Run ``inputs`` as part of a batch; this request's rows of the outputs. Cancelled while
-        still queued (the client went away), the request leaves the queue."""
+        still queued (the client went away), the request leaves the queue. ``context``: the
+        request's scheduling hints (a lone call may run here, or wide: module docstring)."""
         loop = asyncio.get_running_loop()
         tasks = self._tasks(signature, inputs)
         if tasks is None:
             return await loop.run_in_executor(None, self._direct, signature, inputs)
-        alone = LONE_CALL.get()
-        if len(tasks) == 1 and alone is not None and alone():  # asked once: it says so for both uses
+        if len(tasks) == 1 and context.is_alone():  # asked once: it says so for both uses
             if self._claim_idle():
                 return self._run_here(tasks[0])
             tasks[0].lone = True
@@ -234,7 +232,7 @@ class Batcher:
         return _joined(tasks)
 
     def _claim_idle(self) -> bool:
-        """(A call its loop says is alone, LONE_CALL) Take the execution slot for it when
+        """(A call whose context says it is alone) Take the execution slot for it when
         nothing is queued or running and this model's batches are quick (INLINE_RUN_S):
         running it right there costs less than the two thread hand-offs of a batch, and there
         is nothing to batch it with. With other calls in flight it queues, so that they can

@@ -1,8 +1,9 @@
 """The handle: what a request gets from the core, and the one verb that runs it.
 
 ``held = manager.handle(model, version, label, route_key)``, then ``await held.run(sig,
-inputs)`` on the caller's event loop (API code gets handles through a ``HandleSource``,
-appliance/core/seams.py: ``LocalHandles`` here). Protocol code sees the version's number,
+inputs, context)`` on the caller's event loop (API code gets handles through a ``HandleSource``,
+appliance/core/seams.py: ``LocalHandles`` here; ``context``, the request's scheduling hints,
+appliance/core/request_context.py, goes to the batch queue as it is). Protocol code sees the version's number,
 path and signatures, and capabilities of the servable; never the batcher, the version
 slot or the backend's name. Inside ``run``:
 
@@ -32,6 +33,7 @@ from runtimes import RuntimeFailure, Servable, SignatureInfo, TensorSpec
 
 from appliance.core.batcher import Batcher
 from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
+from appliance.core.request_context import NO_CONTEXT, RequestContext, from_call
 
 if TYPE_CHECKING:
     from appliance.core.inference_stats import InferenceStats
@@ -119,21 +121,26 @@ class Handle:
         return sig
 
     # -- running -----------------------------------------------------------------------------
-    async def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The outputs of ``signature`` on ``inputs`` (batched, routed, tallied)."""
+    async def run(self, signature: str, inputs: Mapping[str, np.ndarray],
+                  context: RequestContext | None = None) -> dict[str, np.ndarray]:
+        """The outputs of ``signature`` on ``inputs`` (batched, routed, tallied). ``context``:
+        the request's scheduling hints, handed to the batch queue; None: what the call's server
+        set (appliance/core/request_context.py ``from_call``)."""
+        if context is None:
+            context = from_call()
         route = self._route
         metrics = self._manager.metrics
         stats = metrics.inference if metrics is not None else None
         if route is None:
-            return await _execute(self.slot, signature, inputs, stats)
+            return await _execute(self.slot, signature, inputs, stats, context)
         started = time.perf_counter()
         try:
-            out = await _execute(self.slot, signature, inputs, stats)
+            out = await _execute(self.slot, signature, inputs, stats, context)
         except ApplianceError as exc:
             if route.role != "candidate":
                 self._observe(route.role, exc, started)
                 raise
-            return await self._fallback(signature, inputs, exc, started)
+            return await self._fallback(signature, inputs, exc, started, context)
         return self._answered(signature, inputs, out, started)
 
     def _answered(self, signature: str, inputs: Mapping[str, np.ndarray], out: dict[str, np.ndarray],
@@ -146,7 +153,7 @@ class Handle:
         return out
 
     async def _fallback(self, signature: str, inputs: Mapping[str, np.ndarray], failure: ApplianceError,
-                        started: float) -> dict[str, np.ndarray]:
+                        started: float, context: RequestContext) -> dict[str, np.ndarray]:
         """The canary candidate failed: the serving version answers. The candidate's failure
         counts only when the serving version does answer (a bad request fails on both)."""
         route = self._route
@@ -155,7 +162,7 @@ class Handle:
         again = time.perf_counter()
         try:
             with self._manager.handle(self.model, rollout.serving, judged=False) as serving:
-                out = await serving.run(signature, inputs)
+                out = await serving.run(signature, inputs, context)
         except ApplianceError as exc:
             rollouts.observe(rollout, "serving", False, exc.http_status >= 500, time.perf_counter() - again)
             raise
@@ -208,14 +215,14 @@ def _batchable(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarra
 
 
 async def _execute(slot: VersionSlot, signature: str, inputs: Mapping[str, np.ndarray],
-                   stats: "InferenceStats | None" = None) -> dict[str, np.ndarray]:
+                   stats: "InferenceStats | None" = None, context: RequestContext = NO_CONTEXT) -> dict[str, np.ndarray]:
     """Through the batcher when batching is on and the inputs fit, else straight to the
     servable on the loop's executor (never on the loop). Counted in ``stats`` as a request of
     the slot's version, answered or failed (the batcher counts its batches itself)."""
     started = time.perf_counter()
     try:
         if _batchable(slot, signature, inputs) and slot.batcher is not None:
-            out = await slot.batcher.submit(signature, inputs)
+            out = await slot.batcher.submit(signature, inputs, context)
         else:
             out = await asyncio.get_running_loop().run_in_executor(None, _run_alone, slot, signature, inputs,
                                                                    stats, started)

@@ -4,7 +4,7 @@ A request reaches a model the same way in every mode, on an event loop:
 
     with await core.handles.handle(model, version, label, route_key) as held:
         signature = held.signature(name, missing)      # decode against it
-        outputs = await held.run(signature.name, inputs)  # batched, routed, tallied
+        outputs = await held.run(signature.name, inputs, context)  # batched, routed, tallied
 
 Two implementations stand behind these faces, chosen when the service starts (as vLLM's
 in-process and multi-process engine clients): in the serving process the manager's own
@@ -22,7 +22,8 @@ Contracts:
   canary routing). Errors are the core's (``NotFound``, ``InvalidArgument``, ``Unavailable``).
 - A ``ModelHandle`` holds its version until released (``with`` or ``release()``): release it
   promptly; never hold one across a wait for the client. One handle serves one request.
-- ``ModelHandle.run`` is awaited on the caller's event loop; it never blocks the loop. Its
+- ``ModelHandle.run`` is awaited on the caller's event loop; it never blocks the loop. The
+  request's ``RequestContext`` (made where it arrived) goes with it to the batch queue. Its
   errors are the core's (``QueueFull`` 503, ``InvalidArgument`` 400, ...). ``version`` is the
   version that answered once ``run`` returned (a rollout or a swap may have chosen it).
 - ``RequestMetrics.observe_request`` may be called from any thread or loop, and is counted
@@ -49,6 +50,7 @@ from appliance.core.config import Config
 from appliance.core.policy import State
 
 if TYPE_CHECKING:
+    from appliance.core.request_context import RequestContext
     from appliance.core.streams import Event, Stream
     from appliance.core.token_streams import TokenRequest
 
@@ -81,8 +83,11 @@ class ModelHandle(Protocol):
     def signature(self, name: str, missing: str) -> SignatureInfo:
         """The signature ``name``; ``InvalidArgument(missing)`` when the version lacks it."""
 
-    async def run(self, signature: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The outputs of ``signature`` on ``inputs``, through the version's batch queue."""
+    async def run(self, signature: str, inputs: Mapping[str, np.ndarray],
+                  context: "RequestContext | None" = None) -> dict[str, np.ndarray]:
+        """The outputs of ``signature`` on ``inputs``, through the version's batch queue.
+        ``context``: the request's scheduling hints (appliance/core/request_context.py), made
+        where it arrived; None: what its server set for the call, if anything."""
 
     def release(self) -> None: ...
 

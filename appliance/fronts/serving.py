@@ -8,9 +8,11 @@ Messages are the structs of appliance/fronts/messages.py.
 - ``Run``: ``manager.handle`` resolves the request as the client named it (rollouts route
   it here, exactly as in one process), then ``await handle.run``: the model's one batch
   queue takes requests from every worker. A run that is the only call in flight from all the
-  workers (Run, GrpcCall, a Forward answered on the loop: ``_runs``) is told so (core/batcher.py
-  ``LONE_CALL``), so a quick model's lone call runs on this loop instead of paying two thread
-  hand-offs, and a slow one's gets every core, as in one process. Inputs the answering version's signature cannot
+  workers (Run, GrpcCall, a Forward answered on the loop: ``_runs``) is told so: a ``Run`` by the
+  ``RequestContext`` made here and passed to ``handle.run`` (core/request_context.py), a forwarded
+  call through ``CALL_ALONE``, which ``Handle.run`` reads when its API family passes no context;
+  so a quick model's lone call runs on this loop instead of paying two thread hand-offs, and
+  a slow one's gets every core, as in one process. Inputs the answering version's signature cannot
   take (decoded against a view older than a swap to another signature) run on the version
   they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
 - ``Resolve``: what the worker's serving view cannot answer, with the manager's errors.
@@ -56,9 +58,9 @@ from appliance.api.sse import GONE_KEY
 from appliance.fronts import messages as m
 from appliance.fronts.app import serving_front
 from appliance.fronts import view as serving_view
-from appliance.core.batcher import LONE_CALL
 from appliance.core.errors import ApplianceError, Unavailable
 from appliance.core.handle import shape_error
+from appliance.core.request_context import CALL_ALONE, RequestContext
 from appliance.fronts.view import ServingView, version_view
 from appliance.transport.channel import ChannelProtocol, Codec
 from appliance.transport.grpc.calls import Abort, CallDetails, Context
@@ -105,6 +107,7 @@ class FrontService:
         self._pool: ThreadPoolExecutor | None = None
         self._view_due = False  # a rebuild of the view is scheduled on the loop
         self._runs = 0  # calls in flight on the loop: RUN, forwarded gRPC, forwarded requests answered here
+        self._context = RequestContext(self._alone)  # every Run's (immutable): alone is judged at the queue
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -219,10 +222,9 @@ class FrontService:
                 task.cancel()
 
     async def _run(self, proto: Channel, request: m.Run) -> None:
-        LONE_CALL.set(self._alone)  # this task's own context
         try:
             with self._answering(request) as held:
-                outputs = await held.run(request.signature, request.inputs)
+                outputs = await held.run(request.signature, request.inputs, self._context)
                 proto.send(m.Ran(request.id, held.version, outputs))
         except Exception as exc:  # the core's own errors, to the client as they are
             proto.send(m.failed(request.id, exc))
@@ -253,7 +255,7 @@ class FrontService:
     async def _grpc(self, proto: Channel, call: m.GrpcCall) -> None:
         """A gRPC call a worker forwarded, answered by this process's handler for it, as from
         the worker's client (``call.peer``: who may use shared memory is judged by it)."""
-        LONE_CALL.set(self._alone)
+        CALL_ALONE.set(self._alone)  # this task's own context: its API family passes no context yet
         ident, method, request = call.id, call.method, call.request
         pairs = tuple(m.pairs(call.metadata))
         deadline = None if call.seconds_left is None else time.monotonic() + call.seconds_left
@@ -316,7 +318,7 @@ class FrontService:
     async def _fast(self, proto: Channel, ident: int, answer: FastHandler, environ: WSGIEnvironment) -> None:
         """(loop) A forwarded request the front path answers here, whole or streamed (a token
         stream: ``Start``, a ``Chunk`` per chunk, ``End``); the worker's ``Cancel`` cancels it."""
-        LONE_CALL.set(self._alone)
+        CALL_ALONE.set(self._alone)  # this task's own context: its API family passes no context yet
         counted = True
         try:
             status, headers, body = await answer(environ)

@@ -22,6 +22,7 @@ from tests.support.servers import poll_until
 from appliance.core.batcher import Batcher
 from appliance.core.config import BatchingConfig
 from appliance.core.errors import InvalidArgument, QueueFull
+from appliance.core.request_context import RequestContext
 from runtimes import InputFailure
 
 WAIT = 30  # seconds: a hang guard only, never a timing assertion
@@ -445,8 +446,8 @@ def test_a_cancelled_async_request_leaves_the_queue(batcher_factory, loop_thread
 
 def test_a_lone_call_of_a_quick_model_runs_on_its_loop_and_others_queue(batcher_factory, loop_thread,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """LONE_CALL (set by the lean gRPC server) lets a call alone on its loop run a quick model
-    right there; a call that is not alone, a caller that sets nothing, or a slow model go
+    """A request context saying the call is alone (core/request_context.py) lets it run a quick
+    model right there on its loop; a call that is not alone, a caller that passes none, or a slow model go
     through the batcher's own threads. "Quick" is a measured average: the test sets what the
     model measured instead of relying on how busy the machine is (a loaded box made the
     measured 2x+1 slower than INLINE_RUN_S and the test fail at random)."""
@@ -466,10 +467,10 @@ def test_a_lone_call_of_a_quick_model_runs_on_its_loop_and_others_queue(batcher_
     alone = {"now": True}
 
     async def call(x: np.ndarray, lone: bool | None) -> Any:
-        if lone is not None:
-            batcher_module.LONE_CALL.set(lambda: alone["now"])
-            alone["now"] = lone
-        return await batcher.submit("serving_default", {"x": x})
+        if lone is None:
+            return await batcher.submit("serving_default", {"x": x})
+        alone["now"] = lone
+        return await batcher.submit("serving_default", {"x": x}, RequestContext(lambda: alone["now"]))
 
     def run(x: np.ndarray, lone: bool | None) -> Any:  # each call a task, with a context of its own
         return loop_thread.submit(call(x, lone)).result(WAIT)
@@ -503,18 +504,15 @@ async def _thread_name() -> str:
 
 def test_a_lone_call_of_a_slow_model_goes_to_the_wide_run_and_others_do_not(loop_thread) -> None:
     """With ``run_wide`` (a servable that can give a lone batch every core, runtimes/base.py),
-    a call its server says is alone (LONE_CALL) of a model measured slow goes there when no
+    a call whose context says it is alone of a model measured slow goes there when no
     other batch runs; a call not said alone, one taken while another batch runs, or one of a
     quick model goes to ``run``. (The test sets what the model measured, as the lone-call
     test does.)"""
-    from appliance.core import batcher as batcher_module
-
     narrow, wide = Gated(), Gated()
     batcher = Batcher(narrow, params(max_batch_size=1), "test", 2, run_wide=wide)
 
     async def call(x: np.ndarray, lone: bool) -> Any:
-        batcher_module.LONE_CALL.set(lambda: lone)  # this task's own context, as a server sets it
-        return await batcher.submit("serving_default", {"x": x})
+        return await batcher.submit("serving_default", {"x": x}, RequestContext(lambda: lone))
 
     def run(x: np.ndarray, lone: bool) -> Any:
         return loop_thread.submit(call(x, lone))

@@ -396,21 +396,23 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
 
 def test_a_lone_run_from_the_workers_is_told_it_is_alone(models_dir: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A RUN that is the only one in flight from all the workers runs with LONE_CALL saying so
-    (a quick model's lone call then runs on the serving loop, core/batcher.py); once it is
-    answered, or has failed, the next is alone again."""
+    """A RUN that is the only one in flight from all the workers reaches the batch queue with a
+    request context saying so, passed along the call (core/request_context.py; a quick model's
+    lone call then runs on the serving loop, core/batcher.py); once it is answered, or has
+    failed, the next is alone again."""
     from appliance.core import batcher as batcher_module
+    from appliance.core.request_context import RequestContext
     from appliance.fronts import messages as m
 
-    told: list[bool | None] = []
-    claim = batcher_module.Batcher._claim_idle
+    told: list[bool] = []
+    submit = batcher_module.Batcher.submit
 
-    def recording(self: Any) -> bool:
-        alone = batcher_module.LONE_CALL.get()
-        told.append(None if alone is None else alone())
-        return claim(self)
+    async def recording(self: Any, signature: str, inputs: Any, context: RequestContext | None = None) -> Any:
+        assert context is not None, "the serving side passed no request context"
+        told.append(context.is_alone())
+        return await submit(self, signature, inputs, context)
 
-    monkeypatch.setattr(batcher_module.Batcher, "_claim_idle", recording)
+    monkeypatch.setattr(batcher_module.Batcher, "submit", recording)
     row = np.asarray([ROW], dtype=np.float32)
     with serving_side(models_dir, tmp_path, lambda environ, start_response: []) as (front, call):
         def run(version: int | None) -> Any:

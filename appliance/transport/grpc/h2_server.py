@@ -75,7 +75,7 @@ class LeanServer(LoopThread):
         """``loop``: serve on that loop as a guest (appliance/transport/loop_thread.py), not on
         one of its own; ``start`` is then called in that loop's thread."""
         super().__init__(threads, loop_factory=new_event_loop, loop=loop)
-        # Set to ``self.alone`` in each call's context, so what the call runs (the batcher)
+        # Set to ``self.alone`` in each call's context, so what the call runs (the model handle)
         # can ask whether it is the only call in flight; the server knows nothing of batching.
         self.alone_var = alone_var
         opts = dict(options)
