@@ -203,6 +203,7 @@ def test_the_send_stall_key_sets_the_servers_deadline(tmp_path: Path) -> None:
     short = limits_from_file(tmp_path, "stall_timeout_s = 600.0\nsend_stall_timeout_s = 1.0\n")
     patient_limits = limits_from_file(tmp_path, "stall_timeout_s = 600.0\nsend_stall_timeout_s = 600.0\n")
     assert (short.send_stall_timeout_s, patient_limits.send_stall_timeout_s) == (1.0, 600.0)
+    assert limits_from_file(tmp_path, "").send_stall_timeout_s == Limits().send_stall_timeout_s  # one default
     with serving(patient_limits) as (patient, patient_port), \
             stalling(patient_port, address(), 10) as (_, patient_reader, held):
         poll_until(lambda: patient.open_streams == len(held) and patient.buffered_bytes() > 0, 30,
