@@ -201,6 +201,10 @@ class GRPCConfig:
     max_connections: int = 1024
     handshake_timeout_s: float = 10.0  # preface + SETTINGS after the accept (grpc.server_handshake_timeout_ms)
     stall_timeout_s: float = 30.0  # a request or answer that moves no byte this long is reset and freed
+    # An answer the client gives no flow-control credit for (its window at 0: a zero-window
+    # stall) this long is reset and counted against its address as an abandoned call (the
+    # lean server only; past stall_timeout_s it is reset as stalled, uncounted).
+    send_stall_timeout_s: float = 5.0
     # Bytes held for calls (request messages in methods, answers the client has not taken), per
     # connection and all together; a call past either gets RESOURCE_EXHAUSTED.
     max_connection_buffer_bytes: int = 96 * 1024 * 1024  # at least max_message_bytes + 5
@@ -232,7 +236,7 @@ class GRPCConfig:
         if not self.max_concurrent_streams <= self.max_open_streams <= 10_000_000:
             raise ConfigError(f"{key}.max_open_streams", "must be at least max_concurrent_streams (one full "
                               "connection) and at most 10000000")
-        for name in ("handshake_timeout_s", "stall_timeout_s"):
+        for name in ("handshake_timeout_s", "stall_timeout_s", "send_stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{key}.{name}", "must be positive")
         if self.max_connection_buffer_bytes < self.max_message_bytes + 5:

@@ -10,7 +10,9 @@ it asks for. What must hold, on a server in this process:
 - a slow reader that grants credit a little at a time gets its whole answer, however long
   that takes past the deadline;
 - one address holds at most its share of the server's open streams (peers.py
-  ``stream_cap``): a client at another address is still answered.
+  ``stream_cap``): a client at another address is still answered;
+- the deadline is ``[grpc] send_stall_timeout_s``, read from the config file into the lean
+  server's ``Limits``; a bad value is refused at load, naming the key.
 
 Attackers connect from their own loopback addresses; every socket and the server are closed.
 """
@@ -21,19 +23,24 @@ import contextlib
 import itertools
 import socket
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import grpc
 import hpack
+import pytest
 
+from appliance.core.config_file import load
+from appliance.core.errors import ConfigError
 from appliance.transport.grpc.h2_server import LeanServer
-from appliance.transport.grpc.limits import Limits
+from appliance.transport.grpc.limits import Limits, grpc_limits
 from appliance.transport.grpc.peers import PEER_ABANDON_BURST, stream_cap
 from tests.support import h2_wire as w
 from tests.support.servers import poll_until
 
 ANSWER = b"an answer the client must grant credit for"
 _addresses = itertools.count(2)
+_files = itertools.count()
 
 
 def address() -> str:
@@ -179,3 +186,42 @@ def test_one_address_holds_at_most_its_share_of_the_open_streams() -> None:
         assert sum(len(r.resets(w.REFUSED_STREAM)) for _, r, _ in held) == 300 - cap
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             assert channel.unary_unary("/t.Test/Echo")(b"?", timeout=20) == ANSWER + b"?"
+
+
+def limits_from_file(tmp_path: Path, grpc_table: str) -> Limits:
+    """The lean server's bounds from a config file's ``[grpc]`` table, built as the service
+    builds them (appliance/service/grpc_port.py, appliance/fronts/worker.py: ``grpc_limits``)."""
+    path = tmp_path / f"appliance-{next(_files)}.toml"
+    path.write_text("[grpc]\n" + grpc_table)
+    return grpc_limits(load(str(path), {"state_dir": str(tmp_path / "state")}).grpc, 0)
+
+
+def test_the_send_stall_key_sets_the_servers_deadline(tmp_path: Path) -> None:
+    """``[grpc] send_stall_timeout_s = 1.0`` in the file: that server resets a zero-window
+    reader's answers, while one configured with 600, whose reader has stalled since before,
+    still holds every one of its answers (both ``stall_timeout_s = 600``)."""
+    short = limits_from_file(tmp_path, "stall_timeout_s = 600.0\nsend_stall_timeout_s = 1.0\n")
+    patient_limits = limits_from_file(tmp_path, "stall_timeout_s = 600.0\nsend_stall_timeout_s = 600.0\n")
+    assert (short.send_stall_timeout_s, patient_limits.send_stall_timeout_s) == (1.0, 600.0)
+    assert limits_from_file(tmp_path, "").send_stall_timeout_s == Limits().send_stall_timeout_s  # one default
+    with serving(patient_limits) as (patient, patient_port), \
+            stalling(patient_port, address(), 10) as (_, patient_reader, held):
+        poll_until(lambda: patient.open_streams == len(held) and patient.buffered_bytes() > 0, 30,
+                   "the 600 s server to hold its zero-window reader's answers",
+                   context=lambda: f"stats {patient.stats}, open {patient.open_streams}")
+        with serving(short) as (server, port), stalling(port, address(), 10) as (_, reader, streams):
+            poll_until(lambda: reader.ended() >= set(streams), 30,
+                       "the 1 s server to reset every stalled answer (RST_STREAM)",
+                       context=lambda: f"stats {server.stats}, held {server.buffered_bytes()}")
+            assert reader.resets(w.CANCEL) == set(streams)
+            assert server.stats.get("send_stalled_streams") == len(streams)
+        assert not patient_reader.ended(), f"the 600 s server reset a stalled answer: {patient.stats}"
+        assert patient.open_streams == len(held) and not patient.stats.get("send_stalled_streams")
+
+
+@pytest.mark.parametrize("value", ["0.0", "-1.0", "nan", '"5"'])
+def test_a_bad_send_stall_timeout_is_refused_at_load_naming_the_key(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        limits_from_file(tmp_path, f"send_stall_timeout_s = {value}\n")
+    assert info.value.key == "grpc.send_stall_timeout_s"
+    assert "grpc.send_stall_timeout_s" in str(info.value)

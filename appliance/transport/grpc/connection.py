@@ -3,37 +3,19 @@ frames, HPACK, stream states, flow-control accounting, SETTINGS and PING answers
 out, answers back through nghttp2. What is ours sits above it: which calls run, when a stream
 gets credit, the bytes held for calls, and the bounds on what a hostile client can make us do.
 
-Flow control, receiving: a new stream may send the initial window (64 KiB); once its
-message's length prefix is in, the stream is *admitted* (oldest first) while the messages
-admitted on the connection fit a budget (the largest message + ``CONNECTION_WINDOW``) and
-the held bytes below allow, and gets credit for its whole message at once (a stream that
-does not fit waits without credit; the server looks at it again as held bytes fall). The
-oldest waiting stream is always admitted when none is and the worker holds nothing, so
-requests that together exceed the budgets take turns. The connection window is
-given back as bytes arrive: the streams' credit is what bounds memory. Sending: an answer goes
+Receiving flow control (which stream gets credit, and when) and the bytes held for calls are
+admission.py's (``Admission``); the sweep's deadlines and the budgets of resets and control
+frames are bounds.py's (``Bounds``): ``Connection`` inherits both. Sending: an answer goes
 out as far as the peer's windows allow and the socket takes it; the rest waits for
 WINDOW_UPDATE or for the socket to drain (``pause_writing``), counted as held.
 
 Calls are dispatched once the bytes of a read are all processed: a stream opened and reset
 in one read (rapid reset, CVE-2023-44487) never becomes a call.
 
-Held bytes (``Limits.max_connection_buffer_bytes``, ``max_buffer_bytes``): a request from
-its admission (its bytes arriving) until its method returns (its decoded form lives that
-long), plus answers not yet written: everything a connection keeps for calls, in one account
-that ``held_bytes`` shows. Admission waits on it; an answer, or a gzip request (the largest
-message until inflated), that would pass either bound is answered RESOURCE_EXHAUSTED. Open
-streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on
-the whole server (``Limits.max_open_streams``, refused with REFUSED_STREAM past it), so a
-client that never opens its window (zero-window stalls) holds a bounded number of answers, and
-a request or answer that moves no byte for ``stall_timeout_s`` is reset and freed; an answer
-with no credit to go out for ``send_stall_timeout_s`` sooner, counted against its address as
-an abandoned call. One address holds at most its share of the open streams (peers.py).
-
-Client resets are rate-limited per connection and over the whole server (limits.py), and
-control frames and abandoned streams per peer address over all its connections (peers.py:
-the ``guard``), so an attacker that reconnects before a connection's budget runs out still
-meets one; a connection refused for it is closed at once, and what it had sent but we had
-not read is dropped by the kernel, not processed.
+Open streams are bounded per connection (SETTINGS_MAX_CONCURRENT_STREAMS) and on the whole
+server (``Limits.max_open_streams``, refused with REFUSED_STREAM past it), so a client that
+never opens its window (zero-window stalls) holds a bounded number of answers. One address
+holds at most its share of the open streams (peers.py).
 
 Lifetime: ``connection_lost`` frees the nghttp2 session and drops every reference the
 connection holds (streams, transport, its handle), so nothing waits for the cyclic collector.
@@ -53,6 +35,9 @@ import grpc
 
 from appliance.transport.grpc import nghttp2 as ng
 from appliance.transport.grpc import streams
+# GRANT_SLACK, STREAM_WINDOW: read here by tests/transport/test_h2_grpc.py with the other figures
+from appliance.transport.grpc.admission import CONNECTION_WINDOW, GRANT_SLACK, STREAM_WINDOW, Admission, Stream
+from appliance.transport.grpc.bounds import Bounds
 from appliance.transport.grpc.calls import (OK_TRAILERS, RESPONSE_HEADERS, Abort, CallDetails, Context, Refused,
                                             Request, declared_size, message_of, status_trailers)
 from appliance.transport.grpc.limits import (ANSWER_EARNS, CONTROL_BURST, CONTROL_RATE, RESET_BURST, RESET_RATE,
@@ -64,39 +49,11 @@ from appliance.transport.grpc.session import Session, SessionError
 log = logging.getLogger("appliance.grpc")
 
 MAX_FRAME = 1 << 20  # advertised SETTINGS_MAX_FRAME_SIZE: large messages arrive in fewer frames
-# A stream's window grown while its call runs: grpc-core's BDP probing sends a WINDOW_UPDATE for
-# every open stream at once when its estimate moves. The first few a stream are free.
-STREAM_UPDATES_FREE = 8
 UPDATES_DUE_MAX = 4096  # WINDOW_UPDATEs owed for our DATA, at most (an idle connection's are not kept forever)
-STREAM_WINDOW = 65535  # the initial stream window, which we leave as it is
-CONNECTION_WINDOW = 16 << 20
-GRANT_SLACK = 16384  # over a message's own size: room for padding
 CONSUME_BATCH = 1 << 20  # connection-level credit is given back in steps this large (one C call each)
 
 
-class Stream:
-    __slots__ = ("id", "headers", "header_bytes", "body", "granted", "need", "admitted", "dispatched",
-                 "answered", "message_bytes", "pending", "trailers", "task", "timer", "last", "streaming", "updates")
-
-    def __init__(self, stream_id: int):
-        self.id = stream_id
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.header_bytes = 0
-        self.body = bytearray()
-        self.granted = STREAM_WINDOW  # the credit it has had in all
-        self.need: int | None = None  # its message's size with the prefix, once the prefix is in
-        self.admitted = self.dispatched = self.answered = False  # answered: headers submitted
-        self.message_bytes = 0  # its request message, held while the method runs
-        self.pending: memoryview | None = None  # the answer's bytes not yet handed to nghttp2
-        self.trailers: Sequence[tuple[bytes, bytes]] = OK_TRAILERS
-        self.task: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.last = time.monotonic()  # when a byte of it last moved
-        self.streaming: streams.StreamCall | None = None  # a bidirectional-streaming call's messages
-        self.updates = 0  # WINDOW_UPDATEs the client sent for it (STREAM_UPDATES_FREE of them are free)
-
-
-class Connection(asyncio.Protocol):
+class Connection(Bounds, Admission, asyncio.Protocol):
     """One HTTP/2 connection: nghttp2's events in, calls out, answers back as they complete."""
 
     def __init__(self, server: ServerSide, accepted: float | None = None):
@@ -288,19 +245,6 @@ class Connection(asyncio.Protocol):
         elif stream is not None and not stream.dispatched:
             self.ended.append(stream)
 
-    def on_client_reset(self, stream_id: int) -> None:
-        """RST_STREAM from the client: its stream's call is cancelled (on_stream_closed);
-        past the reset budgets, the connection ends."""
-        if self.failed:
-            return
-        if not self.resets.take():
-            self.fail(ng.ENHANCE_YOUR_CALM, "too many streams reset by the client (rapid reset)")
-        elif not self.server.resets.take():
-            self.server.count("reset_budget_refusals")
-            self.fail(ng.ENHANCE_YOUR_CALM, "too many streams reset by clients on this server (rapid reset)")
-        elif self.guard is not None and (reason := self.guard.abandoned()):
-            self.over_budget(reason)
-
     def on_stream_closed(self, stream_id: int) -> None:
         stream = self.streams.get(stream_id)
         if stream is not None:
@@ -314,31 +258,6 @@ class Connection(asyncio.Protocol):
         self.server.count("pings")
         self.control_frame("PING")  # nghttp2 has queued its answer; past a budget, it is the last
 
-    def on_window_update(self, stream_id: int) -> None:
-        """Credit a client gives is free where it is owed or usual: a stream's first few
-        (its window grown while the call runs), and one a DATA frame of ours earned (read and
-        acknowledged). Beyond those, credit with no answer of ours waiting for it is a control
-        frame for nothing."""
-        stream = self.streams.get(stream_id) if stream_id else None
-        if stream is not None and stream.updates < STREAM_UPDATES_FREE:
-            stream.updates += 1
-        elif self.updates_due > 0:
-            self.updates_due -= 1
-        elif not any(stream.pending is not None for stream in self.streams.values()):
-            self.control_frame("WINDOW_UPDATE")
-
-    def control_frame(self, what: str, peer: bool = True) -> None:
-        """Against the connection's budget, then (``peer``) its peer address's (peers.py)."""
-        if not self.control.take():
-            self.fail(ng.ENHANCE_YOUR_CALM, f"too many {what} frames")
-        elif peer and self.guard is not None and not self.failed and (reason := self.guard.control_frame()):
-            self.over_budget(reason)
-
-    def over_budget(self, reason: str) -> None:
-        """Its peer address is past a budget (peers.py): GOAWAY ENHANCE_YOUR_CALM, closed."""
-        self.server.count("peer_budget_refusals")
-        self.fail(ng.ENHANCE_YOUR_CALM, reason)
-
     def on_goaway(self) -> None:
         """The client will open no more streams; those in flight are still answered."""
         self.going_away = True
@@ -349,46 +268,6 @@ class Connection(asyncio.Protocol):
     def refuse_oversized(self, stream: Stream, size: int) -> None:
         self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"Received message larger than max ({size} vs. {self.server.max_receive})")
-
-    def admit(self) -> None:
-        """Admit waiting streams, oldest first, while their messages fit the budget (always
-        one when none is admitted), giving each credit for its whole message."""
-        budget = self.server.max_receive + 5 + CONNECTION_WINDOW
-        for stream in self.streams.values():
-            if not self.waiting:
-                return
-            if stream.admitted or stream.need is None or stream.need < 0 or stream.dispatched:
-                continue
-            if self.committed and self.committed + stream.need > budget:
-                continue
-            if not self.room_for(stream.need):  # credit withheld until the worker holds less (readmit)
-                self.server.held_back = True
-                continue
-            stream.admitted = True
-            self.waiting -= 1
-            self.committed += stream.need
-            self.hold(stream.need)  # what it sends is held from now: the worker's bytes count it
-            if stream.need > stream.granted:
-                increment = stream.need + GRANT_SLACK - stream.granted
-                assert self.session is not None
-                self.session.grant(stream.id, increment)
-                stream.granted += increment
-
-    def release(self, stream: Stream) -> None:
-        """A stream's request leaves the connection's accounts (handed to its call, answered
-        or reset): its bytes and its admission; waiting streams may be admitted now."""
-        need = stream.need
-        if need == -1:
-            return  # released already
-        stream.body = bytearray()
-        stream.need = -1  # accounted for, before admit() looks at the streams again
-        if stream.admitted:
-            stream.admitted = False
-            self.committed -= need or 0
-            self.hold(-(need or 0))
-            self.admit()
-        elif need is not None and need >= 0:
-            self.waiting -= 1
 
     # -- calls -----------------------------------------------------------------------------
     def dispatch(self, stream: Stream) -> None:
@@ -498,34 +377,6 @@ class Connection(asyncio.Protocol):
         stream.timer = None
         self.finish(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")  # done() cancels the call
 
-    # -- held bytes ------------------------------------------------------------------------
-    def may_hold(self, size: int) -> bool:
-        limits = self.limits
-        return (self.held + size <= limits.max_connection_buffer_bytes
-                and self.server.held + size <= limits.max_buffer_bytes)
-
-    def full_message(self) -> str:
-        return (f"this connection holds {self.held} bytes of calls and unread answers, all connections "
-                f"{self.server.held} ([grpc] max_connection_buffer_bytes = {self.limits.max_connection_buffer_bytes}, "
-                f"max_buffer_bytes = {self.limits.max_buffer_bytes}): read the answers, or retry later")
-
-    def room_for(self, size: int) -> bool:
-        """Whether a request of ``size`` may be sent to us now: it fits what this connection
-        and the worker may hold; when the worker holds nothing, one always may (requests
-        larger than the budget take turns)."""
-        return self.server.held == 0 or self.may_hold(size)
-
-    def hold(self, size: int) -> None:
-        self.held += size
-        self.server.held += size
-        if size < 0 and self.server.held_back:
-            self.server.readmit_soon()  # streams held back for the worker's bytes may be admitted now
-
-    def unhold_message(self, stream: Stream) -> None:
-        if stream.message_bytes:
-            self.hold(-stream.message_bytes)
-            stream.message_bytes = 0
-
     # -- answers ---------------------------------------------------------------------------
     def respond(self, stream: Stream, payload: bytes, trailing: Sequence[tuple[str, str | bytes]] = ()) -> None:
         """Headers, the length-prefixed message and the trailers, as far as the windows allow."""
@@ -633,42 +484,6 @@ class Connection(asyncio.Protocol):
         if self.going_away and not self.streams and not self.calls:
             self.server.loop.call_soon(self.close_now)
         self.server.stream_done(self)
-
-    # -- housekeeping (the server's sweep, once a second) -----------------------------------
-    def sweep(self, now: float) -> None:
-        limits = self.limits
-        if not self.handshaken and now - self.opened > limits.handshake_timeout_s:
-            log.info("gRPC connection from %s closed: no HTTP/2 preface and SETTINGS within %g s",
-                     self.peer, limits.handshake_timeout_s)
-            self.close_now()
-            return
-        if self.paused and now - self.paused_since > limits.stall_timeout_s:
-            log.info("gRPC connection from %s closed: it has read nothing for %g s", self.peer,
-                     limits.stall_timeout_s)
-            self.server.count("stalled_connections")
-            self.abort()
-            return
-        for stream in list(self.streams.values()):
-            # a request held back for the worker's bytes (admit) is waiting for us, not stalled
-            moving = stream.pending is not None or (not stream.dispatched and (stream.admitted or stream.need is None)) \
-                or (stream.streaming is not None and stream.streaming.moving(stream))
-            if moving and now - stream.last > limits.stall_timeout_s:
-                self.reset(stream, ng.CANCEL)
-                self.server.count("stalled_streams")
-            elif stream.pending is not None and now - stream.last > limits.send_stall_timeout_s \
-                    and self.session is not None and self.session.stream_window(stream.id) <= 0:
-                self.send_stalled(stream)
-                if self.failed:
-                    return
-
-    def send_stalled(self, stream: Stream) -> None:
-        """Its answer has waited ``send_stall_timeout_s`` for credit the client never gave (a
-        zero-window stall): reset and freed, and counted against its address as a call
-        abandoned (peers.py), so a client that stalls every answer is refused at the accept."""
-        self.reset(stream, ng.CANCEL)
-        self.server.count("send_stalled_streams")
-        if self.guard is not None and (reason := self.guard.abandoned()):
-            self.over_budget(f"{reason} (answers left without flow-control credit)")
 
     # -- the connection --------------------------------------------------------------------
     def write_later(self) -> None:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class StreamFace(Protocol):
-    """One HTTP/2 stream as streams.py sees it (connection.py's ``Stream``)."""
+    """One HTTP/2 stream as streams.py sees it (admission.py's ``Stream``)."""
 
     id: int
     body: bytearray  # the request bytes received and not yet taken as messages

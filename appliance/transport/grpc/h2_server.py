@@ -91,8 +91,8 @@ class LeanServer(LoopThread):
         self.handshakes: dict[asyncio.Task[object], float] = {}  # TLS handshakes under way -> when accepted
         self.accepting = False
         self.closing = False
-        self.held = 0  # bytes held for calls, every connection together (connection.py)
-        self.held_back = False  # some stream waits for ``held`` to fall (connection.py ``admit``)
+        self.held = 0  # bytes held for calls, every connection together (admission.py)
+        self.held_back = False  # some stream waits for ``held`` to fall (admission.py ``admit``)
         self._readmitting = False
         self.in_flight = 0  # calls dispatched and not finished (their tasks), on every connection
         self.open_streams = 0  # streams open on every connection (Limits.max_open_streams)

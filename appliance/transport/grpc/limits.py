@@ -1,7 +1,7 @@
 """What the gRPC server bounds against hostile or broken clients, and the token bucket it
 bounds floods and rapid reset with. Frame sizes, CONTINUATION floods, the size of a header
 field and the connection preface are libnghttp2's to check (appliance/transport/grpc/
-nghttp2.py); what it allows is bounded here and in connection.py.
+nghttp2.py); what it allows is bounded here and in bounds.py.
 
 The values come from ``[grpc]`` (appliance/core/config.py ``GRPCConfig``, documented there and
 in systemd/appliance.toml); the rates below are the ones mature HTTP/2 stacks chose after the
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
         @property
         def stall_timeout_s(self) -> float: ...
         @property
+        def send_stall_timeout_s(self) -> float: ...
+        @property
         def max_connection_buffer_bytes(self) -> int: ...
         @property
         def max_buffer_bytes(self) -> int: ...
@@ -62,7 +64,7 @@ class Limits:
     # An answer the client gives no flow-control credit for (its window at 0: zero-window
     # stalls) this long is reset, and counted against its address as an abandoned call
     # (peers.py). A slow reader that grants credit now and then moves bytes and is never hit.
-    send_stall_timeout_s: float = 5.0
+    send_stall_timeout_s: float = 5.0  # ([grpc] send_stall_timeout_s)
     max_connection_buffer_bytes: int = 96 * MIB
     max_buffer_bytes: int = 512 * MIB
     # Streams open on every connection together: what a client that never reads its answers
@@ -134,5 +136,6 @@ def grpc_limits(cfg: GrpcBounds, rest_connections: int) -> Limits:
     return Limits(max_concurrent_streams=cfg.max_concurrent_streams, max_metadata_size=cfg.max_metadata_size,
                   max_connections=connection_share(cfg.max_connections, rest_connections),
                   handshake_timeout_s=cfg.handshake_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
+                  send_stall_timeout_s=cfg.send_stall_timeout_s,
                   max_connection_buffer_bytes=cfg.max_connection_buffer_bytes, max_buffer_bytes=cfg.max_buffer_bytes,
                   max_open_streams=cfg.max_open_streams)

@@ -10,7 +10,7 @@ Two budgets per address (the host, never the port: a reconnect keeps the host):
 - **abandoned streams**: streams it resets itself, streams still open (a call running or
   an answer not read) when it closes the connection: "send 100 calls, close, again", and
   streams whose answers it never takes (no flow-control credit for ``send_stall_timeout_s``:
-  zero-window stalls, connection.py ``sweep``).
+  zero-window stalls, bounds.py ``sweep``).
 
 And a cap, not a budget: the streams a peer address may hold **open at once** on this process
 (``stream_cap``: an eighth of ``Limits.max_open_streams``, at least one connection's
@@ -108,7 +108,7 @@ class Peer:
 
 
 class Guard:
-    """One connection's face on its peer's budgets (connection.py). Each method returns why
+    """One connection's face on its peer's budgets (connection.py, bounds.py). Each method returns why
     the connection must end now ("" when it need not); the connection then fails with GOAWAY
     ENHANCE_YOUR_CALM."""
 

@@ -36,7 +36,7 @@ class ServerSide(Protocol):
     churn: int  # connections accepted and ended, streams opened, in all: what a front worker trims its heap after
     in_flight: int  # calls dispatched and not finished, every connection
     held: int  # bytes held for calls, every connection (requests arriving and in methods, answers unsent)
-    held_back: bool  # a stream waits for the worker's held bytes to fall (connection.py ``admit``)
+    held_back: bool  # a stream waits for the worker's held bytes to fall (admission.py ``admit``)
     resets: TokenBucket  # client resets, over the whole server
     peers: Peers  # control frames and abandoned streams per peer address, every connection (peers.py)
     alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None"  # set to ``alone`` in each call's context

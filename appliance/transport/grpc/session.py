@@ -244,7 +244,7 @@ def _option(ffi: cffi.FFI, lib: Any, reset_burst: int, reset_rate: float) -> Poi
     lib.nghttp2_option_set_max_outbound_ack(option[0], OUTBOUND_ACK_LIMIT)
     lib.nghttp2_option_set_max_settings(option[0], MAX_SETTINGS)
     lib.nghttp2_option_set_no_closed_streams(option[0], 1)  # no priority tree of closed streams kept
-    if ng.has_reset_rate_limit():  # a backstop behind ours (connection.py), which names the reason in its GOAWAY
+    if ng.has_reset_rate_limit():  # a backstop behind ours (bounds.py), which names the reason in its GOAWAY
         lib.nghttp2_option_set_stream_reset_rate_limit(option[0], 2 * reset_burst, max(1, int(2 * reset_rate)))
     return option
 
