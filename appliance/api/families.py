@@ -41,18 +41,17 @@ def completion_mounts(handler: WSGIApp) -> list[Mount]:
                   summary="OpenAI completions")]
 
 
-def openai_mounts(embeddings: WSGIApp, models: WSGIApp, plain_names: bool = True) -> list[Mount]:
+def openai_mounts(embeddings: WSGIApp, models: WSGIApp) -> list[Mount]:
     """OpenAI's ``/v1/embeddings`` and ``GET /v1/models[/{id}]`` (a plain name there: TF Serving's
     model status, for its clients, unless an OpenAI client asks: appliance/api/openai.py). The
     handlers may be one family answering both by path; two objects let the route table name a
-    request's mount by its handler. ``plain_names`` false: ``/v1/models/{name}`` without a ``:``
-    is left to the app (the front path leaves TF Serving's model status to the process that
-    holds the versions, appliance/fronts/app.py)."""
-    ids = r"(?:/[^/]+)?" if plain_names else r"(?:/[^/]*:[^/]*)?"
+    request's mount by its handler. Every ``/v1/models/{id}``, a plain name too, is the family's:
+    on the front path's loop it answers TF Serving's status itself (the process that holds the
+    versions; a front worker forwards it there and awaits it), never through a thread."""
     return [Mount("openai-embeddings", "/v1/embeddings/", INFERENCE, embeddings,
                   pattern=re.compile(re.escape(EMBEDDINGS)), summary="OpenAI embeddings"),
             Mount("openai-models", "/v1/models/", INFERENCE, models, methods=frozenset({"GET", "HEAD"}),
-                  pattern=re.compile(re.escape(MODELS) + ids),
+                  pattern=re.compile(re.escape(MODELS) + r"(?:/[^/]+)?"),
                   summary="OpenAI model list and model (TF Serving's model status for its clients)")]
 
 
@@ -61,7 +60,7 @@ def token_mounts(generate: WSGIApp, completions: WSGIApp) -> list[Mount]:
     beside them): answered on the loop by the families in the serving process, forwarded to it
     (on the worker's loop) in a front worker (appliance/fronts/app.py). ``completions`` answers
     all of OpenAI's paths."""
-    return [generate_mount(generate), *completion_mounts(completions), *openai_mounts(completions, completions, plain_names=False)]
+    return [generate_mount(generate), *completion_mounts(completions), *openai_mounts(completions, completions)]
 
 
 def mounts_of(core: "Appliance") -> list[Mount]:

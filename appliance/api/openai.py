@@ -11,8 +11,10 @@ status and metadata ``(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/lab
 400 "Malformed request"; ``GET /v1/models`` matches the status pattern with no name, and
 TF Serving answers it 400 "Missing model name in request.". No TF Serving client can use
 those answers, so this API takes exactly those three paths. ``GET /v1/models/{id}``
-(OpenAI's ``models.retrieve``) is not served: for a plain name it *is* TF Serving's model
-status, which stays TF Serving's.
+(OpenAI's ``models.retrieve``) is answered here too, on the same path: an id with a ``:``, or
+any id an OpenAI client asks for (its ``X-Stainless-Lang`` header), is an OpenAI model object;
+a plain name is TF Serving's model status, its bytes as TF Serving's own handler writes them
+(``V1API``, awaited here, so a TF Serving client sees no change).
 
 **Model ids**: ``name`` (what an unversioned TF Serving request gets: the serving version,
 routed as such during a rollout), ``name:<version>`` (digits) or ``name:<label>``. ``:``
@@ -157,8 +159,10 @@ class OpenAIAPI(AsyncFamily):
 
     # -- GET /v1/models, GET /v1/models/{name:tag} -----------------------------------------------
     async def _models(self, environ: WSGIEnvironment, path: str) -> FamilyAnswer:
-        """(the front path's loop) The list, or one id; a plain name is TF Serving's model status.
-        The versions are looked at on the loop's executor (a first look may load a tokenizer)."""
+        """(the front path's loop) The list, or one id; a plain name is TF Serving's model status
+        (``V1API``'s answer, on this loop: in one process and, forwarded by a front worker, in the
+        serving process alike). The versions are looked at on the loop's executor (a first look
+        may load a tokenizer)."""
         if path != MODELS and ":" not in path and not environ.get("HTTP_X_STAINLESS_LANG"):
             return await self._tf_serving(environ)
         try:

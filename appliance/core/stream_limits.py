@@ -17,12 +17,15 @@ holds a few bytes). Within both:
 joins its model's queue (at most ``generation.max_queued_per_model`` waiting) and is admitted
 when a stream ends; it is refused (``Unavailable``: 503 + Retry-After, naming why) only when
 that queue is full or it waited ``generation.queue_timeout_s``. **Fair shares without
-reservations**: when room frees, the waiting request of the model with the fewest running
-streams goes first (oldest first among equals): an idle model's first request overtakes a busy
-model's queue, and a model alone may use the whole pool, whatever the number of models. A
-request that has waited ``HOLD_AFTER_S`` (1 s) at the head of the queue short of cache bytes
-holds the bytes that free until its streams fit, and goes first: large rows are never starved
-by small ones.
+reservations**: when room frees, the waiting request of the model that holds the least of the
+cache goes first (``held``: its running streams' cache bytes, each stream counted at least
+``STREAM_FLOOR_BYTES``, so a stream without a cache costs a small fixed amount; oldest first
+among equals). Bytes, not a count: a stream of one model may hold 64 KiB and one of another
+4 MiB, and counting streams would let the large rows take most of the memory. An idle model's
+first request overtakes a busy model's queue, and a model alone may use the whole pool, whatever
+the number of models. A request that has waited ``HOLD_AFTER_S`` (1 s) at the head of the queue
+short of cache bytes holds the bytes that free until its streams fit, and goes first: large rows
+are never starved by small ones.
 
 **Waiting without a thread**: ``reserve`` is ``admit`` for a request answered on an event loop
 (appliance/api/openai.py, generate.py): the same queue, order, deadline and refusals, awaited,
@@ -52,6 +55,10 @@ if TYPE_CHECKING:
 
 MODELS_TTL_S = 2.0  # how long the set of generative models is reused before it is read again
 HOLD_AFTER_S = 1.0  # a waiter short of cache bytes this long holds the room that frees (``_next``)
+# What a stream counts in the fair order at least (``_next``): one without a cache (a
+# generate_step that feeds its history) still holds its tokens and buffers, and a model of many
+# such streams must not look as if it held nothing.
+STREAM_FLOOR_BYTES = 4 << 10
 
 
 class LimitsConfig(Protocol):
@@ -107,6 +114,7 @@ class StreamLimits:
         self.cache_total = cache_total or (lambda: 0)  # bytes the streams' caches may hold; 0: no bound
         self.running: dict[str, int] = {}
         self.cache_used: dict[str, int] = {}  # cache bytes held by each model's running streams
+        self.held: dict[str, int] = {}  # what each model holds in the fair order (module docstring)
         self.waiting: list[Waiter] = []
         self._ready = threading.Condition(lock or threading.Lock())
         self._seq = itertools.count()
@@ -252,11 +260,11 @@ class StreamLimits:
 
     def _next(self, config: LimitsConfig) -> Waiter | None:
         """(lock) The waiter that goes next, if any fits: of those that fit, the one whose model
-        runs the fewest streams (then the oldest). But the oldest waiter, once it has waited
-        ``HOLD_AFTER_S`` short of cache bytes, holds those that free until it fits, and then goes
-        first (a wait for a count keeps the fair order): a
-        model with large rows is not overtaken forever by a stream of small ones (vLLM's queue is
-        first come first served for the same reason)."""
+        holds the least of the cache (``held``: bytes, not streams; then the oldest). But the
+        oldest waiter, once it has waited ``HOLD_AFTER_S`` short of cache bytes, holds those that
+        free until it fits, and then goes first (a wait for a count keeps the fair order): a model
+        with large rows is not overtaken forever by a stream of small ones (vLLM's queue is first
+        come first served for the same reason)."""
         if not self.waiting:
             return None
         oldest = self.waiting[0]  # appended in arrival order
@@ -266,7 +274,7 @@ class StreamLimits:
         if oldest.holding and self._refusal(oldest.model, oldest.count, oldest.each, config) is None:
             return oldest
         fitting = [w for w in self.waiting if self._refusal(w.model, w.count, w.each, config) is None]
-        return min(fitting, key=lambda w: (self.running.get(w.model, 0), w.seq)) if fitting else None
+        return min(fitting, key=lambda w: (self.held.get(w.model, 0), w.seq)) if fitting else None
 
     def _short_of_cache(self, waiter: Waiter) -> bool:
         budget = self.cache_total()
@@ -276,6 +284,7 @@ class StreamLimits:
         self.running[model] = self.running.get(model, 0) + count
         if each:
             self.cache_used[model] = self.cache_used.get(model, 0) + count * each
+        self.held[model] = self.held.get(model, 0) + count * max(each, STREAM_FLOOR_BYTES)
 
     def _refusal(self, model: str, count: int, each: int, config: LimitsConfig) -> str | None:
         """Why ``count`` more streams of ``model`` (``each`` cache bytes apiece) cannot start now;
@@ -310,6 +319,11 @@ class StreamLimits:
             self.cache_used[model] = held
         else:
             self.cache_used.pop(model, None)
+        weight = self.held.get(model, 0) - max(each, STREAM_FLOOR_BYTES)
+        if weight > 0:
+            self.held[model] = weight
+        else:
+            self.held.pop(model, None)
         if self.waiting:
             self._notify()
 

@@ -260,9 +260,11 @@ def _names_a_region(environ: WSGIEnvironment) -> bool:
 
 def hot_mounts(core: ServingCore, regions: "SharedMemory | None" = None) -> list[Mount]:
     """What the front path answers on its loop: TF Serving's predict/classify/regress and KServe
-    v2's infer (the requests whose JSON is the work). Metadata, model status, health and
-    everything else goes to the fallback: cheap to answer there, and always answered by the
-    process that holds the versions. ``regions``: the serving process's shared memory."""
+    v2's infer (the requests whose JSON is the work), and in a worker the token mounts, forwarded
+    (OpenAI's ``/v1/models[/{id}]`` among them, TF Serving's status of a plain name included: the
+    serving process answers it on its loop). Metadata, other status, health and everything else
+    goes to the fallback: cheap to answer there, and always answered by the process that holds
+    the versions. ``regions``: the serving process's shared memory."""
     from appliance.api.kserve.rest import V2API
     from appliance.api.kserve.service import V2Service
     from appliance.api.mounts import INFERENCE

@@ -185,3 +185,65 @@ def test_a_large_request_at_the_head_is_not_overtaken_forever(monkeypatch: pytes
         assert limits.cache_used == {"small": ROW}
 
     asyncio.run(run())
+
+
+def test_the_freed_room_goes_to_the_model_holding_fewer_bytes() -> None:
+    """Fair shares count bytes, not streams: "big" runs one 4 MiB row, "small" three 64 KiB rows
+    (fewer streams, but 16x the bytes for big). Both queue (the count ceiling is reached; big
+    first), a small stream ends and either waiter would fit: small goes first, since it holds
+    128 KiB against big's 4 MiB. (Counting streams, big, with one against two, went first.)"""
+    small, big = 64 << 10, 4 << 20
+    limits, lock = _limits(64 << 20, Config(max_streams=4))
+
+    async def run() -> None:
+        await limits.reserve("big", 1, each=big)
+        for _ in range(3):
+            await limits.reserve("small", 1, each=small)
+        big_waiter = asyncio.ensure_future(limits.reserve("big", 1, each=big))
+        await asyncio.wait_for(_until(lambda: len(limits.waiting) == 1), 30)
+        small_waiter = asyncio.ensure_future(limits.reserve("small", 1, each=small))
+        await asyncio.wait_for(_until(lambda: len(limits.waiting) == 2), 30)
+        assert [w.model for w in limits.waiting] == ["big", "small"]  # big came first
+        with lock:
+            limits.leave("small", small)  # one slot frees: either waiter fits
+        ticket = await asyncio.wait_for(small_waiter, 30)
+        assert ticket.model == "small" and not big_waiter.done()
+        assert limits.cache_used == {"big": big, "small": 3 * small} and limits.running == {"big": 1, "small": 3}
+        with lock:
+            limits.leave("small", small)
+        await asyncio.wait_for(big_waiter, 30)  # the next freed slot: big's turn
+        assert limits.cache_used == {"big": 2 * big, "small": 2 * small}
+
+    asyncio.run(run())
+
+
+def test_streams_without_a_cache_count_a_fixed_cost() -> None:
+    """A stream without a cache counts ``STREAM_FLOOR_BYTES`` (not nothing, not a row): "bare"
+    runs two such streams, "cached" one stream of three floors' bytes. Both queue (cached first);
+    a bare stream ends: bare holds one floor against cached's three, and goes first (counting
+    streams, one each, the older waiter, cached, went first)."""
+    from appliance.core.stream_limits import STREAM_FLOOR_BYTES
+
+    limits, lock = _limits(64 << 20, Config(max_streams=3))
+
+    async def run() -> None:
+        for _ in range(2):
+            await limits.reserve("bare", 1, each=0)
+        await limits.reserve("cached", 1, each=3 * STREAM_FLOOR_BYTES)
+        assert limits.held == {"bare": 2 * STREAM_FLOOR_BYTES, "cached": 3 * STREAM_FLOOR_BYTES}
+        cached_waiter = asyncio.ensure_future(limits.reserve("cached", 1, each=3 * STREAM_FLOOR_BYTES))
+        await asyncio.wait_for(_until(lambda: len(limits.waiting) == 1), 30)
+        bare_waiter = asyncio.ensure_future(limits.reserve("bare", 1, each=0))
+        await asyncio.wait_for(_until(lambda: len(limits.waiting) == 2), 30)
+        with lock:
+            limits.leave("bare", 0)  # bare holds one floor now, cached three: bare goes first
+        assert (await asyncio.wait_for(bare_waiter, 30)).model == "bare" and not cached_waiter.done()
+        with lock:
+            limits.leave("bare", 0)
+        await asyncio.wait_for(cached_waiter, 30)
+        for model, each in (("bare", 0), ("cached", 3 * STREAM_FLOOR_BYTES), ("cached", 3 * STREAM_FLOOR_BYTES)):
+            with lock:
+                limits.leave(model, each)
+        assert limits.held == {} and limits.running == {}
+
+    asyncio.run(run())

@@ -1,6 +1,7 @@
 """The admission queue of token streams (appliance/core/stream_limits.py): a burst waits for
 room instead of a 503; a refusal only when a model's queue is full or the wait ran out; the
-model with the fewest running streams goes first when room frees."""
+model holding the least of the cache goes first when room frees (here no stream holds a cache:
+each counts the same fixed cost, so the fewest running streams; bytes: test_stream_limits_cache.py)."""
 
 from __future__ import annotations
 

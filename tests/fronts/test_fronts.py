@@ -366,7 +366,8 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
     """A request a worker forwards whole that the serving process's front path takes (a v2
     infer naming shared-memory regions is one: only that process reads the regions) is
     answered on its loop by the API family, as in one process: not through the WSGI app and
-    its thread pool. Anything else forwarded still goes to the app."""
+    its thread pool; so is ``GET /v1/models/{name}`` (TF Serving's model status, on OpenAI's model
+    path). Anything else forwarded still goes to the app."""
     from appliance.fronts import messages as m
 
     called: list[str] = []
@@ -389,8 +390,10 @@ def test_forwarded_inference_is_answered_on_the_serving_loop(models_dir: Path, t
         reply = forwarded("POST", "/v2/models/nope/infer", body)
         assert reply.status.startswith("404") and b"nope" in reply.body, reply  # the family's own error, on the loop too
         assert called == []
-        reply = forwarded("GET", f"/v1/models/{MLP}")
-        assert (reply.status, reply.body, called) == ("200 OK", b"the app", [f"/v1/models/{MLP}"])
+        reply = forwarded("GET", f"/v1/models/{MLP}")  # TF Serving's model status: on the loop too (issue 45)
+        assert reply.status == "200 OK" and b"model_version_status" in reply.body and called == [], reply
+        reply = forwarded("GET", f"/v1/models/{MLP}/metadata")
+        assert (reply.status, reply.body, called) == ("200 OK", b"the app", [f"/v1/models/{MLP}/metadata"])
         assert front._runs == 0  # those answered on the loop counted in flight while they ran, and out
 
 
