@@ -58,7 +58,8 @@ from appliance.fronts.keeper import Keeper
 from appliance.core.config import Config
 from appliance.fronts.health import RestartCounters, process_memory, serving_report
 from appliance.fronts.serving import FrontService
-from appliance.transport.http.server import bound_beside, connection_cap, initial_stats, reserve_port
+from appliance.transport.http.server import initial_stats
+from appliance.transport.http.sockets import bound_beside, connection_cap, reserve_port
 from appliance.fronts.backoff import QUICK_EXIT_S
 from appliance.fronts.supervisor import Exit, Supervisor
 

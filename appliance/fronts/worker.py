@@ -78,7 +78,7 @@ PARENT_CHECK_S = 1.0
 # /healthz is answered by the worker itself while the serving process sent it something this
 # recently (its loop turns: appliance/fronts/app.py ``FrontApp.route``), else forwarded there.
 HEARD_S = 1.0
-LISTEN_BACKLOG = 1024  # as appliance/transport/http/server.py's listen: bursts wait in the kernel
+LISTEN_BACKLOG = 1024  # as appliance/transport/http/sockets.py's listen: bursts wait in the kernel
 
 
 class Worker:

@@ -133,7 +133,7 @@ class LeanServer(LoopThread):
     def add_insecure_port(self, address: str, reuse_port: bool = False) -> int:
         """``host:port`` or ``[v6]:port`` (port 0: any free one) or ``unix:PATH``; the port bound.
         ``reuse_port``: one of several processes' listeners on a port held for them
-        (appliance/transport/http/server.py ``reserve_port``; SO_REUSEPORT)."""
+        (appliance/transport/http/sockets.py ``reserve_port``; SO_REUSEPORT)."""
         try:
             if address.startswith("unix:"):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

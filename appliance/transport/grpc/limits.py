@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from appliance.transport.http.server import FD_RESERVE
+from appliance.transport.http.sockets import FD_RESERVE
 
 if TYPE_CHECKING:
     from typing import Protocol
