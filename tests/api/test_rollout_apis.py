@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from tests.support.servers import free_port
-from tests.core.test_rollout import build, decisions, write_config
+from tests.core.test_rollout import built_variants, decisions, write_config
 
 MODELS = {  # model -> (version 2 variant, rollout mode)
     "shadow_same": ("same", "shadow"),
@@ -35,11 +35,8 @@ EXPECTED = {"shadow_same": ("promote", "all gates held"), "shadow_drift": ("abor
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("rollout-api-models")
-    for variant in ("base", "same", "drift", "flaky"):
-        build(out / variant, variant)
-    return out
+def variants() -> Path:
+    return built_variants()  # built once for this file and tests/core/test_rollout.py
 
 
 def tfs_grpc_client(server: Any) -> Callable[[str, float], list[float]]:

@@ -8,6 +8,8 @@ that clients hit it and must still get answers). Every client request must succe
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
 import shutil
 import threading
@@ -16,6 +18,8 @@ from typing import Any
 
 import pytest
 import requests
+
+from tests.support.cache import built_once
 
 ADMIN = "rollout-test-admin-token-0123456789"
 MODELS = {  # model -> (version 2 variant, rollout mode)
@@ -47,12 +51,24 @@ def build(path: Path, variant: str) -> None:
     tf.saved_model.save(m, str(path), signatures={"serving_default": m.serve.get_concrete_function()})
 
 
+VARIANTS = ("base", "same", "slow", "drift", "flaky")
+
+
+def built_variants() -> Path:
+    """``<cache>/rollout-<hash>/<variant>`` for every variant, built once (tests/support/cache.py)
+    for this file and tests/api/test_rollout_apis.py, keyed by ``build``'s source: the tests only
+    copy from it."""
+    digest = hashlib.sha256((inspect.getsource(build) + repr(VARIANTS)).encode()).hexdigest()[:12]
+
+    def build_all(folder: Path) -> None:
+        for variant in VARIANTS:
+            build(folder / variant, variant)
+    return built_once(f"rollout-{digest}", build_all)
+
+
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("rollout-models")
-    for variant in ("base", "same", "slow", "drift", "flaky"):
-        build(out / variant, variant)
-    return out
+def variants() -> Path:
+    return built_variants()
 
 
 def write_config(tmp_path: Path, base: Path, models: dict[str, tuple[str, str]] = MODELS,
