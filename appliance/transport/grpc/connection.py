@@ -300,7 +300,8 @@ class Connection(Bounds, Admission, asyncio.Protocol):
         self.release(stream)
         stream.message_bytes = len(message)
         self.hold(len(message))
-        context = Context(request.metadata, request.deadline, self.peer, server.alone if server.tells_alone else None)
+        context = Context(request.metadata, request.deadline, self.peer,
+                          server.alone if server.tells_alone else None)  # the call's lone-call predicate
         self.calls += 1
         server.in_flight += 1  # counted from here, so a burst read at once is not "alone"
         stream.task = server.loop.create_task(self.call(stream, request.method, message, context))
