@@ -438,6 +438,15 @@ def test_a_lone_run_from_the_workers_is_told_it_is_alone(models_dir: Path, tmp_p
             reply = call(lambda ident: m.Forward(ident, environ, body))
             assert isinstance(reply, m.Answer) and reply.status == "200 OK", reply
         assert told == [True] * 6 and front._runs == 0
+        # a gRPC call a worker forwards: the context rides on its call context (KServe ModelInfer)
+        from appliance.protos.kserve import pb
+
+        grpc_request = pb.ModelInferRequest(model_name=MLP)
+        grpc_request.inputs.add(name="x", datatype="FP32", shape=[1, 64]).contents.fp32_contents.extend(ROW)
+        reply = call(lambda ident: m.GrpcCall(ident, "/inference.GRPCInferenceService/ModelInfer",
+                                              grpc_request.SerializeToString(), m.metadata(()), None, "ipv4:127.0.0.1:1"))
+        assert isinstance(reply, m.GrpcDone), reply
+        assert told == [True] * 7 and front._runs == 0
 
 
 def test_grpc_through_the_workers_answers_as_one_process(start_server: Any, models_dir: Path, tmp_path: Path) -> None:
