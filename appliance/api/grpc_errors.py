@@ -13,6 +13,7 @@ from typing import Awaitable, Callable, Iterator, Mapping, NoReturn, Protocol, S
 import grpc
 
 from appliance.core.errors import ApplianceError
+from appliance.core.request_context import RequestContext, of_grpc
 from appliance.core.seams import RequestMetrics
 
 log = logging.getLogger("appliance.grpc")
@@ -42,6 +43,21 @@ def guarded(fn: Callable[[Req], Awaitable[Resp]], method: str,
     async def call(request: Req, context: CallContext) -> Resp:
         try:
             return await fn(request)
+        except Exception as exc:
+            code, message = _status(exc, method, codes, context)
+        await context.abort(code, message)
+    return call
+
+
+def guarded_run(fn: Callable[[Req, RequestContext], Awaitable[Resp]], method: str,
+                codes: Mapping[type, str] | None = None) -> Callable[[Req, CallContext], Awaitable[Resp]]:
+    """``guarded`` for a method that runs a model: ``fn(request, context)``, ``context`` the
+    call's ``RequestContext``, made of what its server's call context tells
+    (appliance/core/request_context.py ``of_grpc``: the lean server's lone-call predicate;
+    grpcio tells none, never alone)."""
+    async def call(request: Req, context: CallContext) -> Resp:
+        try:
+            return await fn(request, of_grpc(context))
         except Exception as exc:
             code, message = _status(exc, method, codes, context)
         await context.abort(code, message)

@@ -73,6 +73,7 @@ from appliance.api.families import EMBEDDINGS, MODELS, completion_mounts, openai
 from appliance.api.family import Answer as FamilyAnswer
 from appliance.api.family import AsyncFamily, Streamed
 from appliance.api.sse import client_gone, off_loop, waiting_gone
+from appliance.core.request_context import of_environ
 from appliance.core.seams import TokenStreams
 from appliance.core.token_streams import LocalTokenStreams, TokenRequest
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
@@ -388,7 +389,7 @@ class OpenAIAPI(AsyncFamily):
         handle, sig, feeds, tokens = await off_loop(lambda: self._embed_feeds(manager, environ, body),
                                                     lambda planned: planned[0].release())
         with handle:
-            outputs = await handle.run(sig.name, feeds)
+            outputs = await handle.run(sig.name, feeds, of_environ(environ))
             return await off_loop(lambda: orjson.dumps(embeddings.answer(
                 body, embeddings.vectors(outputs, body["model"]), f"{handle.model}:{handle.version}", tokens)))
 

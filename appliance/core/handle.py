@@ -33,7 +33,7 @@ from runtimes import RuntimeFailure, Servable, SignatureInfo, TensorSpec
 
 from appliance.core.batcher import Batcher
 from appliance.core.errors import ApplianceError, InvalidArgument, from_runtime
-from appliance.core.request_context import NO_CONTEXT, RequestContext, from_call
+from appliance.core.request_context import NO_CONTEXT, RequestContext
 
 if TYPE_CHECKING:
     from appliance.core.inference_stats import InferenceStats
@@ -124,10 +124,10 @@ class Handle:
     async def run(self, signature: str, inputs: Mapping[str, np.ndarray],
                   context: RequestContext | None = None) -> dict[str, np.ndarray]:
         """The outputs of ``signature`` on ``inputs`` (batched, routed, tallied). ``context``:
-        the request's scheduling hints, handed to the batch queue; None: what the call's server
-        set (appliance/core/request_context.py ``from_call``)."""
+        the request's scheduling hints, handed to the batch queue (appliance/core/request_context.py);
+        None: no hints (never alone)."""
         if context is None:
-            context = from_call()
+            context = NO_CONTEXT
         route = self._route
         metrics = self._manager.metrics
         stats = metrics.inference if metrics is not None else None

@@ -87,7 +87,7 @@ class ModelHandle(Protocol):
                   context: "RequestContext | None" = None) -> dict[str, np.ndarray]:
         """The outputs of ``signature`` on ``inputs``, through the version's batch queue.
         ``context``: the request's scheduling hints (appliance/core/request_context.py), made
-        where it arrived; None: what its server set for the call, if anything."""
+        where it arrived; None: no hints (never alone)."""
 
     def release(self) -> None: ...
 

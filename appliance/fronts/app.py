@@ -20,7 +20,6 @@ the serving process), which answers and counts it exactly as it would alone.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import io
 import queue
 
@@ -36,6 +35,7 @@ from appliance.api.family import Answer, AsyncFamily, Streamed
 from appliance.api.mounts import PROBE_PATHS, Mount, Mounts, normal, raw_path
 from appliance.api.sse import client_gone
 from appliance.core.errors import ApplianceError
+from appliance.core.request_context import RequestContext
 from appliance.core.seams import ServingCore
 from appliance.fronts import messages as m
 from appliance.fronts.link import Link
@@ -288,11 +288,12 @@ def serving_token_mounts(core: "Appliance") -> list[Mount]:
     return token_mounts(GenerateAPI(core), OpenAIAPI(core))
 
 
-def facing(alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None" = None) -> AppFacing:
+def facing(batches: bool = False) -> AppFacing:
     """What the HTTP server needs to know of this app: probes are never shed, the errors it
-    writes itself are ``{"error": ...}``, and (in the process that batches) how a lone call is
-    told apart."""
-    return AppFacing(frozenset(p.encode() for p in PROBE_PATHS), error_body, alone_var)
+    writes itself are ``{"error": ...}``, and (``batches``: in the process that batches) each
+    fast request carries a ``RequestContext`` telling a lone call apart
+    (appliance/core/request_context.py)."""
+    return AppFacing(frozenset(p.encode() for p in PROBE_PATHS), error_body, RequestContext if batches else None)
 
 
 def serving_front(core: "Appliance", app: WSGIApp) -> FrontApp:

@@ -10,9 +10,9 @@ Messages are the structs of appliance/fronts/messages.py.
   queue takes requests from every worker. A run that is the only call in flight from all the
   workers (Run, GrpcCall, a Forward answered on the loop: ``_runs``) is told so: a ``Run`` by the
   ``RequestContext`` made here and passed to ``handle.run`` (core/request_context.py), a forwarded
-  call through ``CALL_ALONE``, which ``Handle.run`` reads when its API family passes no context;
-  so a quick model's lone call runs on this loop instead of paying two thread hand-offs, and
-  a slow one's gets every core, as in one process. Inputs the answering version's signature cannot
+  request on its environ (``ENVIRON_KEY``), a forwarded gRPC call on its call context (``alone``),
+  where its API family reads it; so a quick model's lone call runs on this loop instead of
+  paying two thread hand-offs, and a slow one's gets every core, as in one process. Inputs the answering version's signature cannot
   take (decoded against a view older than a swap to another signature) run on the version
   they were decoded for while it is loaded, else are answered 503, retry (``_answering``).
 - ``Resolve``: what the worker's serving view cannot answer, with the manager's errors.
@@ -60,7 +60,7 @@ from appliance.fronts.app import serving_front
 from appliance.fronts import view as serving_view
 from appliance.core.errors import ApplianceError, Unavailable
 from appliance.core.handle import shape_error
-from appliance.core.request_context import CALL_ALONE, RequestContext
+from appliance.core.request_context import ENVIRON_KEY, RequestContext
 from appliance.fronts.view import ServingView, version_view
 from appliance.transport.channel import ChannelProtocol, Codec
 from appliance.transport.grpc.calls import Abort, CallDetails, Context
@@ -255,11 +255,10 @@ class FrontService:
     async def _grpc(self, proto: Channel, call: m.GrpcCall) -> None:
         """A gRPC call a worker forwarded, answered by this process's handler for it, as from
         the worker's client (``call.peer``: who may use shared memory is judged by it)."""
-        CALL_ALONE.set(self._alone)  # this task's own context: its API family passes no context yet
         ident, method, request = call.id, call.method, call.request
         pairs = tuple(m.pairs(call.metadata))
         deadline = None if call.seconds_left is None else time.monotonic() + call.seconds_left
-        context = Context(pairs, deadline, call.peer)
+        context = Context(pairs, deadline, call.peer, self._alone)  # its family makes the RequestContext of it
         handler = self._grpc_handler(method, pairs)
         try:
             if handler is None:
@@ -318,7 +317,7 @@ class FrontService:
     async def _fast(self, proto: Channel, ident: int, answer: FastHandler, environ: WSGIEnvironment) -> None:
         """(loop) A forwarded request the front path answers here, whole or streamed (a token
         stream: ``Start``, a ``Chunk`` per chunk, ``End``); the worker's ``Cancel`` cancels it."""
-        CALL_ALONE.set(self._alone)  # this task's own context: its API family passes no context yet
+        environ[ENVIRON_KEY] = self._context  # the request's context, as the HTTP server puts it in one process
         counted = True
         try:
             status, headers, body = await answer(environ)

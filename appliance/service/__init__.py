@@ -37,7 +37,6 @@ from appliance.core.appliance import Appliance
 from appliance.core.config import Config
 from appliance.core.config_file import load as load_config
 from appliance.core.errors import ConfigError
-from appliance.core.request_context import CALL_ALONE
 from appliance.fronts.app import facing, serving_front
 from appliance.fronts.pool import Fronts
 from appliance.fronts.shares import workers_for
@@ -104,7 +103,7 @@ class Service:
             # one process: the same front path as a worker's, on the core's own seams (appliance/fronts/app.py)
             front = serving_front(self.core, self.app)
             self.server = HTTPServer(front, c.host, c.port, c.threads, c.max_body_bytes, self.config.limits, context,
-                                     fast=front, facing=facing(CALL_ALONE))
+                                     fast=front, facing=facing(batches=True))
         server = self.server
         self.core.add_status("http", lambda: server.stats)  # live connection and shedding figures
 

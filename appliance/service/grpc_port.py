@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any
 from appliance.api.auth import grpc_interceptor
 from appliance.api.kserve import grpc_service as v2_grpc
 from appliance.api.tfserving import grpc_service as tfs_grpc
-from appliance.core.request_context import CALL_ALONE
 from appliance.fronts.pool import Fronts
 from appliance.core.grpc_tls import GRPCTLS, grpc_tls
 from appliance.transport.grpc import nghttp2
@@ -162,8 +161,8 @@ class GRPCServer:
         limits = grpc_limits(cfg, rest)
         self.transport, self.fallback = transport_of(cfg)
         self.tls = grpc_tls(service.config)
-        if self.transport == "lean":  # it tells each call whether it is alone (core/request_context.py CALL_ALONE)
-            self.server: Any = LeanServer(threads, options, interceptors, alone_var=CALL_ALONE, limits=limits)
+        if self.transport == "lean":  # it tells each call whether it is alone (core/request_context.py of_grpc)
+            self.server: Any = LeanServer(threads, options, interceptors, tells_alone=True, limits=limits)
         else:  # grpcio's names for the bounds it has
             options += [("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
                         ("grpc.max_metadata_size", cfg.max_metadata_size),

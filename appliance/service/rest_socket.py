@@ -23,7 +23,6 @@ import stat
 import threading
 from typing import TYPE_CHECKING, Any
 
-from appliance.core.request_context import CALL_ALONE
 from appliance.fronts.app import facing, serving_front
 from appliance.transport.http.server import HTTPServer
 
@@ -91,7 +90,7 @@ class RestSocket:
         sock = unix_listener(path, int(cfg.server.socket_mode, 8), cfg.server.socket_group)
         front = serving_front(service.core, service.app)  # the same front path as the TCP port's
         self.server = HTTPServer(front, "localhost", 0, cfg.server.threads, cfg.server.max_body_bytes,
-                                 cfg.limits, None, sock=sock, fast=front, facing=facing(CALL_ALONE))
+                                 cfg.limits, None, sock=sock, fast=front, facing=facing(batches=True))
         self.thread = threading.Thread(target=self.server.serve_forever, name="http-unix", daemon=True)
         self.thread.start()
         section = {"path": path, "mode": cfg.server.socket_mode, "group": cfg.server.socket_group or None}

@@ -402,7 +402,8 @@ def test_a_lone_run_from_the_workers_is_told_it_is_alone(models_dir: Path, tmp_p
     """A RUN that is the only one in flight from all the workers reaches the batch queue with a
     request context saying so, passed along the call (core/request_context.py; a quick model's
     lone call then runs on the serving loop, core/batcher.py); once it is answered, or has
-    failed, the next is alone again."""
+    failed, the next is alone again. So is a request forwarded whole (its environ carries the
+    context to its REST family)."""
     from appliance.core import batcher as batcher_module
     from appliance.core.request_context import RequestContext
     from appliance.fronts import messages as m
@@ -427,6 +428,25 @@ def test_a_lone_run_from_the_workers_is_told_it_is_alone(models_dir: Path, tmp_p
         assert isinstance(run(9), m.Failed)  # no such version: failed, and no longer in flight
         assert isinstance(run(None), m.Ran)
         assert told == [True] * 4 and front._runs == 0
+        # a request a worker forwards whole, answered by its REST family on this loop: the
+        # context rides on its environ, and the family hands it to ``run`` (KServe, TF Serving)
+        infer = json.dumps({"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": ROW}]}).encode()
+        predict = json.dumps({"instances": [ROW]}).encode()
+        for path, body in ((f"/v2/models/{MLP}/infer", infer), (f"/v1/models/{MLP}:predict", predict)):
+            environ = {"REQUEST_METHOD": "POST", "PATH_INFO": path, "REQUEST_URI": path,
+                       "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json", "wsgi.url_scheme": "http"}
+            reply = call(lambda ident: m.Forward(ident, environ, body))
+            assert isinstance(reply, m.Answer) and reply.status == "200 OK", reply
+        assert told == [True] * 6 and front._runs == 0
+        # a gRPC call a worker forwards: the context rides on its call context (KServe ModelInfer)
+        from appliance.protos.kserve import pb
+
+        grpc_request = pb.ModelInferRequest(model_name=MLP)
+        grpc_request.inputs.add(name="x", datatype="FP32", shape=[1, 64]).contents.fp32_contents.extend(ROW)
+        reply = call(lambda ident: m.GrpcCall(ident, "/inference.GRPCInferenceService/ModelInfer",
+                                              grpc_request.SerializeToString(), m.metadata(()), None, "ipv4:127.0.0.1:1"))
+        assert isinstance(reply, m.GrpcDone), reply
+        assert told == [True] * 7 and front._runs == 0
 
 
 def test_grpc_through_the_workers_answers_as_one_process(start_server: Any, models_dir: Path, tmp_path: Path) -> None:

@@ -32,9 +32,10 @@ from google.protobuf.message import Message
 from appliance.api.kserve import classification, codec
 from appliance.api.kserve import shared_memory as shm
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound
-from appliance.api.grpc_errors import CallContext, guarded, observed
+from appliance.api.grpc_errors import CallContext, guarded, guarded_run, observed
 from appliance.core.config import LimitsConfig
 from appliance.core.json_types import JSONScalar
+from appliance.core.request_context import NO_CONTEXT, RequestContext
 from appliance.core.shared_memory import SharedMemory
 from appliance.protos.kserve import model_config_pb2, pb
 from appliance.api.kserve.rest import parse_version
@@ -102,7 +103,7 @@ class V2GRPC:
             _unary("ModelReady", pb.ModelReadyRequest, pb.ModelReadyResponse, self.model_ready),
             _unary("ServerMetadata", pb.ServerMetadataRequest, pb.ServerMetadataResponse, self.server_metadata),
             _unary("ModelMetadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse, self.model_metadata),
-            _unary("ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse, self.model_infer),
+            _unary_run("ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse, self.model_infer),
             _unary("ModelStatistics", pb.ModelStatisticsRequest, pb.ModelStatisticsResponse, self.model_statistics),
             _unary("ModelConfig", pb.ModelConfigRequest, pb.ModelConfigResponse, self.model_config),
             _unary("RepositoryIndex", pb.RepositoryIndexRequest, pb.RepositoryIndexResponse, self.repository_index),
@@ -268,13 +269,14 @@ class V2GRPC:
             for task in (reader, *tasks):
                 task.cancel()
 
-    async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def model_infer(self, request: pb.ModelInferRequest,
+                          context: RequestContext = NO_CONTEXT) -> pb.ModelInferResponse:
         with observed(self.core.metrics, request.model_name, "v2_infer"):
             regions = self.service.regions
             inputs = _inputs(request, self.core.config.limits, regions)
             requested = [_requested(o, regions) for o in request.outputs] or None
             result = await self.service.infer(request.model_name, _grpc_version(request.model_version), inputs,
-                                              requested, _parameters(request.parameters))
+                                              requested, _parameters(request.parameters), context=context)
             response = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version),
                                              id=request.id)
             for tensor, _ in result.outputs:
@@ -289,6 +291,14 @@ def _unary(name: str, request: type[Req], response: type[Resp], fn: Callable[[Re
     """One unary method's handler: its messages' codecs, its errors as statuses, the caller set."""
     return name, grpc.unary_unary_rpc_method_handler(
         _with_caller(guarded(fn, name)), request_deserializer=request.FromString,
+        response_serializer=response.SerializeToString)
+
+
+def _unary_run(name: str, request: type[Req], response: type[Resp], fn: Callable[[Req, RequestContext], Awaitable[Resp]]
+               ) -> tuple[str, grpc.RpcMethodHandler]:
+    """``_unary`` for a method that runs a model: ``fn`` is given the call's ``RequestContext``."""
+    return name, grpc.unary_unary_rpc_method_handler(
+        _with_caller(guarded_run(fn, name)), request_deserializer=request.FromString,
         response_serializer=response.SerializeToString)
 
 

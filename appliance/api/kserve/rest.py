@@ -29,6 +29,7 @@ from appliance.api.kserve import shared_memory as shm
 from appliance.core.config import LimitsConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, MethodNotAllowed, NotFound
 from appliance.core.json_types import JSONArray, JSONObject
+from appliance.core.request_context import of_environ
 from appliance.core.shared_memory import Slice
 from appliance.core.shared_memory import SharedMemory
 from appliance.api.kserve.service import InferResult, Requested, Tensor, V2Service
@@ -156,13 +157,14 @@ class V2API(AsyncFamily):
             body = _read_body(environ, self.core.config.server.max_body_bytes)
             if _raw_binary(environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"), environ.get("HTTP_CONTENT_ENCODING")):
                 tensor = await self.service.raw_input(model, version, body)
-                result = await self.service.infer(model, version, [tensor], None, {}, True, route_key(environ))
+                result = await self.service.infer(model, version, [tensor], None, {}, True, route_key(environ),
+                                                  of_environ(environ))
                 return render_infer_response(result, None)
             request = parse_infer_request(body, environ.get("HTTP_INFERENCE_HEADER_CONTENT_LENGTH"),
                                           environ.get("HTTP_CONTENT_ENCODING"), self.core.config.limits,
                                           self.service.regions)
             result = await self.service.infer(model, version, request.inputs, request.outputs, request.parameters,
-                                              request.binary_default, route_key(environ))
+                                              request.binary_default, route_key(environ), of_environ(environ))
             return render_infer_response(result, request.id)
         except Exception as exc:
             status = exc.grpc_code if isinstance(exc, ApplianceError) else "INTERNAL"

@@ -24,6 +24,7 @@ from appliance.api.kserve import classification, codec, shared_memory
 from appliance.core.errors import InvalidArgument, NotFound, Unavailable
 from appliance.core.handle import shape_error
 from appliance.core.policy import State
+from appliance.core.request_context import NO_CONTEXT, RequestContext
 from appliance.core.seams import ModelHandle, ModelStates, RouteKey, ServingCore
 from appliance.core.shared_memory import SharedMemory, Slice
 
@@ -170,9 +171,10 @@ class V2Service:
 
     async def infer(self, name: str, version: int | None, inputs: list[Tensor], requested: list[Requested] | None,
                     parameters: Mapping[str, Parsed], binary_default: bool = False,
-                    route_key: RouteKey | None = None) -> InferResult:
+                    route_key: RouteKey | None = None, context: RequestContext = NO_CONTEXT) -> InferResult:
         """Check the decoded inputs against the signature, run them through the batcher and
-        pick the requested outputs (all of them, in signature order, when none is named)."""
+        pick the requested outputs (all of them, in signature order, when none is named);
+        ``context``: the request's (appliance/core/request_context.py)."""
         sequence = [k for k in SEQUENCE_PARAMETERS if k in parameters]
         if sequence:  # a stateful (sequence) model would need them; none here keeps state
             raise InvalidArgument(f"inference request to model '{name}' sets {', '.join(sequence)}, but the model "
@@ -187,7 +189,7 @@ class V2Service:
                          else default_signature(held))
             feeds = _feeds(signature, inputs, name)
             wanted = _wanted(signature, requested, name)
-            outputs = await held.run(signature.name, feeds)
+            outputs = await held.run(signature.name, feeds, context)
             served, path = held.version, held.path
         result = []
         for want in wanted:

@@ -34,8 +34,9 @@ from appliance.core.config import Config
 from appliance.core.config import validate as validate_config
 from appliance.core.errors import (ConfigError, FailedPrecondition, InvalidArgument, NotFound, QueueFull, Unavailable,
                                    Unimplemented)
+from appliance.core.request_context import NO_CONTEXT, RequestContext
 from appliance.core.seams import ModelStates, ServingCore
-from appliance.api.grpc_errors import guarded, observed
+from appliance.api.grpc_errors import CallContext, guarded, guarded_run, observed
 from appliance.api.tfserving.service import (CLASSIFY_METHOD, REGRESS_METHOD, classification_outputs,
                                              data_type_string, regression_values, run_examples)
 from appliance.protos.tfserving import pb
@@ -67,28 +68,39 @@ class TFServingGRPC:
         self.core, self.states, self.reload = core, states, reload
 
     def handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
-        def table(methods: dict[str, tuple[type[Message], type[Message], Callable[[Message], Awaitable[Message]]]]
-                  ) -> dict[str, grpc.RpcMethodHandler]:
+        Method = Callable[[Message, CallContext], Awaitable[Message]]
+
+        def table(methods: dict[str, tuple[type[Message], type[Message], Method]]) -> dict[str, grpc.RpcMethodHandler]:
             return {name: grpc.unary_unary_rpc_method_handler(
-                guarded(fn, name, TFS_CODES), request_deserializer=req.FromString,
+                fn, request_deserializer=req.FromString,
                 response_serializer=resp.SerializeToString) for name, (req, resp, fn) in methods.items()}
 
+        def runs(name: str, fn: Callable[[Message, RequestContext], Awaitable[Message]]) -> Method:
+            return guarded_run(fn, name, TFS_CODES)  # it runs a model: the call's context goes with it
+
+        def plain(name: str, fn: Callable[[Message], Awaitable[Message]]) -> Method:
+            return guarded(fn, name, TFS_CODES)
+
         prediction = table({
-            "Predict": (pb.PredictRequest, pb.PredictResponse, self.predict),
-            "Classify": (pb.ClassificationRequest, pb.ClassificationResponse, self.classify),
-            "Regress": (pb.RegressionRequest, pb.RegressionResponse, self.regress),
-            "MultiInference": (pb.MultiInferenceRequest, pb.MultiInferenceResponse, self.multi_inference),
-            "GetModelMetadata": (pb.GetModelMetadataRequest, pb.GetModelMetadataResponse, self.metadata),
+            "Predict": (pb.PredictRequest, pb.PredictResponse, runs("Predict", self.predict)),
+            "Classify": (pb.ClassificationRequest, pb.ClassificationResponse, runs("Classify", self.classify)),
+            "Regress": (pb.RegressionRequest, pb.RegressionResponse, runs("Regress", self.regress)),
+            "MultiInference": (pb.MultiInferenceRequest, pb.MultiInferenceResponse,
+                               runs("MultiInference", self.multi_inference)),
+            "GetModelMetadata": (pb.GetModelMetadataRequest, pb.GetModelMetadataResponse,
+                                 plain("GetModelMetadata", self.metadata)),
         })
         model = table({
-            "GetModelStatus": (pb.GetModelStatusRequest, pb.GetModelStatusResponse, self.model_status),
-            "HandleReloadConfigRequest": (pb.ReloadConfigRequest, pb.ReloadConfigResponse, self.reload_config),
+            "GetModelStatus": (pb.GetModelStatusRequest, pb.GetModelStatusResponse,
+                               plain("GetModelStatus", self.model_status)),
+            "HandleReloadConfigRequest": (pb.ReloadConfigRequest, pb.ReloadConfigResponse,
+                                          plain("HandleReloadConfigRequest", self.reload_config)),
         })
         return (grpc.method_handlers_generic_handler(PREDICTION_SERVICE, prediction),
                 grpc.method_handlers_generic_handler(MODEL_SERVICE, model))
 
     # -- PredictionService ----------------------------------------------------------------
-    async def predict(self, request: Message) -> Message:
+    async def predict(self, request: Message, context: RequestContext = NO_CONTEXT) -> Message:
         name, version, label = _spec(request.model_spec)
         with observed(self.core.metrics, name, "predict"):
             signature_name = request.model_spec.signature_name or DEFAULT_SIGNATURE
@@ -98,7 +110,7 @@ class TFServingGRPC:
                 signature = held.signatures[signature_name]
                 inputs = _inputs(request.inputs, signature)
                 wanted = _output_filter(request.output_filter, signature)
-                outputs = await held.run(signature.name, inputs)
+                outputs = await held.run(signature.name, inputs, context)
                 served = held.version
             response = pb.PredictResponse()
             _echo_spec(response.model_spec, name, served, signature_name)
@@ -106,19 +118,19 @@ class TFServingGRPC:
                 to_tensor(outputs[key], response.outputs[key])
             return response
 
-    async def classify(self, request: Message) -> Message:
+    async def classify(self, request: Message, context: RequestContext = NO_CONTEXT) -> Message:
         response = pb.ClassificationResponse()
         await self._examples_task(request.model_spec, request.input, "classify", response.model_spec,
-                                  response.result)
+                                  response.result, context)
         return response
 
-    async def regress(self, request: Message) -> Message:
+    async def regress(self, request: Message, context: RequestContext = NO_CONTEXT) -> Message:
         response = pb.RegressionResponse()
         await self._examples_task(request.model_spec, request.input, "regress", response.model_spec,
-                                  response.result)
+                                  response.result, context)
         return response
 
-    async def multi_inference(self, request: Message) -> Message:
+    async def multi_inference(self, request: Message, context: RequestContext = NO_CONTEXT) -> Message:
         if not request.tasks:
             raise InvalidArgument("Expected at least one task")
         names = {t.model_spec.name for t in request.tasks}
@@ -132,16 +144,17 @@ class TFServingGRPC:
                 raise Unimplemented(f"Unsupported signature method_name: {task.method_name}")
             result = response.results.add()
             target = result.classification_result if method == "classify" else result.regression_result
-            await self._examples_task(task.model_spec, request.input, method, result.model_spec, target)
+            await self._examples_task(task.model_spec, request.input, method, result.model_spec, target, context)
         return response
 
-    async def _examples_task(self, spec: Message, input_msg: Message, method: str, spec_out: Message, result: Message) -> None:
+    async def _examples_task(self, spec: Message, input_msg: Message, method: str, spec_out: Message, result: Message,
+                             context: RequestContext) -> None:
         name, version, label = _spec(spec)
         with observed(self.core.metrics, name, method):
             signature_name = spec.signature_name or DEFAULT_SIGNATURE
             serialized = _examples(input_msg)
             served, signature, outputs = await run_examples(self.core.handles, serialized, name, version, label,
-                                                            signature_name, method)
+                                                            signature_name, method, context=context)
             _echo_spec(spec_out, name, served, signature_name)
             if method == "classify":
                 _classifications(outputs, len(serialized), signature, result)

@@ -33,6 +33,7 @@ from appliance.api.tfserving.service import classification_outputs, regression_v
 from appliance.core.config import LimitsConfig
 from appliance.core.errors import ApplianceError, InvalidArgument, NotFound, Unavailable
 from appliance.core.json_types import JSONObject
+from appliance.core.request_context import NO_CONTEXT, RequestContext, of_environ
 from appliance.core.seams import HandleSource, ModelStates, RouteKey, ServingCore
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class V1API(AsyncFamily):
                 raw = read_body(environ, self.core.config.server.max_body_bytes)
                 limits = self.core.config.limits
                 body = await VERBS[verb](self.core.handles, _parse_object(raw, limits), model, version, label,
-                                         raw, limits, route_key(environ))
+                                         raw, limits, route_key(environ), of_environ(environ))
                 self.core.metrics.observe_request(name, verb, 200, time.perf_counter() - started)
                 return 200, body, []
             match = GET_RE.fullmatch(path) if method == "GET" else None
@@ -176,12 +177,12 @@ def _signature_name(body: ParsedObject) -> str:
 
 async def _predict(handles: HandleSource, body: ParsedObject, name: str, version: int | None, label: str | None,
                    raw: bytes | None = None, limits: LimitsConfig = tfs_json.DEFAULT_LIMITS,
-                   route_key: RouteKey | None = None) -> bytes:
+                   route_key: RouteKey | None = None, context: RequestContext = NO_CONTEXT) -> bytes:
     signature_name = _signature_name(body)
     with await handles.handle(name, version, label, route_key) as handle:
         signature = handle.signature(signature_name, f'Serving signature name: "{signature_name}" not found in signature def')
         inputs, row_format = tfs_json.decode_predict(body, signature, raw, limits)
-        outputs = await handle.run(signature.name, inputs)
+        outputs = await handle.run(signature.name, inputs, context)
     return tfs_json.encode_predict(outputs, row_format)
 
 
@@ -231,11 +232,12 @@ def _decode_features(example: ParsedObject) -> dict[str, list[object]]:
 
 
 async def _classify_regress(handles: HandleSource, body: ParsedObject, name: str, version: int | None,
-                            label: str | None, method: str, limits: LimitsConfig, route_key: RouteKey | None) -> bytes:
+                            label: str | None, method: str, limits: LimitsConfig, route_key: RouteKey | None,
+                            context: RequestContext) -> bytes:
     signature_name = _signature_name(body)
     serialized = _examples(body, method, limits)
     _, signature, outputs = await service.run_examples(handles, serialized, name, version, label,
-                                                       signature_name, method, route_key)
+                                                       signature_name, method, route_key, context)
     return tfs_json.dumps({"results": _results(method, signature, outputs, len(serialized))})
 
 
@@ -257,6 +259,8 @@ def _results(method: str, signature: SignatureInfo, outputs: dict[str, np.ndarra
 
 VERBS: dict[str, Callable[..., Awaitable[bytes]]] = {
     "predict": _predict,
-    "classify": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "classify", limits, key),
-    "regress": lambda m, body, n, v, l, raw, limits, key: _classify_regress(m, body, n, v, l, "regress", limits, key),
+    "classify": lambda m, body, n, v, l, raw, limits, key, context: _classify_regress(m, body, n, v, l, "classify",
+                                                                                    limits, key, context),
+    "regress": lambda m, body, n, v, l, raw, limits, key, context: _classify_regress(m, body, n, v, l, "regress",
+                                                                                   limits, key, context),
 }

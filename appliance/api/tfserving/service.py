@@ -14,6 +14,7 @@ import numpy as np
 from runtimes import SignatureInfo
 
 from appliance.core.errors import InvalidArgument, Unimplemented
+from appliance.core.request_context import NO_CONTEXT, RequestContext
 from appliance.core.seams import HandleSource, RouteKey
 from appliance.protos.tfserving import wire as pw
 
@@ -33,9 +34,10 @@ def data_type_string(dtype: npt.DTypeLike) -> str:
 
 async def run_examples(handles: HandleSource, serialized: np.ndarray, name: str, version: int | None,
                        label: str | None, signature_name: str, method: str,
-                       route_key: RouteKey | None = None) -> tuple[int, SignatureInfo, dict[str, np.ndarray]]:
+                       route_key: RouteKey | None = None, context: RequestContext = NO_CONTEXT
+                       ) -> tuple[int, SignatureInfo, dict[str, np.ndarray]]:
     """Run serialized tf.Examples through a classify or regress signature (REST and gRPC):
-    (the version that answered, its signature, the outputs)."""
+    (the version that answered, its signature, the outputs); ``context``: the request's."""
     with await handles.handle(name, version, label, route_key) as held:
         signature = held.signature(signature_name, f"No signature was found with the name: {signature_name}")
         if "inputs" not in signature.inputs or len(signature.inputs) != 1:
@@ -46,7 +48,7 @@ async def run_examples(handles: HandleSource, serialized: np.ndarray, name: str,
                     else "install the TensorFlow extra: pip install 'edge-appliance[tf]'")
             raise Unimplemented(f":{method} feeds serialized tf.Example protos, which needs a TensorFlow backend, "
                                 f"but {name} version {held.version} is served by {held.platform}; {hint}")
-        outputs = await held.run(signature.name, {"inputs": serialized})
+        outputs = await held.run(signature.name, {"inputs": serialized}, context)
         return held.version, signature, outputs
 
 

@@ -12,7 +12,7 @@ import base64
 import re
 import time
 import zlib
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import grpc
 
@@ -45,12 +45,16 @@ class CallDetails:
 class Context:
     """The part of ``grpc.ServicerContext`` the services use: abort, trailing metadata,
     the caller's metadata, the deadline. ``abort`` raises at once, so it works called
-    plainly (in a method run on the thread pool) and awaited (in a coroutine method)."""
+    plainly (in a method run on the thread pool) and awaited (in a coroutine method).
+    ``alone``: where the server counts its calls, a function telling whether this call is the
+    only one in flight (the services make the call's request context of it:
+    appliance/core/request_context.py ``of_grpc``); None: never alone."""
 
-    __slots__ = ("_metadata", "trailing", "deadline", "peer_address", "code", "details")
+    __slots__ = ("_metadata", "trailing", "deadline", "peer_address", "code", "details", "alone")
 
-    def __init__(self, metadata: tuple[tuple[str, str | bytes], ...], deadline: float | None, peer: str):
-        self._metadata, self.deadline, self.peer_address = metadata, deadline, peer
+    def __init__(self, metadata: tuple[tuple[str, str | bytes], ...], deadline: float | None, peer: str,
+                 alone: Callable[[], bool] | None = None):
+        self._metadata, self.deadline, self.peer_address, self.alone = metadata, deadline, peer, alone
         self.trailing: tuple[tuple[str, str | bytes], ...] = ()
         self.code: grpc.StatusCode | None = None
         self.details = ""

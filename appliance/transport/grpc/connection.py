@@ -300,7 +300,8 @@ class Connection(Bounds, Admission, asyncio.Protocol):
         self.release(stream)
         stream.message_bytes = len(message)
         self.hold(len(message))
-        context = Context(request.metadata, request.deadline, self.peer)
+        context = Context(request.metadata, request.deadline, self.peer,
+                          server.alone if server.tells_alone else None)  # the call's lone-call predicate
         self.calls += 1
         server.in_flight += 1  # counted from here, so a burst read at once is not "alone"
         stream.task = server.loop.create_task(self.call(stream, request.method, message, context))
@@ -326,8 +327,6 @@ class Connection(Bounds, Admission, asyncio.Protocol):
 
     async def call(self, stream: Stream, method: str, message: bytes, context: Context) -> None:
         server = self.server
-        if server.alone_var is not None:  # this task's own context: the batcher may run a lone call here
-            server.alone_var.set(server.alone)
         try:
             handler = await server.lookup(CallDetails(method, context.invocation_metadata()))
             if handler is None or handler.unary_unary is None:

@@ -36,7 +36,6 @@ the loop's; everything else runs on the loop.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import os
 import select
@@ -69,15 +68,16 @@ class LeanServer(LoopThread):
 
     def __init__(self, threads: int, options: Sequence[tuple[str, int | str]] = (),
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None" = None,
+                 tells_alone: bool = False,
                  limits: Limits | None = None,
                  loop: asyncio.AbstractEventLoop | None = None):
         """``loop``: serve on that loop as a guest (appliance/transport/loop_thread.py), not on
         one of its own; ``start`` is then called in that loop's thread."""
         super().__init__(threads, loop_factory=new_event_loop, loop=loop)
-        # Set to ``self.alone`` in each call's context, so what the call runs (the model handle)
-        # can ask whether it is the only call in flight; the server knows nothing of batching.
-        self.alone_var = alone_var
+        # Each call's context (calls.py Context) carries ``self.alone``, so what the call runs
+        # (the model handle) can ask whether it is the only call in flight; the server knows
+        # nothing of batching.
+        self.tells_alone = tells_alone
         opts = dict(options)
         self.max_receive = int(opts.get("grpc.max_receive_message_length", 4 * 1024 * 1024))
         self.max_send = int(opts.get("grpc.max_send_message_length", 2**31 - 1))

@@ -11,7 +11,6 @@ Thread-safety: every member is used on the server's event loop thread only.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from appliance.transport.grpc.limits import Limits, TokenBucket
@@ -39,7 +38,7 @@ class ServerSide(Protocol):
     held_back: bool  # a stream waits for the worker's held bytes to fall (admission.py ``admit``)
     resets: TokenBucket  # client resets, over the whole server
     peers: Peers  # control frames and abandoned streams per peer address, every connection (peers.py)
-    alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None"  # set to ``alone`` in each call's context
+    tells_alone: bool  # each call's context carries ``alone`` (calls.py Context)
     lookup: "Callable[[CallDetails], Awaitable[grpc.RpcMethodHandler | None]]"  # the method handler for a call, or None
 
     def handler_of(self, method: str) -> grpc.RpcMethodHandler | None:

@@ -41,7 +41,6 @@ Thread-safety: ``serve_forever`` in one thread (it owns the loop), ``drain``/``c
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import importlib.util
 import logging
 import select
@@ -59,7 +58,7 @@ from appliance.transport.http.queue_delay import SHORT_FRACTION, QueueDelay
 from appliance.transport.http.sockets import connection_cap, listen, refuse_new_handshakes
 from appliance.transport.http.workers import WorkerPool
 from appliance.transport.loop_thread import new_event_loop
-from appliance.transport.http.wsgi import Responder, environ_for
+from appliance.transport.http.wsgi import CONTEXT_KEY, Responder, environ_for
 
 if TYPE_CHECKING:
     from typing import TypeVar
@@ -116,13 +115,14 @@ class AppFacing:
     """What the app tells the server of itself (the server knows no API): ``unshed``, the
     paths never shed under overload (probes: cheap, and they must tell the truth under load);
     ``error_body``, how the answers the server writes itself (408, 413, 503) say why, in the
-    app's error format; ``alone_var``, a context variable the server sets, in each fast
-    route's task, to a function telling whether it is the only request in flight (the batch
-    queue may then run a quick model's call right there: appliance/core/batcher.py)."""
+    app's error format; ``context_of``, given a function telling whether a request is the
+    only one in flight, the request context the server puts in each fast route's environ
+    under ``CONTEXT_KEY`` (the batch queue may then run a quick model's lone call right there:
+    appliance/core/request_context.py, appliance/core/batcher.py); None: nothing is put."""
 
     unshed: frozenset[bytes] = frozenset()
     error_body: ErrorBody = plain_error
-    alone_var: "contextvars.ContextVar[Callable[[], bool] | None] | None" = None
+    context_of: Callable[[Callable[[], bool]], object] | None = None
 
 
 class InFlight:
@@ -175,6 +175,8 @@ class HTTPServer:
         the app says of itself (``AppFacing``)."""
         self.app, self.limits, self.ssl_context = app, limits, ssl_context
         self.fast, self.on_loop, self.facing = fast, on_loop, facing
+        # every fast request's context (immutable: whether it is alone is asked at the batch queue)
+        self.request_context = None if facing.context_of is None else facing.context_of(self._alone)
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = limits.max_header_bytes
         self.max_connections = connection_cap(limits.max_connections)
@@ -199,13 +201,15 @@ class HTTPServer:
         self._started = threading.Event()
         self.stats: dict[str, Any] = initial_stats(limits, ssl_context is not None, self.max_connections)
 
+    def _alone(self) -> bool:
+        """Whether the asking request is the only one in the app (fast routes and WSGI)."""
+        return self.tracker.count <= 1
+
     # -- lifecycle -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Run the loop in this thread until ``close``."""
         self.loop = new_event_loop()
         self.loop.set_exception_handler(_quiet_handler)
-        if self.facing.alone_var is not None:  # in the loop's context: each fast route's task copies it
-            self.facing.alone_var.set(lambda: self.tracker.count <= 1)
         if self.on_loop is not None:
             self.on_loop(self.loop)
         self.pool.start()
@@ -420,6 +424,8 @@ class HTTPServer:
             environ = environ_for(request, conn, self)
             handler = self.fast.route(environ)
             if handler is not None:
+                if self.request_context is not None:
+                    environ[CONTEXT_KEY] = self.request_context
                 self.tracker.enter()
                 task = asyncio.ensure_future(handler(environ), loop=self.loop)  # (an Awaitable: create_task takes coroutines)
                 task.add_done_callback(partial(self._fast_done, conn, request))

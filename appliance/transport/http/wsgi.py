@@ -45,6 +45,9 @@ def check_head(status: str, headers: list[tuple[str, str]]) -> None:
         if not _TOKEN.fullmatch(name) or _BREAKS.search(value):
             raise ValueError(f"the response header {name!r}: {value!r} is not a valid header")
 
+# A fast request's scheduling hints (appliance/core/request_context.py ENVIRON_KEY, spelled the
+# same: this layer does not import the core), put by the server when its app asks (AppFacing).
+CONTEXT_KEY = "appliance.request_context"
 UNTRUSTED = frozenset({b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto", b"x-forwarded-port",
                        b"x-forwarded-by", b"forwarded"})
 NO_BODY = (b"1", b"204", b"304")
