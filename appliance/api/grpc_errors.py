@@ -40,13 +40,7 @@ def guarded(fn: Callable[[Req], Awaitable[Resp]], method: str,
     """``fn(request)``, a coroutine, as a gRPC method served on the server's event loop;
     ``codes`` overrides the code of an error class (TF Serving answers a full batch queue
     RESOURCE_EXHAUSTED, Triton UNAVAILABLE)."""
-    async def call(request: Req, context: CallContext) -> Resp:
-        try:
-            return await fn(request)
-        except Exception as exc:
-            code, message = _status(exc, method, codes, context)
-        await context.abort(code, message)
-    return call
+    return _guard(lambda request, context: fn(request), method, codes)
 
 
 def guarded_run(fn: Callable[[Req, RequestContext], Awaitable[Resp]], method: str,
@@ -55,9 +49,15 @@ def guarded_run(fn: Callable[[Req, RequestContext], Awaitable[Resp]], method: st
     call's ``RequestContext``, made of what its server's call context tells
     (appliance/core/request_context.py ``of_grpc``: the lean server's lone-call predicate;
     grpcio tells none, never alone)."""
+    return _guard(lambda request, context: fn(request, of_grpc(context)), method, codes)
+
+
+def _guard(fn: Callable[[Req, CallContext], Awaitable[Resp]], method: str,
+           codes: Mapping[type, str] | None) -> Callable[[Req, CallContext], Awaitable[Resp]]:
+    """Both wrappers' one body: an error becomes the call's status (``_status``), never a traceback."""
     async def call(request: Req, context: CallContext) -> Resp:
         try:
-            return await fn(request, of_grpc(context))
+            return await fn(request, context)
         except Exception as exc:
             code, message = _status(exc, method, codes, context)
         await context.abort(code, message)

@@ -122,12 +122,10 @@ class Handle:
 
     # -- running -----------------------------------------------------------------------------
     async def run(self, signature: str, inputs: Mapping[str, np.ndarray],
-                  context: RequestContext | None = None) -> dict[str, np.ndarray]:
+                  context: RequestContext = NO_CONTEXT) -> dict[str, np.ndarray]:
         """The outputs of ``signature`` on ``inputs`` (batched, routed, tallied). ``context``:
         the request's scheduling hints, handed to the batch queue (appliance/core/request_context.py);
-        None: no hints (never alone)."""
-        if context is None:
-            context = NO_CONTEXT
+        ``NO_CONTEXT``: no hints (never alone)."""
         route = self._route
         metrics = self._manager.metrics
         stats = metrics.inference if metrics is not None else None

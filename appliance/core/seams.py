@@ -48,9 +48,9 @@ from runtimes import SignatureInfo
 
 from appliance.core.config import Config
 from appliance.core.policy import State
+from appliance.core.request_context import NO_CONTEXT, RequestContext
 
 if TYPE_CHECKING:
-    from appliance.core.request_context import RequestContext
     from appliance.core.streams import Event, Stream
     from appliance.core.token_streams import TokenRequest
 
@@ -84,10 +84,10 @@ class ModelHandle(Protocol):
         """The signature ``name``; ``InvalidArgument(missing)`` when the version lacks it."""
 
     async def run(self, signature: str, inputs: Mapping[str, np.ndarray],
-                  context: "RequestContext | None" = None) -> dict[str, np.ndarray]:
+                  context: RequestContext = NO_CONTEXT) -> dict[str, np.ndarray]:
         """The outputs of ``signature`` on ``inputs``, through the version's batch queue.
         ``context``: the request's scheduling hints (appliance/core/request_context.py), made
-        where it arrived; None: no hints (never alone)."""
+        where it arrived; ``NO_CONTEXT``: no hints (never alone)."""
 
     def release(self) -> None: ...
 

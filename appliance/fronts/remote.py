@@ -32,7 +32,7 @@ from runtimes import SignatureInfo
 
 from appliance.core.config import Config
 from appliance.core.errors import InvalidArgument
-from appliance.core.request_context import RequestContext
+from appliance.core.request_context import NO_CONTEXT, RequestContext
 from appliance.core.seams import ModelHandle, RouteKey
 from appliance.fronts import messages as m
 from appliance.fronts.link import Link
@@ -100,7 +100,7 @@ class RemoteHandle:
         return sig
 
     async def run(self, signature: str, inputs: Mapping[str, np.ndarray],
-                  context: RequestContext | None = None) -> dict[str, np.ndarray]:
+                  context: RequestContext = NO_CONTEXT) -> dict[str, np.ndarray]:
         """Run in the serving process; ``context`` stays here: whether a run is alone is judged
         there, over every worker's runs (appliance/fronts/serving.py makes its context)."""
         model, version, label = self._key
