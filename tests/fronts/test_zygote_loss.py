@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import pytest
@@ -100,30 +100,39 @@ def test_connections_queued_for_a_stopped_worker_are_answered_by_its_replacement
     replacement answers them; before, they were reset when the stopped worker was killed."""
     import json
     import http.client
-    import threading
 
     from tests.fronts.test_fronts import ROW
-    from tests.fronts.test_worker_supervision import kill_if_left, serve_config
+    from tests.fronts.test_worker_supervision import serve_config
 
     server = start_server("--config", str(serve_config(tmp_path)), "--models", str(models(models_dir, tmp_path, MLP)),
                           "--backend", "tflite", "--workers", "2")
     victim = workers(server)[0]["pid"]
     assert victim in tree(server)  # ours, by PID
     body = json.dumps({"instances": [ROW]})
-    outcomes: list[str] = []
 
-    def ask() -> None:  # a fresh connection each: the kernel hashes about half to the stopped worker
+    def ask() -> str:  # a fresh connection each: the kernel hashes about half to the stopped worker
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=240)
         try:
             conn.request("POST", f"/v1/models/{MLP}:predict", body, {"Content-Type": "application/json"})
-            outcomes.append(str(conn.getresponse().status))
+            return str(conn.getresponse().status)
         except (OSError, http.client.HTTPException) as exc:
-            outcomes.append(repr(exc))
+            return repr(exc)
         finally:
             conn.close()
 
+    assert asked_while_stopped(server, victim, ask) == ["200"] * 20
+
+
+def asked_while_stopped(server: Any, victim: int, ask: Callable[[], str]) -> list[str]:
+    """What 20 ``ask()``s, each on a thread of its own, got while worker 0 (``victim``) was
+    stopped (SIGSTOP) until a new worker stood in its place; the stopped one is killed after."""
+    import threading
+
+    from tests.fronts.test_worker_supervision import kill_if_left
+
+    outcomes: list[str] = []
     os.kill(victim, signal.SIGSTOP)
-    askers = [threading.Thread(target=ask) for _ in range(20)]
+    askers = [threading.Thread(target=lambda: outcomes.append(ask())) for _ in range(20)]
     try:
         for t in askers:
             t.start()
@@ -133,7 +142,7 @@ def test_connections_queued_for_a_stopped_worker_are_answered_by_its_replacement
         kill_if_left(victim, server)
         for t in askers:
             t.join(300)
-    assert outcomes == ["200"] * 20, outcomes
+    return outcomes
 
 
 def grpc_server_live(port: int, timeout: float) -> str:
@@ -186,9 +195,7 @@ def test_grpc_connections_queued_for_a_stopped_worker_are_answered_by_its_replac
     """As the REST test above, on the gRPC port the workers serve: each worker's gRPC listener is
     the serving process's too, kept across its death, so gRPC connections queued for a stopped
     worker are answered by its replacement; before, the worker bound its own and they were reset."""
-    import threading
-
-    from tests.fronts.test_worker_supervision import kill_if_left, serve_config
+    from tests.fronts.test_worker_supervision import serve_config
     from tests.support.servers import free_port
 
     grpc_port = free_port()
@@ -198,20 +205,5 @@ def test_grpc_connections_queued_for_a_stopped_worker_are_answered_by_its_replac
     assert grpc_server_live(grpc_port, 60) == "live"
     victim = workers(server)[0]["pid"]
     assert victim in tree(server)  # ours, by PID
-    outcomes: list[str] = []
-
-    def ask() -> None:  # a fresh connection each: the kernel hashes about half to the stopped worker
-        outcomes.append(grpc_server_live(grpc_port, 240))
-
-    os.kill(victim, signal.SIGSTOP)
-    askers = [threading.Thread(target=ask) for _ in range(20)]
-    try:
-        for t in askers:
-            t.start()
-        server.wait_for(lambda: workers(server)[0]["pid"] != victim and workers(server)[0]["up"], 120,
-                        "a new worker in the stopped one's place")
-    finally:
-        kill_if_left(victim, server)
-        for t in askers:
-            t.join(300)
-    assert outcomes == ["live"] * 20, outcomes
+    # a fresh connection each: the kernel hashes about half to the stopped worker
+    assert asked_while_stopped(server, victim, lambda: grpc_server_live(grpc_port, 240)) == ["live"] * 20
